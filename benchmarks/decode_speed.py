@@ -1,0 +1,126 @@
+"""Decode tokens/s at several batch sizes: kvflow vs HF transformers `generate`, same weights,
+same process, plus the batch-1 memory-bandwidth floor and the share of it each reaches.
+
+    python benchmarks/decode_speed.py                      # ~100M random Llama (issue figures)
+    python benchmarks/decode_speed.py --model default      # the embedded SmolLM2-135M GGUF
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+
+
+def random_llama(path: str) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
+                      intermediate_size=2048, vocab_size=32000, max_position_embeddings=2048,
+                      tie_word_embeddings=False)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+
+
+def read_bandwidth_gbs(size_mb: int = 512, reps: int = 5) -> tuple[float, float]:
+    """(read GB/s via a reduction, copy GB/s counting bytes read) over a buffer far larger than L3."""
+    x = torch.ones(size_mb * 2**20 // 4)
+    y = torch.empty_like(x)
+    x.sum(), y.copy_(x)
+    best_read = best_copy = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter(); x.sum(); best_read = min(best_read, time.perf_counter() - t)
+        t = time.perf_counter(); y.copy_(x); best_copy = min(best_copy, time.perf_counter() - t)
+    nbytes = x.numel() * 4
+    return nbytes / best_read / 1e9, nbytes / best_copy / 1e9
+
+
+def weight_bytes_per_step(model) -> int:
+    """Bytes of weights one decode step reads: every matrix and norm, but only one embedding row."""
+    total = 0
+    for name, p in model.named_parameters():
+        if "embed_tokens" in name and not model.cfg.tie_word_embeddings:
+            continue  # a lookup, not a full read (tied: it is read in full as the lm_head)
+        total += p.numel() * p.element_size()
+    return total
+
+
+def kvflow_decode(llm, batch: int, prompt_len: int, new_tokens: int) -> float:
+    from kvflow import SamplingParams
+
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(None, [(7 * i + j) % 1000 + 2 for j in range(prompt_len)], params)
+    decode_time, decode_tokens = 0.0, 0
+    while engine.has_unfinished_requests():
+        all_decode = all(r.num_computed_tokens == r.num_tokens - 1 for r in engine.scheduler.running) and \
+            not engine.scheduler.waiting
+        t = time.perf_counter()
+        outs = engine.step()
+        dt = time.perf_counter() - t
+        if all_decode:
+            decode_time += dt
+            decode_tokens += engine.scheduler.num_running + sum(o.finished for o in outs)
+    return decode_tokens / decode_time
+
+
+def hf_decode(model, batch: int, prompt_len: int, new_tokens: int) -> float:
+    ids = torch.tensor([[(7 * i + j) % 1000 + 2 for j in range(prompt_len)] for i in range(batch)])
+    kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+    with torch.inference_mode():
+        t = time.perf_counter(); model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
+        t_prefill = time.perf_counter() - t
+        t = time.perf_counter(); model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
+        t_total = time.perf_counter() - t
+    return batch * (new_tokens - 1) / (t_total - t_prefill)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="model path, or 'default' for the embedded GGUF "
+                    "(default: a random ~100M Llama made here)")
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
+    args = ap.parse_args()
+
+    from kvflow import LLM
+    from kvflow.models.loader import load_hf_model
+
+    tmp = None
+    model = None if args.model == "default" else args.model
+    if args.model is None:
+        tmp = tempfile.TemporaryDirectory()
+        random_llama(tmp.name)
+        model = tmp.name
+    batches = [int(b) for b in args.batches.split(",")]
+    max_len = args.prompt_len + args.new_tokens
+    llm = LLM(model, max_model_len=max_len, num_kv_blocks=(max(batches) + 1) * (max_len // 16 + 1),
+              max_num_seqs=max(batches))
+    hf = None if args.no_hf else load_hf_model(model)
+
+    read_bw, copy_bw = read_bandwidth_gbs()
+    wbytes = weight_bytes_per_step(llm.engine.runner.model)
+    bw = max(read_bw, copy_bw)
+    floor_ms = wbytes / (bw * 1e9) * 1e3
+    print(f"threads {torch.get_num_threads()}, torch {torch.__version__}")
+    print(f"weights read per decode step: {wbytes / 1e6:.1f} MB; bandwidth: read {read_bw:.1f} GB/s, "
+          f"copy {copy_bw:.1f} GB/s -> batch-1 floor {floor_ms:.2f} ms/step = {1e3 / floor_ms:.1f} tok/s")
+    print(f"{'batch':>5} {'kvflow tok/s':>13} {'HF tok/s':>9} {'ratio':>6} {'kvflow % floor':>15} {'HF % floor':>11}")
+    for b in batches:
+        ours = kvflow_decode(llm, b, args.prompt_len, args.new_tokens)
+        ref = hf_decode(hf, b, args.prompt_len, args.new_tokens) if hf is not None else float("nan")
+        floor_tps = b * 1e3 / floor_ms  # weights dominate at small batch; KV reads are ignored here
+        print(f"{b:>5} {ours:>13.1f} {ref:>9.1f} {ours / ref:>6.2f} {100 * ours / floor_tps:>14.0f}% "
+              f"{100 * ref / floor_tps:>10.0f}%")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+"""Every `EngineConfig` field as a `--dashed-flag`, so the CLI and `LLM(...)` never drift apart."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+
+from kvflow.config import EngineConfig
+
+_HELP = {
+    "model": "HF model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
+    "dtype": "weight and KV dtype: float32, bfloat16, float16",
+    "device": "torch device, e.g. cpu or cuda",
+    "max_model_len": "longest prompt + output in tokens (default: the model's context length)",
+    "block_size": "tokens per KV block",
+    "num_kv_blocks": "KV pool size in blocks (overrides --kv-cache-memory-gb)",
+    "kv_cache_memory_gb": "memory for the KV pool in GiB",
+    "max_num_batched_tokens": "token budget of one engine step (prefill chunks + decodes)",
+    "max_num_seqs": "most sequences running at once",
+    "seed": "seed of the engine's shared random generator",
+    "tokenizer": "tokenizer folder (default: the model's own)",
+}
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine options")
+    hints = typing.get_type_hints(EngineConfig)
+    for f in dataclasses.fields(EngineConfig):
+        kind = _base_type(hints[f.name])
+        group.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=f.default,
+                           help=f"{_HELP.get(f.name, f.name)} (default: {f.default})")
+
+
+def _base_type(hint: typing.Any) -> type:
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if args else hint
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})

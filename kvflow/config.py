@@ -1,0 +1,185 @@
+"""All engine configuration in one typed place, validated at start-up.
+
+`EngineConfig` holds what the user chooses (every field is an `LLM(...)` keyword and a
+`kvflow serve --flag`); `ModelConfig` holds what the checkpoint dictates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class EngineConfig:
+    """Engine options. `None` means "derive from the model or the machine"."""
+
+    model: str | None = None  # HF folder or .gguf file; None -> the embedded default model
+    dtype: str = "float32"
+    device: str = "cpu"
+    max_model_len: int | None = None  # default: the model's context length
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # explicit pool size; overrides kv_cache_memory_gb
+    kv_cache_memory_gb: float = 2.0
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    seed: int = 0
+    tokenizer: str | None = None  # default: the model's own
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        _positive("block_size", self.block_size)
+        _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive("max_num_seqs", self.max_num_seqs)
+        if self.num_kv_blocks is not None:
+            _positive("num_kv_blocks", self.num_kv_blocks)
+        if self.kv_cache_memory_gb <= 0:
+            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if self.max_model_len is not None:
+            _positive("max_model_len", self.max_model_len)
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
+        unknown = set(kwargs) - cls.field_names()
+        if unknown:
+            raise TypeError(
+                f"unknown engine option(s) {sorted(unknown)}; valid options: {sorted(cls.field_names())}"
+            )
+        return cls(**kwargs)
+
+
+def _positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass
+class RopeConfig:
+    theta: float = 10000.0
+    scaling_type: str = "default"  # default | linear | llama3
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass
+class ModelConfig:
+    """Architecture facts read from a HF-style config dict."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # q/k/v bias (Qwen2)
+    qk_norm: bool  # per-head RMSNorm on q and k (Qwen3)
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(
+                f"unsupported architecture {archs or cfg.get('model_type')!r}; "
+                f"kvflow supports {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r}; only 'silu' is supported")
+        num_heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        sliding = cfg.get("sliding_window")
+        if arch == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
+            sliding = None
+        if arch == "Qwen3ForCausalLM" and not cfg.get("use_sliding_window", False):
+            sliding = None
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            rope=_rope_from_hf(cfg),
+            sliding_window=sliding,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    def kv_bytes_per_token(self, element_size: int) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element_size
+
+
+def _rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
+    # transformers >= 5 writes `rope_parameters`; older configs use rope_theta + rope_scaling.
+    params = dict(cfg.get("rope_parameters") or {})
+    scaling = cfg.get("rope_scaling") or {}
+    params = {**scaling, **params}
+    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ("default", "linear", "llama3"):
+        raise ValueError(f"unsupported rope scaling type {rope_type!r}; supported: default, linear, llama3")
+    return RopeConfig(
+        theta=float(theta),
+        scaling_type=rope_type,
+        factor=float(params.get("factor", 1.0)),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+    )
+
+
+@dataclass
+class ServerConfig:
+    """Options of `kvflow serve` beyond the engine's (each is a --dashed-flag)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None  # default: the model's name
+    max_waiting_requests: int = 512  # admission control: past it, 503 + Retry-After
+    max_request_body_bytes: int = 4 * 2**20
+    log_interval_s: float = 5.0  # the periodic stats line while busy
+    shutdown_grace_s: float = 30.0  # SIGTERM: in-flight requests get this long to finish
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port must be in 1..65535, got {self.port}")
+        _positive("max_waiting_requests", self.max_waiting_requests)
+        _positive("max_request_body_bytes", self.max_request_body_bytes)
+        if self.log_interval_s <= 0 or self.shutdown_grace_s < 0:
+            raise ValueError("log_interval_s must be > 0 and shutdown_grace_s >= 0")

@@ -1,0 +1,199 @@
+"""Iteration-level scheduler: which requests run this step, and how many tokens each.
+
+Every step has a token budget. Running requests are served first (a decode costs one token, an
+unfinished prefill takes what is left), then waiting requests are admitted with prefill chunks
+that fill the rest of the budget (Sarathi-style stall-free chunked prefill). When the pool runs out
+of blocks, the most recently admitted running request is preempted: its blocks are freed and it is
+recomputed later from its prompt plus the tokens it had already generated.
+
+The scheduler never touches tensors; it hands the model runner a `SchedulerOutput`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvflow.core.kv_cache_manager import KVCacheManager
+from kvflow.core.request import Request, RequestStatus
+from kvflow.sampling_params import SamplingParams
+
+
+@dataclass
+class ScheduledSeq:
+    request_id: str
+    token_ids: list[int]  # the tokens to compute this step
+    start_pos: int  # position of token_ids[0] (= tokens already in the cache)
+    block_table: list[int]
+    sample: bool  # this chunk reaches the end of the sequence: sample a next token
+    params: SamplingParams
+    num_prompt_tokens: int
+    # For penalties: what the sequence holds so far (only filled when a penalty is on).
+    prompt_token_ids: list[int] | None = None
+    output_token_ids: list[int] | None = None
+
+
+@dataclass
+class SchedulerOutput:
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv_cache: KVCacheManager,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+    ) -> None:
+        self.kv_cache = kv_cache
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # ---- intake -------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
+        """End requests wherever they are (abort, stop string, error); frees their blocks."""
+        done = []
+        for rid in request_ids:
+            req = self.requests.pop(rid, None)
+            if req is None:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            req.status = status
+            self.kv_cache.free(req)
+            done.append(req)
+        return done
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---- one step -------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv_cache.allocate_slots(req, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim.request_id)
+                if victim is req:
+                    break
+            else:
+                out.seqs.append(self._scheduled(req, n))
+                budget -= n
+                i += 1
+                continue
+            break  # req preempted itself: nothing later in `running` is left either
+
+        # Admit new work only when nothing had to be preempted this step.
+        while (
+            not out.preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.max_num_seqs
+        ):
+            req = self.waiting[0]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self.kv_cache.allocate_slots(req, n):
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
+            self.running.append(req)
+            out.seqs.append(self._scheduled(req, n))
+            budget -= n
+        return out
+
+    def _scheduled(self, req: Request, n: int) -> ScheduledSeq:
+        start = req.num_computed_tokens
+        p = req.params
+        wants_history = p.has_penalties
+        return ScheduledSeq(
+            request_id=req.request_id,
+            token_ids=req.token_ids_between(start, start + n),
+            start_pos=start,
+            block_table=self.kv_cache.block_table(req),
+            sample=start + n == req.num_tokens,
+            params=p,
+            num_prompt_tokens=len(req.prompt_token_ids),
+            prompt_token_ids=req.prompt_token_ids if wants_history else None,
+            output_token_ids=req.output_token_ids if wants_history else None,
+        )
+
+    def _preempt(self, req: Request) -> None:
+        self.kv_cache.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def update_from_output(
+        self, out: SchedulerOutput, sampled: dict[str, int]
+    ) -> tuple[list[Request], list[Request]]:
+        """Advance requests by what the step computed; returns (got a new token, finished)."""
+        advanced, finished = [], []
+        for seq in out.seqs:
+            req = self.requests.get(seq.request_id)
+            if req is None:  # aborted while the step ran
+                continue
+            req.num_computed_tokens += len(seq.token_ids)
+            if not seq.sample:
+                continue
+            token = sampled[seq.request_id]
+            req.output_token_ids.append(token)
+            advanced.append(req)
+            status = self._check_stop(req, token)
+            if status is not None:
+                self.requests.pop(req.request_id)
+                self.running.remove(req)
+                req.status = status
+                self.kv_cache.free(req)
+                finished.append(req)
+        return advanced, finished
+
+    @staticmethod
+    def _check_stop(req: Request, token: int) -> RequestStatus | None:
+        p = req.params
+        if req.num_output_tokens >= p.min_tokens:
+            if token in p.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+            if not p.ignore_eos and token in p._eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= req.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None

@@ -1,0 +1,209 @@
+"""The engine loop: add_request / step / abort. The offline `LLM` and the HTTP server drive
+this same object (the server from its own thread)."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from kvflow.config import EngineConfig
+from kvflow.core.kv_cache_manager import KVCacheManager, cdiv
+from kvflow.core.request import Request, RequestStatus
+from kvflow.core.scheduler import Scheduler
+from kvflow.engine.output_processor import OutputProcessor
+from kvflow.outputs import RequestOutput
+from kvflow.sampling_params import SamplingParams
+
+logger = logging.getLogger("kvflow")
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    peak_kv_cache_usage: float
+    num_preemptions: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    num_steps: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        import torch
+
+        from kvflow.models.loader import load_checkpoint
+        from kvflow.worker.model_runner import ModelRunner
+
+        self.config = config
+        ckpt = load_checkpoint(config.model, config.tokenizer)
+        self.model_name = ckpt.name
+        self.model_path = ckpt.path
+        self.model_config = ckpt.model_config
+        self.tokenizer = ckpt.tokenizer
+        self.max_model_len = self._resolve_max_model_len()
+        self.eos_token_ids = self._eos_ids(ckpt.generation_config)
+
+        element_size = torch.empty((), dtype=getattr(torch, config.dtype)).element_size()
+        self.kv_bytes_per_token = self.model_config.kv_bytes_per_token(element_size)
+        self.num_kv_blocks = self._num_blocks()
+        self.runner = ModelRunner(self.model_config, config, self.max_model_len, self.num_kv_blocks, ckpt.weights)
+        self.kv_cache = KVCacheManager(self.num_kv_blocks, config.block_size)
+        self.scheduler = Scheduler(self.kv_cache, config.max_num_batched_tokens, config.max_num_seqs)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._children: dict[str, list[str]] = {}
+        self._ids = itertools.count()
+        self._peak_usage = 0.0
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+        self._steps = 0
+
+    # ---- start-up checks -----------------------------------------------------------------------
+    def _resolve_max_model_len(self) -> int:
+        mc, want = self.model_config, self.config.max_model_len
+        limit = mc.max_position_embeddings
+        if want is None:
+            want = limit
+        elif want > limit:
+            raise ValueError(f"max_model_len={want} exceeds the model's context length {limit}")
+        if mc.sliding_window is not None and mc.sliding_window < want:
+            logger.warning("sliding window %d < max_model_len %d: attention is windowed", mc.sliding_window, want)
+        return want
+
+    def _eos_ids(self, generation_config: dict[str, Any]) -> tuple[int, ...]:
+        ids = set(self.model_config.eos_token_ids)
+        gen_eos = generation_config.get("eos_token_id")
+        ids.update(gen_eos if isinstance(gen_eos, list) else [] if gen_eos is None else [gen_eos])
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return tuple(sorted(ids))
+
+    def _num_blocks(self) -> int:
+        cfg = self.config
+        block_bytes = cfg.block_size * self.kv_bytes_per_token
+        num = cfg.num_kv_blocks or int(cfg.kv_cache_memory_gb * 2**30 // block_bytes)
+        needed = cdiv(self.max_model_len, cfg.block_size)
+        logger.info(
+            "KV cache: %d bytes/token (2 x %d layers x %d kv heads x %d head_dim x %d bytes), "
+            "%d blocks of %d tokens = %d tokens, %.2f GiB",
+            self.kv_bytes_per_token, self.model_config.num_layers, self.model_config.num_kv_heads,
+            self.model_config.head_dim, self.kv_bytes_per_token // (2 * self.model_config.num_layers
+            * self.model_config.num_kv_heads * self.model_config.head_dim),
+            num, cfg.block_size, num * cfg.block_size, num * block_bytes / 2**30,
+        )
+        if num < needed:
+            raise ValueError(
+                f"the KV cache holds {num * cfg.block_size} tokens ({num} blocks of {cfg.block_size}) but one "
+                f"request of max_model_len={self.max_model_len} tokens needs {needed} blocks "
+                f"({needed * block_bytes / 2**30:.3f} GiB); raise kv_cache_memory_gb or num_kv_blocks, "
+                f"or lower max_model_len"
+            )
+        return num
+
+    # ---- requests ------------------------------------------------------------------------------
+    def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: give the prompt as token ids")
+            return self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
+        return list(prompt)
+
+    def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams,
+                    arrival_time: float | None = None, add_special_tokens: bool = True) -> str:
+        """Validate and queue a request; returns its id. Raises ValueError on bad input."""
+        request_id = str(next(self._ids)) if request_id is None else request_id
+        if self.output_processor.has(request_id):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        prompt_ids = self.tokenize(prompt, add_special_tokens)
+        self._validate_prompt(prompt_ids, params)
+        max_tokens = params.max_tokens or (self.max_model_len - len(prompt_ids))
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        child_params = [params.for_child(i) for i in range(params.n)]
+        for p in child_params:
+            p._eos_token_ids = self.eos_token_ids
+        self.output_processor.add_request(request_id, prompt if isinstance(prompt, str) else None,
+                                          prompt_ids, child_params, arrival)
+        children = []
+        for i, p in enumerate(child_params):
+            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            self.scheduler.add_request(Request(child_id, request_id, i, prompt_ids, p, max_tokens, arrival))
+            children.append(child_id)
+        self._children[request_id] = children
+        self._prompt_tokens += len(prompt_ids) * params.n
+        return request_id
+
+    def _validate_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is out of range [0, {vocab})")
+        n, limit = len(prompt_ids), self.max_model_len
+        if n >= limit:
+            raise ValueError(f"the prompt has {n} tokens but max_model_len is {limit}; "
+                             f"at most {limit - 1} prompt tokens leave room for one output token")
+        if params.max_tokens is not None and n + params.max_tokens > limit:
+            raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = "
+                             f"{n + params.max_tokens} exceeds max_model_len {limit}")
+
+    def abort(self, request_ids: str | list[str]) -> list[RequestOutput]:
+        ids = [request_ids] if isinstance(request_ids, str) else request_ids
+        outputs = []
+        for rid in ids:
+            children = self._children.pop(rid, [])
+            self.scheduler.finish_requests(children, RequestStatus.FINISHED_ABORTED)
+            self.runner.release(children)
+            out = self.output_processor.finish(rid, "abort")
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def fail_all(self, error: str) -> list[RequestOutput]:
+        """End every request with an error (a model step raised)."""
+        outputs = []
+        for rid in list(self._children):
+            children = self._children.pop(rid)
+            self.scheduler.finish_requests(children, RequestStatus.FINISHED_ERROR)
+            out = self.output_processor.finish(rid, "error", error)
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- one iteration -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        self._steps += 1
+        self._peak_usage = max(self._peak_usage, self.kv_cache.usage)
+        sampled, logprobs = self.runner.execute(sched)
+        advanced, finished = self.scheduler.update_from_output(sched, sampled)
+        self._generation_tokens += len(advanced)
+        outputs, stopped = self.output_processor.process(advanced, finished, logprobs)
+        if stopped:
+            finished += self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        self.runner.release(r.request_id for r in finished)
+        for out in outputs:
+            if out.finished:
+                self._children.pop(out.request_id, None)
+        return outputs
+
+    def get_stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            kv_cache_usage=self.kv_cache.usage,
+            peak_kv_cache_usage=self._peak_usage,
+            num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens_total=self._prompt_tokens,
+            generation_tokens_total=self._generation_tokens,
+            num_steps=self._steps,
+        )

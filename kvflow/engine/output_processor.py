@@ -1,0 +1,171 @@
+"""From sampled tokens to `RequestOutput`s: detokenization, stop strings, logprobs, timings.
+
+One `ParentState` per user request, one `ChildState` per completion (n > 1 gives n children).
+Outputs are cumulative. While a request with stop strings is running, the tail that could still
+turn out to be the start of a stop string is held back, so streamed text is always a prefix of
+the final text.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvflow.core.request import Request, RequestStatus
+from kvflow.engine.detokenizer import IncrementalDetokenizer
+from kvflow.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from kvflow.sampling_params import SamplingParams
+
+
+@dataclass
+class ChildState:
+    index: int
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer | None
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def visible_text(self) -> str:
+        if self.finish_reason is None and self.params.stop:
+            hold = max(len(s) for s in self.params.stop) - 1
+            return self.text[: max(0, len(self.text) - hold)]
+        return self.text
+
+    def output(self) -> CompletionOutput:
+        return CompletionOutput(
+            index=self.index,
+            text=self.visible_text(),
+            token_ids=list(self.token_ids),
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+            logprobs=None if self.logprobs is None else list(self.logprobs),
+        )
+
+
+@dataclass
+class ParentState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[ChildState]
+    metrics: RequestMetrics
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.children)
+
+    def output(self) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=[c.output() for c in self.children],
+            finished=self.finished,
+            metrics=self.metrics,
+            error=self.error,
+        )
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any | None) -> None:
+        self.tokenizer = tokenizer
+        self.parents: dict[str, ParentState] = {}
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    child_params: list[SamplingParams], arrival_time: float) -> None:
+        children = [
+            ChildState(
+                index=i,
+                params=p,
+                detokenizer=None if self.tokenizer is None else IncrementalDetokenizer(
+                    self.tokenizer, prompt_token_ids, p.skip_special_tokens),
+                logprobs=[] if p.logprobs is not None else None,
+            )
+            for i, p in enumerate(child_params)
+        ]
+        self.parents[request_id] = ParentState(request_id, prompt, prompt_token_ids, children,
+                                               RequestMetrics(arrival_time=arrival_time))
+
+    def process(self, advanced: list[Request], finished: list[Request],
+                logprobs: dict[str, tuple]) -> tuple[list[RequestOutput], list[str]]:
+        """Returns the outputs of parents that changed and the child ids a stop string ended."""
+        now = time.monotonic()
+        done = {r.request_id for r in finished}
+        changed: dict[str, ParentState] = {}
+        stopped: list[str] = []
+        for req in advanced:
+            parent = self.parents[req.parent_id]
+            child = parent.children[req.index]
+            m = parent.metrics
+            if m.first_scheduled_time is None:
+                m.first_scheduled_time = req.first_scheduled_time
+            if m.first_token_time is None:
+                m.first_token_time = now
+            m.last_token_time = now
+            token = req.output_token_ids[-1]
+            child.token_ids.append(token)
+            if child.logprobs is not None and req.request_id in logprobs:
+                child.logprobs.append(self._logprob_dict(token, logprobs[req.request_id]))
+            ended_by_token = req.request_id in done and req.status == RequestStatus.FINISHED_STOPPED
+            if child.detokenizer is not None and not ended_by_token:
+                self._append_text(child, child.detokenizer.add(token))
+            if req.request_id in done:
+                if child.finish_reason is None:  # a stop string takes precedence
+                    child.finish_reason = req.status.finish_reason
+                    child.stop_reason = req.stop_reason
+            elif child.finish_reason is not None:  # a stop string matched
+                stopped.append(req.request_id)
+            changed[parent.request_id] = parent
+        outputs = []
+        for parent in changed.values():
+            if parent.finished:
+                parent.metrics.finished_time = now
+                del self.parents[parent.request_id]
+            outputs.append(parent.output())
+        return outputs, stopped
+
+    @staticmethod
+    def _append_text(child: ChildState, delta: str) -> None:
+        if not delta:
+            return
+        old_len = len(child.text)
+        child.text += delta
+        if not child.params.stop:
+            return
+        longest = max(len(s) for s in child.params.stop)
+        start = max(0, old_len - longest + 1)
+        hits = [(child.text.find(s, start), s) for s in child.params.stop]
+        hits = [(i, s) for i, s in hits if i >= 0]
+        if hits:
+            idx, stop = min(hits)
+            child.text = child.text[:idx]
+            child.finish_reason = "stop"
+            child.stop_reason = stop
+
+    def _logprob_dict(self, token: int, entry: tuple) -> dict[int, Logprob]:
+        chosen, rank, top_ids, top_vals = entry
+        decode = (lambda t: self.tokenizer.decode([t])) if self.tokenizer is not None else (lambda t: None)
+        result = {tid: Logprob(val, r + 1, decode(tid)) for r, (tid, val) in enumerate(zip(top_ids, top_vals))}
+        if token not in result:
+            result[token] = Logprob(chosen, rank, decode(token))
+        return result
+
+    def finish(self, request_id: str, reason: str, error: str | None = None) -> RequestOutput | None:
+        """End a whole user request from outside (abort, engine error)."""
+        parent = self.parents.pop(request_id, None)
+        if parent is None:
+            return None
+        for c in parent.children:
+            if c.finish_reason is None:
+                c.finish_reason = reason
+        parent.error = error
+        parent.metrics.finished_time = time.monotonic()
+        return parent.output()
+
+    def has(self, request_id: str) -> bool:
+        return request_id in self.parents

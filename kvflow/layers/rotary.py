@@ -1,0 +1,51 @@
+"""Rotary position embeddings (the rotate-half layout HF checkpoints use)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvflow.config import RopeConfig
+
+
+def inverse_frequencies(head_dim: int, rope: RopeConfig) -> torch.Tensor:
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope.scaling_type == "linear":
+        return inv_freq / rope.factor
+    if rope.scaling_type == "llama3":
+        # Llama 3.1: long wavelengths slowed by `factor`, short kept, a smooth blend between.
+        old_len = rope.original_max_position_embeddings
+        low_wavelen = old_len / rope.low_freq_factor
+        high_wavelen = old_len / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+        smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+        blended = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, blended, scaled)
+    return inv_freq
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """Holds cos/sin for every position up to max_positions; looked up once per step."""
+
+    def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__()
+        inv_freq = inverse_frequencies(head_dim, rope)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos().to(dtype=dtype, device=device), persistent=False)
+        self.register_buffer("sin", emb.sin().to(dtype=dtype, device=device), persistent=False)
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of shape [T, 1, head_dim], broadcast over heads."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, head_dim]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

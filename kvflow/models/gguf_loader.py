@@ -1,0 +1,528 @@
+"""Load a llama-architecture GGUF checkpoint without going through transformers.
+
+`load_gguf(path)` returns what the engine needs to build a model: a config dict shaped like a
+Hugging Face `config.json` for `LlamaForCausalLM`, the weights under Hugging Face names as float32
+tensors, and a fast tokenizer rebuilt from the GGUF's tokenizer metadata. The result equals what
+`transformers` loads from the same file, but comes several times faster (no model instantiation,
+vectorised dequantisation in torch, a cheaper metadata parse).
+
+Two things a GGUF does differently from a Hugging Face checkpoint:
+
+* llama.cpp's converter permutes the rows of the Q and K projections so that each rotary pair is
+  interleaved (rows 2i, 2i+1) instead of split in halves (rows i, i + head_dim/2). `_unpermute_rows`
+  undoes it per head, so the weights work with the usual "rotate half" rotary embedding.
+* The tokenizer is stored as metadata (tokens, merges, token types, special ids); it is rebuilt here
+  with the `tokenizers` library the way transformers' GGUF converter does for byte-level BPE
+  ("gpt2") vocabularies.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGUFReader, GGUFValueType
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+logger = logging.getLogger(__name__)
+
+T = GGMLQuantizationType
+SUPPORTED_TYPES: tuple[GGMLQuantizationType, ...] = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1)
+_SUPPORTED_NAMES = ", ".join(t.name for t in SUPPORTED_TYPES)
+
+
+@dataclass
+class GGUFCheckpoint:
+    hf_config: dict[str, Any]
+    tensors: dict[str, torch.Tensor]
+    tokenizer: Any  # transformers.PreTrainedTokenizerFast
+    name: str
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading: gguf.GGUFReader, made bounds-checked and faster
+# --------------------------------------------------------------------------------------------------
+
+
+class _CorruptGGUF(ValueError):
+    pass
+
+
+_SCALAR_DTYPES = {int(k): np.dtype(v) for k, v in GGUFReader.gguf_scalar_to_np.items()}
+_SCALAR_SIZES = {k: v.itemsize for k, v in _SCALAR_DTYPES.items()}
+_ARRAY, _STRING = int(GGUFValueType.ARRAY), int(GGUFValueType.STRING)
+_U64 = struct.Struct("=Q")
+
+
+class _Reader(GGUFReader):
+    """`GGUFReader` with three changes, none of which alter what it returns:
+
+    * every read is bounds-checked, so a truncated or corrupt file raises `_CorruptGGUF` instead of
+      an IndexError/reshape error deep in numpy -- or looping for ages over a garbage array length;
+    * the file mapping is held as a plain ndarray rather than an `np.memmap`, whose Python-level
+      `__array_finalize__` on every one of the ~200k small slices made parsing take 3 s;
+    * arrays are cheaper: a numeric array is one part instead of one per element, and the elements
+      of string arrays (vocabulary, merges) are memoryview slices; `ReaderField.contents()` returns
+      the same lists from them (only `contents(i)` on a numeric array would differ; not used here).
+    """
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._buf
+
+    @data.setter
+    def data(self, value: np.ndarray) -> None:
+        self._buf = value.view(np.ndarray) if isinstance(value, np.memmap) else value
+        self._mv = memoryview(self._buf)
+
+    def _get(self, offset, dtype, count=1, override_order=None):
+        count = int(count)
+        dtype = np.dtype(dtype)
+        end = offset + dtype.itemsize * count
+        if offset < 0 or count < 0 or end > self._buf.shape[0]:
+            raise _CorruptGGUF(
+                f"needs bytes {offset}..{end} but the file has only {self._buf.shape[0]} (truncated or corrupt)"
+            )
+        arr = self._buf[offset:end].view(dtype)
+        order = self.byte_order if override_order is None else override_order
+        return arr if order == "I" else arr.view(arr.dtype.newbyteorder(order))
+
+    def _get_field_parts(self, orig_offs, raw_type):
+        if raw_type != _ARRAY:
+            return super()._get_field_parts(orig_offs, raw_type)
+        raw_itype = self._get(orig_offs, np.uint32)
+        alen = self._get(orig_offs + 4, np.uint64)
+        itype, count = int(raw_itype[0]), int(alen[0])
+        remaining = self._buf.shape[0] - (orig_offs + 12)
+        min_size = 8 if itype == _STRING else _SCALAR_SIZES.get(itype, 12)
+        if count * min_size > remaining:
+            raise _CorruptGGUF(f"an array of {count} items at offset {orig_offs} runs past the end of the file")
+        if count == 0 or self.byte_order != "I":
+            return super()._get_field_parts(orig_offs, raw_type)
+        if itype in _SCALAR_DTYPES:
+            # One part for the whole array (the base class makes one per element); `contents()` of a
+            # numeric array flattens its parts, so the list it returns is the same.
+            values = self._get(orig_offs + 12, _SCALAR_DTYPES[itype], count)
+            return 12 + int(values.nbytes), [raw_itype, alen, values], [2], [GGUFValueType.ARRAY, GGUFValueType(itype)]
+        if itype != _STRING:
+            return super()._get_field_parts(orig_offs, raw_type)
+        parts: list[Any] = [raw_itype, alen]
+        idxs: list[int] = []
+        mv, n, offs = self._mv, self._buf.shape[0], orig_offs + 12
+        for _ in range(count):
+            if offs + 8 > n:
+                raise _CorruptGGUF(f"string array at offset {orig_offs} runs past the end of the file")
+            (slen,) = _U64.unpack_from(mv, offs)
+            end = offs + 8 + slen
+            if end > n:
+                raise _CorruptGGUF(f"string array at offset {orig_offs} runs past the end of the file")
+            parts.append(mv[offs:offs + 8])
+            parts.append(mv[offs + 8:end])
+            idxs.append(len(parts) - 1)
+            offs = end
+        return offs - orig_offs, parts, idxs, [GGUFValueType.ARRAY, GGUFValueType.STRING]
+
+    def _build_tensors(self, start_offs, fields):
+        known = {int(t) for t in GGMLQuantizationType}
+        size = self._buf.shape[0]
+        for field in fields:
+            _, name_data, _, dims, raw_dtype, offset_tensor = field.parts
+            name = bytes(name_data).decode("utf-8", errors="replace")
+            type_id = int(raw_dtype[0])
+            if type_id not in known:
+                raise _CorruptGGUF(f"tensor {name!r} has unknown GGML type id {type_id}")
+            qtype = GGMLQuantizationType(type_id)
+            block, type_size = GGML_QUANT_SIZES[qtype]
+            dims_list = [int(d) for d in dims]
+            if not dims_list or dims_list[0] % block:
+                raise _CorruptGGUF(f"tensor {name!r} ({qtype.name}) has shape {dims_list}, not a whole number of blocks")
+            n_bytes = math.prod(dims_list) // block * type_size
+            begin = start_offs + int(offset_tensor[0])
+            if begin + n_bytes > size:
+                raise _CorruptGGUF(
+                    f"data of tensor {name!r} ({qtype.name}, {n_bytes} bytes at offset {begin}) lies beyond the "
+                    f"end of the file ({size} bytes): truncated or corrupt"
+                )
+        super()._build_tensors(start_offs, fields)
+
+
+def _open(path: str) -> _Reader:
+    try:
+        # 'c' (copy-on-write) gives writable arrays, so torch.from_numpy works without a copy or a warning.
+        return _Reader(path, mode="c")
+    except FileNotFoundError:
+        raise
+    except (ValueError, IndexError, KeyError, OverflowError, TypeError, UnicodeDecodeError, struct.error) as e:
+        raise ValueError(f"{path}: not a readable GGUF file: {e}") from e
+
+
+# --------------------------------------------------------------------------------------------------
+# Dequantisation (torch, vectorised; same arithmetic as gguf.quants so results are bit-identical)
+# --------------------------------------------------------------------------------------------------
+
+
+def _scale(blocks: torch.Tensor, start: int) -> torch.Tensor:
+    return blocks[:, start:start + 2].contiguous().view(torch.float16).float()
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    # A block's 16 bytes hold elements 0..15 in their low nibbles and 16..31 in their high nibbles.
+    return torch.cat((qs & 0x0F, qs >> 4), dim=1)
+
+
+def _dequantize(data: np.ndarray, qtype: GGMLQuantizationType, hf_shape: tuple[int, ...]) -> torch.Tensor:
+    raw = torch.from_numpy(data)
+    if qtype == T.F32:
+        out = raw.clone()
+    elif qtype == T.F16:
+        out = raw.float()
+    elif qtype == T.BF16:
+        out = raw.reshape(-1).view(torch.bfloat16).float()
+    elif qtype == T.Q8_0:
+        b = raw.reshape(-1, 34)
+        out = b[:, 2:].view(torch.int8).float() * _scale(b, 0)
+    elif qtype == T.Q4_0:
+        b = raw.reshape(-1, 18)
+        q = _nibbles(b[:, 2:]).view(torch.int8) - 8
+        out = _scale(b, 0) * q.float()
+    elif qtype == T.Q4_1:
+        b = raw.reshape(-1, 20)
+        q = _nibbles(b[:, 4:]).float()
+        out = _scale(b, 0) * q
+        out += _scale(b, 2)
+    else:  # checked by the caller; kept as a guard
+        raise ValueError(f"unsupported GGML type {qtype.name}")
+    return out.reshape(hf_shape)
+
+
+def _unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row permutation: per head, rows (0, 1, 2, 3, ...) of the GGUF hold HF
+    rows (0, d/2, 1, d/2+1, ...); i.e. GGUF = HF.reshape(h, 2, d/2, ...).swapaxes(1, 2)."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()
+
+
+# --------------------------------------------------------------------------------------------------
+# Config and tensor names
+# --------------------------------------------------------------------------------------------------
+
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)")
+_IGNORED_TENSORS = {"rope_freqs.weight"}
+
+
+def _build_config(path: str, meta: dict[str, Any], tensor_names: set[str], arch: str) -> dict[str, Any]:
+    def key(name: str, default: Any = None, required: bool = False) -> Any:
+        full = f"{arch}.{name}"
+        if full not in meta:
+            if required:
+                raise ValueError(f"{path}: GGUF metadata lacks {full!r}, needed to build the model config")
+            return default
+        return meta[full]
+
+    hidden = int(key("embedding_length", required=True))
+    n_head = int(key("attention.head_count", required=True))
+    n_kv = key("attention.head_count_kv", n_head)
+    if isinstance(n_kv, list):  # per-layer list: only a uniform one describes a plain llama
+        if len(set(n_kv)) != 1:
+            raise ValueError(f"{path}: per-layer KV head counts {n_kv} are not supported")
+        n_kv = n_kv[0]
+    head_dim = key("attention.key_length") or key("rope.dimension_count") or hidden // n_head
+    vocab = key("vocab_size")  # else: the embedding's row count (filled in by the caller), else the token count
+    if vocab is None and "token_embd.weight" not in tensor_names and "tokenizer.ggml.tokens" in meta:
+        vocab = len(meta["tokenizer.ggml.tokens"])
+    rope_theta = float(key("rope.freq_base", 10000.0))
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": rope_theta}
+    scaling_type = key("rope.scaling.type")
+    factor = key("rope.scaling.factor")
+    if scaling_type is None and key("rope.scale_linear") is not None:  # older files
+        scaling_type, factor = "linear", key("rope.scale_linear")
+    scaling: dict[str, Any] | None = None
+    if scaling_type not in (None, "none") and factor not in (None, 0, 1, 1.0):
+        scaling = {"rope_type": scaling_type, "factor": float(factor)}
+        original = key("rope.scaling.original_context_length")
+        if original is not None:
+            scaling["original_max_position_embeddings"] = int(original)
+        rope.update(scaling)
+    if "rope_freqs.weight" in tensor_names:
+        logger.warning(
+            "%s has a rope_freqs tensor (Llama-3-style frequency scaling); it is ignored, as transformers "
+            "does, so positions far beyond the original context may degrade", path,
+        )
+    cfg: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": int(key("feed_forward_length", required=True)),
+        "num_hidden_layers": int(key("block_count", required=True)),
+        "num_attention_heads": n_head,
+        "num_key_value_heads": int(n_kv),
+        "head_dim": int(head_dim),
+        "vocab_size": int(vocab) if vocab is not None else None,
+        "max_position_embeddings": int(key("context_length", 2048)),
+        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": rope_theta,
+        "rope_parameters": rope,
+        "hidden_act": "silu",
+        "attention_bias": any(n.endswith(".attn_q.bias") for n in tensor_names),
+        "mlp_bias": False,
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
+        "torch_dtype": "float32",
+    }
+    if scaling is not None:
+        cfg["rope_scaling"] = scaling
+    if cfg["vocab_size"] is None and "token_embd.weight" not in tensor_names:
+        raise ValueError(f"{path}: cannot tell the vocabulary size (no vocab_size, tokens or embedding)")
+    return cfg
+
+
+def _hf_name(gguf_name: str, n_layers: int) -> str | None:
+    if gguf_name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[gguf_name]
+    m = _LAYER_RE.fullmatch(gguf_name)
+    if m is None or m.group(2) not in _LAYER_TENSORS or int(m.group(1)) >= n_layers:
+        return None
+    layer, part, kind = m.groups()
+    if kind == "bias" and part not in ("attn_q", "attn_k", "attn_v"):
+        return None
+    return f"model.layers.{layer}.{_LAYER_TENSORS[part]}.{kind}"
+
+
+def _expected_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    h, f, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+    per_layer = {
+        "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+        "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h), "self_attn.v_proj.weight": (kv, h),
+        "self_attn.o_proj.weight": (h, q),
+        "mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f),
+    }
+    shapes = {
+        f"model.layers.{i}.{k}": v for i in range(cfg["num_hidden_layers"]) for k, v in per_layer.items()
+    }
+    shapes["model.norm.weight"] = (h,)
+    shapes["model.embed_tokens.weight"] = (cfg["vocab_size"], h)
+    if not cfg["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (cfg["vocab_size"], h)
+    if cfg["attention_bias"]:
+        for i in range(cfg["num_hidden_layers"]):
+            shapes[f"model.layers.{i}.self_attn.q_proj.bias"] = (q,)
+            shapes[f"model.layers.{i}.self_attn.k_proj.bias"] = (kv,)
+            shapes[f"model.layers.{i}.self_attn.v_proj.bias"] = (kv,)
+    return shapes
+
+
+# --------------------------------------------------------------------------------------------------
+# Tokenizer
+# --------------------------------------------------------------------------------------------------
+
+
+def _byte_alphabet() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map used by byte-level BPE vocabularies."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
+    mapping = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in mapping:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+_BYTE_CHARS = _byte_alphabet()
+_BYTE_ALPHABET = frozenset(_BYTE_CHARS.values())
+
+# Split regexes for the `tokenizer.ggml.pre` values whose merges were learned on a non-GPT-2 split
+# (transformers applies the same ones); anything else uses GPT-2's own regex inside ByteLevel.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_O200K_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_PRE_SPLITS = {
+    **dict.fromkeys(
+        ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
+         "jina-v5-nano", "dbrx", "smaug-bpe"), _LLAMA3_SPLIT),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez"), _QWEN2_SPLIT),
+    **dict.fromkeys(("gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"), _O200K_SPLIT),
+}
+_CONTROL, _USER_DEFINED = 3, 4
+
+
+def _build_tokenizer(path: str, meta: dict[str, Any]):
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    kind = meta.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ValueError(
+            f"{path}: tokenizer type {kind!r} is not supported; only byte-level BPE ('gpt2') GGUF tokenizers are"
+        )
+    tokens: list[str] = meta.get("tokenizer.ggml.tokens") or []
+    merges: list[str] = meta.get("tokenizer.ggml.merges") or []
+    if not tokens or not merges:
+        raise ValueError(f"{path}: the GGUF has no tokenizer vocabulary or merges (tokenizer.ggml.tokens/merges)")
+    types: list[int] = meta.get("tokenizer.ggml.token_type") or []
+
+    def spell(token: str) -> str:
+        # Every ordinary token is already written in the byte alphabet; respell any that is not.
+        if set(token) <= _BYTE_ALPHABET:
+            return token
+        return "".join(_BYTE_CHARS[b] for b in token.encode("utf-8"))
+
+    vocab = {spell(t): i for i, t in enumerate(tokens)}
+    pairs = []
+    for m in merges:
+        a, sep, b = m.partition(" ")
+        if not sep:
+            raise ValueError(f"{path}: malformed BPE merge {m!r} in tokenizer.ggml.merges")
+        pairs.append((a, b))
+    try:
+        backend = Tokenizer(models.BPE(vocab=vocab, merges=pairs, continuing_subword_prefix="",
+                                       end_of_word_suffix="", fuse_unk=False))
+    except Exception as e:  # tokenizers raises plain Exception for merges outside the vocab
+        raise ValueError(f"{path}: inconsistent tokenizer vocabulary/merges: {e}") from e
+    split = _PRE_SPLITS.get(meta.get("tokenizer.ggml.pre"))
+    if split is None:
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    else:
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+    backend.decoder = decoders.ByteLevel()
+    # Control tokens (<|im_start|>, ...) become special added tokens so text never splits them; a
+    # "control" token outside the byte alphabet is a mislabel and is left alone. User-defined tokens
+    # are matched whole too, but are not special.
+    control = [AddedToken(t, normalized=False, special=True)
+               for t, ty in zip(tokens, types) if ty == _CONTROL and set(t) <= _BYTE_ALPHABET]
+    if control:
+        backend.add_special_tokens(control)
+    user = [AddedToken(t, normalized=False, special=False)
+            for t, ty in zip(tokens, types) if ty == _USER_DEFINED and t in vocab]
+    if user:
+        backend.add_tokens(user)
+
+    def token(key: str) -> str | None:
+        i = meta.get(f"tokenizer.ggml.{key}")
+        return tokens[i] if isinstance(i, int) and 0 <= i < len(tokens) else None
+
+    kwargs: dict[str, Any] = {
+        name: token(key) for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
+                                           ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id"))
+    }
+    kwargs["add_bos_token"] = bool(meta.get("tokenizer.ggml.add_bos_token", False))
+    kwargs["add_eos_token"] = bool(meta.get("tokenizer.ggml.add_eos_token", False))
+    template = meta.get("tokenizer.chat_template")
+    if template:
+        kwargs["chat_template"] = template
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------------
+# Entry point
+# --------------------------------------------------------------------------------------------------
+
+
+def load_gguf(path: str | os.PathLike) -> GGUFCheckpoint:
+    """Load a llama GGUF: HF-style config, float32 weights under HF names, and its tokenizer."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    reader = _open(path)
+    if reader.byte_order != "I":
+        raise ValueError(f"{path}: GGUF file has the opposite byte order of this machine; not supported")
+    try:
+        meta = {name: field.contents() for name, field in reader.fields.items()}
+    except (UnicodeDecodeError, ValueError, IndexError, TypeError, KeyError) as e:
+        raise ValueError(f"{path}: corrupt GGUF metadata: {e}") from e
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported; only 'llama' is supported")
+
+    by_name = {t.name: t for t in reader.tensors}
+    cfg = _build_config(path, meta, set(by_name), arch)
+    if cfg["vocab_size"] is None:
+        cfg["vocab_size"] = int(by_name["token_embd.weight"].shape[-1])  # GGUF dims are [hidden, vocab]
+
+    # Map names and check types and shapes before doing any work.
+    expected = _expected_shapes(cfg)
+    plan: list[tuple[str, Any]] = []
+    for t in reader.tensors:
+        if t.name in _IGNORED_TENSORS:
+            continue
+        hf = _hf_name(t.name, cfg["num_hidden_layers"])
+        if hf is None or hf not in expected:
+            raise ValueError(f"{path}: unexpected tensor {t.name!r} for a llama model (not a dense llama GGUF?)")
+        if t.tensor_type not in SUPPORTED_TYPES:
+            raise ValueError(
+                f"{path}: tensor {t.name!r} has type {t.tensor_type.name}, which kvflow cannot dequantize; "
+                f"supported types: {_SUPPORTED_NAMES}"
+            )
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        if shape != expected[hf]:
+            raise ValueError(f"{path}: tensor {t.name!r} has shape {list(shape)}, expected {list(expected[hf])} "
+                             f"for {hf} from the GGUF metadata")
+        plan.append((hf, t))
+    missing = sorted(set(expected) - {hf for hf, _ in plan})
+    if missing:
+        raise ValueError(f"{path}: GGUF lacks tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+
+    tokenizer = _build_tokenizer(path, meta)
+
+    n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    tensors: dict[str, torch.Tensor] = {}
+    # The ops here are memory-bound and small; torch's intra-op thread pool gains nothing on them and,
+    # on a machine whose cores are busy with other processes, made them >20x slower (13 s vs 0.5 s).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for hf, t in plan:
+            try:
+                w = _dequantize(t.data, t.tensor_type, expected[hf])
+            except (RuntimeError, ValueError) as e:
+                raise ValueError(f"{path}: cannot decode tensor {t.name!r} ({t.tensor_type.name}): {e}") from e
+            if ".q_proj." in hf:
+                w = _unpermute_rows(w, n_head)
+            elif ".k_proj." in hf:
+                w = _unpermute_rows(w, n_kv)
+            tensors[hf] = w
+    finally:
+        torch.set_num_threads(threads)
+
+    name = meta.get("general.name") or Path(path).stem
+    return GGUFCheckpoint(hf_config=cfg, tensors=tensors, tokenizer=tokenizer, name=str(name))

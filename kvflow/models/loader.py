@@ -1,0 +1,123 @@
+"""Finding and reading checkpoints: a HF folder (config.json + safetensors) or a GGUF file."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvflow.config import ModelConfig
+
+logger = logging.getLogger("kvflow")
+
+
+@dataclass
+class Checkpoint:
+    path: str
+    name: str
+    hf_config: dict[str, Any]
+    model_config: ModelConfig
+    weights: Iterator[tuple[str, torch.Tensor]]
+    tokenizer: Any | None  # a transformers tokenizer, or None when the folder has none
+    generation_config: dict[str, Any]
+
+
+def resolve_model_path(model: str | None) -> str:
+    if model is None:
+        from kvflow.models.default_model import default_model_path
+
+        return default_model_path()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"model path {str(path)!r} does not exist (give a HF model folder with config.json and "
+            f"*.safetensors, or a .gguf file; kvflow never downloads from a hub)"
+        )
+    return str(path)
+
+
+def load_checkpoint(model: str | None, tokenizer: str | None = None) -> Checkpoint:
+    path = resolve_model_path(model)
+    if path.endswith(".gguf"):
+        from kvflow.models.gguf_loader import load_gguf
+
+        g = load_gguf(path)
+        return Checkpoint(path=path, name=g.name, hf_config=g.hf_config,
+                          model_config=ModelConfig.from_hf_config(g.hf_config), weights=iter(g.tensors.items()),
+                          tokenizer=g.tokenizer, generation_config={})
+    return _load_hf_folder(Path(path), tokenizer)
+
+
+def _load_hf_folder(path: Path, tokenizer_path: str | None) -> Checkpoint:
+    if not path.is_dir():
+        raise ValueError(f"{str(path)!r} is neither a folder nor a .gguf file")
+    config_file = path / "config.json"
+    if not config_file.exists():
+        raise FileNotFoundError(f"{str(config_file)!r} not found: a HF model folder needs config.json")
+    hf_config = json.loads(config_file.read_text())
+    model_config = ModelConfig.from_hf_config(hf_config)  # refuse unsupported models before reading weights
+    gen_file = path / "generation_config.json"
+    generation_config = json.loads(gen_file.read_text()) if gen_file.exists() else {}
+    return Checkpoint(
+        path=str(path),
+        name=path.name,
+        hf_config=hf_config,
+        model_config=model_config,
+        weights=_safetensors_weights(path),
+        tokenizer=_load_tokenizer(Path(tokenizer_path) if tokenizer_path else path),
+        generation_config=generation_config,
+    )
+
+
+def _safetensors_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {str(path)!r}")
+    missing = [f for f in files if not (path / f).exists()]
+    if missing:
+        raise FileNotFoundError(f"weight shard(s) {missing} listed in the index are missing from {str(path)!r}")
+
+    def gen() -> Iterator[tuple[str, torch.Tensor]]:
+        for f in files:
+            with safe_open(str(path / f), framework="pt") as fh:
+                for name in fh.keys():
+                    yield name, fh.get_tensor(name)
+
+    return gen()
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def _load_tokenizer(path: Path) -> Any | None:
+    if not any((path / f).exists() for f in _TOKENIZER_FILES):
+        logger.warning("no tokenizer files in %s: prompts must be token ids and outputs have no text", path)
+        return None
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def load_hf_model(model: str | None, dtype: torch.dtype = torch.float32):
+    """The same checkpoint through HF transformers (the baseline in benchmarks and tests)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_model_path(model)
+    if path.endswith(".gguf"):
+        p = Path(path)
+        return AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=dtype).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()

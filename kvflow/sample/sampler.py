@@ -1,0 +1,163 @@
+"""Turns a batch of logits into next tokens, vectorised over the batch.
+
+Order of operations (as in vLLM): logprobs are taken from the raw logits; then penalties,
+min_tokens masking, temperature, top-k, top-p, min-p; then one draw per row. Greedy rows take
+the argmax of the penalised logits.
+
+Random draws use the exponential race (argmax of p / E, E ~ Exp(1)), which samples exactly from
+p. Each seeded request draws its noise from its own generator, so its text does not depend on
+what else is in the batch; unseeded requests share one generator seeded by the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvflow.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingBatch:
+    """The sampling side of one step: one row per sequence that samples."""
+
+    params: list[SamplingParams]
+    generators: list[torch.Generator | None]  # per row: the request's own, or None (shared)
+    prompt_ids: list[list[int] | None]  # only where a penalty needs them
+    output_ids: list[list[int] | None]
+    num_output_tokens: list[int]
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [N]
+    # Per row that asked for logprobs: (sampled token logprob, its rank, top ids, top logprobs)
+    logprobs: list[tuple[float, int, list[int], list[float]] | None]
+
+
+class Sampler:
+    def __init__(self, seed: int, device: torch.device) -> None:
+        self.device = device
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        params = batch.params
+        n, vocab = logits.shape
+        dev = logits.device
+        raw_logprobs = (
+            torch.log_softmax(logits, dim=-1) if any(p.logprobs is not None for p in params) else None
+        )
+
+        logits = self._apply_penalties(logits, batch)
+        logits = self._mask_early_stops(logits, batch)
+
+        greedy = torch.tensor([p.greedy for p in params], device=dev)
+        tokens = logits.argmax(dim=-1)
+        if not bool(greedy.all()):
+            temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params],
+                                 device=dev, dtype=logits.dtype)
+            scaled = self._truncate(logits / temps[:, None], params)
+            probs = torch.softmax(scaled, dim=-1)
+            noise = self._exponential_noise(n, vocab, batch.generators, dev)
+            sampled = (probs / noise).argmax(dim=-1)
+            tokens = torch.where(greedy, tokens, sampled)
+
+        return SamplerOutput(token_ids=tokens, logprobs=self._logprobs(raw_logprobs, tokens, params))
+
+    # ---- logits processing -------------------------------------------------------------------
+    @staticmethod
+    def _apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        rows = [i for i, p in enumerate(batch.params) if p.has_penalties]
+        if not rows:
+            return logits
+        logits = logits.clone()
+        vocab = logits.shape[1]
+        dev = logits.device
+        out_counts = torch.zeros(len(rows), vocab, device=dev)
+        in_prompt = torch.zeros(len(rows), vocab, dtype=torch.bool, device=dev)
+        for j, i in enumerate(rows):
+            out_ids = torch.tensor(batch.output_ids[i], dtype=torch.long, device=dev)
+            out_counts[j].index_add_(0, out_ids, torch.ones(len(out_ids), device=dev))
+            in_prompt[j, torch.tensor(batch.prompt_ids[i], dtype=torch.long, device=dev)] = True
+        p = [batch.params[i] for i in rows]
+        rep = torch.tensor([x.repetition_penalty for x in p], device=dev)[:, None]
+        pres = torch.tensor([x.presence_penalty for x in p], device=dev)[:, None]
+        freq = torch.tensor([x.frequency_penalty for x in p], device=dev)[:, None]
+        sub = logits[rows]
+        seen = in_prompt | (out_counts > 0)
+        # Repetition penalty (CTRL): shrink seen tokens' logits toward "less likely".
+        sub = torch.where(seen & (sub > 0), sub / rep, torch.where(seen, sub * rep, sub))
+        sub = sub - freq * out_counts - pres * (out_counts > 0).to(sub.dtype)
+        logits[rows] = sub
+        return logits
+
+    @staticmethod
+    def _mask_early_stops(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Before min_tokens are out, EOS and stop tokens may not be drawn."""
+        masked = False
+        for i, p in enumerate(batch.params):
+            if batch.num_output_tokens[i] < p.min_tokens:
+                ids = list(p.stop_token_ids) + ([] if p.ignore_eos else list(p._eos_token_ids))
+                if ids:
+                    if not masked:
+                        logits, masked = logits.clone(), True
+                    logits[i, ids] = float("-inf")
+        return logits
+
+    @staticmethod
+    def _truncate(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """Top-k, top-p and min-p: excluded tokens get -inf."""
+        dev = logits.device
+        vocab = logits.shape[1]
+        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev)
+        top_p = torch.tensor([p.top_p for p in params], device=dev, dtype=logits.dtype)
+        min_p = torch.tensor([p.min_p for p in params], device=dev, dtype=logits.dtype)
+        if bool((top_k < vocab).any()) or bool((top_p < 1).any()):
+            sorted_logits, order = logits.sort(dim=-1, descending=True)
+            rank = torch.arange(vocab, device=dev)[None, :]
+            drop = rank >= top_k[:, None]
+            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+            probs = torch.softmax(sorted_logits, dim=-1)
+            # Drop a token when the mass strictly before it already reaches top_p (keeps >= 1).
+            before = torch.cumsum(probs, dim=-1) - probs
+            drop |= before >= top_p[:, None]
+            logits = torch.full_like(logits, float("-inf")).scatter(
+                1, order, sorted_logits.masked_fill(drop, float("-inf"))
+            )
+        if bool((min_p > 0).any()):
+            probs = torch.softmax(logits, dim=-1)
+            threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+            logits = logits.masked_fill(probs < threshold, float("-inf"))
+        return logits
+
+    def _exponential_noise(self, n: int, vocab: int, generators: list[torch.Generator | None],
+                           dev: torch.device) -> torch.Tensor:
+        noise = torch.empty(n, vocab, device=dev)
+        shared = [i for i, g in enumerate(generators) if g is None]
+        if shared:
+            noise[shared] = torch.empty(len(shared), vocab, device=dev).exponential_(generator=self.generator)
+        for i, g in enumerate(generators):
+            if g is not None:
+                noise[i].exponential_(generator=g)
+        return noise
+
+    @staticmethod
+    def _logprobs(raw: torch.Tensor | None, tokens: torch.Tensor, params: list[SamplingParams]):
+        result: list = [None] * len(params)
+        if raw is None:
+            return result
+        rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        idx = torch.tensor(rows, device=raw.device)
+        sub = raw[idx]
+        chosen = sub.gather(1, tokens[idx][:, None]).squeeze(1)
+        ranks = (sub > chosen[:, None]).sum(dim=-1) + 1
+        k = max(params[i].logprobs for i in rows)
+        top_vals, top_ids = sub.topk(k, dim=-1) if k > 0 else (sub[:, :0], sub[:, :0].long())
+        chosen_l, ranks_l = chosen.tolist(), ranks.tolist()
+        top_vals_l, top_ids_l = top_vals.tolist(), top_ids.tolist()
+        for j, i in enumerate(rows):
+            n = params[i].logprobs
+            result[i] = (chosen_l[j], ranks_l[j], top_ids_l[j][:n], top_vals_l[j][:n])
+        return result

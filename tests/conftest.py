@@ -1,0 +1,150 @@
+"""Tiny random models, made by the tests (never downloaded), and a leak check for engines."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+import torch
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog. " * 3,
+    "Once upon a time there was a little engine that served many requests at once.",
+    "def hello(name):\n    return f'hello {name}'\n",
+    "東京は日本の首都です。私は寿司が好きです。こんにちは世界！",
+    "Emoji test: 🚀🔥😀👍🏽 and flags 🇯🇵 — done.",
+    "Paris is the capital of France. Berlin is the capital of Germany.",
+]
+VOCAB_SIZE = 512
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def make_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE - 8, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS * 4, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+                                   chat_template=CHAT_TEMPLATE)
+
+
+def make_model(path, arch: str = "llama", **overrides):
+    """Save a random tiny model of the given family (with a tokenizer) to `path`."""
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
+                              Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+
+    common = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  bos_token_id=0, eos_token_id=1, initializer_range=0.1)
+    common.update(overrides)
+    families = {
+        "llama": (LlamaConfig, LlamaForCausalLM, dict(tie_word_embeddings=False)),
+        "mistral": (MistralConfig, MistralForCausalLM, dict(tie_word_embeddings=False, sliding_window=None)),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM, dict(tie_word_embeddings=True)),
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(tie_word_embeddings=True, head_dim=16)),
+    }
+    config_cls, model_cls, extra = families[arch]
+    torch.manual_seed(1234)
+    model = model_cls(config_cls(**{**extra, **common}))
+    if arch == "qwen2":  # random biases, so a missing bias would show
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.1)
+    if arch == "qwen3":
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.q_norm.weight.normal_(1, 0.2)
+                layer.self_attn.k_norm.weight.normal_(1, 0.2)
+    model.save_pretrained(path)
+    make_tokenizer().save_pretrained(path)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def model_factory(tmp_path_factory):
+    cache: dict = {}
+
+    def get(arch: str = "llama", **overrides):
+        key = (arch, repr(sorted(overrides.items())))
+        if key not in cache:
+            path = tmp_path_factory.mktemp(f"{arch}-model")
+            cache[key] = (str(path), make_model(path, arch, **overrides))
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(model_factory):
+    return model_factory("llama")
+
+
+def assert_no_leaks(engine) -> None:
+    """Every KV block is back in the pool and the books balance."""
+    pool = engine.kv_cache.pool
+    pool.check_consistency()
+    assert pool.num_free_blocks == pool.num_blocks, f"{pool.num_blocks - pool.num_free_blocks} KV blocks leaked"
+    assert not engine.scheduler.requests and not engine.scheduler.running and not engine.scheduler.waiting
+    assert not engine.kv_cache.block_tables
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """HF's greedy continuation, never stopping early (the engine side uses ignore_eos)."""
+    import copy
+
+    gc = copy.deepcopy(model.generation_config)
+    gc.eos_token_id, gc.pad_token_id, gc.do_sample = None, 0, False
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), generation_config=gc, max_new_tokens=max_new_tokens)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def kvflow_prefill_logits(path: str, prompt: list[int], chunk: int, num_blocks: int = 32) -> torch.Tensor:
+    """Logits at every prompt position, computed `chunk` tokens at a time through the paged cache."""
+    import random
+
+    from kvflow.config import ModelConfig
+    from kvflow.core.kv_cache_manager import KVCacheManager
+    from kvflow.layers.attention import SeqLayout, TorchPagedAttention
+    from kvflow.models.llama import LlamaForCausalLM
+    from kvflow.models.loader import load_checkpoint
+
+    ckpt = load_checkpoint(path)
+    cfg = ModelConfig.from_hf_config(ckpt.hf_config)
+    dev = torch.device("cpu")
+    attn = TorchPagedAttention(block_size=4, sliding_window=None, device=dev)
+    model = LlamaForCausalLM(cfg, attn, num_blocks * 4, torch.float32, dev)
+    model.load_weights(ckpt.weights)
+    kv = KVCacheManager(num_blocks=num_blocks, block_size=4)
+    # Shuffle the pool so the block table is not the identity.
+    kv.pool._free = type(kv.pool._free)(random.Random(0).sample(range(num_blocks), num_blocks))
+    shape = (num_blocks, 4, cfg.num_kv_heads, cfg.head_dim)
+    caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(cfg.num_layers)]
+
+    class Seq:
+        request_id, num_computed_tokens = "x", 0
+
+    seq, logits = Seq(), []
+    with torch.inference_mode():
+        for start in range(0, len(prompt), chunk):
+            ids = prompt[start:start + chunk]
+            assert kv.allocate_slots(seq, len(ids))
+            meta = attn.build_metadata([SeqLayout(start, len(ids), kv.block_tables["x"])])
+            hidden = model(torch.tensor(ids), meta.positions, caches, meta)
+            logits.append(model.compute_logits(hidden))
+            seq.num_computed_tokens += len(ids)
+    return torch.cat(logits)
