@@ -18,6 +18,8 @@ SUPPORTED_ARCHITECTURES = (
 )
 
 _DTYPES = ("float32", "bfloat16", "float16")
+_QUANTIZATIONS = (None, "int8")
+_KV_CACHE_DTYPES = ("auto", "int8")
 
 
 @dataclass
@@ -35,10 +37,17 @@ class EngineConfig:
     max_num_seqs: int = 256
     seed: int = 0
     tokenizer: str | None = None  # default: the model's own
+    enable_prefix_caching: bool = True
+    quantization: str | None = None  # None (weights in `dtype`) | "int8" (W8A8 dynamic, FBGEMM)
+    kv_cache_dtype: str = "auto"  # "auto" (= dtype) | "int8" (per-token, per-head scales)
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.quantization not in _QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {_QUANTIZATIONS}, got {self.quantization!r}")
+        if self.kv_cache_dtype not in _KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {_KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         _positive("block_size", self.block_size)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("max_num_seqs", self.max_num_seqs)

@@ -129,9 +129,9 @@ def kvflow_prefill_logits(path: str, prompt: list[int], chunk: int, num_blocks: 
     attn = TorchPagedAttention(block_size=4, sliding_window=None, device=dev)
     model = LlamaForCausalLM(cfg, attn, num_blocks * 4, torch.float32, dev)
     model.load_weights(ckpt.weights)
-    kv = KVCacheManager(num_blocks=num_blocks, block_size=4)
+    kv = KVCacheManager(num_blocks=num_blocks, block_size=4, enable_caching=False)
     # Shuffle the pool so the block table is not the identity.
-    kv.pool._free = type(kv.pool._free)(random.Random(0).sample(range(num_blocks), num_blocks))
+    kv.pool._free = type(kv.pool._free).fromkeys(random.Random(0).sample(range(num_blocks), num_blocks))
     shape = (num_blocks, 4, cfg.num_kv_heads, cfg.head_dim)
     caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(cfg.num_layers)]
 

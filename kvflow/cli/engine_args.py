@@ -1,4 +1,5 @@
-"""Every `EngineConfig` field as a `--dashed-flag`, so the CLI and `LLM(...)` never drift apart."""
+"""Every `EngineConfig` field as a `--dashed-flag`, so the CLI and `LLM(...)` never drift apart.
+`add_dataclass_args` does the same for any config dataclass (e.g. `ServerConfig`)."""
 
 from __future__ import annotations
 
@@ -24,12 +25,31 @@ _HELP = {
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("engine options")
-    hints = typing.get_type_hints(EngineConfig)
-    for f in dataclasses.fields(EngineConfig):
+    add_dataclass_args(parser, EngineConfig, "engine options", _HELP)
+
+
+def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, title: str,
+                       help: dict[str, str] | None = None) -> None:
+    """One `--dashed-flag` per field of the dataclass `cls`, typed from its annotations."""
+    group = parser.add_argument_group(title)
+    hints = typing.get_type_hints(cls)
+    help = help or {}
+    for f in dataclasses.fields(cls):
+        if f.name.startswith("_"):
+            continue
         kind = _base_type(hints[f.name])
-        group.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=f.default,
-                           help=f"{_HELP.get(f.name, f.name)} (default: {f.default})")
+        default = f.default if f.default is not dataclasses.MISSING else None
+        text = f"{help.get(f.name, f.name.replace('_', ' '))} (default: {default})"
+        flag = "--" + f.name.replace("_", "-")
+        if kind is bool:
+            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
+                               help=text)
+        else:
+            group.add_argument(flag, dest=f.name, type=kind, default=default, help=text)
+
+
+def dataclass_from_args(cls: type, args: argparse.Namespace):
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if not f.name.startswith("_")})
 
 
 def _base_type(hint: typing.Any) -> type:
@@ -38,4 +58,4 @@ def _base_type(hint: typing.Any) -> type:
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
+    return dataclass_from_args(EngineConfig, args)

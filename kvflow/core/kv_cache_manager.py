@@ -1,8 +1,17 @@
-"""Block tables: which KV blocks each running sequence holds."""
+"""Block tables, and the prefix cache on top of them.
+
+Every full block gets a content hash chained from its parent's: sha256(parent hash, token ids,
+extra key). Equal hashes mean equal KV (same model, same tokens at the same positions), so a new
+request can share the blocks of its longest cached prefix and prefill only the rest.
+"""
 
 from __future__ import annotations
 
-from kvflow.core.block_pool import BlockPool
+import hashlib
+from array import array
+from dataclasses import dataclass
+
+from kvflow.core.block_pool import BlockHash, BlockPool
 from kvflow.core.request import Request
 
 
@@ -10,35 +19,94 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
-        self.block_size = block_size
-        self.pool = BlockPool(num_blocks)
-        self.block_tables: dict[str, list[int]] = {}
+def hash_block(parent: BlockHash | None, token_ids: list[int], extra_key: bytes = b"") -> BlockHash:
+    h = hashlib.sha256(parent or b"\0" * 32)
+    h.update(array("q", token_ids).tobytes())
+    h.update(extra_key)
+    return h.digest()
 
-    def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
-        """Make room for `num_new_tokens` more tokens of `request`; False if the pool is short."""
-        table = self.block_tables.setdefault(request.request_id, [])
-        needed = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size) - len(table)
-        if needed <= 0:
-            return True
-        if needed > self.pool.num_free_blocks:
-            if not table:
-                del self.block_tables[request.request_id]
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # of which found in the cache
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 extra_key: bytes = b"") -> None:
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.enable_caching = enable_caching
+        self.extra_key = extra_key  # e.g. the model identity, so hashes never match across models
+        self.block_tables: dict[str, list[int]] = {}
+        self.prefix_stats = PrefixCacheStats()
+
+    # ---- prefix cache ----------------------------------------------------------------------
+    def _update_hashes(self, req: Request, num_tokens: int) -> None:
+        """Extend req.block_hashes to cover every full block among its first num_tokens tokens."""
+        bs = self.block_size
+        hashes = req.block_hashes
+        for i in range(len(hashes), num_tokens // bs):
+            hashes.append(hash_block(hashes[-1] if hashes else None,
+                                     req.token_ids_between(i * bs, (i + 1) * bs), self.extra_key))
+
+    def get_computed_blocks(self, req: Request) -> list[int]:
+        """Cached blocks of req's longest known prefix (not yet referenced; see allocate_slots).
+
+        At least one token is always left to compute so there are logits to sample from.
+        """
+        if not self.enable_caching:
+            return []
+        self._update_hashes(req, req.num_tokens)
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        return self.pool.lookup(req.block_hashes[:max_blocks])
+
+    def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        if self.enable_caching:
+            self.prefix_stats.queries += num_tokens
+            self.prefix_stats.hits += num_hit_tokens
+
+    # ---- allocation ------------------------------------------------------------------------
+    def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks: list[int] | None = None) -> bool:
+        """Make room for num_new_tokens more tokens of req (after any computed_blocks it reuses).
+
+        Returns False, changing nothing, if the pool is short.
+        """
+        computed_blocks = computed_blocks or []
+        table = self.block_tables.get(req.request_id, [])
+        num_computed = req.num_computed_tokens + len(computed_blocks) * self.block_size
+        total = num_computed + num_new_tokens
+        needed = cdiv(total, self.block_size) - len(table) - len(computed_blocks)
+        # Reviving cached-free blocks takes them out of the free queue too.
+        revived = sum(1 for b in computed_blocks if self.pool.ref_counts[b] == 0)
+        if needed + revived > self.pool.num_free_blocks:
             return False
-        table.extend(self.pool.allocate(needed))
+        self.pool.touch(computed_blocks)
+        table = self.block_tables.setdefault(req.request_id, table)
+        table.extend(computed_blocks)
+        if needed > 0:
+            table.extend(self.pool.allocate(needed))
+        if self.enable_caching:
+            # Blocks that will be full once this step has run. Registering them now is safe:
+            # within a step every layer writes all new K/V before any attention reads it.
+            self._update_hashes(req, total)
+            for i in range(len(computed_blocks) + req.num_computed_tokens // self.block_size,
+                           total // self.block_size):
+                self.pool.cache_block(table[i], req.block_hashes[i])
         return True
 
-    def free(self, request: Request) -> None:
-        table = self.block_tables.pop(request.request_id, None)
+    def free(self, req: Request) -> None:
+        table = self.block_tables.pop(req.request_id, None)
         if table:
             self.pool.release(table)
 
-    def block_table(self, request: Request) -> list[int]:
-        return self.block_tables[request.request_id]
-
-    def can_ever_fit(self, num_tokens: int) -> bool:
-        return cdiv(num_tokens, self.block_size) <= self.pool.num_blocks
+    def block_table(self, req: Request) -> list[int]:
+        return self.block_tables[req.request_id]
 
     @property
     def usage(self) -> float:

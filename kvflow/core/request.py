@@ -52,6 +52,10 @@ class Request:
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     first_scheduled_time: float | None = None
+    # Content hashes of the full blocks so far (prefix caching); tokens never change, so they stay
+    # valid across preemption.
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_cached_tokens: int = -1  # prompt tokens found in the prefix cache at first scheduling
 
     @property
     def all_token_ids(self) -> list[int]:

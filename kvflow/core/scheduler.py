@@ -48,6 +48,20 @@ class SchedulerOutput:
         return not self.seqs
 
 
+@dataclass
+class KVMemoryStats:
+    blocks_in_use: int
+    blocks_cached_free: int
+    blocks_free: int
+    tokens_stored: int  # distinct token positions with KV in held blocks
+    token_slots_held: int
+
+    @property
+    def utilization(self) -> float:
+        """Tokens stored / slots in held blocks: 1 - internal fragmentation."""
+        return self.tokens_stored / self.token_slots_held if self.token_slots_held else 1.0
+
+
 class Scheduler:
     def __init__(
         self,
@@ -95,6 +109,22 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    def kv_memory_stats(self) -> KVMemoryStats:
+        """Where the KV pool's blocks are, and how full the held ones are."""
+        pool, bs = self.kv_cache.pool, self.kv_cache.block_size
+        held = pool.num_blocks - pool.num_free_blocks
+        # Only a request's last block can be partly empty, and such a block is never shared.
+        empty_slots = sum(len(self.kv_cache.block_tables.get(r.request_id, ())) * bs - r.num_computed_tokens
+                          for r in self.running)
+        cached_free = pool.num_cached_free_blocks
+        return KVMemoryStats(
+            blocks_in_use=held,
+            blocks_cached_free=cached_free,
+            blocks_free=pool.num_free_blocks - cached_free,
+            tokens_stored=held * bs - empty_slots,
+            token_slots_held=held * bs,
+        )
+
     # ---- one step -------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -125,13 +155,18 @@ class Scheduler:
             and len(self.running) < self.max_num_seqs
         ):
             req = self.waiting[0]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self.kv_cache.allocate_slots(req, n):
+            cached = self.kv_cache.get_computed_blocks(req)
+            num_cached = len(cached) * self.kv_cache.block_size
+            n = min(req.num_tokens - num_cached, budget)
+            if not self.kv_cache.allocate_slots(req, n, cached):
                 break
             self.waiting.popleft()
+            self.kv_cache.record_lookup(req.num_tokens, num_cached)
+            req.num_computed_tokens = num_cached
             req.status = RequestStatus.RUNNING
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
+                req.num_cached_tokens = num_cached
             self.running.append(req)
             out.seqs.append(self._scheduled(req, n))
             budget -= n

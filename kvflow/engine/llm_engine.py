@@ -12,7 +12,7 @@ from typing import Any
 from kvflow.config import EngineConfig
 from kvflow.core.kv_cache_manager import KVCacheManager, cdiv
 from kvflow.core.request import Request, RequestStatus
-from kvflow.core.scheduler import Scheduler
+from kvflow.core.scheduler import KVMemoryStats, Scheduler
 from kvflow.engine.output_processor import OutputProcessor
 from kvflow.outputs import RequestOutput
 from kvflow.sampling_params import SamplingParams
@@ -30,6 +30,13 @@ class EngineStats:
     prompt_tokens_total: int
     generation_tokens_total: int
     num_steps: int
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int  # of which found
+    kv_memory: KVMemoryStats
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
 class LLMEngine:
@@ -40,6 +47,8 @@ class LLMEngine:
         from kvflow.worker.model_runner import ModelRunner
 
         self.config = config
+        if config.quantization is not None or config.kv_cache_dtype != "auto":
+            raise NotImplementedError("quantization and kv_cache_dtype=int8 are not implemented yet")
         ckpt = load_checkpoint(config.model, config.tokenizer)
         self.model_name = ckpt.name
         self.model_path = ckpt.path
@@ -52,7 +61,7 @@ class LLMEngine:
         self.kv_bytes_per_token = self.model_config.kv_bytes_per_token(element_size)
         self.num_kv_blocks = self._num_blocks()
         self.runner = ModelRunner(self.model_config, config, self.max_model_len, self.num_kv_blocks, ckpt.weights)
-        self.kv_cache = KVCacheManager(self.num_kv_blocks, config.block_size)
+        self.kv_cache = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_batched_tokens, config.max_num_seqs)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._children: dict[str, list[str]] = {}
@@ -206,4 +215,7 @@ class LLMEngine:
             prompt_tokens_total=self._prompt_tokens,
             generation_tokens_total=self._generation_tokens,
             num_steps=self._steps,
+            prefix_cache_queries=self.kv_cache.prefix_stats.queries,
+            prefix_cache_hits=self.kv_cache.prefix_stats.hits,
+            kv_memory=self.scheduler.kv_memory_stats(),
         )

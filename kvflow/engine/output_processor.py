@@ -54,6 +54,7 @@ class ParentState:
     children: list[ChildState]
     metrics: RequestMetrics
     error: str | None = None
+    num_cached_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -67,6 +68,7 @@ class ParentState:
             outputs=[c.output() for c in self.children],
             finished=self.finished,
             metrics=self.metrics,
+            num_cached_tokens=self.num_cached_tokens,
             error=self.error,
         )
 
@@ -104,6 +106,7 @@ class OutputProcessor:
             m = parent.metrics
             if m.first_scheduled_time is None:
                 m.first_scheduled_time = req.first_scheduled_time
+                parent.num_cached_tokens = max(req.num_cached_tokens, 0)
             if m.first_token_time is None:
                 m.first_token_time = now
             m.last_token_time = now
