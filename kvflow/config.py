@@ -40,6 +40,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     quantization: str | None = None  # None (weights in `dtype`) | "int8" (W8A8 dynamic, FBGEMM)
     kv_cache_dtype: str = "auto"  # "auto" (= dtype) | "int8" (per-token, per-head scales)
+    # Lower KV tiers for evicted prefix-cache blocks ("prefill once"); 0 / None = off.
+    kv_offload_cpu_gb: float = 0.0
+    kv_offload_disk_dir: str | None = None
+    kv_offload_disk_gb: float = 4.0  # used only with kv_offload_disk_dir
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -57,6 +61,10 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
         if self.max_model_len is not None:
             _positive("max_model_len", self.max_model_len)
+        if self.kv_offload_cpu_gb < 0 or self.kv_offload_disk_gb < 0:
+            raise ValueError("kv_offload_cpu_gb and kv_offload_disk_gb must be >= 0")
+        if (self.kv_offload_cpu_gb > 0 or self.kv_offload_disk_dir) and not self.enable_prefix_caching:
+            raise ValueError("the KV offload tiers hold prefix-cache blocks: they need enable_prefix_caching")
 
     @classmethod
     def field_names(cls) -> set[str]:

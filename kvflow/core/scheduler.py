@@ -38,6 +38,10 @@ class ScheduledSeq:
 class SchedulerOutput:
     seqs: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    # KV block transfers with the offload tiers, run by the model runner before the forward pass:
+    # (block id, content hash) pairs; saves first.
+    kv_saves: list[tuple[int, bytes]] = field(default_factory=list)
+    kv_loads: list[tuple[int, bytes]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -45,7 +49,7 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.seqs
+        return not self.seqs and not self.kv_saves and not self.kv_loads
 
 
 @dataclass
@@ -156,7 +160,7 @@ class Scheduler:
         ):
             req = self.waiting[0]
             cached = self.kv_cache.get_computed_blocks(req)
-            num_cached = len(cached) * self.kv_cache.block_size
+            num_cached = cached.num_blocks * self.kv_cache.block_size
             n = min(req.num_tokens - num_cached, budget)
             if not self.kv_cache.allocate_slots(req, n, cached):
                 break
@@ -170,6 +174,7 @@ class Scheduler:
             self.running.append(req)
             out.seqs.append(self._scheduled(req, n))
             budget -= n
+        out.kv_saves, out.kv_loads = self.kv_cache.take_transfers()
         return out
 
     def _scheduled(self, req: Request, n: int) -> ScheduledSeq:

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvflow.config import EngineConfig
 from kvflow.core.kv_cache_manager import KVCacheManager, cdiv
@@ -16,6 +17,9 @@ from kvflow.core.scheduler import KVMemoryStats, Scheduler
 from kvflow.engine.output_processor import OutputProcessor
 from kvflow.outputs import RequestOutput
 from kvflow.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvflow.worker.kv_offload import KVOffloadStore, OffloadStats
 
 logger = logging.getLogger("kvflow")
 
@@ -31,8 +35,9 @@ class EngineStats:
     generation_tokens_total: int
     num_steps: int
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
-    prefix_cache_hits: int  # of which found
+    prefix_cache_hits: int  # of which found (in the pool or an offload tier)
     kv_memory: KVMemoryStats
+    kv_offload: "OffloadStats | None" = None
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -61,7 +66,10 @@ class LLMEngine:
         self.kv_bytes_per_token = self.model_config.kv_bytes_per_token(element_size)
         self.num_kv_blocks = self._num_blocks()
         self.runner = ModelRunner(self.model_config, config, self.max_model_len, self.num_kv_blocks, ckpt.weights)
-        self.kv_cache = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        offload = self._offload_store(ckpt)
+        self.runner.offload = offload
+        self.kv_cache = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching,
+                                       offload=offload)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_batched_tokens, config.max_num_seqs)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._children: dict[str, list[str]] = {}
@@ -112,6 +120,24 @@ class LLMEngine:
                 f"or lower max_model_len"
             )
         return num
+
+    def _offload_store(self, ckpt) -> "KVOffloadStore | None":
+        cfg = self.config
+        if cfg.kv_offload_cpu_gb <= 0 and not cfg.kv_offload_disk_dir:
+            return None
+        import json
+
+        from kvflow.worker.kv_offload import KVOffloadStore
+
+        # Blocks are only reusable by the same weights, dtype and block geometry.
+        identity = json.dumps([ckpt.name, ckpt.hf_config, os.path.getsize(ckpt.path) if os.path.isfile(ckpt.path)
+                               else None, cfg.dtype, cfg.kv_cache_dtype, cfg.quantization, cfg.block_size],
+                              sort_keys=True, default=str).encode()
+        mc = self.model_config
+        k_cache = self.runner.kv_caches[0][0]
+        return KVOffloadStore(identity, (mc.num_layers, 2, cfg.block_size, mc.num_kv_heads, mc.head_dim),
+                              k_cache.dtype, int(cfg.kv_offload_cpu_gb * 2**30), cfg.kv_offload_disk_dir,
+                              int(cfg.kv_offload_disk_gb * 2**30))
 
     # ---- requests ------------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
@@ -218,4 +244,18 @@ class LLMEngine:
             prefix_cache_queries=self.kv_cache.prefix_stats.queries,
             prefix_cache_hits=self.kv_cache.prefix_stats.hits,
             kv_memory=self.scheduler.kv_memory_stats(),
+            kv_offload=None if self.runner.offload is None else self.runner.offload.stats,
         )
+
+    def shutdown(self) -> None:
+        """Persist the prefix cache to the offload tiers (a disk tier then serves the next run)."""
+        store = self.runner.offload
+        if store is None:
+            return
+        pool = self.kv_cache.pool
+        cached = [(b, h) for b, h in enumerate(pool.block_hashes) if h is not None]
+        for i in range(0, len(cached), 64):
+            chunk = cached[i:i + 64]
+            for (_, h), data in zip(chunk, self.runner.read_blocks([b for b, _ in chunk])):
+                store.store(h, data)
+        store.persist()

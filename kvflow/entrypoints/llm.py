@@ -81,3 +81,7 @@ class LLM:
 
     def get_stats(self) -> EngineStats:
         return self.engine.get_stats()
+
+    def shutdown(self) -> None:
+        """Persist the prefix cache to the KV offload tiers, if any are configured."""
+        self.engine.shutdown()

@@ -15,6 +15,7 @@ from kvflow.core.scheduler import SchedulerOutput
 from kvflow.layers.attention import SeqLayout, TorchPagedAttention
 from kvflow.models.llama import LlamaForCausalLM
 from kvflow.sample.sampler import Sampler, SamplingBatch
+from kvflow.worker.kv_offload import KVOffloadStore
 
 LogprobEntry = tuple[float, int, list[int], list[float]]
 
@@ -36,11 +37,16 @@ class ModelRunner:
             for _ in range(model_config.num_layers)
         ]
         self.sampler = Sampler(config.seed, self.device)
+        self.offload: KVOffloadStore | None = None  # set by the engine when tiers are configured
         self._generators: dict[str, torch.Generator] = {}
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[dict[str, int], dict[str, LogprobEntry]]:
+        if self.offload is not None:
+            self._transfer_kv(out)
         seqs = out.seqs
+        if not seqs:
+            return {}, {}
         tokens = [t for s in seqs for t in s.token_ids]
         input_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         meta = self.attention.build_metadata(
@@ -66,6 +72,29 @@ class ModelRunner:
         sampled = {s.request_id: ids[i] for i, s in enumerate(sampling)}
         logprobs = {s.request_id: lp for s, lp in zip(sampling, result.logprobs) if lp is not None}
         return sampled, logprobs
+
+    # ---- KV offload tiers ------------------------------------------------------------------
+    def _transfer_kv(self, out: SchedulerOutput) -> None:
+        """Save evicted blocks to the tiers, then load tier hits into their new blocks."""
+        if out.kv_saves:
+            data = self.read_blocks([b for b, _ in out.kv_saves])
+            for (_, h), block in zip(out.kv_saves, data):
+                self.offload.store(h, block)
+        if out.kv_loads:
+            self.write_blocks([b for b, _ in out.kv_loads], torch.stack([self.offload.load(h) for _, h in out.kv_loads]))
+        self.offload.end_step()
+
+    def read_blocks(self, blocks: list[int]) -> torch.Tensor:
+        """KV of whole blocks, [n, layers, 2, block_size, kv_heads, head_dim] (a copy)."""
+        idx = torch.tensor(blocks, device=self.device)
+        return torch.stack([torch.stack((k[idx], v[idx]), dim=1) for k, v in self.kv_caches], dim=1)
+
+    def write_blocks(self, blocks: list[int], data: torch.Tensor) -> None:
+        idx = torch.tensor(blocks, device=self.device)
+        data = data.to(self.device)
+        for layer, (k, v) in enumerate(self.kv_caches):
+            k[idx] = data[:, layer, 0]
+            v[idx] = data[:, layer, 1]
 
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
         if seed is None:
