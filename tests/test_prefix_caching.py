@@ -157,3 +157,23 @@ def _property_llm(path):
         _LLMS[path] = LLM(path, max_model_len=48, block_size=BS, num_kv_blocks=30, max_num_batched_tokens=16,
                           max_num_seqs=6)
     return _LLMS[path]
+
+
+def test_kv_accounting_waste_within_last_block(tiny_llama):
+    llm = LLM(tiny_llama[0], max_model_len=64, block_size=BS, num_kv_blocks=128, max_num_batched_tokens=20)
+    engine = llm.engine
+    rng = random.Random(5)
+    for _ in range(10):
+        prompt = [rng.randrange(2, 500) for _ in range(rng.randint(3, 30))]
+        engine.add_request(None, prompt, SamplingParams(max_tokens=rng.randint(1, 20), ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+        mem = engine.get_stats().kv_memory
+        running = engine.scheduler.running
+        held = {b for r in running for b in engine.kv_cache.block_tables[r.request_id]}
+        assert mem.blocks_in_use == len(held)
+        assert mem.tokens_stored == sum(r.num_computed_tokens for r in running)  # no sharing here
+        assert mem.token_slots_held - mem.tokens_stored <= len(running) * (BS - 1)
+        assert mem.blocks_in_use + mem.blocks_cached_free + mem.blocks_free == 128
+    stats = engine.get_stats()
+    assert 0 < stats.kv_utilization_contiguous_mean < stats.kv_utilization_mean <= 1

@@ -28,6 +28,7 @@ class BlockPool:
         self.cached: dict[BlockHash, int] = {}
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.num_evicted = 0
+        self._num_cached_free = 0  # free blocks that still hold a cached prefix
         # Called with (block id, hash) just before a cached block's contents are overwritten.
         self.on_evict: Callable[[int, BlockHash], None] | None = None
 
@@ -38,7 +39,7 @@ class BlockPool:
 
     @property
     def num_cached_free_blocks(self) -> int:
-        return sum(1 for b in self._free if self.block_hashes[b] is not None)
+        return self._num_cached_free
 
     def allocate(self, count: int) -> list[int]:
         if count > len(self._free):
@@ -53,6 +54,7 @@ class BlockPool:
                 del self.cached[h]
                 self.block_hashes[b] = None
                 self.num_evicted += 1
+                self._num_cached_free -= 1
             self.ref_counts[b] = 1
             blocks.append(b)
         return blocks
@@ -62,6 +64,7 @@ class BlockPool:
         for b in blocks:
             if self.ref_counts[b] == 0:
                 del self._free[b]
+                self._num_cached_free -= self.block_hashes[b] is not None
             self.ref_counts[b] += 1
 
     def release(self, blocks: list[int]) -> None:
@@ -72,6 +75,7 @@ class BlockPool:
             self.ref_counts[b] = rc
             if rc == 0:
                 self._free[b] = None
+                self._num_cached_free += self.block_hashes[b] is not None
 
     # ---- prefix cache ----------------------------------------------------------------------
     def cache_block(self, block: int, block_hash: BlockHash) -> None:
@@ -106,3 +110,5 @@ class BlockPool:
                 raise AssertionError(f"hash map points at block {b}, which holds another hash")
         if sum(h is not None for h in self.block_hashes) != len(self.cached):
             raise AssertionError("a block carries a hash the map does not know")
+        if sum(self.block_hashes[b] is not None for b in self._free) != self._num_cached_free:
+            raise AssertionError("cached-free block count is off")

@@ -59,6 +59,9 @@ class KVMemoryStats:
     blocks_free: int
     tokens_stored: int  # distinct token positions with KV in held blocks
     token_slots_held: int
+    # What pre-PagedAttention systems would have reserved for the same running requests:
+    # one contiguous region of prompt + max_tokens tokens each.
+    tokens_reserved_contiguous: int
 
     @property
     def utilization(self) -> float:
@@ -127,6 +130,7 @@ class Scheduler:
             blocks_free=pool.num_free_blocks - cached_free,
             tokens_stored=held * bs - empty_slots,
             token_slots_held=held * bs,
+            tokens_reserved_contiguous=sum(len(r.prompt_token_ids) + r.max_tokens for r in self.running),
         )
 
     # ---- one step -------------------------------------------------------------------------

@@ -37,6 +37,9 @@ class EngineStats:
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int  # of which found (in the pool or an offload tier)
     kv_memory: KVMemoryStats
+    # Averaged over steps: tokens stored / slots in held blocks, and / a contiguous reservation.
+    kv_utilization_mean: float
+    kv_utilization_contiguous_mean: float
     kv_offload: "OffloadStats | None" = None
 
     @property
@@ -78,6 +81,8 @@ class LLMEngine:
         self._prompt_tokens = 0
         self._generation_tokens = 0
         self._steps = 0
+        self._util_sum = self._util_contig_sum = 0.0
+        self._util_steps = 0
 
     # ---- start-up checks -----------------------------------------------------------------------
     def _resolve_max_model_len(self) -> int:
@@ -222,6 +227,7 @@ class LLMEngine:
         sampled, logprobs = self.runner.execute(sched)
         advanced, finished = self.scheduler.update_from_output(sched, sampled)
         self._generation_tokens += len(advanced)
+        self._track_kv_utilization()
         outputs, stopped = self.output_processor.process(advanced, finished, logprobs)
         if stopped:
             finished += self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
@@ -230,6 +236,14 @@ class LLMEngine:
             if out.finished:
                 self._children.pop(out.request_id, None)
         return outputs
+
+    def _track_kv_utilization(self) -> None:
+        if not self.scheduler.running:
+            return
+        mem = self.scheduler.kv_memory_stats()
+        self._util_steps += 1
+        self._util_sum += mem.utilization
+        self._util_contig_sum += mem.tokens_stored / max(mem.tokens_reserved_contiguous, 1)
 
     def get_stats(self) -> EngineStats:
         return EngineStats(
@@ -244,6 +258,8 @@ class LLMEngine:
             prefix_cache_queries=self.kv_cache.prefix_stats.queries,
             prefix_cache_hits=self.kv_cache.prefix_stats.hits,
             kv_memory=self.scheduler.kv_memory_stats(),
+            kv_utilization_mean=self._util_sum / max(self._util_steps, 1),
+            kv_utilization_contiguous_mean=self._util_contig_sum / max(self._util_steps, 1),
             kv_offload=None if self.runner.offload is None else self.runner.offload.stats,
         )
 
