@@ -526,6 +526,8 @@ def test_bench_cli_parses_throughput():
     args = _cli(bench.register, ["bench", "throughput", "--backend", "both", "--dataset", "sharegpt-like",
                                  "--num-prompts", "4", "--max-num-seqs", "8", "--hf-batch-size", "2"])
     assert args.func is bench.run_throughput
-    assert bench._engine_kwargs(args) == {"max_num_seqs": 8, "seed": 0}
+    kwargs = bench._engine_kwargs(args)
+    assert kwargs["max_num_seqs"] == 8 and kwargs["enable_prefix_caching"] is True
+    assert "seed" not in kwargs and "tokenizer" not in kwargs  # those flags are the workload's here
     with pytest.raises(SystemExit):
         _cli(bench.register, ["bench", "serve", "--request-rate", "-1"])

@@ -7,8 +7,7 @@ import math
 import time
 from typing import Any
 
-ENGINE_OPTIONS = ("model", "dtype", "max_model_len", "num_kv_blocks", "kv_cache_memory_gb",
-                  "max_num_batched_tokens", "max_num_seqs", "block_size", "seed")
+from kvflow.cli.engine_args import add_engine_args, dataclass_kwargs
 
 
 def _rate(s: str) -> float:
@@ -121,20 +120,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                    "static batches (each batch generates its longest output; only each request's "
                                    "own output_len tokens count as useful).")
     t.add_argument("--backend", choices=("kvflow", "hf", "both"), default="kvflow", help="default kvflow")
-    t.add_argument("--model", default=None, help="model folder or .gguf file (default: the engine's default model)")
-    t.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
-    t.add_argument("--max-model-len", type=_positive_int, default=None)
-    t.add_argument("--num-kv-blocks", type=_positive_int, default=None)
-    t.add_argument("--kv-cache-memory-gb", type=_positive_float, default=None)
-    t.add_argument("--max-num-batched-tokens", type=_positive_int, default=None)
-    t.add_argument("--max-num-seqs", type=_positive_int, default=None)
-    t.add_argument("--block-size", type=_positive_int, default=None)
     t.add_argument("--hf-batch-size", type=_positive_int, default=8, help="static batch size of the hf backend (default 8)")
     t.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="skip the untimed 2-token warm-up request of each backend")
     t.add_argument("--result-json", default=None, help="write config, machine info and per-request figures here")
     t.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     add_dataset_args(t, 32)
+    # --seed and --tokenizer belong to the workload here; the engine keeps its defaults for those.
+    add_engine_args(t, exclude=("seed", "tokenizer"))
     t.set_defaults(func=run_throughput)
 
 
@@ -225,7 +218,9 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
-    return {k: getattr(args, k) for k in ENGINE_OPTIONS if getattr(args, k, None) is not None}
+    from kvflow.config import EngineConfig
+
+    return dataclass_kwargs(EngineConfig, args)
 
 
 def _kvflow_records(outputs: list) -> list:
@@ -365,7 +360,7 @@ def run_hf_throughput(args: argparse.Namespace, requests: list, tokenizer: Any) 
 def _throughput_row(res: dict) -> list:
     m = res["metrics"]
     return [res["backend"], m.completed, res["elapsed_s"], m.request_throughput, m.output_throughput,
-            m.total_token_throughput, m.ttft_ms.get("median"), m.tpot_ms.get("median")]
+            m.total_token_throughput, m.ttft_ms.get("mean"), m.ttft_ms.get("median"), m.tpot_ms.get("median")]
 
 
 def run_throughput(args: argparse.Namespace) -> int:
@@ -388,8 +383,8 @@ def run_throughput(args: argparse.Namespace) -> int:
     print()
     print(f"workload: {len(requests)} requests, dataset {args.dataset}, "
           f"{sum(r.prompt_len for r in requests):,} prompt tokens, {sum(r.output_len for r in requests):,} output tokens")
-    print(format_table(["backend", "requests", "elapsed s", "req/s", "out tok/s", "total tok/s", "TTFT p50 ms",
-                        "TPOT p50 ms"], [_throughput_row(r) for r in results], title="Offline throughput"))
+    print(format_table(["backend", "requests", "elapsed s", "req/s", "out tok/s", "total tok/s", "TTFT mean ms",
+                        "TTFT p50 ms", "TPOT p50 ms"], [_throughput_row(r) for r in results], title="Offline throughput"))
     for r in results:
         if r["backend"] == "kvflow" and r["stats"]:
             print(format_kv([(k, v) for k, v in r["stats"].items()], digits=4, title="kvflow engine stats" + (" (incl. warm-up)" if args.warmup else "")))

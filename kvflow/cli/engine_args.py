@@ -21,21 +21,28 @@ _HELP = {
     "max_num_seqs": "most sequences running at once",
     "seed": "seed of the engine's shared random generator",
     "tokenizer": "tokenizer folder (default: the model's own)",
+    "enable_prefix_caching": "share the KV of common prompt prefixes between requests",
+    "quantization": "weight quantization: int8 (W8A8 dynamic, FBGEMM) or none",
+    "kv_cache_dtype": "KV cache dtype: auto (= --dtype) or int8",
+    "kv_offload_cpu_gb": "CPU-memory tier for evicted prefix-cache blocks, GiB (0 = off)",
+    "kv_offload_disk_dir": "directory of the disk tier for evicted prefix-cache blocks (kept across runs)",
+    "kv_offload_disk_gb": "size limit of the disk tier, GiB",
 }
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    add_dataclass_args(parser, EngineConfig, "engine options", _HELP)
+def add_engine_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
+    add_dataclass_args(parser, EngineConfig, "engine options", _HELP, exclude)
 
 
 def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, title: str,
-                       help: dict[str, str] | None = None) -> None:
-    """One `--dashed-flag` per field of the dataclass `cls`, typed from its annotations."""
+                       help: dict[str, str] | None = None, exclude: tuple[str, ...] = ()) -> None:
+    """One `--dashed-flag` per field of the dataclass `cls`, typed from its annotations
+    (fields in `exclude` keep their defaults: the command uses those flags for something else)."""
     group = parser.add_argument_group(title)
     hints = typing.get_type_hints(cls)
     help = help or {}
     for f in dataclasses.fields(cls):
-        if f.name.startswith("_"):
+        if f.name.startswith("_") or f.name in exclude:
             continue
         kind = _base_type(hints[f.name])
         default = f.default if f.default is not dataclasses.MISSING else None
@@ -48,8 +55,14 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, title: str,
             group.add_argument(flag, dest=f.name, type=kind, default=default, help=text)
 
 
+def dataclass_kwargs(cls: type, args: argparse.Namespace) -> dict[str, typing.Any]:
+    """The dataclass fields that `args` carries (flags excluded at registration are left out)."""
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
+            if not f.name.startswith("_") and hasattr(args, f.name)}
+
+
 def dataclass_from_args(cls: type, args: argparse.Namespace):
-    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if not f.name.startswith("_")})
+    return cls(**dataclass_kwargs(cls, args))
 
 
 def _base_type(hint: typing.Any) -> type:
