@@ -126,8 +126,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     t.add_argument("--result-json", default=None, help="write config, machine info and per-request figures here")
     t.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     add_dataset_args(t, 32)
-    # --seed and --tokenizer belong to the workload here; the engine keeps its defaults for those.
-    add_engine_args(t, exclude=("seed", "tokenizer"))
+    add_engine_args(t, exclude=_WORKLOAD_FLAGS)
     t.set_defaults(func=run_throughput)
 
 
@@ -217,10 +216,15 @@ def run_serve(args: argparse.Namespace) -> int:
 # ----------------------------------------------------------------------------------------------
 
 
+# --seed and --tokenizer belong to the workload here; the engine keeps its defaults for those.
+_WORKLOAD_FLAGS = ("seed", "tokenizer")
+
+
 def _engine_kwargs(args: argparse.Namespace) -> dict:
     from kvflow.config import EngineConfig
 
-    return dataclass_kwargs(EngineConfig, args)
+    kwargs = dataclass_kwargs(EngineConfig, args)
+    return {k: v for k, v in kwargs.items() if k not in _WORKLOAD_FLAGS}
 
 
 def _kvflow_records(outputs: list) -> list:
