@@ -48,7 +48,9 @@ def load_checkpoint(model: str | None, tokenizer: str | None = None) -> Checkpoi
         from kvflow.models.gguf_loader import load_gguf
 
         g = load_gguf(path)
-        return Checkpoint(path=path, name=g.name, hf_config=g.hf_config,
+        # The file's own name ("SmolLM2-135M-Instruct.Q4_1"), not general.name: it is what users
+        # typed and what the server reports as the model id.
+        return Checkpoint(path=path, name=Path(path).stem, hf_config=g.hf_config,
                           model_config=ModelConfig.from_hf_config(g.hf_config), weights=iter(g.tensors.items()),
                           tokenizer=g.tokenizer, generation_config={})
     return _load_hf_folder(Path(path), tokenizer)

@@ -1,0 +1,122 @@
+"""POST /v1/completions."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from kvflow.engine.async_llm import RequestFailedError, RequestHandle
+from kvflow.entrypoints.openai.protocol import CompletionRequest
+from kvflow.entrypoints.openai.serving import OpenAIServing, completion_logprobs, now_s, sampling_params
+from kvflow.entrypoints.openai.utils import (SSE_DONE, APIError, ClientDisconnected, OwnedStreamingResponse,
+                                             abort_all, merge_handles, parse_body, run_until_disconnect, sse,
+                                             sse_error, usage)
+from kvflow.outputs import RequestOutput
+
+
+class ServingCompletion(OpenAIServing):
+    async def create(self, raw: Request) -> Response:
+        arrival = time.monotonic()
+        req = await parse_body(raw, CompletionRequest)
+        model = self.model_name(req.model)
+        params = sampling_params(req.to_sampling_params)
+        prompt_ids = [self.tokenize(p, req.add_special_tokens) for p in req.prompt]
+        echo = [(p if isinstance(p, str) else self.decode(p)) if req.echo else "" for p in req.prompt]
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        handles = await self.add_requests(request_id, prompt_ids, params, "prompt", arrival)
+        ctx = _Ctx(request_id, model, now_s(), req, echo)
+        if req.stream:
+            return OwnedStreamingResponse(self._stream(ctx, handles), handles)
+        try:
+            finals = await run_until_disconnect(raw, _collect(handles))
+        except ClientDisconnected:
+            return Response(status_code=499)
+        except RequestFailedError as e:
+            raise APIError(500, str(e), code="engine_error") from None
+        finally:
+            abort_all(handles)
+        return JSONResponse(self._response(ctx, finals))
+
+    def _choice(self, ctx: "_Ctx", prompt_index: int, out: RequestOutput, c, text: str, token_ids: list[int],
+                logprobs, offset: int) -> dict[str, Any]:
+        lp = None
+        if ctx.req.logprobs is not None and logprobs is not None:
+            lp = completion_logprobs(token_ids, logprobs, ctx.req.logprobs, offset, self.decode)
+        choice = {"index": prompt_index * ctx.req.n + c.index, "text": text, "logprobs": lp,
+                  "finish_reason": c.finish_reason}
+        if c.finish_reason is not None:
+            choice["stop_reason"] = c.stop_reason
+        return choice
+
+    def _response(self, ctx: "_Ctx", finals: list[RequestOutput]) -> dict[str, Any]:
+        choices = []
+        for pi, out in enumerate(finals):
+            for c in out.outputs:
+                prefix = ctx.echo[pi]
+                choices.append(self._choice(ctx, pi, out, c, prefix + c.text, c.token_ids, c.logprobs, len(prefix)))
+        n_prompt = sum(len(o.prompt_token_ids) for o in finals)
+        n_out = sum(len(c.token_ids) for o in finals for c in o.outputs)
+        return {"id": ctx.request_id, "object": "text_completion", "created": ctx.created, "model": ctx.model,
+                "choices": choices, "usage": usage(n_prompt, n_out)}
+
+    async def _stream(self, ctx: "_Ctx", handles: list[RequestHandle]) -> AsyncIterator[str]:
+        req = ctx.req
+        base = {"id": ctx.request_id, "object": "text_completion", "created": ctx.created, "model": ctx.model}
+        extra = {"usage": None} if req.include_usage else {}
+        sent_text: dict[int, int] = {}  # choice index -> characters sent
+        sent_tokens: dict[int, int] = {}
+        finished: set[int] = set()
+        prompt_tokens: dict[int, int] = {}
+        lp_offset: dict[int, int] = {}  # choice index -> text_offset of its next token
+        try:
+            async for pi, out in merge_handles(handles):
+                prompt_tokens[pi] = len(out.prompt_token_ids)
+                for c in out.outputs:
+                    idx = pi * req.n + c.index
+                    if idx in finished:
+                        continue
+                    first = idx not in sent_text
+                    n_chars, n_tok = sent_text.get(idx, 0), sent_tokens.get(idx, 0)
+                    delta = c.text[n_chars:]
+                    new_ids = c.token_ids[n_tok:]
+                    if not delta and not c.finished and not (req.logprobs is not None and new_ids) and not (
+                            first and ctx.echo[pi]):
+                        continue
+                    prefix = ctx.echo[pi] if first else ""
+                    offset = lp_offset.get(idx, len(ctx.echo[pi]))
+                    new_lps = c.logprobs[n_tok:] if c.logprobs is not None else None
+                    choice = self._choice(ctx, pi, out, c, prefix + delta, new_ids, new_lps, offset)
+                    if choice["logprobs"] and choice["logprobs"]["tokens"]:
+                        lp = choice["logprobs"]
+                        lp_offset[idx] = lp["text_offset"][-1] + len(lp["tokens"][-1])
+                    sent_text[idx], sent_tokens[idx] = len(c.text), len(c.token_ids)
+                    if c.finished:
+                        finished.add(idx)
+                    yield sse({**base, "choices": [choice], **extra})
+            if req.include_usage:
+                yield sse({**base, "choices": [], "usage": usage(sum(prompt_tokens.values()),
+                                                                 sum(sent_tokens.values()))})
+        except RequestFailedError as e:
+            yield sse_error(str(e))
+        yield SSE_DONE
+
+
+class _Ctx:
+    def __init__(self, request_id: str, model: str, created: int, req: CompletionRequest, echo: list[str]) -> None:
+        self.request_id = request_id
+        self.model = model
+        self.created = created
+        self.req = req
+        self.echo = echo
+
+
+async def _collect(handles: list[RequestHandle]) -> list[RequestOutput]:
+    finals: list[RequestOutput | None] = [None] * len(handles)
+    async for i, out in merge_handles(handles):
+        finals[i] = out
+    return finals  # type: ignore[return-value]

@@ -1,0 +1,232 @@
+"""Shared pieces of the HTTP layer: OpenAI-shaped errors, body parsing, SSE, merging request
+streams, and watching for a client that went away."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import re
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from kvflow.engine.async_llm import RequestHandle
+from kvflow.outputs import RequestOutput
+from kvflow.sampling_params import SamplingParams
+
+M = TypeVar("M", bound=BaseModel)
+
+_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+          413: "invalid_request_error", 500: "server_error", 503: "server_error"}
+
+
+class APIError(Exception):
+    """Becomes `{"error": {"message", "type", "param", "code"}}` with this HTTP status."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+# ---- request bodies ----------------------------------------------------------------------------------
+async def parse_body(request: Request, model: type[M]) -> M:
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise validation_error(e) from None
+
+
+def validation_error(e: ValidationError) -> APIError:
+    err = e.errors(include_url=False)[0]
+    return pydantic_error(err)
+
+
+def pydantic_error(err: dict[str, Any]) -> APIError:
+    loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+    param = ".".join(loc) or None
+    msg = str(err.get("msg", "invalid value"))
+    msg = msg.removeprefix("Value error, ")
+    if err.get("type") == "missing":
+        return APIError(400, f"{param} is required", param=param, code="missing_required_parameter")
+    if param and not msg.startswith(loc[0]):
+        msg = f"{param}: {msg}"
+    if "input" in err and err.get("type") != "value_error" and _short(err["input"]):
+        msg += f" (got {json.dumps(err['input'])})"
+    return APIError(400, msg, param=param, code="invalid_value")
+
+
+def _short(value: Any) -> bool:
+    try:
+        return len(json.dumps(value)) <= 80
+    except (TypeError, ValueError):
+        return False
+
+
+_SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)} | {"best_of", "suffix", "echo",
+                                                                          "top_logprobs", "logit_bias", "n"}
+
+
+def value_error(e: ValueError, prompt_param: str = "prompt") -> APIError:
+    """A ValueError from request validation (SamplingParams, LLMEngine.add_request, the chat
+    template) -> 400, naming the parameter where the message says which one."""
+    msg = str(e)
+    if msg.startswith("the prompt has") and "max_model_len" in msg:
+        return APIError(400, msg, param=prompt_param, code="context_length_exceeded")
+    if msg.startswith("prompt (") and "max_model_len" in msg:
+        return APIError(400, msg, param="max_tokens", code="context_length_exceeded")
+    if msg.startswith(("the prompt is empty", "prompt token id", "prompt must", "prompt is")):
+        return APIError(400, msg, param=prompt_param, code="invalid_value")
+    m = re.match(r"\s*([a-z_]+)", msg)
+    param = m.group(1) if m and m.group(1) in _SAMPLING_FIELDS else None
+    return APIError(400, msg, param=param, code="invalid_value")
+
+
+# ---- server-sent events ---------------------------------------------------------------------------
+def sse(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse_error(message: str, status: int = 500, code: str | None = "engine_error") -> str:
+    return sse(APIError(status, message, code=code).body())
+
+
+class OwnedStreamingResponse(StreamingResponse):
+    """A streaming response that aborts its requests however it ends (finished, client gone,
+    cancelled before the body iterator ever ran)."""
+
+    def __init__(self, content: AsyncIterator[str], handles: Sequence[RequestHandle], **kwargs: Any) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}, **kwargs)
+        self.handles = handles
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            abort_all(self.handles)
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                try:
+                    await aclose()
+                except (Exception, asyncio.CancelledError):
+                    pass
+
+
+def abort_all(handles: Sequence[RequestHandle]) -> None:
+    for h in handles:
+        h.abort()
+
+
+# ---- several requests as one stream ------------------------------------------------------------------
+_END = object()
+
+
+async def merge_handles(handles: Sequence[RequestHandle]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(index, output) from several request handles as they come. Any failure propagates; leaving
+    early aborts every request."""
+    if len(handles) == 1:
+        try:
+            async for out in handles[0]:
+                yield 0, out
+        finally:
+            abort_all(handles)
+        return
+    q: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, h: RequestHandle) -> None:
+        try:
+            async for out in h:
+                q.put_nowait((i, out))
+        except Exception as e:  # RequestFailedError
+            q.put_nowait((i, e))
+            return
+        q.put_nowait((i, _END))
+
+    tasks = [asyncio.create_task(pump(i, h)) for i, h in enumerate(handles)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await q.get()
+            if item is _END:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        abort_all(handles)
+
+
+T = TypeVar("T")
+
+
+async def run_until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, but cancel it (and raise ClientDisconnected) as soon as the client goes away."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.create_task(_wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        task.cancel()
+        try:
+            await task
+        except (asyncio.CancelledError, Exception):
+            pass
+        raise ClientDisconnected()
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def safe_logprob(x: float) -> float:
+    """JSON has no -inf/NaN: clamp as vLLM does."""
+    if x != x:
+        return -9999.0
+    return max(float(x), -9999.0)

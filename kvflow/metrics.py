@@ -1,0 +1,157 @@
+"""Prometheus metrics of a serving engine (names as in vLLM, prefix `kvflow:`) and the periodic
+stats log line.
+
+Everything is recorded from the engine thread, right after a step: per-request latencies from the
+`RequestMetrics` timestamps of each `RequestOutput`, gauges and token counters from
+`LLMEngine.get_stats()`. Each `EngineMetrics` owns its own `CollectorRegistry`, so several servers
+in one process (tests) do not collide; `/metrics` renders that registry.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from kvflow.outputs import RequestOutput
+
+logger = logging.getLogger("kvflow")
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0)
+_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class EngineMetrics:
+    """The `kvflow:*` metrics. Methods are called from the engine thread (prometheus_client is
+    thread-safe, so `/metrics` may render at any time)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(f"kvflow:{name}", doc, buckets=buckets, registry=r)
+
+        self.ttft = hist("time_to_first_token_seconds", "Arrival to first output token.", _TTFT_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Time between successive output steps of a request.",
+                        _ITL_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "Arrival to finish.", _REQUEST_BUCKETS)
+        self.queue_time = hist("request_queue_time_seconds", "Arrival to first scheduled.", _REQUEST_BUCKETS)
+        self.prefill_time = hist("request_prefill_time_seconds", "First scheduled to first token.",
+                                 _REQUEST_BUCKETS)
+        self.decode_time = hist("request_decode_time_seconds", "First token to last token.", _REQUEST_BUCKETS)
+        self.num_running = Gauge("kvflow:num_requests_running", "Sequences in the running batch.", registry=r)
+        self.num_waiting = Gauge("kvflow:num_requests_waiting", "Sequences waiting to be scheduled.", registry=r)
+        self.kv_usage = Gauge("kvflow:kv_cache_usage_perc", "Fraction of KV blocks in use (0..1).", registry=r)
+        self.prompt_tokens = Counter("kvflow:prompt_tokens", "Prompt tokens admitted.", registry=r)
+        self.generation_tokens = Counter("kvflow:generation_tokens", "Tokens generated.", registry=r)
+        self.success = Counter("kvflow:request_success", "Finished requests by finish reason.",
+                               ["finished_reason"], registry=r)
+        self.preemptions = Counter("kvflow:num_preemptions", "Sequences preempted (recomputed later).", registry=r)
+        self.rejected = Counter("kvflow:request_rejected", "Requests refused by admission control (HTTP 503).",
+                                registry=r)
+        self.prefix_queries = Counter("kvflow:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                      registry=r)
+        self.prefix_hits = Counter("kvflow:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                                   registry=r)
+        for reason in ("stop", "length", "abort", "error"):
+            self.success.labels(finished_reason=reason)  # export zeros from the start
+        self._last_token_time: dict[str, float] = {}
+        self._seen = (0, 0, 0)  # prompt tokens, generation tokens, preemptions already counted
+        self._seen_prefix = (0, 0)  # prefix-cache queries, hits
+
+    # ---- engine thread --------------------------------------------------------------------------
+    def record_outputs(self, outputs: Iterable[RequestOutput]) -> None:
+        for out in outputs:
+            m = out.metrics
+            rid = out.request_id
+            last = m.last_token_time
+            prev = self._last_token_time.get(rid)
+            if last is not None and last != prev:
+                if prev is None:
+                    if m.first_token_time is not None:
+                        self.ttft.observe(max(0.0, m.first_token_time - m.arrival_time))
+                else:
+                    self.itl.observe(max(0.0, last - prev))
+                self._last_token_time[rid] = last
+            if out.finished:
+                self._last_token_time.pop(rid, None)
+                self._record_finished(out)
+
+    def _record_finished(self, out: RequestOutput) -> None:
+        m = out.metrics
+        reason = out.outputs[0].finish_reason if out.outputs else None
+        self.success.labels(finished_reason=reason or "abort").inc()
+        end = m.finished_time if m.finished_time is not None else time.monotonic()
+        self.e2e.observe(max(0.0, end - m.arrival_time))
+        if m.first_scheduled_time is not None:
+            self.queue_time.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
+            if m.first_token_time is not None:
+                self.prefill_time.observe(max(0.0, m.first_token_time - m.first_scheduled_time))
+        if m.first_token_time is not None and m.last_token_time is not None:
+            self.decode_time.observe(max(0.0, m.last_token_time - m.first_token_time))
+
+    def record_stats(self, stats) -> None:
+        """`stats` is an `EngineStats`: gauges are set, counters advance by what is new."""
+        self.num_running.set(stats.num_running)
+        self.num_waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_cache_usage)
+        seen_p, seen_g, seen_pre = self._seen
+        if stats.prompt_tokens_total > seen_p:
+            self.prompt_tokens.inc(stats.prompt_tokens_total - seen_p)
+        if stats.generation_tokens_total > seen_g:
+            self.generation_tokens.inc(stats.generation_tokens_total - seen_g)
+        if stats.num_preemptions > seen_pre:
+            self.preemptions.inc(stats.num_preemptions - seen_pre)
+        self._seen = (max(seen_p, stats.prompt_tokens_total), max(seen_g, stats.generation_tokens_total),
+                      max(seen_pre, stats.num_preemptions))
+        queries, hits = getattr(stats, "prefix_cache_queries", 0), getattr(stats, "prefix_cache_hits", 0)
+        if queries > self._seen_prefix[0]:
+            self.prefix_queries.inc(queries - self._seen_prefix[0])
+        if hits > self._seen_prefix[1]:
+            self.prefix_hits.inc(hits - self._seen_prefix[1])
+        self._seen_prefix = (max(queries, self._seen_prefix[0]), max(hits, self._seen_prefix[1]))
+
+    def record_rejected(self) -> None:
+        self.rejected.inc()
+
+    # ---- any thread -----------------------------------------------------------------------------
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class StatLogger:
+    """One INFO line every `interval_s` while the engine is busy."""
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self._last_time = time.monotonic()
+        self._last = (0, 0)  # prompt tokens, generation tokens at the last line
+
+    def maybe_log(self, stats, now: float | None = None) -> bool:
+        now = time.monotonic() if now is None else now
+        elapsed = now - self._last_time
+        if elapsed < self.interval_s:
+            return False
+        p, g = stats.prompt_tokens_total, stats.generation_tokens_total
+        hit_rate = getattr(stats, "prefix_cache_hit_rate", None)
+        logger.info(
+            "running: %d reqs, waiting: %d reqs, prompt throughput: %.1f tok/s, generation throughput: "
+            "%.1f tok/s, KV cache usage: %.1f%%, preemptions: %d%s",
+            stats.num_running, stats.num_waiting, (p - self._last[0]) / elapsed, (g - self._last[1]) / elapsed,
+            100 * stats.kv_cache_usage, stats.num_preemptions,
+            "" if hit_rate is None else f", prefix cache hit rate: {100 * hit_rate:.1f}%",
+        )
+        self._last_time, self._last = now, (p, g)
+        return True
+
+    def reset(self, stats, now: float | None = None) -> None:
+        """Start a new interval (the engine just became busy after idling)."""
+        self._last_time = time.monotonic() if now is None else now
+        self._last = (stats.prompt_tokens_total, stats.generation_tokens_total)
