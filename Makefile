@@ -26,6 +26,9 @@ test: setup
 test-fast: setup
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow"
 
+serve: setup
+	$(BIN)/kvflow serve
+
 demo: setup
 	$(BIN)/kvflow generate --chat "What is the capital of France?" -v
 
