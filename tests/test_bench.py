@@ -14,7 +14,7 @@ import pytest
 from kvflow.bench import datasets as ds
 from kvflow.bench import roofline as rf
 from kvflow.bench.metrics import (
-    SLO, RequestRecord, compute_metrics, e2el, goodput, itl, parse_slo, percentile, summarize, tpot, ttft,
+    SLO, RequestRecord, compute_metrics, e2el, goodput, itl, percentile, summarize, tpot, ttft,
 )
 from kvflow.bench.serve_client import ServeConfig, arrival_gaps, arrival_times, parse_rates, run_benchmark
 
@@ -92,19 +92,6 @@ def test_goodput_with_slos():
     assert goodput(recs, 2.0, SLO(e2el_ms=200)) == pytest.approx(1.0)  # requests 0 and 3
     assert goodput(recs, 1.0, SLO(itl_ms=45)) == pytest.approx(3.0)  # every gap <= 45 ms: 0, 1 and 3
     assert goodput(recs, 1.0, SLO()) == pytest.approx(4.0)
-
-
-def test_parse_slo():
-    assert parse_slo(["ttft:200", "tpot:50"]) == SLO(ttft_ms=200, tpot_ms=50)
-    assert parse_slo("e2el:1000,itl:30") == SLO(e2el_ms=1000, itl_ms=30)
-    for bad in ("ttft", "speed:3", "ttft:abc", "tpot:-1"):
-        with pytest.raises(ValueError, match="SLO"):
-            parse_slo(bad)
-
-
-# ----------------------------------------------------------------------------------------------
-# Arrivals
-# ----------------------------------------------------------------------------------------------
 
 
 def test_poisson_arrivals_rate():
@@ -503,8 +490,8 @@ def test_bench_serve_cli_sweep_report(fake_server, tmp_path, capsys):
     base, _ = fake_server
     out_json, plots = tmp_path / "res.json", tmp_path / "plots"
     args = _cli(bench.register, ["bench", "serve", "--base-url", base, "--num-prompts", "6", "--input-len", "8",
-                                 "--output-len", "2:5", "--sweep-rates", "20,40", "--goodput", "ttft:2000",
-                                 "tpot:500", "--result-json", str(out_json), "--plot-dir", str(plots),
+                                 "--output-len", "2:5", "--sweep-rates", "20,40", "--slo-ttft-ms", "2000",
+                                 "--slo-tpot-ms", "500", "--result-json", str(out_json), "--plot-dir", str(plots),
                                  "--disable-tqdm", "--seed", "3"])
     assert args.func(args) == 0
     out = capsys.readouterr().out

@@ -195,31 +195,6 @@ class SLO:
         return True
 
 
-def parse_slo(spec: str | Sequence[str] | None) -> SLO:
-    """Parse 'ttft:200,tpot:50' (or a list of 'name:ms' items) into an SLO. Names: ttft tpot e2el itl."""
-    if spec is None:
-        return SLO()
-    items: list[str] = []
-    for part in [spec] if isinstance(spec, str) else list(spec):
-        items.extend(p.strip() for p in part.replace(" ", ",").split(",") if p.strip())
-    slo = SLO()
-    for item in items:
-        name, sep, value = item.partition(":")
-        if not sep and "=" in item:
-            name, sep, value = item.partition("=")
-        name = name.strip().lower()
-        if name not in ("ttft", "tpot", "e2el", "itl") or not sep:
-            raise ValueError(f"bad SLO {item!r}: expected NAME:MILLISECONDS with NAME in ttft, tpot, e2el, itl")
-        try:
-            ms = float(value)
-        except ValueError:
-            raise ValueError(f"bad SLO {item!r}: {value!r} is not a number of milliseconds") from None
-        if not ms > 0:
-            raise ValueError(f"bad SLO {item!r}: the limit must be > 0 ms")
-        setattr(slo, f"{name}_ms", ms)
-    return slo
-
-
 def goodput(records: Sequence[RequestRecord], duration: float, slo: SLO) -> float:
     """Completed requests per second that meet every SLO given (DistServe's goodput)."""
     if duration <= 0:

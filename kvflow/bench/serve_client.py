@@ -238,9 +238,8 @@ async def send_request(client: Any, cfg: ServeConfig, req: BenchRequest, rec: Re
             rec.output_tokens = len(encode(tokenizer, rec.generated_text))
         else:
             rec.output_tokens = len(rec.chunk_times)
-        if rec.first_token_time is None and rec.output_tokens > 0:
-            rec.error = "server reported output tokens but streamed no content"
-            return rec
+        # Tokens that detokenize to nothing (special tokens) stream no content: the request still
+        # succeeded, but it has no TTFT, ITL or TPOT (metrics skip it there).
         rec.success = True
     except asyncio.CancelledError:
         raise

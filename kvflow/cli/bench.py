@@ -101,8 +101,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="gamma shape of the gaps (1 = Poisson, <1 burstier); mean gap stays 1/rate")
     s.add_argument("--max-concurrency", type=_positive_int, default=None, help="cap on requests in flight")
     s.add_argument("--sweep-rates", default=None, help="comma-separated rates, one run each (e.g. 0.5,1,2,4)")
-    s.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
-                   help="SLOs for goodput, e.g. ttft:200 tpot:50 (names ttft, tpot, e2el, itl)")
+    for name, what in (("ttft", "time to first token"), ("tpot", "time per output token"),
+                       ("e2el", "end-to-end latency"), ("itl", "every inter-token gap")):
+        s.add_argument(f"--slo-{name}-ms", type=_positive_float, default=None,
+                       help=f"SLO on {what} for goodput (ms)")
     s.add_argument("--percentiles", default="50,90,99", help="latency percentiles (default 50,90,99)")
     s.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                    help="do not send ignore_eos=true (a vLLM extension)")
@@ -152,7 +154,7 @@ def run_serve(args: argparse.Namespace) -> int:
     import os
 
     from kvflow.bench.datasets import generate_requests
-    from kvflow.bench.metrics import parse_slo
+    from kvflow.bench.metrics import SLO
     from kvflow.bench.report import dump_json, failure_summary, metrics_summary, plot_cdfs, plot_sweep, sweep_table
     from kvflow.bench.serve_client import ServeConfig, config_dict, parse_rates, run_benchmark, run_sweep
 
@@ -174,7 +176,7 @@ def run_serve(args: argparse.Namespace) -> int:
                       request_rate=args.request_rate, burstiness=args.burstiness,
                       max_concurrency=args.max_concurrency, seed=args.seed, ignore_eos=args.ignore_eos,
                       temperature=args.temperature, extra_body=extra, request_timeout=args.request_timeout,
-                      disable_tqdm=args.disable_tqdm, api_key=args.api_key, slo=parse_slo(args.goodput),
+                      disable_tqdm=args.disable_tqdm, api_key=args.api_key, slo=SLO(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2el_ms, args.slo_itl_ms),
                       percentiles=percentiles)
     rates = parse_rates(args.sweep_rates) if args.sweep_rates else None
 
@@ -271,7 +273,8 @@ def run_kvflow_throughput(args: argparse.Namespace, spec: Any) -> dict:
     del llm
     return {"backend": "kvflow", "elapsed_s": elapsed, "records": records, "metrics": metrics,
             "useful_output_tokens": sum(r.output_tokens for r in records if r.success),
-            "stats": stats, "requests": requests, "tokenizer": tokenizer}
+            "stats": stats, "requests": requests, "tokenizer": tokenizer,
+            "token_ids": [o.outputs[0].token_ids for o in outputs]}
 
 
 def _stats_dict(stats: Any) -> dict:
@@ -324,6 +327,7 @@ def run_hf_throughput(args: argparse.Namespace, requests: list, tokenizer: Any) 
         pad_id = 0
     bs = args.hf_batch_size
     records: list[RequestRecord] = []
+    token_ids: list[list[int]] = []
     generated = 0
     pbar = None
     if not args.disable_tqdm:
@@ -346,6 +350,8 @@ def run_hf_throughput(args: argparse.Namespace, requests: list, tokenizer: Any) 
                                  do_sample=False, pad_token_id=pad_id)
         b1 = time.perf_counter()
         generated += (out.shape[1] - input_ids.shape[1]) * out.shape[0]
+        token_ids += [out[j, input_ids.shape[1]:input_ids.shape[1] + r.output_len].tolist()
+                      for j, r in enumerate(batch)]
         for j, r in enumerate(batch):
             records.append(RequestRecord(request_id=start + j, prompt_len=lens[j], expected_output_len=r.output_len,
                                          arrival_time=t0, send_time=b0, end_time=b1, output_tokens=r.output_len,
@@ -358,7 +364,7 @@ def run_hf_throughput(args: argparse.Namespace, requests: list, tokenizer: Any) 
     metrics = compute_metrics(records, elapsed)
     return {"backend": "hf", "elapsed_s": elapsed, "records": records, "metrics": metrics,
             "useful_output_tokens": sum(r.output_len for r in requests), "generated_tokens_incl_padding": generated,
-            "stats": {"hf_batch_size": bs}}
+            "stats": {"hf_batch_size": bs}, "token_ids": token_ids}
 
 
 def _throughput_row(res: dict) -> list:
@@ -400,8 +406,11 @@ def run_throughput(args: argparse.Namespace) -> int:
         a, b = results[0]["metrics"], results[1]["metrics"]
         ratio = a.output_throughput / b.output_throughput if b.output_throughput > 0 else math.nan
         print(f"kvflow / hf output throughput: {ratio:.2f}x")
+        same = sum(x == y for x, y in zip(results[0]["token_ids"], results[1]["token_ids"]))
+        print(f"greedy outputs identical to hf: {same}/{len(requests)} requests "
+              f"(hf pads its static batches, which can flip near-ties)")
     if args.result_json:
-        doc = [{**{k: v for k, v in r.items() if k != "records"},
+        doc = [{**{k: v for k, v in r.items() if k not in ("records", "token_ids")},
                 "requests": [rec.to_dict() for rec in r["records"]]} for r in results]
         conf = {k: v for k, v in vars(args).items() if k != "func"}
         dump_json(args.result_json, conf, doc)
