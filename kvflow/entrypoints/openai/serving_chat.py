@@ -13,8 +13,8 @@ from starlette.responses import JSONResponse, Response
 from kvflow.engine.async_llm import RequestFailedError, RequestHandle
 from kvflow.entrypoints.openai.protocol import ChatCompletionRequest
 from kvflow.entrypoints.openai.serving import OpenAIServing, chat_logprobs, now_s, sampling_params
-from kvflow.entrypoints.openai.utils import (SSE_DONE, APIError, ClientDisconnected, OwnedStreamingResponse,
-                                             abort_all, merge_handles, parse_body, run_until_disconnect, sse,
+from kvflow.entrypoints.openai.utils import (SSE_DONE, OwnedStreamingResponse,
+                                             finish_unstreamed, merge_handles, parse_body, sse,
                                              sse_error, usage, value_error)
 from kvflow.outputs import RequestOutput
 
@@ -40,14 +40,9 @@ class ServingChat(OpenAIServing):
         created = now_s()
         if req.stream:
             return OwnedStreamingResponse(self._stream(request_id, model, created, req, handles), handles)
-        try:
-            finals = await run_until_disconnect(raw, _last_output(handles[0]))
-        except ClientDisconnected:
-            return Response(status_code=499)
-        except RequestFailedError as e:
-            raise APIError(500, str(e), code="engine_error") from None
-        finally:
-            abort_all(handles)
+        finals = await finish_unstreamed(raw, handles, _last_output(handles[0]))
+        if finals is None:
+            return Response(status_code=499)  # the client closed the connection
         return JSONResponse(self._response(request_id, model, created, req, finals))
 
     def _logprobs(self, req: ChatCompletionRequest, token_ids: list[int], logprobs) -> dict[str, Any] | None:

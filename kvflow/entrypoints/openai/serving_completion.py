@@ -13,8 +13,8 @@ from starlette.responses import JSONResponse, Response
 from kvflow.engine.async_llm import RequestFailedError, RequestHandle
 from kvflow.entrypoints.openai.protocol import CompletionRequest
 from kvflow.entrypoints.openai.serving import OpenAIServing, completion_logprobs, now_s, sampling_params
-from kvflow.entrypoints.openai.utils import (SSE_DONE, APIError, ClientDisconnected, OwnedStreamingResponse,
-                                             abort_all, merge_handles, parse_body, run_until_disconnect, sse,
+from kvflow.entrypoints.openai.utils import (SSE_DONE, OwnedStreamingResponse,
+                                             finish_unstreamed, merge_handles, parse_body, sse,
                                              sse_error, usage)
 from kvflow.outputs import RequestOutput
 
@@ -32,14 +32,9 @@ class ServingCompletion(OpenAIServing):
         ctx = _Ctx(request_id, model, now_s(), req, echo)
         if req.stream:
             return OwnedStreamingResponse(self._stream(ctx, handles), handles)
-        try:
-            finals = await run_until_disconnect(raw, _collect(handles))
-        except ClientDisconnected:
-            return Response(status_code=499)
-        except RequestFailedError as e:
-            raise APIError(500, str(e), code="engine_error") from None
-        finally:
-            abort_all(handles)
+        finals = await finish_unstreamed(raw, handles, _collect(handles))
+        if finals is None:
+            return Response(status_code=499)  # the client closed the connection
         return JSONResponse(self._response(ctx, finals))
 
     def _choice(self, ctx: "_Ctx", prompt_index: int, out: RequestOutput, c, text: str, token_ids: list[int],

@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from kvflow.engine.async_llm import RequestHandle
+from kvflow.engine.async_llm import RequestFailedError, RequestHandle
 from kvflow.outputs import RequestOutput
 from kvflow.sampling_params import SamplingParams
 
@@ -211,6 +211,19 @@ async def run_until_disconnect(request: Request, work: Awaitable[T]) -> T:
         watcher.cancel()
         if not task.done():
             task.cancel()
+
+
+async def finish_unstreamed(request: Request, handles: Sequence[RequestHandle], work: Awaitable[T]) -> T | None:
+    """Run a non-streamed request to its end. None if the client went away (it is aborted); an
+    engine failure becomes a 500. The requests are aborted however this ends (a no-op if done)."""
+    try:
+        return await run_until_disconnect(request, work)
+    except ClientDisconnected:
+        return None
+    except RequestFailedError as e:
+        raise APIError(500, str(e), code="engine_error") from None
+    finally:
+        abort_all(handles)
 
 
 async def _wait_disconnect(request: Request) -> None:
