@@ -38,7 +38,7 @@ class EngineConfig:
     seed: int = 0
     tokenizer: str | None = None  # default: the model's own
     enable_prefix_caching: bool = True
-    quantization: str | None = None  # None (weights in `dtype`) | "int8" (W8A8 dynamic, FBGEMM)
+    quantization: str | None = None  # None (weights in `dtype`) | "int8" (W8A8 per-token, FBGEMM)
     kv_cache_dtype: str = "auto"  # "auto" (= dtype) | "int8" (per-token, per-head scales)
     # Lower KV tiers for evicted prefix-cache blocks ("prefill once"); 0 / None = off.
     kv_offload_cpu_gb: float = 0.0

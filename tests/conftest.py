@@ -132,8 +132,7 @@ def kvflow_prefill_logits(path: str, prompt: list[int], chunk: int, num_blocks: 
     kv = KVCacheManager(num_blocks=num_blocks, block_size=4, enable_caching=False)
     # Shuffle the pool so the block table is not the identity.
     kv.pool._free = type(kv.pool._free).fromkeys(random.Random(0).sample(range(num_blocks), num_blocks))
-    shape = (num_blocks, 4, cfg.num_kv_heads, cfg.head_dim)
-    caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(cfg.num_layers)]
+    caches = attn.allocate_kv_cache(cfg.num_layers, num_blocks, cfg.num_kv_heads, cfg.head_dim, torch.float32)
 
     class Seq:
         request_id, num_computed_tokens = "x", 0

@@ -22,7 +22,7 @@ _HELP = {
     "seed": "seed of the engine's shared random generator",
     "tokenizer": "tokenizer folder (default: the model's own)",
     "enable_prefix_caching": "share the KV of common prompt prefixes between requests",
-    "quantization": "weight quantization: int8 (W8A8 dynamic, FBGEMM) or none",
+    "quantization": "weight quantization: int8 (W8A8, per-channel weights, per-token activations, FBGEMM) or none",
     "kv_cache_dtype": "KV cache dtype: auto (= --dtype) or int8",
     "kv_offload_cpu_gb": "CPU-memory tier for evicted prefix-cache blocks, GiB (0 = off)",
     "kv_offload_disk_dir": "directory of the disk tier for evicted prefix-cache blocks (kept across runs)",

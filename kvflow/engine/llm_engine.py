@@ -51,12 +51,11 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         import torch
 
+        from kvflow.layers.attention import kv_cache_bytes_per_token
         from kvflow.models.loader import load_checkpoint
         from kvflow.worker.model_runner import ModelRunner
 
         self.config = config
-        if config.quantization is not None or config.kv_cache_dtype != "auto":
-            raise NotImplementedError("quantization and kv_cache_dtype=int8 are not implemented yet")
         ckpt = load_checkpoint(config.model, config.tokenizer)
         self.model_name = ckpt.name
         self.model_path = ckpt.path
@@ -65,10 +64,17 @@ class LLMEngine:
         self.max_model_len = self._resolve_max_model_len()
         self.eos_token_ids = self._eos_ids(ckpt.generation_config)
 
-        element_size = torch.empty((), dtype=getattr(torch, config.dtype)).element_size()
-        self.kv_bytes_per_token = self.model_config.kv_bytes_per_token(element_size)
+        mc = self.model_config
+        self.kv_bytes_per_token = kv_cache_bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim,
+                                                           getattr(torch, config.dtype), config.kv_cache_dtype)
         self.num_kv_blocks = self._num_blocks()
-        self.runner = ModelRunner(self.model_config, config, self.max_model_len, self.num_kv_blocks, ckpt.weights)
+        calibration = None
+        if config.quantization == "int8" and self.tokenizer is not None:
+            from kvflow.layers.quant import CALIBRATION_TEXT
+
+            calibration = self.tokenizer(CALIBRATION_TEXT, add_special_tokens=True)["input_ids"]
+        self.runner = ModelRunner(self.model_config, config, self.max_model_len, self.num_kv_blocks, ckpt.weights,
+                                  calibration_ids=calibration)
         offload = self._offload_store(ckpt)
         self.runner.offload = offload
         self.kv_cache = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching,
@@ -109,12 +115,13 @@ class LLMEngine:
         block_bytes = cfg.block_size * self.kv_bytes_per_token
         num = cfg.num_kv_blocks or int(cfg.kv_cache_memory_gb * 2**30 // block_bytes)
         needed = cdiv(self.max_model_len, cfg.block_size)
+        mc = self.model_config
+        per_value = "1 byte + a 4-byte scale per head" if cfg.kv_cache_dtype == "int8" else \
+            f"{self.kv_bytes_per_token // (2 * mc.num_layers * mc.num_kv_heads * mc.head_dim)} bytes"
         logger.info(
-            "KV cache: %d bytes/token (2 x %d layers x %d kv heads x %d head_dim x %d bytes), "
+            "KV cache: %d bytes/token (2 x %d layers x %d kv heads x %d head_dim x %s), "
             "%d blocks of %d tokens = %d tokens, %.2f GiB",
-            self.kv_bytes_per_token, self.model_config.num_layers, self.model_config.num_kv_heads,
-            self.model_config.head_dim, self.kv_bytes_per_token // (2 * self.model_config.num_layers
-            * self.model_config.num_kv_heads * self.model_config.head_dim),
+            self.kv_bytes_per_token, mc.num_layers, mc.num_kv_heads, mc.head_dim, per_value,
             num, cfg.block_size, num * cfg.block_size, num * block_bytes / 2**30,
         )
         if num < needed:
@@ -138,10 +145,8 @@ class LLMEngine:
         identity = json.dumps([ckpt.name, ckpt.hf_config, os.path.getsize(ckpt.path) if os.path.isfile(ckpt.path)
                                else None, cfg.dtype, cfg.kv_cache_dtype, cfg.quantization, cfg.block_size],
                               sort_keys=True, default=str).encode()
-        mc = self.model_config
-        k_cache = self.runner.kv_caches[0][0]
-        return KVOffloadStore(identity, (mc.num_layers, 2, cfg.block_size, mc.num_kv_heads, mc.head_dim),
-                              k_cache.dtype, int(cfg.kv_offload_cpu_gb * 2**30), cfg.kv_offload_disk_dir,
+        return KVOffloadStore(identity, self.runner.kv_block_shape,
+                              self.runner.kv_block_dtype, int(cfg.kv_offload_cpu_gb * 2**30), cfg.kv_offload_disk_dir,
                               int(cfg.kv_offload_disk_gb * 2**30))
 
     # ---- requests ------------------------------------------------------------------------------

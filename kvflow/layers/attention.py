@@ -3,12 +3,24 @@
 A step's tokens are one flat axis mixing decodes (1 new token) and prefill chunks (many new
 tokens starting at any position). Each layer writes its new K/V into the cache through
 `slot_mapping`, then every new token attends to its sequence's cached prefix plus the chunk
-itself (causal). The backend builds its metadata once per step; layers only run `forward`.
+itself (causal). The backend builds its metadata once per step (positions, slots to write, slots
+to gather, masks); layers only run `forward`.
 
-`TorchPagedAttention` is the portable reference: gather each sequence's blocks, pad sequences
-of a group to one shape, and run `scaled_dot_product_attention` with a mask. Decodes and
-prefill chunks go in separate groups so a long chunk does not pad every decode to its length.
-A GPU kernel can replace it behind the same two methods.
+KV cache layout: one `LayerKVCache` per layer, whose `data` is
+``[num_blocks, block_size, 2, kv_heads, head_dim]`` (index 0 of the third axis is K, 1 is V), so a
+block -- K and V of `block_size` tokens -- is one contiguous piece of memory. In the default
+(`kv_cache_dtype="auto"`) mode `data` has the model's dtype and `scale` is None. With
+`kv_cache_dtype="int8"`, `data` is int8 and `scale` is float32 ``[num_blocks, block_size, 2,
+kv_heads]``: one symmetric scale per token, per K/V, per kv head, written with the values at
+cache-write time and applied when the blocks are gathered for attention. Scales live per slot next
+to their values, so anything that moves or shares whole blocks (prefix caching, preemption,
+offload) moves `data[b]` and `scale[b]` together.
+
+`TorchPagedAttention` is the portable reference: gather each sequence's cached tokens (one
+`index_select` over slots for K and V together), pad sequences of a group to one length, and run
+`scaled_dot_product_attention` (with a mask only where one is needed). Decodes and prefill chunks go
+in separate groups so a long chunk does not pad every decode to its length. A GPU kernel can replace
+it behind the same methods.
 """
 
 from __future__ import annotations
@@ -19,16 +31,49 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from kvflow.layers.quant import quantize_kv
+
+KV_CACHE_DTYPES = ("auto", "int8")
+
+
+@dataclass
+class LayerKVCache:
+    """One layer's paged K/V. data: [num_blocks, block_size, 2, kv_heads, head_dim];
+    scale: [num_blocks, block_size, 2, kv_heads] float32 when data is int8, else None."""
+
+    data: torch.Tensor
+    scale: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        # Slot-major views (slot = block * block_size + offset), used to write and gather tokens.
+        nb, bs = self.data.shape[:2]
+        self.slots = self.data.view(nb * bs, *self.data.shape[2:])  # [num_slots, 2, kv_heads, head_dim]
+        self.slot_scales = None if self.scale is None else self.scale.view(nb * bs, *self.scale.shape[2:])
+
+    @property
+    def quantized(self) -> bool:
+        return self.scale is not None
+
+    @property
+    def k(self) -> torch.Tensor:
+        """Keys as a view, dequantization not applied: [num_blocks, block_size, kv_heads, head_dim]."""
+        return self.data[:, :, 0]
+
+    @property
+    def v(self) -> torch.Tensor:
+        return self.data[:, :, 1]
+
 
 @dataclass
 class AttentionGroup:
-    rows: torch.Tensor  # [B * q_len] index into the step's token axis (padding rows repeat a valid one)
+    rows: torch.Tensor | None  # [B * q_len] index into the step's token axis; None = the identity
     valid: torch.Tensor | None  # [B * q_len] bool, None when no row is padding
-    dst: torch.Tensor  # token-axis indices of the valid rows, in order
-    block_tables: torch.Tensor  # [B, num_blocks]
-    mask: torch.Tensor  # [B, 1, q_len, num_blocks * block_size], True = may attend
+    dst: torch.Tensor | None  # token-axis indices of the valid rows, in order; None with rows None
+    slots: torch.Tensor  # [B * kv_len] cache slots to gather, row-major by sequence (padding: slot 0)
+    mask: torch.Tensor | None  # [B, 1, q_len, kv_len], True = may attend; None = attend to all kv_len
     batch: int
     q_len: int
+    kv_len: int  # keys gathered per sequence: the longest context of the group
 
 
 @dataclass
@@ -47,12 +92,38 @@ class SeqLayout:
     block_table: list[int]
 
 
+def kv_cache_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                             kv_cache_dtype: str = "auto") -> int:
+    """Bytes of KV cache one token occupies across all layers (K and V, scales included)."""
+    if kv_cache_dtype == "int8":
+        per_head = head_dim * 1 + 4  # int8 values + one float32 scale
+    elif kv_cache_dtype == "auto":
+        per_head = head_dim * torch.empty((), dtype=dtype).element_size()
+    else:
+        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+    return 2 * num_layers * num_kv_heads * per_head
+
+
 class TorchPagedAttention:
     def __init__(self, block_size: int, sliding_window: int | None, device: torch.device) -> None:
         self.block_size = block_size
         self.sliding_window = sliding_window
         self.device = device
 
+    # ---- cache ---------------------------------------------------------------------------------
+    def allocate_kv_cache(self, num_layers: int, num_blocks: int, num_kv_heads: int, head_dim: int,
+                          dtype: torch.dtype, kv_cache_dtype: str = "auto") -> list[LayerKVCache]:
+        # Zeroed, not empty: masked-out slots are still multiplied by 0 and NaN garbage would leak.
+        shape = (num_blocks, self.block_size, 2, num_kv_heads, head_dim)
+        if kv_cache_dtype == "auto":
+            return [LayerKVCache(torch.zeros(shape, dtype=dtype, device=self.device)) for _ in range(num_layers)]
+        if kv_cache_dtype == "int8":
+            return [LayerKVCache(torch.zeros(shape, dtype=torch.int8, device=self.device),
+                                 torch.zeros(shape[:-1], dtype=torch.float32, device=self.device))
+                    for _ in range(num_layers)]
+        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+
+    # ---- per step ------------------------------------------------------------------------------
     def build_metadata(self, seqs: list[SeqLayout]) -> AttentionMetadata:
         dev = self.device
         starts = torch.tensor([s.start_pos for s in seqs], dtype=torch.long)
@@ -63,58 +134,94 @@ class TorchPagedAttention:
             tables[i, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.long)
 
         # Flat token axis: sequence index and absolute position of every new token.
+        total = int(lens.sum())
         seq_of_token = torch.repeat_interleave(torch.arange(len(seqs)), lens)
         offsets = torch.cumsum(lens, 0) - lens
-        positions = starts[seq_of_token] + torch.arange(int(lens.sum())) - offsets[seq_of_token]
+        positions = starts[seq_of_token] + torch.arange(total) - offsets[seq_of_token]
         bs = self.block_size
         slot_mapping = tables[seq_of_token, positions // bs] * bs + positions % bs
 
-        groups = []
         is_decode = lens == 1
-        for members in (torch.nonzero(is_decode).flatten(), torch.nonzero(~is_decode).flatten()):
-            if len(members):
-                groups.append(self._group(members, starts, lens, offsets, tables))
+        num_decode = int(is_decode.sum())
+        if num_decode in (0, len(seqs)):  # one group, in token order
+            groups = [self._group(torch.arange(len(seqs)), starts, lens, offsets, tables, total)]
+        else:
+            groups = [self._group(members, starts, lens, offsets, tables, total)
+                      for members in (torch.nonzero(is_decode).flatten(), torch.nonzero(~is_decode).flatten())]
         return AttentionMetadata(positions=positions.to(dev), slot_mapping=slot_mapping.to(dev), groups=groups)
 
     def _group(self, members: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor,
-               offsets: torch.Tensor, tables: torch.Tensor) -> AttentionGroup:
+               offsets: torch.Tensor, tables: torch.Tensor, total: int) -> AttentionGroup:
         g_starts, g_lens, g_offsets = starts[members], lens[members], offsets[members]
         batch, q_len = len(members), int(g_lens.max())
-        num_blocks = -(-int((g_starts + g_lens).max()) // self.block_size)
+        ends = g_starts + g_lens
+        kv_len = int(ends.max())
         q_idx = torch.arange(q_len)
         valid = q_idx[None, :] < g_lens[:, None]  # [B, q_len]
         rows = g_offsets[:, None] + torch.minimum(q_idx[None, :], g_lens[:, None] - 1)
-        q_pos = g_starts[:, None] + q_idx[None, :]
-        key_pos = torch.arange(num_blocks * self.block_size)
-        mask = key_pos[None, None, :] <= q_pos[:, :, None]
-        if self.sliding_window is not None:
-            mask &= key_pos[None, None, :] > q_pos[:, :, None] - self.sliding_window
         all_valid = bool(valid.all())
+        identity = all_valid and batch * q_len == total  # the group is the whole step, in order
+        key_pos = torch.arange(kv_len)
+        bs = self.block_size
+        g_tables = tables[members]
+        slots = g_tables.gather(1, (key_pos // bs).clamp_max(g_tables.shape[1] - 1).expand(batch, -1)) * bs + key_pos % bs
+        slots = torch.where(key_pos[None, :] < ends[:, None], slots, 0)  # past a sequence's end: masked anyway
+        # One sequence decoding sees exactly its kv_len keys: no mask needed.
+        mask = None
+        if not (batch == 1 and q_len == 1) or self.sliding_window is not None:
+            q_pos = g_starts[:, None] + q_idx[None, :]
+            m = key_pos[None, None, :] <= q_pos[:, :, None]
+            if self.sliding_window is not None:
+                m &= key_pos[None, None, :] > q_pos[:, :, None] - self.sliding_window
+            mask = m.unsqueeze(1).to(self.device)
         dev = self.device
         return AttentionGroup(
-            rows=rows.flatten().to(dev),
+            rows=None if identity else rows.flatten().to(dev),
             valid=None if all_valid else valid.flatten().to(dev),
-            dst=rows[valid].to(dev),
-            block_tables=tables[members, :num_blocks].to(dev),
-            mask=mask.unsqueeze(1).to(dev),
+            dst=None if identity else rows[valid].to(dev),
+            slots=slots.flatten().to(dev),
+            mask=mask,
             batch=batch,
             q_len=q_len,
+            kv_len=kv_len,
         )
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """q: [T, H, D]; k, v: [T, KV, D]; caches: [num_blocks, block_size, KV, D] -> [T, H, D]."""
-        num_kv, head_dim = k.shape[1], k.shape[2]
-        k_cache.view(-1, num_kv, head_dim).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, num_kv, head_dim).index_copy_(0, meta.slot_mapping, v)
-        out = torch.empty_like(q)
+    # ---- per layer -----------------------------------------------------------------------------
+    def forward(self, q: torch.Tensor, kv: torch.Tensor, kv_cache: LayerKVCache, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        """q: [T, H, D]; kv: [T, 2, KV, D] (new keys and values) -> [T, H * D] (contiguous)."""
+        t, num_heads, head_dim = q.shape
+        num_kv = kv.shape[2]
+        slots, slot_scales = kv_cache.slots, kv_cache.slot_scales
+        if slot_scales is None:
+            slots.index_copy_(0, meta.slot_mapping, kv)
+        else:
+            kv_q, kv_s = quantize_kv(kv)
+            slots.index_copy_(0, meta.slot_mapping, kv_q)
+            slot_scales.index_copy_(0, meta.slot_mapping, kv_s)
+
+        out = None
         for g in meta.groups:
-            qg = q.index_select(0, g.rows).view(g.batch, g.q_len, q.shape[1], head_dim).transpose(1, 2)
-            kg = k_cache[g.block_tables].view(g.batch, -1, num_kv, head_dim).transpose(1, 2)
-            vg = v_cache[g.block_tables].view(g.batch, -1, num_kv, head_dim).transpose(1, 2)
-            o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scale,
-                                               enable_gqa=num_kv != q.shape[1])
-            o = o.transpose(1, 2).reshape(g.batch * g.q_len, q.shape[1], head_dim)
+            b, n = g.batch, g.q_len
+            kv_g = slots.index_select(0, g.slots)  # [B * L, 2, KV, D]
+            if slot_scales is not None:
+                kv_g = kv_g * slot_scales.index_select(0, g.slots).unsqueeze(-1).to(q.dtype)
+            kg, vg = kv_g.view(b, g.kv_len, 2, num_kv, head_dim).permute(2, 0, 3, 1, 4)  # 2 x [B, KV, L, D]
+            qg = q if g.rows is None else q.index_select(0, g.rows)
+            if n == 1 and num_heads != num_kv:
+                # Decode: the G query heads sharing a kv head are G rows of one attention problem.
+                o = F.scaled_dot_product_attention(qg.reshape(b, num_kv, num_heads // num_kv, head_dim), kg, vg,
+                                                   attn_mask=g.mask, scale=scale)
+                o = o.view(b, num_heads * head_dim)
+            else:
+                qg = qg.view(b, n, num_heads, head_dim).transpose(1, 2)
+                o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scale,
+                                                   enable_gqa=num_kv != num_heads)
+                o = o.transpose(1, 2).reshape(b * n, num_heads * head_dim)
+            if g.rows is None:
+                return o
+            if out is None:
+                out = torch.empty(t, num_heads * head_dim, dtype=q.dtype, device=q.device)
             out[g.dst] = o if g.valid is None else o[g.valid]
         return out
 
@@ -122,7 +229,10 @@ class TorchPagedAttention:
 class AttentionBackend(Protocol):
     """What the model runner and the layers need from an attention implementation."""
 
+    def allocate_kv_cache(self, num_layers: int, num_blocks: int, num_kv_heads: int, head_dim: int,
+                          dtype: torch.dtype, kv_cache_dtype: str = "auto") -> list[LayerKVCache]: ...
+
     def build_metadata(self, seqs: list[SeqLayout]) -> AttentionMetadata: ...
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor: ...
+    def forward(self, q: torch.Tensor, kv: torch.Tensor, kv_cache: LayerKVCache, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor: ...

@@ -12,6 +12,11 @@ class RMSNorm(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.ones(size, dtype=dtype, device=device), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            # The same float32 operations as below in fewer calls (x*x == x.pow(2) bit for bit;
+            # w * (x * r) == (x * r) * w): 5 ops instead of 8 on the per-token decode path.
+            r = (x * x).mean(-1, keepdim=True).add_(self.eps).rsqrt_()
+            return torch.mul(x, r).mul_(self.weight)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)

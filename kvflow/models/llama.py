@@ -12,10 +12,11 @@ import torch
 import torch.nn.functional as F
 
 from kvflow.config import ModelConfig
-from kvflow.layers.attention import AttentionBackend, AttentionMetadata
-from kvflow.layers.linear import Linear
+from kvflow.layers.attention import AttentionBackend, AttentionMetadata, LayerKVCache
+from kvflow.layers.linear import Linear, LinearKernel, make_linear_kernel
 from kvflow.layers.norm import RMSNorm
-from kvflow.layers.rotary import RotaryEmbedding, apply_rotary
+from kvflow.layers.quant import SMOOTH_ALPHA, smoothing_scales
+from kvflow.layers.rotary import RotaryEmbedding, apply_rotary_
 
 
 class DecoderLayer(torch.nn.Module):
@@ -36,21 +37,27 @@ class DecoderLayer(torch.nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, False, dtype, device)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, dtype, device)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, kv_cache: LayerKVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
+        # Kernels and norms are called directly, not through nn.Module.__call__: ~7 calls per layer
+        # per step on the decode path, where per-call overhead is what a step costs (no hooks here).
         t = x.shape[0]
-        h = self.input_layernorm(x)
-        q, k, v = self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        h = self.input_layernorm.forward(x)
+        qkv = self.qkv_proj.kernel(h)  # [T, q | k | v]
+        heads = self.num_heads + self.num_kv_heads
+        qk = qkv[:, : self.q_size + self.kv_size].view(t, heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        attn = self.attention.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        x = x + self.o_proj(attn.reshape(t, self.q_size))
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
-        return x + self.down_proj(F.silu(gate) * up)
+            normed = torch.cat((self.q_norm.forward(qk[:, : self.num_heads]),
+                                self.k_norm.forward(qk[:, self.num_heads:])), dim=1)
+            apply_rotary_(normed, cos, sin_signed, out=qk)
+        else:
+            apply_rotary_(qk, cos, sin_signed)  # q and k rotated together, in place in qkv
+        q = qk[:, : self.num_heads]
+        kv = qkv[:, self.q_size:].view(t, 2, self.num_kv_heads, self.head_dim)
+        attn = self.attention.forward(q, kv, kv_cache, meta, self.scale)
+        x = self.o_proj.kernel(attn, x)  # x + o_proj(attn)
+        gate, up = self.gate_up_proj.kernel(self.post_attention_layernorm.forward(x)).chunk(2, dim=-1)
+        return self.down_proj.kernel(F.silu(gate) * up, x)  # x + down_proj(...)
 
 
 class LlamaForCausalLM(torch.nn.Module):
@@ -65,20 +72,85 @@ class LlamaForCausalLM(torch.nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, device)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope, dtype, device)
+        # The logits projection; set by `prepare` (tied models: a kernel over embed_tokens).
+        self.logits_kernel: LinearKernel | None = None
+        self.linear_backend = "dense"
+        self._lm_head_smoothing: torch.Tensor | None = None  # tied + smoothed: columns of the lm_head copy
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+    def prepare(self, backend: str) -> None:
+        """Move every projection, and the lm_head, to the linear backend `backend` (after load_weights)."""
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.prepare(backend)
+        if self.lm_head is not None:
+            self.logits_kernel = self.lm_head.kernel
+        else:
+            # Tied: `dense` reads embed_tokens itself; other backends keep their own copy (the
+            # embedding lookup still needs the float rows).
+            w = self.embed_tokens.data
+            if self._lm_head_smoothing is not None:
+                w = w * self._lm_head_smoothing
+            self.logits_kernel = make_linear_kernel(backend, w)
+        self.linear_backend = backend
+
+    def linear_inputs(self) -> dict[str, torch.nn.Module]:
+        """The modules whose inputs `apply_smoothing` takes statistics of: every Linear by its
+        name, and "lm_head" -> the final norm (its output is the lm_head's input)."""
+        mods: dict[str, torch.nn.Module] = {n: m for n, m in self.named_modules() if isinstance(m, Linear)}
+        mods.pop("lm_head", None)
+        return mods
+
+    @torch.no_grad()
+    def apply_smoothing(self, act_amax: dict[str, torch.Tensor], alpha: float = SMOOTH_ALPHA) -> None:
+        """SmoothQuant, folded into the weights (see kvflow.layers.quant): call after load_weights
+        and before prepare("int8"). `act_amax[name]` is the per-input-channel max |x| of the Linear
+        `name` (as listed by linear_inputs) and of the lm_head under "lm_head". Exact in real
+        arithmetic: the float model computes the same function."""
+        cfg = self.cfg
+        group = cfg.num_heads // cfg.num_kv_heads
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        for i, layer in enumerate(self.layers):
+            p = f"layers.{i}."
+            # qkv and gate_up read RMSNorm outputs: divide the norm weight.
+            for norm, proj in ((layer.input_layernorm, layer.qkv_proj), (layer.post_attention_layernorm, layer.gate_up_proj)):
+                sc = smoothing_scales(act_amax[p + _name(layer, proj)], proj.weight, alpha).to(proj.weight.dtype)
+                norm.weight.div_(sc)
+                proj.weight.mul_(sc)
+            # down reads silu(gate) * up: divide the up rows.
+            down = layer.down_proj
+            sc = smoothing_scales(act_amax[p + "down_proj"], down.weight, alpha).to(down.weight.dtype)
+            layer.gate_up_proj.weight[cfg.intermediate_size:].div_(sc[:, None])
+            down.weight.mul_(sc)
+            # o reads the attention output, linear in v: divide the v rows, one scale per
+            # (kv head, dim), shared by the query heads of a group.
+            o = layer.o_proj
+            sc = smoothing_scales(act_amax[p + "o_proj"], o.weight, alpha)
+            sc = sc.view(cfg.num_kv_heads, group, cfg.head_dim).amax(1).to(o.weight.dtype)
+            layer.qkv_proj.weight[q_size + kv_size:].div_(sc.reshape(-1, 1))
+            if layer.qkv_proj.bias is not None:
+                layer.qkv_proj.bias[q_size + kv_size:].div_(sc.reshape(-1))
+            o.weight.mul_(sc[:, None, :].expand(-1, group, -1).reshape(-1))
+        head = self.lm_head.weight if self.lm_head is not None else self.embed_tokens
+        sc = smoothing_scales(act_amax["lm_head"], head, alpha).to(head.dtype)
+        self.norm.weight.div_(sc)
+        if self.lm_head is not None:
+            self.lm_head.weight.mul_(sc)
+        else:
+            self._lm_head_smoothing = sc  # the embedding lookup keeps the original rows
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKVCache],
+                meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, hidden]."""
         x = F.embedding(input_ids, self.embed_tokens)
-        cos, sin = self.rotary.lookup(positions)
+        cos, sin_signed = self.rotary.lookup_signed(positions)
         for layer, kv in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, kv, meta)
+            x = layer(x, cos, sin_signed, kv, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.lm_head is None:
-            return F.linear(hidden, self.embed_tokens).float()
-        return self.lm_head(hidden).float()
+        if self.logits_kernel is None:
+            self.prepare(self.linear_backend)
+        return self.logits_kernel(hidden).float()
 
     # ---- weights ---------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -122,3 +194,7 @@ class LlamaForCausalLM(torch.nn.Module):
         if p.shape != tensor.shape:
             raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(p.shape)}")
         p.data.copy_(tensor)
+
+
+def _name(layer: torch.nn.Module, child: torch.nn.Module) -> str:
+    return next(n for n, m in layer.named_children() if m is child)

@@ -13,6 +13,7 @@ import torch
 from kvflow.config import EngineConfig, ModelConfig
 from kvflow.core.scheduler import SchedulerOutput
 from kvflow.layers.attention import SeqLayout, TorchPagedAttention
+from kvflow.layers.linear import select_linear_backend
 from kvflow.models.llama import LlamaForCausalLM
 from kvflow.sample.sampler import Sampler, SamplingBatch
 from kvflow.worker.kv_offload import KVOffloadStore
@@ -22,20 +23,32 @@ LogprobEntry = tuple[float, int, list[int], list[float]]
 
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, config: EngineConfig, max_model_len: int,
-                 num_blocks: int, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+                 num_blocks: int, weights: Iterable[tuple[str, torch.Tensor]],
+                 calibration_ids: list[int] | None = None) -> None:
         self.device = torch.device(config.device)
         self.dtype = getattr(torch, config.dtype)
         self.attention = TorchPagedAttention(config.block_size, model_config.sliding_window, self.device)
         self.model = LlamaForCausalLM(model_config, self.attention, max_model_len, self.dtype, self.device)
         self.model.load_weights(weights)
         self.model.eval()
-        shape = (num_blocks, config.block_size, model_config.num_kv_heads, model_config.head_dim)
-        # Zeroed, not empty: masked-out slots are still multiplied by 0 and NaN garbage would leak.
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.dtype, device=self.device))
-            for _ in range(model_config.num_layers)
-        ]
+        self.linear_backend = select_linear_backend(self.device, self.dtype, config.quantization)
+        if self.linear_backend == "int8":
+            # Smooth activation outliers into the weights before quantizing them (calibrated on a
+            # fixed text: `calibration_ids`, or seeded random tokens for a model without a tokenizer).
+            ids = calibration_ids or _random_ids(model_config.vocab_size, 256)
+            self.model.apply_smoothing(self._activation_amax(ids[: min(len(ids), max_model_len)]))
+        self.model.prepare(self.linear_backend)
+        self.kv_cache_dtype = config.kv_cache_dtype
+        self.kv_caches = self.attention.allocate_kv_cache(
+            model_config.num_layers, num_blocks, model_config.num_kv_heads, model_config.head_dim,
+            self.dtype, config.kv_cache_dtype)
+        # One block of every layer as the offload tiers store it (see read_blocks).
+        if config.kv_cache_dtype == "int8":
+            self.kv_block_shape: tuple[int, ...] = (model_config.num_layers, self._int8_block_bytes())
+            self.kv_block_dtype = torch.uint8
+        else:
+            self.kv_block_shape = (model_config.num_layers, *self.kv_caches[0].data.shape[1:])
+            self.kv_block_dtype = self.dtype
         self.sampler = Sampler(config.seed, self.device)
         self.offload: KVOffloadStore | None = None  # set by the engine when tiers are configured
         self._generators: dict[str, torch.Generator] = {}
@@ -85,16 +98,72 @@ class ModelRunner:
         self.offload.end_step()
 
     def read_blocks(self, blocks: list[int]) -> torch.Tensor:
-        """KV of whole blocks, [n, layers, 2, block_size, kv_heads, head_dim] (a copy)."""
-        idx = torch.tensor(blocks, device=self.device)
-        return torch.stack([torch.stack((k[idx], v[idx]), dim=1) for k, v in self.kv_caches], dim=1)
+        """KV of whole blocks, [n, *kv_block_shape] of kv_block_dtype (a copy).
+
+        Default KV dtype: [n, layers, block_size, 2 (K, V), kv_heads, head_dim] in the model dtype.
+        int8 KV: [n, layers, bytes] uint8, each layer's int8 values followed by its float32 scales.
+        """
+        idx = torch.tensor(blocks, dtype=torch.long, device=self.device)
+        if self.kv_cache_dtype == "int8":
+            n = len(blocks)
+            return torch.stack([torch.cat((c.data.index_select(0, idx).view(torch.uint8).reshape(n, -1),
+                                           c.scale.index_select(0, idx).view(torch.uint8).reshape(n, -1)), dim=1)
+                                for c in self.kv_caches], dim=1)
+        return torch.stack([c.data.index_select(0, idx) for c in self.kv_caches], dim=1)
 
     def write_blocks(self, blocks: list[int], data: torch.Tensor) -> None:
-        idx = torch.tensor(blocks, device=self.device)
+        """Inverse of read_blocks: data [n, *kv_block_shape] goes into `blocks`."""
+        idx = torch.tensor(blocks, dtype=torch.long, device=self.device)
         data = data.to(self.device)
-        for layer, (k, v) in enumerate(self.kv_caches):
-            k[idx] = data[:, layer, 0]
-            v[idx] = data[:, layer, 1]
+        for layer, c in enumerate(self.kv_caches):
+            if self.kv_cache_dtype == "int8":
+                split = c.data[0].numel()
+                raw = data[:, layer]
+                c.data.index_copy_(0, idx, raw[:, :split].contiguous().view(torch.int8).view(-1, *c.data.shape[1:]))
+                c.scale.index_copy_(0, idx, raw[:, split:].contiguous().view(torch.float32).view(-1, *c.scale.shape[1:]))
+            else:
+                c.data.index_copy_(0, idx, data[:, layer].to(c.data.dtype))
+
+    @torch.inference_mode()
+    def _activation_amax(self, ids: list[int]) -> dict[str, torch.Tensor]:
+        """Per input channel max |x| of every Linear (and of the lm_head, under "lm_head") over one
+        forward pass of `ids`, with the float weights, through a scratch KV cache."""
+        model, cfg = self.model, self.model.cfg
+        amax: dict[str, torch.Tensor] = {}
+
+        def record(name: str, x: torch.Tensor) -> None:
+            a = x.detach().abs().reshape(-1, x.shape[-1]).amax(0).float()
+            amax[name] = torch.maximum(amax[name], a) if name in amax else a
+
+        class Recorder:  # the layers call kernels directly, so kernels are wrapped (no module hooks)
+            def __init__(self, kernel, name: str) -> None:
+                self.kernel, self.name, self.backend = kernel, name, kernel.backend
+
+            def __call__(self, x, residual=None):
+                record(self.name, x)
+                return self.kernel(x, residual)
+
+        linears = model.linear_inputs()
+        for n, m in linears.items():
+            m.kernel = Recorder(m.kernel, n)
+        hooks = [model.norm.register_forward_hook(lambda m, inp, out: record("lm_head", out))]
+        try:
+            bs = self.attention.block_size
+            blocks = list(range(-(-len(ids) // bs)))
+            scratch = self.attention.allocate_kv_cache(cfg.num_layers, len(blocks), cfg.num_kv_heads, cfg.head_dim,
+                                                       self.dtype)
+            meta = self.attention.build_metadata([SeqLayout(0, len(ids), blocks)])
+            model(torch.tensor(ids, dtype=torch.long, device=self.device), meta.positions, scratch, meta)
+        finally:
+            for h in hooks:
+                h.remove()
+            for m in linears.values():
+                m.kernel = m.kernel.kernel
+        return amax
+
+    def _int8_block_bytes(self) -> int:
+        c = self.kv_caches[0]
+        return c.data[0].numel() + c.scale[0].numel() * 4
 
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
         if seed is None:
@@ -109,3 +178,8 @@ class ModelRunner:
     def release(self, request_ids: Iterable[str]) -> None:
         for rid in request_ids:
             self._generators.pop(rid, None)
+
+
+def _random_ids(vocab_size: int, n: int) -> list[int]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(0, vocab_size, (n,), generator=g).tolist()

@@ -1,0 +1,352 @@
+"""CPU speed of the default model through each linear backend / KV dtype, side by side.
+
+    python benchmarks/cpu_speed.py                  # all four modes, ~6 min on 2 cores
+    python benchmarks/cpu_speed.py --modes int8,int8+kv8 --skip-throughput --breakdown-batches 1
+
+Modes: fp32-mkl (plain F.linear, i.e. MKL sgemm), fp32-onednn (the default fp32 path), int8 (W8A8
+through FBGEMM), int8+kv8 (int8 weights and int8 KV cache). All four engines are loaded at once
+and the short measurements go round-robin over them (`--rounds`, median reported), so the drift
+of a shared machine falls on every mode alike:
+
+* batch-1 decode tok/s: one request alone (32-token prompt), 64 greedy tokens, decode steps only;
+* prefill tok/s: one 512-token prompt, max_tokens=1 (whole engine steps, first token included);
+* offline throughput: 64 requests submitted at once through LLM.generate, prompts 32-256 tokens
+  (uniform), outputs 5-256 tokens (log-normal quantiles, median 87), ignore_eos, seeded; output
+  tok/s over the whole run;
+* where a decode step's time goes, at batch 1 and 32 (~100-token contexts): matmuls (every
+  projection + lm_head, per-token activation quantization included), attention (cache write,
+  gather, SDPA), other model ops (norms, rotary, residuals, activation, embedding), attention
+  metadata, sampling, the rest of the runner and the engine outside it (scheduler, outputs,
+  detokenize). Measured by timing wrappers around those pieces (~0.5 us each), not the profiler.
+
+The machine is shared: the script prints the load average and, per mode, the CPU time other
+processes used while it was measured ("foreign", in cores); figures with foreign > 0.1 are suspect.
+Other tenants of the host are not visible that way: run it twice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import resource
+import statistics
+import sys
+import time
+from collections import defaultdict
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import numpy as np
+import torch
+
+MODES = {
+    "fp32-mkl": ({}, "dense"),
+    "fp32-onednn": ({}, "onednn"),
+    "int8": ({"quantization": "int8"}, None),
+    "int8+kv8": ({"quantization": "int8", "kv_cache_dtype": "int8"}, None),
+}
+
+
+# ---- machine load ------------------------------------------------------------------------------
+def _busy_seconds() -> float:
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    return (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")
+
+
+class Foreign:
+    """CPU-seconds per wall second used by *other* processes while the block ran."""
+
+    def __enter__(self):
+        self.t, self.b = time.perf_counter(), _busy_seconds()
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        self.own = r.ru_utime + r.ru_stime
+        return self
+
+    def __exit__(self, *exc):
+        dt = time.perf_counter() - self.t
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        own = r.ru_utime + r.ru_stime - self.own
+        self.value = max(0.0, (_busy_seconds() - self.b - own) / dt) if os.path.exists("/proc/stat") else float("nan")
+
+
+def cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+# ---- workloads ---------------------------------------------------------------------------------
+class Prompts:
+    def __init__(self, tokenizer, seed: int) -> None:
+        from kvflow.bench.datasets import PromptBuilder
+
+        self.builder = PromptBuilder(tokenizer)
+        self.rng = np.random.default_rng(seed)
+
+    def ids(self, n: int) -> list[int]:
+        return self.builder.build(n, self.rng, token_ids=True)[0]
+
+
+def workload_lengths(n: int, seed: int) -> tuple[list[int], list[int]]:
+    """Prompt lengths uniform on 32-256; output lengths on 5-256 with median exactly 87: the
+    quantiles (i + 0.5) / n of a log-normal (sigma 1, median 87) whose halves are each truncated
+    to the range (as kvflow.bench's sharegpt-like workload), shuffled with the seed."""
+    from statistics import NormalDist
+
+    rng = np.random.default_rng(seed)
+    ins = rng.integers(32, 257, size=n)
+    mu, sigma, lo, hi = np.log(87), 1.0, 5, 256
+    nd = NormalDist()
+    lo_cdf, hi_cdf = nd.cdf((mu - np.log(lo)) / sigma), nd.cdf((np.log(hi) - mu) / sigma)
+    outs = []
+    for i in range(n):
+        u = (i + 0.5) / n
+        if u < 0.5:  # lower half: distance below the median, as a truncated half-normal quantile
+            z = -nd.inv_cdf(0.5 + (0.5 - u) / 0.5 * (lo_cdf - 0.5))
+        else:
+            z = nd.inv_cdf(0.5 + (u - 0.5) / 0.5 * (hi_cdf - 0.5))
+        # The two middle quantiles of an even n sit either side of the median: make them the median.
+        outs.append(87 if abs(u - 0.5) < 1 / n else int(np.clip(np.rint(np.exp(mu + sigma * z)), lo, hi)))
+    outs = [outs[j] for j in rng.permutation(n)]
+    return [int(i) for i in ins], outs
+
+
+def throughput_workload(prompts: Prompts, n: int, seed: int) -> list[tuple[list[int], int]]:
+    ins, outs = workload_lengths(n, seed)
+    return [(prompts.ids(i), o) for i, o in zip(ins, outs)]
+
+
+def decode_tok_s(llm, prompt: list[int], new_tokens: int) -> float:
+    """One request alone: greedy decode steps per second (the prefill step is not counted)."""
+    from kvflow import SamplingParams
+
+    eng = llm.engine
+    eng.add_request(None, prompt, SamplingParams(temperature=0.0, max_tokens=new_tokens + 1, ignore_eos=True))
+    eng.step()  # prefill + first token
+    steps, t_total = 0, 0.0
+    while eng.has_unfinished_requests():
+        t = time.perf_counter()
+        eng.step()
+        t_total += time.perf_counter() - t
+        steps += 1
+    return steps / t_total
+
+
+def prefill_tok_s(llm, prompt: list[int]) -> float:
+    from kvflow import SamplingParams
+
+    eng = llm.engine
+    eng.add_request(None, prompt, SamplingParams(temperature=0.0, max_tokens=1))
+    t = time.perf_counter()
+    while eng.has_unfinished_requests():
+        eng.step()
+    return len(prompt) / (time.perf_counter() - t)
+
+
+def throughput(llm, work: list[tuple[list[int], int]]) -> tuple[float, float, float, int]:
+    from kvflow import SamplingParams
+
+    params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for _, o in work]
+    before = llm.engine.get_stats().num_preemptions
+    with Foreign() as fo:
+        t = time.perf_counter()
+        outs = llm.generate([p for p, _ in work], params, use_tqdm=False)
+        dt = time.perf_counter() - t
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    return n_out / dt, len(work) / dt, fo.value, llm.engine.get_stats().num_preemptions - before
+
+
+# ---- where a decode step's time goes -------------------------------------------------------------
+class Timers:
+    def __init__(self) -> None:
+        self.t: dict[str, float] = defaultdict(float)
+
+    def wrap(self, name: str, fn):
+        t = self.t
+
+        def timed(*a, **k):
+            s = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                t[name] += time.perf_counter() - s
+
+        return timed
+
+
+class _TimedKernel:
+    def __init__(self, kernel, timed) -> None:
+        self._kernel, self._timed = kernel, timed
+        self.backend = kernel.backend
+
+    def __call__(self, x, residual=None):
+        return self._timed(x, residual)
+
+
+def breakdown(llm, prompts: Prompts, batch: int, steps: int = 24) -> tuple[dict[str, float], float, float]:
+    """ms per decode step by component, at `batch` concurrent decodes (context ~100-130 tokens)."""
+    from kvflow import SamplingParams
+    from kvflow.layers.linear import Linear
+
+    eng, runner = llm.engine, llm.engine.runner
+    model = runner.model
+    timers = Timers()
+    saved = []
+
+    def patch(obj, attr, name):
+        saved.append((obj, attr, obj.__dict__.get(attr, None), attr in obj.__dict__))
+        setattr(obj, attr, timers.wrap(name, getattr(obj, attr)))
+
+    for m in model.modules():
+        if isinstance(m, Linear):
+            saved.append((m, "kernel", m.kernel, True))
+            m.kernel = _TimedKernel(m.kernel, timers.wrap("matmul", m.kernel))
+    saved.append((model, "logits_kernel", model.logits_kernel, True))
+    model.logits_kernel = _TimedKernel(model.logits_kernel, timers.wrap("lm_head", model.logits_kernel))
+    patch(runner.attention, "forward", "attention")
+    patch(runner.attention, "build_metadata", "metadata")
+    patch(model, "forward", "model forward")
+    patch(runner, "sampler", "sampling")
+    patch(runner, "execute", "runner")
+
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+    for _ in range(batch):
+        eng.add_request(None, prompts.ids(100), params)
+    while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in
+              list(eng.scheduler.running) + list(eng.scheduler.waiting)):
+        eng.step()
+    for _ in range(3):
+        eng.step()
+    timers.t.clear()
+    with Foreign() as fo:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            eng.step()
+        wall = time.perf_counter() - t0
+    measured = dict(timers.t)
+    while eng.has_unfinished_requests():
+        eng.step()
+    for obj, attr, old, had in reversed(saved):
+        if had:
+            setattr(obj, attr, old)
+        else:
+            delattr(obj, attr)
+    t = defaultdict(float, {k: v * 1000 / steps for k, v in measured.items()})
+    step_ms = wall * 1000 / steps
+    parts = {
+        "matmuls (projections + lm_head)": t["matmul"] + t["lm_head"],
+        "attention (KV write, gather, SDPA)": t["attention"],
+        # forward = its projections (not the lm_head: that runs after it) + attention + the rest
+        "other model ops (norms, rotary, residual, silu, embedding)": t["model forward"] - t["matmul"] - t["attention"],
+        "attention metadata (once per step)": t["metadata"],
+        "sampling": t["sampling"],
+        "rest of the runner (input tensors, logits rows)": t["runner"] - t["model forward"] - t["lm_head"]
+                                                           - t["metadata"] - t["sampling"],
+        "engine outside the runner (scheduler, outputs, detokenize)": step_ms - t["runner"],
+    }
+    return parts, step_ms, fo.value
+
+
+# ---- main ----------------------------------------------------------------------------------------
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ", ".join(MODES))
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--prefill-len", type=int, default=512)
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--skip-throughput", action="store_true")
+    ap.add_argument("--breakdown-batches", default="1,32", help="e.g. 1,32 ('' to skip)")
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds of the decode / prefill measurements")
+    ap.add_argument("--kv-cache-gb", type=float, default=2.0, help="KV cache budget of each engine")
+    args = ap.parse_args()
+
+    from kvflow import LLM
+
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    for m in modes:
+        if m not in MODES:
+            raise SystemExit(f"unknown mode {m!r}; choose from {', '.join(MODES)}")
+    batches = [int(b) for b in args.breakdown_batches.split(",") if b.strip()]
+    print(f"# {cpu_name()}, {os.cpu_count()} CPUs, torch {torch.__version__} ({torch.get_num_threads()} threads), "
+          f"load average at start {os.getloadavg()[0]:.2f}")
+    # All engines stay loaded, and the short measurements go round-robin over them: the machine's
+    # speed drifts (other tenants), and interleaving spreads the drift evenly over the modes.
+    llms, load_s = {}, {}
+    for mode in modes:
+        kwargs, backend = MODES[mode]
+        old_env = os.environ.pop("KVFLOW_LINEAR_BACKEND", None)
+        if backend is not None:
+            os.environ["KVFLOW_LINEAR_BACKEND"] = backend
+        t = time.perf_counter()
+        try:
+            llms[mode] = LLM(args.model, max_model_len=2048, kv_cache_memory_gb=args.kv_cache_gb, **kwargs)
+        finally:
+            os.environ.pop("KVFLOW_LINEAR_BACKEND", None)
+            if old_env is not None:
+                os.environ["KVFLOW_LINEAR_BACKEND"] = old_env
+        load_s[mode] = time.perf_counter() - t
+    prompts = Prompts(llms[modes[0]].tokenizer, args.seed)
+    dec: dict[str, list[float]] = defaultdict(list)
+    pre: dict[str, list[float]] = defaultdict(list)
+    foreign: dict[str, float] = defaultdict(float)
+    for _ in range(args.rounds):
+        p_dec, p_pre = prompts.ids(32), prompts.ids(args.prefill_len)
+        for mode in modes:
+            with Foreign() as fo:
+                dec[mode].append(decode_tok_s(llms[mode], p_dec, args.decode_tokens))
+                pre[mode].append(prefill_tok_s(llms[mode], p_pre + [len(pre[mode])]))  # no prefix-cache hit
+            foreign[mode] = max(foreign[mode], fo.value)
+    tput: dict[str, tuple] = {}
+    if not args.skip_throughput:
+        work = throughput_workload(Prompts(llms[modes[0]].tokenizer, args.seed + 1), args.requests, args.seed)
+        for mode in modes:
+            tput[mode] = throughput(llms[mode], work)
+            foreign[mode] = max(foreign[mode], tput[mode][2])
+            print(f"# {mode}: throughput done", file=sys.stderr, flush=True)
+    breakdowns = {(mode, b): breakdown(llms[mode], prompts, b) for b in batches for mode in modes}
+    rows = []
+    for mode in modes:
+        eng = llms[mode].engine
+        t_ = tput.get(mode, (float("nan"), float("nan"), 0.0, 0))
+        rows.append((mode, eng.runner.linear_backend, eng.kv_bytes_per_token, load_s[mode], dec[mode], pre[mode],
+                     t_[0], t_[1], t_[3], foreign[mode]))
+
+    print()
+    print(f"| mode | linear backend | KV bytes/token | load s | batch-1 decode tok/s | prefill {args.prefill_len} tok/s | "
+          f"{args.requests} requests: output tok/s | req/s | preemptions | foreign CPU (max) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+
+    def med(v: list[float], fmt: str) -> str:
+        return f"{statistics.median(v):{fmt}} ({min(v):{fmt}}-{max(v):{fmt}})"
+
+    for mode, be, kvb, ld, d, p, tp, rps, preempt, fo in rows:
+        print(f"| {mode} | {be} | {kvb} | {ld:.1f} | {med(d, '.1f')} | {med(p, '.0f')} | {tp:.1f} | {rps:.2f} | "
+              f"{preempt} | {fo:.2f} |")
+    print(f"\n# decode and prefill: median (min-max) of {args.rounds} rounds, modes interleaved; decode = "
+          f"{args.decode_tokens} greedy tokens after a 32-token prompt, one request alone")
+    for (mode, b), (parts, step_ms, fo) in breakdowns.items():
+        print(f"\n{mode}, decode step at batch {b}: {step_ms:.2f} ms/step ({b * 1000 / step_ms:.1f} tok/s), "
+              f"foreign CPU {fo:.2f}")
+        print("| component | ms/step | share |")
+        print("|---|---|---|")
+        for name, ms in parts.items():
+            print(f"| {name} | {ms:.2f} | {ms / step_ms:.0%} |")
+    if not args.skip_throughput:
+        ins, outs = workload_lengths(args.requests, args.seed)
+        print(f"\n# throughput workload: {len(outs)} requests, prompts {min(ins)}-{max(ins)} tokens, outputs "
+              f"{min(outs)}-{max(outs)} (median {statistics.median(outs):.0f}, total {sum(outs)})")
+    print(f"# load average at end {os.getloadavg()[0]:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
