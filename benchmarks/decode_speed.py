@@ -41,12 +41,14 @@ def read_bandwidth_gbs(size_mb: int = 512, reps: int = 5) -> tuple[float, float]
 
 
 def weight_bytes_per_step(model) -> int:
-    """Bytes of weights one decode step reads: every matrix and norm, but only one embedding row."""
-    total = 0
-    for name, p in model.named_parameters():
-        if "embed_tokens" in name and not model.cfg.tie_word_embeddings:
-            continue  # a lookup, not a full read (tied: it is read in full as the lm_head)
-        total += p.numel() * p.element_size()
+    """Bytes of weights one decode step reads: every projection kernel, the lm_head and the norms
+    (the embedding is a row lookup)."""
+    from kvflow.layers.linear import Linear
+    from kvflow.layers.norm import RMSNorm
+
+    total = sum(m.kernel.nbytes for m in model.modules() if isinstance(m, Linear) and m is not model.lm_head)
+    total += model.logits_kernel.nbytes
+    total += sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if isinstance(m, RMSNorm))
     return total
 
 
