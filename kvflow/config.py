@@ -157,9 +157,6 @@ class ModelConfig:
             eos_token_ids=eos_ids,
         )
 
-    def kv_bytes_per_token(self, element_size: int) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element_size
-
 
 def _rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
     # transformers >= 5 writes `rope_parameters`; older configs use rope_theta + rope_scaling.

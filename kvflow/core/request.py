@@ -57,10 +57,6 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_tokens: int = -1  # prompt tokens found in the prefix cache at first scheduling
 
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
     def token_ids_between(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of prompt + output, without concatenating the whole sequence."""
         n_prompt = len(self.prompt_token_ids)

@@ -37,31 +37,19 @@ class RotaryEmbedding(torch.nn.Module):
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos().to(dtype=dtype, device=device), persistent=False)
-        self.register_buffer("sin", emb.sin().to(dtype=dtype, device=device), persistent=False)
         # sin with the first half negated: rotate_half(x) * sin == x.roll(half) * sin_signed.
         half = head_dim // 2
         sign = torch.cat((-torch.ones(half), torch.ones(head_dim - half)))
         self.register_buffer("sin_signed", (emb.sin() * sign).to(dtype=dtype, device=device), persistent=False)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of shape [T, 1, head_dim], broadcast over heads."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-
-    def lookup_signed(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin_signed of shape [T, 1, head_dim], for `apply_rotary_`."""
         return self.cos.index_select(0, positions).unsqueeze(1), self.sin_signed.index_select(0, positions).unsqueeze(1)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
 def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
                   out: torch.Tensor | None = None) -> torch.Tensor:
-    """`apply_rotary` in three ops, written into `out` (default: x itself, in place).
+    """Rotary embedding of x [T, heads, head_dim] in three ops, written into `out` (default: x itself).
 
     x * cos + rotate_half(x) * sin, with rotate_half(x) * sin == x.roll(half, -1) * sin_signed (the
     same products, sign included); `out` may alias x: both products are taken before it is written.

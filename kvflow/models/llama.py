@@ -142,7 +142,7 @@ class LlamaForCausalLM(torch.nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, hidden]."""
         x = F.embedding(input_ids, self.embed_tokens)
-        cos, sin_signed = self.rotary.lookup_signed(positions)
+        cos, sin_signed = self.rotary.lookup(positions)
         for layer, kv in zip(self.layers, kv_caches):
             x = layer(x, cos, sin_signed, kv, meta)
         return self.norm(x)
