@@ -133,10 +133,8 @@ class ModelConfig:
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         sliding = cfg.get("sliding_window")
-        if arch == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
-            sliding = None
-        if arch == "Qwen3ForCausalLM" and not cfg.get("use_sliding_window", False):
-            sliding = None
+        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not cfg.get("use_sliding_window", False):
+            sliding = None  # Qwen configs carry a window they only use when this flag is set
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
