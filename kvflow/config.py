@@ -20,6 +20,7 @@ SUPPORTED_ARCHITECTURES = (
 _DTYPES = ("float32", "bfloat16", "float16")
 _QUANTIZATIONS = (None, "int8")
 _KV_CACHE_DTYPES = ("auto", "int8")
+_ATTENTION_BACKENDS = ("auto", "torch", "native")
 
 
 @dataclass
@@ -40,6 +41,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     quantization: str | None = None  # None (weights in `dtype`) | "int8" (W8A8 per-token, FBGEMM)
     kv_cache_dtype: str = "auto"  # "auto" (= dtype) | "int8" (per-token, per-head scales)
+    # Decode attention: "native" (C kernel reading the paged cache in place, CPU float32), "torch"
+    # (gather + SDPA, any device), "auto" (native where it runs, else torch).
+    attention_backend: str = "auto"
     # Lower KV tiers for evicted prefix-cache blocks ("prefill once"); 0 / None = off.
     kv_offload_cpu_gb: float = 0.0
     kv_offload_disk_dir: str | None = None
@@ -52,6 +56,8 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of {_QUANTIZATIONS}, got {self.quantization!r}")
         if self.kv_cache_dtype not in _KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {_KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.attention_backend not in _ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {_ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         _positive("block_size", self.block_size)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("max_num_seqs", self.max_num_seqs)

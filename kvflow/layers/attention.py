@@ -129,9 +129,8 @@ class TorchPagedAttention:
         starts = torch.tensor([s.start_pos for s in seqs], dtype=torch.long)
         lens = torch.tensor([s.num_new for s in seqs], dtype=torch.long)
         max_blocks = max(len(s.block_table) for s in seqs)
-        tables = torch.zeros(len(seqs), max_blocks, dtype=torch.long)
-        for i, s in enumerate(seqs):
-            tables[i, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.long)
+        tables = torch.tensor([s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs],
+                              dtype=torch.long)
 
         # Flat token axis: sequence index and absolute position of every new token.
         total = int(lens.sum())
@@ -190,8 +189,6 @@ class TorchPagedAttention:
     def forward(self, q: torch.Tensor, kv: torch.Tensor, kv_cache: LayerKVCache, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:
         """q: [T, H, D]; kv: [T, 2, KV, D] (new keys and values) -> [T, H * D] (contiguous)."""
-        t, num_heads, head_dim = q.shape
-        num_kv = kv.shape[2]
         slots, slot_scales = kv_cache.slots, kv_cache.slot_scales
         if slot_scales is None:
             slots.index_copy_(0, meta.slot_mapping, kv)
@@ -202,27 +199,37 @@ class TorchPagedAttention:
 
         out = None
         for g in meta.groups:
-            b, n = g.batch, g.q_len
-            kv_g = slots.index_select(0, g.slots)  # [B * L, 2, KV, D]
-            if slot_scales is not None:
-                kv_g = kv_g * slot_scales.index_select(0, g.slots).unsqueeze(-1).to(q.dtype)
-            kg, vg = kv_g.view(b, g.kv_len, 2, num_kv, head_dim).permute(2, 0, 3, 1, 4)  # 2 x [B, KV, L, D]
-            qg = q if g.rows is None else q.index_select(0, g.rows)
-            if n == 1 and num_heads != num_kv:
-                # Decode: the G query heads sharing a kv head are G rows of one attention problem.
-                o = F.scaled_dot_product_attention(qg.reshape(b, num_kv, num_heads // num_kv, head_dim), kg, vg,
-                                                   attn_mask=g.mask, scale=scale)
-                o = o.view(b, num_heads * head_dim)
-            else:
-                qg = qg.view(b, n, num_heads, head_dim).transpose(1, 2)
-                o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scale,
-                                                   enable_gqa=num_kv != num_heads)
-                o = o.transpose(1, 2).reshape(b * n, num_heads * head_dim)
-            if g.rows is None:
-                return o
-            if out is None:
-                out = torch.empty(t, num_heads * head_dim, dtype=q.dtype, device=q.device)
-            out[g.dst] = o if g.valid is None else o[g.valid]
+            out = self._attend(q, kv_cache, g, scale, out)
+        return out
+
+    def _attend(self, q: torch.Tensor, kv_cache: LayerKVCache, g: AttentionGroup, scale: float,
+                out: torch.Tensor | None) -> torch.Tensor:
+        """Attention of one group's query rows; returns the step's [T, H * D] output so far (`out`,
+        allocated here on first need, with this group's rows written in)."""
+        t, num_heads, head_dim = q.shape
+        num_kv = kv_cache.data.shape[3]
+        slots, slot_scales = kv_cache.slots, kv_cache.slot_scales
+        b, n = g.batch, g.q_len
+        kv_g = slots.index_select(0, g.slots)  # [B * L, 2, KV, D]
+        if slot_scales is not None:
+            kv_g = kv_g * slot_scales.index_select(0, g.slots).unsqueeze(-1).to(q.dtype)
+        kg, vg = kv_g.view(b, g.kv_len, 2, num_kv, head_dim).permute(2, 0, 3, 1, 4)  # 2 x [B, KV, L, D]
+        qg = q if g.rows is None else q.index_select(0, g.rows)
+        if n == 1 and num_heads != num_kv:
+            # Decode: the G query heads sharing a kv head are G rows of one attention problem.
+            o = F.scaled_dot_product_attention(qg.reshape(b, num_kv, num_heads // num_kv, head_dim), kg, vg,
+                                               attn_mask=g.mask, scale=scale)
+            o = o.view(b, num_heads * head_dim)
+        else:
+            qg = qg.view(b, n, num_heads, head_dim).transpose(1, 2)
+            o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scale,
+                                               enable_gqa=num_kv != num_heads)
+            o = o.transpose(1, 2).reshape(b * n, num_heads * head_dim)
+        if g.rows is None:  # the group is the whole step, in order
+            return o
+        if out is None:
+            out = torch.empty(t, num_heads * head_dim, dtype=q.dtype, device=q.device)
+        out[g.dst] = o if g.valid is None else o[g.valid]
         return out
 
 

@@ -4,9 +4,11 @@ Order of operations (as in vLLM): logprobs are taken from the raw logits; then p
 min_tokens masking, temperature, top-k, top-p, min-p; then one draw per row. Greedy rows take
 the argmax of the penalised logits.
 
-Random draws use the exponential race (argmax of p / E, E ~ Exp(1)), which samples exactly from
-p. Each seeded request draws its noise from its own generator, so its text does not depend on
-what else is in the batch; unseeded requests share one generator seeded by the engine.
+Random draws invert the CDF: one uniform u per row, the token is the first whose cumulative
+probability exceeds u (torch.searchsorted), which samples exactly from p with one random number
+per row (the exponential race needs one per vocabulary entry: ~40 ms a step at batch 32 with a 49k
+vocabulary here). Each seeded request draws its u from its own generator, so its text does not
+depend on what else is in the batch; unseeded requests share one generator seeded by the engine.
 """
 
 from __future__ import annotations
@@ -60,8 +62,12 @@ class Sampler:
                                  device=dev, dtype=logits.dtype)
             scaled = self._truncate(logits / temps[:, None], params)
             probs = torch.softmax(scaled, dim=-1)
-            noise = self._exponential_noise(n, vocab, batch.generators, dev)
-            sampled = (probs / noise).argmax(dim=-1)
+            cdf = torch.cumsum(probs, dim=-1)
+            u = self._uniforms(batch.generators, dev) * cdf[:, -1]
+            sampled = torch.searchsorted(cdf, u[:, None], right=True).clamp_max_(vocab - 1)
+            # u * total may round up to the total: never land on a token of probability 0.
+            dead = probs.gather(1, sampled) == 0
+            sampled = torch.where(dead, probs.argmax(dim=-1, keepdim=True), sampled).squeeze(1)
             tokens = torch.where(greedy, tokens, sampled)
 
         return SamplerOutput(token_ids=tokens, logprobs=self._logprobs(raw_logprobs, tokens, params))
@@ -132,16 +138,13 @@ class Sampler:
             logits = logits.masked_fill(probs < threshold, float("-inf"))
         return logits
 
-    def _exponential_noise(self, n: int, vocab: int, generators: list[torch.Generator | None],
-                           dev: torch.device) -> torch.Tensor:
-        noise = torch.empty(n, vocab, device=dev)
-        shared = [i for i, g in enumerate(generators) if g is None]
-        if shared:
-            noise[shared] = torch.empty(len(shared), vocab, device=dev).exponential_(generator=self.generator)
+    def _uniforms(self, generators: list[torch.Generator | None], dev: torch.device) -> torch.Tensor:
+        """One U[0, 1) per row: from the row's own generator, or the shared one."""
+        u = torch.rand(len(generators), generator=self.generator, device=dev)
         for i, g in enumerate(generators):
             if g is not None:
-                noise[i].exponential_(generator=g)
-        return noise
+                u[i] = torch.rand((), generator=g, device=dev)
+        return u
 
     @staticmethod
     def _logprobs(raw: torch.Tensor | None, tokens: torch.Tensor, params: list[SamplingParams]):

@@ -12,7 +12,8 @@ import torch
 
 from kvflow.config import EngineConfig, ModelConfig
 from kvflow.core.scheduler import SchedulerOutput
-from kvflow.layers.attention import SeqLayout, TorchPagedAttention
+from kvflow.layers.attention import SeqLayout
+from kvflow.layers.cpu_attention import make_attention_backend
 from kvflow.layers.linear import select_linear_backend
 from kvflow.models.llama import LlamaForCausalLM
 from kvflow.sample.sampler import Sampler, SamplingBatch
@@ -27,7 +28,9 @@ class ModelRunner:
                  calibration_ids: list[int] | None = None) -> None:
         self.device = torch.device(config.device)
         self.dtype = getattr(torch, config.dtype)
-        self.attention = TorchPagedAttention(config.block_size, model_config.sliding_window, self.device)
+        self.attention = make_attention_backend(
+            config.attention_backend, config.block_size, model_config.sliding_window, self.device, self.dtype,
+            model_config.num_heads, model_config.num_kv_heads, model_config.head_dim)
         self.model = LlamaForCausalLM(model_config, self.attention, max_model_len, self.dtype, self.device)
         self.model.load_weights(weights)
         self.model.eval()

@@ -1,0 +1,117 @@
+"""Paged attention on the CPU with decodes read in place by a native kernel.
+
+`CpuPagedAttention` is `TorchPagedAttention` with one change: a group of decode rows (one new
+token per sequence) is not gathered and padded for scaled_dot_product_attention; the native kernel
+(csrc/paged_attention.c) walks each sequence's block table and reads its keys and values where
+they lie. A step then reads each sequence's real context once -- the torch path copies it and pads
+the batch to its longest context -- and blocks that several sequences share stay in the CPU's
+cache instead of being copied once per sequence. Prefill chunks keep the torch path (SDPA is
+compute-bound there and already good).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from kvflow.layers import native
+from kvflow.layers.attention import AttentionGroup, LayerKVCache, TorchPagedAttention
+
+ATTENTION_BACKENDS = ("auto", "torch", "native")
+MAX_HEAD_DIM = 256  # the kernel's limits (csrc/paged_attention.c)
+MAX_GROUP = 32
+
+
+@dataclass
+class NativeGroup:
+    """Decode rows for the native kernel: row r is the query at token `tokens[r]` of the step,
+    attending to the first `context_lens[r]` keys of block table `tables[r]`."""
+
+    tables: torch.Tensor  # int32 [B, max_blocks]
+    context_lens: torch.Tensor  # int32 [B]
+    tokens: torch.Tensor  # int32 [B]
+    table_rows: torch.Tensor  # int32 [B] = arange(B)
+
+
+def _lib() -> ctypes.CDLL | None:
+    lib = native.load("paged_attention")
+    if lib is not None and not hasattr(lib, "_kvflow_typed"):
+        f = lib.kvflow_paged_attention
+        p, i, l = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
+        f.argtypes = [p, l, p, p, i, p, l, p, p, p, i, i, i, i, i, i, ctypes.c_float, p, i]
+        f.restype = i
+        lib._kvflow_typed = True
+    return lib
+
+
+def native_unsupported(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
+                       head_dim: int) -> str | None:
+    """Why the native kernel cannot serve this model here, or None when it can."""
+    if device.type != "cpu":
+        return f"it runs on the CPU; device is {device.type!r}"
+    if dtype != torch.float32:
+        return f"it computes in float32; dtype is {dtype}"
+    if head_dim > MAX_HEAD_DIM or num_heads // num_kv_heads > MAX_GROUP:
+        return f"head_dim {head_dim} / query heads per kv head {num_heads // num_kv_heads} exceed {MAX_HEAD_DIM} / {MAX_GROUP}"
+    if _lib() is None:
+        return "the kernel could not be built (see the warning above)"
+    return None
+
+
+class CpuPagedAttention(TorchPagedAttention):
+    def __init__(self, block_size: int, sliding_window: int | None, device: torch.device) -> None:
+        super().__init__(block_size, sliding_window, device)
+        lib = _lib()
+        if lib is None:
+            raise RuntimeError("the native paged-attention kernel could not be built")
+        self._kernel = lib.kvflow_paged_attention
+
+    def _group(self, members: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor,
+               offsets: torch.Tensor, tables: torch.Tensor, total: int) -> AttentionGroup | NativeGroup:
+        g_lens = lens[members]
+        if int(g_lens.max()) != 1:
+            return super()._group(members, starts, lens, offsets, tables, total)
+        return NativeGroup(
+            tables=tables[members].to(torch.int32).contiguous(),
+            context_lens=(starts[members] + 1).to(torch.int32),
+            tokens=offsets[members].to(torch.int32),
+            table_rows=torch.arange(len(members), dtype=torch.int32),
+        )
+
+    def _attend(self, q: torch.Tensor, kv_cache: LayerKVCache, g: AttentionGroup | NativeGroup, scale: float,
+                out: torch.Tensor | None) -> torch.Tensor:
+        if not isinstance(g, NativeGroup):
+            return super()._attend(q, kv_cache, g, scale, out)
+        t, num_heads, head_dim = q.shape
+        if q.stride(2) != 1 or q.stride(1) != head_dim:
+            q = q.contiguous()
+        if out is None:
+            out = torch.empty(t, num_heads * head_dim, dtype=q.dtype, device=q.device)
+        data, scales = kv_cache.data, kv_cache.scale
+        rc = self._kernel(
+            q.data_ptr(), q.stride(0), data.data_ptr(), None if scales is None else scales.data_ptr(),
+            int(scales is not None), g.tables.data_ptr(), g.tables.stride(0), g.table_rows.data_ptr(),
+            g.context_lens.data_ptr(), g.tokens.data_ptr(), len(g.tokens), num_heads, data.shape[3],
+            head_dim, self.block_size, self.sliding_window or 0, scale, out.data_ptr(), torch.get_num_threads())
+        if rc != 0:
+            raise RuntimeError(f"native paged attention refused head_dim={head_dim}, heads={num_heads}/{data.shape[3]}")
+        return out
+
+
+def make_attention_backend(name: str, block_size: int, sliding_window: int | None, device: torch.device,
+                           dtype: torch.dtype, num_heads: int, num_kv_heads: int,
+                           head_dim: int) -> TorchPagedAttention:
+    """`attention_backend`: "torch" (the portable reference), "native" (the CPU kernel; an error if
+    it cannot run here) or "auto" (native when it can run, else torch)."""
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
+    if name == "torch":
+        return TorchPagedAttention(block_size, sliding_window, device)
+    why = native_unsupported(device, dtype, num_heads, num_kv_heads, head_dim)
+    if why is None:
+        return CpuPagedAttention(block_size, sliding_window, device)
+    if name == "native":
+        raise ValueError(f"attention_backend='native' is not available: {why}")
+    return TorchPagedAttention(block_size, sliding_window, device)
