@@ -25,7 +25,9 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from kvflow.layers import rowops
 from kvflow.layers.quant import quantize_weight_per_channel
+from kvflow.layers.rowops import RowScaled
 
 LINEAR_BACKENDS = ("dense", "onednn", "int8")
 
@@ -139,8 +141,9 @@ class OneDNNKernel:
 class Int8Kernel:
     """W8A8 with per-token activation scales through FBGEMM.
 
-    Each row (token) of x is divided by its own max |x| and quantized with a fixed symmetric
-    scale, x_q = round(127 * x / max|x|) + 128, by FBGEMM's
+    Each row (token) of x is divided by its own max |x| (by the producer of x when it passes a
+    `RowScaled`, else here, in one native call where kvflow.layers.rowops is available) and
+    quantized with a fixed symmetric scale, x_q = round(127 * x / max|x|) + 128, by FBGEMM's
     `linear_with_input_q_dq_qweight_dq_output_fp32`; the int8 GEMM accumulates in int32 and the
     float output row is multiplied back by max|x|. Every token gets the full 8-bit range whatever
     the other tokens of the batch hold (with one scale per tensor, as `linear_dynamic` does, a token
@@ -159,13 +162,19 @@ class Int8Kernel:
         self.bias = None if bias is None else bias.detach().float().contiguous().clone()
         self.x_scale, self.x_zero_point = activation_qparams()
         self._op = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32
+        self._rowops = rowops.available()
 
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        dtype = x.dtype
-        if dtype != torch.float32:
+    def __call__(self, x: torch.Tensor | RowScaled, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if isinstance(x, RowScaled):  # the producer already divided each row by its max |x|
+            dtype, (xn, r) = torch.float32, x
+        elif x.dtype == torch.float32 and x.dim() == 2 and self._rowops:
+            dtype, (xn, r) = x.dtype, rowops.row_scale(x)
+        else:
+            dtype = x.dtype
             x = x.float()
-        r = x.abs().amax(-1, keepdim=True).clamp_min_(1e-30)
-        y = self._op(x / r, self.x_scale, self.x_zero_point, self.packed)
+            r = x.abs().amax(-1, keepdim=True).clamp_min_(1e-30)
+            xn = x / r
+        y = self._op(xn, self.x_scale, self.x_zero_point, self.packed)
         if self.bias is None and residual is not None and dtype == torch.float32:
             return torch.addcmul(residual, y, r)
         y = y.mul_(r)

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from kvflow.config import ModelConfig
+from kvflow.layers import rowops
 from kvflow.layers.attention import AttentionBackend, AttentionMetadata, LayerKVCache
 from kvflow.layers.linear import Linear, LinearKernel, make_linear_kernel
 from kvflow.layers.norm import RMSNorm
@@ -36,6 +37,11 @@ class DecoderLayer(torch.nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, False, dtype, device)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, dtype, device)
+        self.rowops = False  # int8 path: fused native norm / activation / rotary (kvflow.layers.rowops)
+
+    def use_rowops(self, on: bool) -> None:
+        self.rowops = on
+        self.input_layernorm.row_scaled = self.post_attention_layernorm.row_scaled = on
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, kv_cache: LayerKVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -50,13 +56,18 @@ class DecoderLayer(torch.nn.Module):
             normed = torch.cat((self.q_norm.forward(qk[:, : self.num_heads]),
                                 self.k_norm.forward(qk[:, self.num_heads:])), dim=1)
             apply_rotary_(normed, cos, sin_signed, out=qk)
+        elif self.rowops:
+            rowops.rotary_(qk, cos, sin_signed)
         else:
             apply_rotary_(qk, cos, sin_signed)  # q and k rotated together, in place in qkv
         q = qk[:, : self.num_heads]
         kv = qkv[:, self.q_size:].view(t, 2, self.num_kv_heads, self.head_dim)
         attn = self.attention.forward(q, kv, kv_cache, meta, self.scale)
         x = self.o_proj.kernel(attn, x)  # x + o_proj(attn)
-        gate, up = self.gate_up_proj.kernel(self.post_attention_layernorm.forward(x)).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj.kernel(self.post_attention_layernorm.forward(x))
+        if self.rowops:
+            return self.down_proj.kernel(rowops.silu_mul_row_scale(gate_up), x)
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj.kernel(F.silu(gate) * up, x)  # x + down_proj(...)
 
 
@@ -82,6 +93,9 @@ class LlamaForCausalLM(torch.nn.Module):
         for m in self.modules():
             if isinstance(m, Linear):
                 m.prepare(backend)
+        # int8 linears quantize row-scaled inputs: let norms and the activation emit them directly.
+        for layer in self.layers:
+            layer.use_rowops(backend == "int8" and rowops.available() and self.rotary.cos.dtype == torch.float32)
         if self.lm_head is not None:
             self.logits_kernel = self.lm_head.kernel
         else:
