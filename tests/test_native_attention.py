@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvflow import LLM, SamplingParams
-from kvflow.layers.attention import LayerKVCache, SeqLayout, TorchPagedAttention
+from kvflow.layers.attention import LayerKVCache, SeqLayout, TorchPagedAttention, partition_groups
 from conftest import assert_no_leaks
 from kvflow.layers.cpu_attention import CpuPagedAttention, make_attention_backend, native_unsupported
 
@@ -121,3 +121,38 @@ def test_engine_greedy_same_on_both_backends(tiny_llama, kv_dtype):
         assert llm.engine.get_stats().num_preemptions > 0
         assert_no_leaks(llm.engine)
     assert results["native"] == results["torch"]
+
+
+def test_partition_groups_bounds_padding():
+    q_lens = [64] * 6 + [300, 1, 1, 5, 3]
+    kv_lens = [400] * 6 + [300, 50, 70, 5, 3]
+    groups = partition_groups(q_lens, kv_lens)
+    assert sorted(i for g in groups for i in g) == list(range(len(q_lens)))  # each sequence once
+    assert all(g == sorted(g) for g in groups)  # token order inside a group
+    assert [7, 8] in groups  # decodes together
+    assert [6] in groups  # the 300-token prompt is not padded into the 64-token chunks' group
+    for g in groups:
+        padded = len(g) * max(q_lens[i] for i in g) * max(kv_lens[i] for i in g)
+        assert padded <= max(1.5 * sum(q_lens[i] * kv_lens[i] for i in g), 1 << 16)
+
+
+@pytest.mark.parametrize("backend", [TorchPagedAttention, CpuPagedAttention])
+def test_several_prefill_groups_match_float64(backend):
+    """A long prompt, short chunks over long contexts, tiny prompts and decodes in one step: split
+    into several groups, written back to the right rows."""
+    gen = torch.Generator().manual_seed(5)
+    bs, heads, kv_heads, head_dim = 4, 4, 2, 16
+    attn = backend(bs, None, CPU)
+    cache = _random_cache(attn, 200, kv_heads, head_dim, "auto", gen)
+    perm = torch.randperm(200, generator=gen).tolist()
+    seqs, used = [], 0
+    for start, new in [(0, 3), (300, 6), (0, 300), (7, 1), (44, 5), (0, 2), (60, 1), (36, 8)]:
+        n = -(-(start + new) // bs)
+        seqs.append(SeqLayout(start, new, perm[used: used + n]))
+        used += n
+    assert len(partition_groups([s.num_new for s in seqs], [s.start_pos + s.num_new for s in seqs])) > 2
+    t = sum(s.num_new for s in seqs)
+    q = torch.randn(t, heads, head_dim, generator=gen)
+    kv = torch.randn(t, 2, kv_heads, head_dim, generator=gen)
+    out = attn.forward(q, kv, cache, attn.build_metadata(seqs), 0.25)
+    assert (out.double() - _reference(q, cache, seqs, bs, 0.25, None)).abs().max() < 2e-5

@@ -104,6 +104,33 @@ def kv_cache_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, 
     return 2 * num_layers * num_kv_heads * per_head
 
 
+def partition_groups(q_lens: list[int], kv_lens: list[int], max_waste: float = 1.5,
+                     small: int = 1 << 16) -> list[list[int]]:
+    """Split a step's sequences into attention groups, each a list of indices in token order.
+
+    A group is padded to its longest chunk (queries) and longest context (keys), so one 1,000-token
+    prompt grouped with thirty 64-token chunks would multiply the attention work by ~15. Decodes
+    form one group; prefill chunks are taken largest first (q_len x kv_len) and join the current
+    group while its padded size stays within `max_waste` times the work it really holds, or under
+    `small` query-key pairs (tiny chunks: one SDPA call beats several)."""
+    decode = [i for i, n in enumerate(q_lens) if n == 1]
+    prefill = sorted((i for i, n in enumerate(q_lens) if n > 1), key=lambda i: -q_lens[i] * kv_lens[i])
+    groups: list[list[int]] = [decode] if decode else []
+    current: list[int] = []
+    max_q = max_kv = work = 0
+    for i in prefill:
+        q, kv = max(max_q, q_lens[i]), max(max_kv, kv_lens[i])
+        padded = (len(current) + 1) * q * kv
+        if current and padded > max(max_waste * (work + q_lens[i] * kv_lens[i]), small):
+            groups.append(sorted(current))
+            current, q, kv, work = [], q_lens[i], kv_lens[i], 0
+        current.append(i)
+        max_q, max_kv, work = q, kv, work + q_lens[i] * kv_lens[i]
+    if current:
+        groups.append(sorted(current))
+    return groups
+
+
 class TorchPagedAttention:
     def __init__(self, block_size: int, sliding_window: int | None, device: torch.device) -> None:
         self.block_size = block_size
@@ -140,13 +167,8 @@ class TorchPagedAttention:
         bs = self.block_size
         slot_mapping = tables[seq_of_token, positions // bs] * bs + positions % bs
 
-        is_decode = lens == 1
-        num_decode = int(is_decode.sum())
-        if num_decode in (0, len(seqs)):  # one group, in token order
-            groups = [self._group(torch.arange(len(seqs)), starts, lens, offsets, tables, total)]
-        else:
-            groups = [self._group(members, starts, lens, offsets, tables, total)
-                      for members in (torch.nonzero(is_decode).flatten(), torch.nonzero(~is_decode).flatten())]
+        groups = [self._group(torch.tensor(members), starts, lens, offsets, tables, total)
+                  for members in partition_groups([s.num_new for s in seqs], [s.start_pos + s.num_new for s in seqs])]
         return AttentionMetadata(positions=positions.to(dev), slot_mapping=slot_mapping.to(dev), groups=groups)
 
     def _group(self, members: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor,
