@@ -14,8 +14,8 @@ of a shared machine falls on every mode alike:
   (uniform), outputs 5-256 tokens (log-normal quantiles, median 87), ignore_eos, seeded; output
   tok/s over the whole run;
 * where a decode step's time goes, at batch 1 and 32 (~100-token contexts): matmuls (every
-  projection + lm_head, per-token activation quantization included), attention (cache write,
-  gather, SDPA), other model ops (norms, rotary, residuals, activation, embedding), attention
+  projection + lm_head, per-token activation quantization included), attention (cache write, then
+  the native decode kernel or gather + SDPA), other model ops (norms, rotary, residuals, activation, embedding), attention
   metadata, sampling, the rest of the runner and the engine outside it (scheduler, outputs,
   detokenize). Measured by timing wrappers around those pieces (~0.5 us each), not the profiler.
 
@@ -242,7 +242,7 @@ def breakdown(llm, prompts: Prompts, batch: int, steps: int = 24) -> tuple[dict[
     step_ms = wall * 1000 / steps
     parts = {
         "matmuls (projections + lm_head)": t["matmul"] + t["lm_head"],
-        "attention (KV write, gather, SDPA)": t["attention"],
+        "attention (KV write, paged attention)": t["attention"],
         # forward = its projections (not the lm_head: that runs after it) + attention + the rest
         "other model ops (norms, rotary, residual, silu, embedding)": t["model forward"] - t["matmul"] - t["attention"],
         "attention metadata (once per step)": t["metadata"],
