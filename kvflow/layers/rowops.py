@@ -21,6 +21,9 @@ import torch
 from kvflow.layers import native
 
 
+MAX_HEAD_DIM = 256  # rotary_'s limit (csrc/rowops.c)
+
+
 class RowScaled(NamedTuple):
     """x[r] / max|x[r]| with max|x[r]| in scale[r, 0]: an int8 linear's input, already row-scaled."""
 
@@ -92,7 +95,7 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> Non
     """In place on x [T, heads, head_dim] (heads contiguous, any row stride); cos, sin_signed:
     [T, 1, head_dim] as `RotaryEmbedding.lookup` returns them (contiguous)."""
     t, heads, head_dim = x.shape
-    if x.dtype != torch.float32 or x.stride(2) != 1 or x.stride(1) != head_dim or head_dim > 256:
-        raise ValueError("rotary_ takes float32 [T, heads, head_dim <= 256] with contiguous heads")
+    if x.dtype != torch.float32 or x.stride(2) != 1 or x.stride(1) != head_dim or head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"rotary_ takes float32 [T, heads, head_dim <= {MAX_HEAD_DIM}] with contiguous heads")
     _lib.kvflow_rotary(x.data_ptr(), x.stride(0), t, heads, head_dim, cos.data_ptr(), sin_signed.data_ptr(),
                        torch.get_num_threads())

@@ -95,7 +95,8 @@ class LlamaForCausalLM(torch.nn.Module):
                 m.prepare(backend)
         # int8 linears quantize row-scaled inputs: let norms and the activation emit them directly.
         for layer in self.layers:
-            layer.use_rowops(backend == "int8" and rowops.available() and self.rotary.cos.dtype == torch.float32)
+            layer.use_rowops(backend == "int8" and rowops.available() and self.rotary.cos.dtype == torch.float32
+                             and self.cfg.head_dim <= rowops.MAX_HEAD_DIM)
         if self.lm_head is not None:
             self.logits_kernel = self.lm_head.kernel
         else:
