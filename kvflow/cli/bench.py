@@ -10,34 +10,22 @@ from typing import Any
 from kvflow.cli.engine_args import add_engine_args, dataclass_kwargs
 
 
-def _rate(s: str) -> float:
-    try:
-        r = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of requests/s or inf, got {s!r}") from None
-    if not r > 0:
-        raise argparse.ArgumentTypeError(f"request rate must be > 0, got {s}")
-    return r
+def _positive(cast: type, what: str):
+    """An argparse type: `cast(s)`, which must be > 0 (inf allowed for floats)."""
+    def parse(s: str):
+        try:
+            v = cast(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {s!r}") from None
+        if not v > 0:
+            raise argparse.ArgumentTypeError(f"expected {what} > 0, got {s}")
+        return v
+    return parse
 
 
-def _positive_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s}")
-    return v
-
-
-def _positive_float(s: str) -> float:
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {s}")
-    return v
+_rate = _positive(float, "a request rate in requests/s (or inf)")
+_positive_int = _positive(int, "an integer")
+_positive_float = _positive(float, "a number")
 
 
 def add_dataset_args(p: argparse.ArgumentParser, default_num_prompts: int) -> None:
