@@ -18,9 +18,11 @@ offload) moves `data[b]` and `scale[b]` together.
 
 `TorchPagedAttention` is the portable reference: gather each sequence's cached tokens (one
 `index_select` over slots for K and V together), pad sequences of a group to one length, and run
-`scaled_dot_product_attention` (with a mask only where one is needed). Decodes and prefill chunks go
-in separate groups so a long chunk does not pad every decode to its length. A GPU kernel can replace
-it behind the same methods.
+`scaled_dot_product_attention` (with a mask only where one is needed). Decodes form one group and
+prefill chunks are split into groups of similar size (`partition_groups`), so a long chunk pads
+neither the decodes nor the short chunks to its length. `CpuPagedAttention`
+(kvflow/layers/cpu_attention.py) replaces the decode group with a native kernel that reads the
+paged cache in place; a GPU kernel can replace it behind the same methods.
 """
 
 from __future__ import annotations
