@@ -20,7 +20,7 @@ SUPPORTED_ARCHITECTURES = (
 _DTYPES = ("float32", "bfloat16", "float16")
 _QUANTIZATIONS = (None, "int8")
 _KV_CACHE_DTYPES = ("auto", "int8")
-_ATTENTION_BACKENDS = ("auto", "torch", "native")
+ATTENTION_BACKENDS = ("auto", "torch", "native")
 
 
 @dataclass
@@ -56,8 +56,8 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of {_QUANTIZATIONS}, got {self.quantization!r}")
         if self.kv_cache_dtype not in _KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {_KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
-        if self.attention_backend not in _ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {_ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         _positive("block_size", self.block_size)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("max_num_seqs", self.max_num_seqs)

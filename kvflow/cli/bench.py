@@ -409,12 +409,4 @@ def run_throughput(args: argparse.Namespace) -> int:
 def _hf_tokenizer(args: argparse.Namespace) -> Any:
     from kvflow.bench.datasets import load_tokenizer
 
-    if args.tokenizer:
-        return load_tokenizer(args.tokenizer)
-    try:
-        from kvflow.models.loader import load_tokenizer as engine_load_tokenizer  # type: ignore[attr-defined]
-    except ImportError:
-        engine_load_tokenizer = None
-    if engine_load_tokenizer is not None:
-        return engine_load_tokenizer(args.model)
-    return load_tokenizer(args.model or "default")
+    return load_tokenizer(args.tokenizer or args.model or "default")

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
+from kvflow.config import ATTENTION_BACKENDS
 from kvflow.layers import native
 from kvflow.layers.attention import AttentionGroup, LayerKVCache, TorchPagedAttention
 
-ATTENTION_BACKENDS = ("auto", "torch", "native")
 MAX_HEAD_DIM = 256  # the kernel's limits (csrc/paged_attention.c)
 MAX_GROUP = 32
 
@@ -32,18 +32,15 @@ class NativeGroup:
     tables: torch.Tensor  # int32 [B, max_blocks]
     context_lens: torch.Tensor  # int32 [B]
     tokens: torch.Tensor  # int32 [B]
-    table_rows: torch.Tensor  # int32 [B] = arange(B)
+
+
+_P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
+_SIGNATURES = {"kvflow_paged_attention": ([_P, _L, _P, _P, _I, _P, _L, _P, _P, _I, _I, _I, _I, _I, _I,
+                                           ctypes.c_float, _P, _I], _I)}
 
 
 def _lib() -> ctypes.CDLL | None:
-    lib = native.load("paged_attention")
-    if lib is not None and not hasattr(lib, "_kvflow_typed"):
-        f = lib.kvflow_paged_attention
-        p, i, l = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
-        f.argtypes = [p, l, p, p, i, p, l, p, p, p, i, i, i, i, i, i, ctypes.c_float, p, i]
-        f.restype = i
-        lib._kvflow_typed = True
-    return lib
+    return native.load("paged_attention", _SIGNATURES)
 
 
 def native_unsupported(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
@@ -77,7 +74,6 @@ class CpuPagedAttention(TorchPagedAttention):
             tables=tables[members].to(torch.int32).contiguous(),
             context_lens=(starts[members] + 1).to(torch.int32),
             tokens=offsets[members].to(torch.int32),
-            table_rows=torch.arange(len(members), dtype=torch.int32),
         )
 
     def _attend(self, q: torch.Tensor, kv_cache: LayerKVCache, g: AttentionGroup | NativeGroup, scale: float,
@@ -92,8 +88,7 @@ class CpuPagedAttention(TorchPagedAttention):
         data, scales = kv_cache.data, kv_cache.scale
         rc = self._kernel(
             q.data_ptr(), q.stride(0), data.data_ptr(), None if scales is None else scales.data_ptr(),
-            int(scales is not None), g.tables.data_ptr(), g.tables.stride(0), g.table_rows.data_ptr(),
-            g.context_lens.data_ptr(), g.tokens.data_ptr(), len(g.tokens), num_heads, data.shape[3],
+            int(scales is not None), g.tables.data_ptr(), g.tables.stride(0), g.context_lens.data_ptr(), g.tokens.data_ptr(), len(g.tokens), num_heads, data.shape[3],
             head_dim, self.block_size, self.sliding_window or 0, scale, out.data_ptr(), torch.get_num_threads())
         if rc != 0:
             raise RuntimeError(f"native paged attention refused head_dim={head_dim}, heads={num_heads}/{data.shape[3]}")

@@ -1,7 +1,7 @@
 """Native CPU kernels (kvflow/layers/csrc/*.c), compiled at first use and called through ctypes.
 
-Plain C with OpenMP, no torch headers: a build takes about a second with the gcc every supported
-machine has, where a torch C++ extension takes a minute. The shared object is cached under
+Plain C with OpenMP, no torch headers: each library builds in about half a second with the gcc
+every supported machine has (a torch C++ extension compiles the torch headers as well). The shared object is cached under
 `$KVFLOW_CACHE_DIR` (default ``~/.cache/kvflow``), named by a hash of the source, the flags, the
 compiler and the CPU (it is built with -march=native), and written atomically, so concurrent
 processes and stale builds are harmless. When there is no compiler the callers fall back to the
@@ -71,8 +71,12 @@ def _build(name: str, cc: str) -> Path:
     return out
 
 
-def load(name: str) -> ctypes.CDLL | None:
-    """The compiled library `csrc/<name>.c`, or None (logged once) when it cannot be built here."""
+Signature = tuple[list[type], type | None]  # (argtypes, restype) of one exported function
+
+
+def load(name: str, signatures: dict[str, Signature]) -> ctypes.CDLL | None:
+    """The compiled library `csrc/<name>.c` with its functions typed by `signatures`, or None
+    (logged once) when it cannot be built here."""
     if name in _cache:
         return _cache[name]
     lib = None
@@ -84,5 +88,8 @@ def load(name: str) -> ctypes.CDLL | None:
             lib = ctypes.CDLL(str(_build(name, cc)))
         except (OSError, RuntimeError) as e:
             logger.warning("native %s kernel unavailable, using the torch path: %s", name, e)
+    if lib is not None:
+        for fn, (argtypes, restype) in signatures.items():
+            getattr(lib, fn).argtypes, getattr(lib, fn).restype = argtypes, restype
     _cache[name] = lib
     return lib

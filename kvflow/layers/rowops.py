@@ -31,28 +31,20 @@ class RowScaled(NamedTuple):
     scale: torch.Tensor  # [rows, 1] float32
 
 
-_lib: ctypes.CDLL | None = None
-
-
-def _load() -> ctypes.CDLL | None:
-    global _lib
-    if _lib is None:
-        lib = native.load("rowops")
-        if lib is None:
-            return None
-        p, i, l, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
-        lib.kvflow_row_scale.argtypes = [p, l, i, i, p, p, i]
-        lib.kvflow_rmsnorm_row_scale.argtypes = [p, l, p, f, i, i, p, p, i]
-        lib.kvflow_silu_mul_row_scale.argtypes = [p, l, i, i, p, p, i]
-        lib.kvflow_rotary.argtypes = [p, l, i, i, i, p, p, i]
-        for fn in (lib.kvflow_row_scale, lib.kvflow_rmsnorm_row_scale, lib.kvflow_silu_mul_row_scale, lib.kvflow_rotary):
-            fn.restype = None
-        _lib = lib
-    return _lib
+_P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
+_SIGNATURES = {
+    "kvflow_row_scale": ([_P, _L, _I, _I, _P, _P, _I], None),
+    "kvflow_rmsnorm_row_scale": ([_P, _L, _P, _F, _I, _I, _P, _P, _I], None),
+    "kvflow_silu_mul_row_scale": ([_P, _L, _I, _I, _P, _P, _I], None),
+    "kvflow_rotary": ([_P, _L, _I, _I, _I, _P, _P, _I], None),
+}
+_lib: ctypes.CDLL | None = None  # set by available()
 
 
 def available() -> bool:
-    return _load() is not None
+    global _lib
+    _lib = native.load("rowops", _SIGNATURES)
+    return _lib is not None
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

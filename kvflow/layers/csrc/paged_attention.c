@@ -117,13 +117,12 @@ static void attend(const float *restrict q, const void *kv, const float *scales,
 
 /* rows: query rows (one token each). For row r:
  *   q[tokens[r] * q_row_stride + head * head_dim + d]          its query (float32)
- *   tables[table_rows[r] * table_stride + i]                     its sequence's block table
+ *   tables[r * table_stride + i]                                 its sequence's block table
  *   keys at positions [max(0, context_lens[r] - window), context_lens[r])  (window <= 0: all)
  *   out[tokens[r] * num_heads * head_dim + head * head_dim + d]  its output (float32)
  * Returns 0, or -1 when head_dim / group exceed the kernel's limits (checked by the caller too). */
 int kvflow_paged_attention(const float *q, long q_row_stride, const void *kv, const float *scales,
-                           int quant, const int32_t *tables, long table_stride,
-                           const int32_t *table_rows, const int32_t *context_lens,
+                           int quant, const int32_t *tables, long table_stride, const int32_t *context_lens,
                            const int32_t *tokens, int rows, int num_heads, int kv_heads,
                            int head_dim, int block_size, int window, float scale, float *out,
                            int num_threads) {
@@ -138,7 +137,7 @@ int kvflow_paged_attention(const float *q, long q_row_stride, const void *kv, co
         if (begin < 0) begin = 0;
         const long tok = tokens[r];
         attend(q + tok * q_row_stride + (long)h * group * head_dim, kv, scales, quant,
-               tables + (long)table_rows[r] * table_stride, begin, end, kv_heads, head_dim,
+               tables + r * table_stride, begin, end, kv_heads, head_dim,
                block_size, group, h, scale, out + (tok * num_heads + (long)h * group) * head_dim);
     }
     return 0;

@@ -1,5 +1,5 @@
 /* Row-wise fused operations of the int8 (W8A8) path, so that a decoder layer at small batch runs a
- * handful of calls instead of ~30 small torch ops (each costs a few microseconds of dispatch here).
+ * handful of calls instead of many small torch ops (each costs a few microseconds of dispatch here).
  *
  * Every operation works on each row on its own, in an order that does not depend on the row's
  * address or on how many rows there are: a token's result is the same whatever it is batched with
