@@ -14,7 +14,8 @@ of a shared machine falls on every mode alike:
   (uniform), outputs 5-256 tokens (log-normal quantiles, median 87), ignore_eos, seeded; output
   tok/s over the whole run;
 * where a decode step's time goes, at batch 1 and 32 (~100-token contexts): matmuls (every
-  projection + lm_head, per-token activation quantization included), attention (cache write, then
+  projection + lm_head, per-token activation quantization included; int8 also runs the RMSNorms
+  and silu*mul inside its projection calls), attention (cache write, then
   the native decode kernel or gather + SDPA), other model ops (norms, rotary, residuals, activation, embedding), attention
   metadata, sampling, the rest of the runner and the engine outside it (scheduler, outputs,
   detokenize). Measured by timing wrappers around those pieces (~0.5 us each), not the profiler.
@@ -186,8 +187,8 @@ class _TimedKernel:
         self._kernel, self._timed = kernel, timed
         self.backend = kernel.backend
 
-    def __call__(self, x, residual=None):
-        return self._timed(x, residual)
+    def __call__(self, x, residual=None, **fused):
+        return self._timed(x, residual, **fused)
 
 
 def breakdown(llm, prompts: Prompts, batch: int, steps: int = 24) -> tuple[dict[str, float], float, float]:

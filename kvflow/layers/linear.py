@@ -8,9 +8,9 @@ Backends (`LINEAR_BACKENDS`):
   (`torch.ops.mkldnn._reorder_linear_weight` + `torch.ops.mkldnn._linear_pointwise`), and MKL for
   1-2 rows, where it is faster (see `OneDNNKernel`). Same maths as `dense` up to float32 summation
   order (~1e-6 relative).
-* ``int8``   -- W8A8 through FBGEMM: weights int8 with one scale per output channel, prepacked by
-  `torch.ops.quantized.linear_prepack`; activations quantized per token on the fly (see
-  `Int8Kernel`); int32 accumulation, float output. CPU only.
+* ``int8``   -- W8A8 through FBGEMM: weights int8 with one scale per output channel, packed once;
+  activations quantized per token on the fly (see `Int8Kernel`); int32 accumulation, float
+  output. CPU only.
 
 `select_linear_backend` picks one from (device, dtype, quantization); the environment variable
 `KVFLOW_LINEAR_BACKEND=dense|onednn` overrides the unquantized choice (benchmarks, debugging).
@@ -18,16 +18,17 @@ Backends (`LINEAR_BACKENDS`):
 
 from __future__ import annotations
 
+import ctypes
 import os
 import warnings
+import weakref
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-from kvflow.layers import rowops
+from kvflow.layers import native
 from kvflow.layers.quant import quantize_weight_per_channel
-from kvflow.layers.rowops import RowScaled
 
 LINEAR_BACKENDS = ("dense", "onednn", "int8")
 
@@ -141,14 +142,17 @@ class OneDNNKernel:
 class Int8Kernel:
     """W8A8 with per-token activation scales through FBGEMM.
 
-    Each row (token) of x is divided by its own max |x| (by the producer of x when it passes a
-    `RowScaled`, else here, in one native call where kvflow.layers.rowops is available) and
-    quantized with a fixed symmetric scale, x_q = round(127 * x / max|x|) + 128, by FBGEMM's
-    `linear_with_input_q_dq_qweight_dq_output_fp32`; the int8 GEMM accumulates in int32 and the
-    float output row is multiplied back by max|x|. Every token gets the full 8-bit range whatever
-    the other tokens of the batch hold (with one scale per tensor, as `linear_dynamic` does, a token
-    with massive activations flattens the others: perplexity +200% on SmolLM2-135M), and a token's
-    result does not depend on what it is batched with.
+    Each row (token) of the input is divided by its own max |x| and quantized with a fixed symmetric
+    scale, x_q = round(127 * x / max|x|) + 128; FBGEMM's int8 GEMM accumulates in int32, dequantizes
+    per output channel, and the row is multiplied back by max|x|. Every token gets the full 8-bit
+    range whatever the other tokens of the batch hold (with one scale per tensor, as `linear_dynamic`
+    does, a token with massive activations flattens the others: perplexity +200% on SmolLM2-135M),
+    and a token's result does not depend on what it is batched with.
+
+    `norm=(weight, eps)` or `silu_mul=True` apply the op that produces the projection's input first
+    (RMSNorm; silu(x[:, :k]) * x[:, k:]), and `residual` is added to the output: with the native
+    library (csrc/int8_linear.cpp, FBGEMM called directly) a projection and its neighbours are then
+    one call; without it, the same maths runs as torch ops around `torch.ops.quantized`.
     """
 
     backend = "int8"
@@ -157,43 +161,85 @@ class Int8Kernel:
         if weight.device.type != "cpu":
             raise ValueError("the int8 linear backend (FBGEMM) is CPU only")
         self.out_features, self.in_features = weight.shape
-        self.packed = _fbgemm_prepack(weight.detach().float(), None)
         # The bias is added after the per-token rescale, so it stays out of the packed weight.
         self.bias = None if bias is None else bias.detach().float().contiguous().clone()
         self.x_scale, self.x_zero_point = activation_qparams()
-        self._op = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32
-        self._rowops = rowops.available()
-
-    def __call__(self, x: torch.Tensor | RowScaled, residual: torch.Tensor | None = None) -> torch.Tensor:
-        if isinstance(x, RowScaled):  # the producer already divided each row by its max |x|
-            dtype, (xn, r) = torch.float32, x
-        elif x.dtype == torch.float32 and x.dim() == 2 and self._rowops:
-            dtype, (xn, r) = x.dtype, rowops.row_scale(x)
+        q, scale = quantize_weight_per_channel(weight.detach())
+        lib = _int8_library()
+        self._lib = self._handle = None
+        if lib is not None:
+            self._handle = lib.kvflow_int8_pack(q.contiguous().data_ptr(), scale.contiguous().data_ptr(),
+                                                self.out_features, self.in_features, self.x_zero_point - 1)
+        if self._handle:
+            self._lib = lib
+            weakref.finalize(self, lib.kvflow_int8_free, self._handle)
         else:
-            dtype = x.dtype
-            x = x.float()
-            r = x.abs().amax(-1, keepdim=True).clamp_min_(1e-30)
-            xn = x / r
-        y = self._op(xn, self.x_scale, self.x_zero_point, self.packed)
-        if self.bias is None and residual is not None and dtype == torch.float32:
-            return torch.addcmul(residual, y, r)
-        y = y.mul_(r)
+            self.packed = _fbgemm_prepack(q, scale)
+            self._op = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32
+
+    @property
+    def native(self) -> bool:
+        return self._lib is not None
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None, *,
+                 norm: tuple[torch.Tensor, float] | None = None, silu_mul: bool = False) -> torch.Tensor:
+        dtype = x.dtype
+        if self._lib is not None and dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1 and (
+                residual is None or residual.stride(1) == 1):
+            out = torch.empty(x.shape[0], self.out_features)
+            kind, norm_w, eps = (1, norm[0].data_ptr(), norm[1]) if norm is not None else (2 if silu_mul else 0, None, 0.0)
+            self._lib.kvflow_int8_linear(
+                self._handle, x.data_ptr(), x.stride(0), x.shape[0], kind, norm_w, eps,
+                None if self.bias is None else self.bias.data_ptr(),
+                None if residual is None else residual.data_ptr(), 0 if residual is None else residual.stride(0),
+                out.data_ptr(), torch.get_num_threads())
+            return out
+        x = x.float()
+        if norm is not None:
+            x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm[1]) * norm[0].float()
+        if silu_mul:
+            gate, up = x.chunk(2, dim=-1)
+            x = F.silu(gate) * up
+        r = x.abs().amax(-1, keepdim=True).clamp_min_(1e-30)
+        y = self._op(x / r, self.x_scale, self.x_zero_point, self.packed).mul_(r)
         if self.bias is not None:
             y = y.add_(self.bias)
         y = y if dtype == torch.float32 else y.to(dtype)
         return y if residual is None else residual + y
 
     def dequantized_weight(self) -> torch.Tensor:
-        return torch.ops.quantized.linear_unpack(self.packed)[0].dequantize()
+        if self._lib is None:
+            return torch.ops.quantized.linear_unpack(self.packed)[0].dequantize()
+        q = torch.empty(self.out_features, self.in_features, dtype=torch.int8)
+        scale = torch.empty(self.out_features)
+        self._lib.kvflow_int8_unpack(self._handle, q.data_ptr(), scale.data_ptr())
+        return q.float() * scale[:, None]
 
     @property
     def nbytes(self) -> int:
         return self.out_features * self.in_features + 4 * self.out_features + _nbytes(self.bias)
 
 
-def _fbgemm_prepack(weight: torch.Tensor, bias: torch.Tensor | None):
-    """FBGEMM-packed int8 weight, one symmetric scale per output channel (kvflow.layers.quant)."""
-    q, scale = quantize_weight_per_channel(weight)
+_P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
+_INT8_SIGNATURES = {
+    "kvflow_int8_pack": ([_P, _P, _I, _I, _I], _P),
+    "kvflow_int8_free": ([_P], None),
+    "kvflow_int8_unpack": ([_P, _P, _P], None),
+    "kvflow_int8_linear": ([_P, _P, _L, _I, _I, _P, _F, _P, _P, _L, _P, _I], None),
+}
+
+
+def _int8_library() -> ctypes.CDLL | None:
+    """csrc/int8_linear.cpp, or None (the torch-op path) when it cannot be built here or
+    KVFLOW_INT8_NATIVE=0 asks for the torch path."""
+    if os.environ.get("KVFLOW_INT8_NATIVE", "1") == "0":
+        return None
+    return native.load("int8_linear", _INT8_SIGNATURES)
+
+
+def _fbgemm_prepack(q: torch.Tensor, scale: torch.Tensor):
+    """FBGEMM-packed int8 weight [out, in] with one symmetric scale per output channel, as torch's
+    quantized linear ops take it."""
     with warnings.catch_warnings():  # torch deprecates quantized tensors; FBGEMM's prepack takes one
         warnings.simplefilter("ignore")
         qweight = torch._make_per_channel_quantized_tensor(
@@ -201,7 +247,7 @@ def _fbgemm_prepack(weight: torch.Tensor, bias: torch.Tensor | None):
     previous = torch.backends.quantized.engine
     torch.backends.quantized.engine = "fbgemm"
     try:
-        return torch.ops.quantized.linear_prepack(qweight, bias)
+        return torch.ops.quantized.linear_prepack(qweight, None)
     finally:
         torch.backends.quantized.engine = previous
 
@@ -221,7 +267,7 @@ def activation_qparams() -> tuple[float, int]:
     if _QPARAMS is None:
         k = 64
         y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
-            torch.ones(1, k), 1 / 127, 128, _fbgemm_prepack(torch.ones(8, k), None))
+            torch.ones(1, k), 1 / 127, 128, _fbgemm_prepack(*quantize_weight_per_channel(torch.ones(8, k))))
         exact = torch.allclose(y, torch.full_like(y, float(k)), rtol=1e-3)
         _QPARAMS = (1 / 127, 128) if exact else (1 / 63, 64)
     return _QPARAMS

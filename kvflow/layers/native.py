@@ -1,7 +1,9 @@
-"""Native CPU kernels (kvflow/layers/csrc/*.c), compiled at first use and called through ctypes.
+"""Native CPU kernels (kvflow/layers/csrc/*.c, *.cpp), compiled at first use and called through ctypes.
 
 Plain C with OpenMP, no torch headers: each library builds in about half a second with the gcc
-every supported machine has (a torch C++ extension compiles the torch headers as well). The shared object is cached under
+every supported machine has (a torch C++ extension compiles the torch headers as well). C++ sources
+may include the FBGEMM headers that ship with torch and link against torch's own libtorch_cpu (the
+library that is already loaded), to call FBGEMM's kernels directly. The shared object is cached under
 `$KVFLOW_CACHE_DIR` (default ``~/.cache/kvflow``), named by a hash of the source, the flags, the
 compiler and the CPU (it is built with -march=native), and written atomically, so concurrent
 processes and stale builds are harmless. When there is no compiler the callers fall back to the
@@ -23,11 +25,19 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import torch
+
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11")
+COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC")
 LINK_FLAGS = ("-shared", "-fopenmp", "-lm")
+_TORCH = Path(torch.__file__).parent
+LANGUAGES = {  # suffix -> (compiler: $env or the first found, standard, extra compile flags, extra link flags)
+    ".c": (("CC", "gcc", "cc"), "-std=c11", (), ()),
+    ".cpp": (("CXX", "g++", "c++"), "-std=c++17", (f"-I{_TORCH / 'include'}",),
+             (f"-L{_TORCH / 'lib'}", "-ltorch_cpu", f"-Wl,-rpath,{_TORCH / 'lib'}")),
+}
 
 _cache: dict[str, ctypes.CDLL | None] = {}
 
@@ -47,23 +57,32 @@ def _cpu_id() -> str:
     return platform.processor() or platform.machine()
 
 
-def _compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+def _source(name: str) -> Path:
+    for suffix in LANGUAGES:
+        if (CSRC / f"{name}{suffix}").exists():
+            return CSRC / f"{name}{suffix}"
+    raise FileNotFoundError(f"no source for native library {name!r} in {CSRC}")
 
 
-def _build(name: str, cc: str) -> Path:
-    src = CSRC / f"{name}.c"
+def _compiler(src: Path) -> str | None:
+    env, *names = LANGUAGES[src.suffix][0]
+    return os.environ.get(env) or next(filter(None, map(shutil.which, names)), None)
+
+
+def _build(src: Path, cc: str) -> Path:
+    _, std, extra_compile, extra_link = LANGUAGES[src.suffix]
+    compile_flags, link_flags = (*COMPILE_FLAGS, std, *extra_compile), (*LINK_FLAGS, *extra_link)
     text = src.read_bytes()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(b"\0".join([text, " ".join(COMPILE_FLAGS + LINK_FLAGS).encode(),
-                                     version.encode(), _cpu_id().encode()])).hexdigest()[:16]
-    out = cache_dir() / f"{name}-{key}.so"
+    key = hashlib.sha256(b"\0".join([text, " ".join(compile_flags + link_flags).encode(), version.encode(),
+                                     torch.__version__.encode(), _cpu_id().encode()])).hexdigest()[:16]
+    out = cache_dir() / f"{src.stem}-{key}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        obj, lib = Path(tmp) / f"{name}.o", Path(tmp) / f"{name}.so"
-        for cmd in ([cc, *COMPILE_FLAGS, "-c", str(src), "-o", str(obj)], [cc, str(obj), *LINK_FLAGS, "-o", str(lib)]):
+        obj, lib = Path(tmp) / f"{src.stem}.o", Path(tmp) / f"{src.stem}.so"
+        for cmd in ([cc, *compile_flags, "-c", str(src), "-o", str(obj)], [cc, str(obj), *link_flags, "-o", str(lib)]):
             r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode != 0:
                 raise RuntimeError(f"{' '.join(cmd)} failed:\n{r.stderr.strip()[-2000:]}")
@@ -75,17 +94,20 @@ Signature = tuple[list[type], type | None]  # (argtypes, restype) of one exporte
 
 
 def load(name: str, signatures: dict[str, Signature]) -> ctypes.CDLL | None:
-    """The compiled library `csrc/<name>.c` with its functions typed by `signatures`, or None
-    (logged once) when it cannot be built here."""
+    """The compiled library `csrc/<name>.c` (or .cpp) with its functions typed by `signatures`, or
+    None (logged once) when it cannot be built here."""
     if name in _cache:
         return _cache[name]
     lib = None
-    cc = _compiler()
+    src = _source(name)
+    cc = _compiler(src)
     if cc is None:
-        logger.warning("no C compiler found (gcc/cc, or $CC): native %s kernel off, using the torch path", name)
+        env, *names = LANGUAGES[src.suffix][0]
+        logger.warning("no compiler for %s found (%s, or $%s): native %s kernel off, using the torch path",
+                       src.name, "/".join(names), env, name)
     else:
         try:
-            lib = ctypes.CDLL(str(_build(name, cc)))
+            lib = ctypes.CDLL(str(_build(src, cc)))
         except (OSError, RuntimeError) as e:
             logger.warning("native %s kernel unavailable, using the torch path: %s", name, e)
     if lib is not None:

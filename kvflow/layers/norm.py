@@ -4,21 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from kvflow.layers import rowops
-
 
 class RMSNorm(torch.nn.Module):
     def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.eps = eps
         self.weight = torch.nn.Parameter(torch.ones(size, dtype=dtype, device=device), requires_grad=False)
-        # Set when this norm feeds an int8 linear (LlamaForCausalLM.prepare): forward then returns
-        # the normalized rows already divided by their max |x|, in one native call.
-        self.row_scaled = False
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor | rowops.RowScaled:
-        if self.row_scaled:
-            return rowops.rmsnorm_row_scale(x, self.weight, self.eps)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
             # The same float32 operations as below in fewer calls (x*x == x.pow(2) bit for bit;
             # w * (x * r) == (x * r) * w): 5 ops instead of 8 on the per-token decode path.

@@ -37,26 +37,27 @@ class DecoderLayer(torch.nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, False, dtype, device)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, dtype, device)
-        self.rowops = False  # int8 path: fused native norm / activation / rotary (kvflow.layers.rowops)
-
-    def use_rowops(self, on: bool) -> None:
-        self.rowops = on
-        self.input_layernorm.row_scaled = self.post_attention_layernorm.row_scaled = on
+        # int8 path (set by LlamaForCausalLM.prepare): the int8 kernels apply the norms and the
+        # activation themselves; rotary runs natively (kvflow.layers.rowops) where it can.
+        self.fused_int8 = False
+        self.native_rotary = False
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, kv_cache: LayerKVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
         # Kernels and norms are called directly, not through nn.Module.__call__: ~7 calls per layer
         # per step on the decode path, where per-call overhead is what a step costs (no hooks here).
         t = x.shape[0]
-        h = self.input_layernorm.forward(x)
-        qkv = self.qkv_proj.kernel(h)  # [T, q | k | v]
+        if self.fused_int8:
+            qkv = self.qkv_proj.kernel(x, norm=(self.input_layernorm.weight, self.input_layernorm.eps))
+        else:
+            qkv = self.qkv_proj.kernel(self.input_layernorm.forward(x))  # [T, q | k | v]
         heads = self.num_heads + self.num_kv_heads
         qk = qkv[:, : self.q_size + self.kv_size].view(t, heads, self.head_dim)
         if self.q_norm is not None:
             normed = torch.cat((self.q_norm.forward(qk[:, : self.num_heads]),
                                 self.k_norm.forward(qk[:, self.num_heads:])), dim=1)
             apply_rotary_(normed, cos, sin_signed, out=qk)
-        elif self.rowops:
+        elif self.native_rotary:
             rowops.rotary_(qk, cos, sin_signed)
         else:
             apply_rotary_(qk, cos, sin_signed)  # q and k rotated together, in place in qkv
@@ -64,9 +65,11 @@ class DecoderLayer(torch.nn.Module):
         kv = qkv[:, self.q_size:].view(t, 2, self.num_kv_heads, self.head_dim)
         attn = self.attention.forward(q, kv, kv_cache, meta, self.scale)
         x = self.o_proj.kernel(attn, x)  # x + o_proj(attn)
+        if self.fused_int8:
+            norm = self.post_attention_layernorm
+            gate_up = self.gate_up_proj.kernel(x, norm=(norm.weight, norm.eps))
+            return self.down_proj.kernel(gate_up, x, silu_mul=True)
         gate_up = self.gate_up_proj.kernel(self.post_attention_layernorm.forward(x))
-        if self.rowops:
-            return self.down_proj.kernel(rowops.silu_mul_row_scale(gate_up), x)
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj.kernel(F.silu(gate) * up, x)  # x + down_proj(...)
 
@@ -93,10 +96,10 @@ class LlamaForCausalLM(torch.nn.Module):
         for m in self.modules():
             if isinstance(m, Linear):
                 m.prepare(backend)
-        # int8 linears quantize row-scaled inputs: let norms and the activation emit them directly.
         for layer in self.layers:
-            layer.use_rowops(backend == "int8" and rowops.available() and self.rotary.cos.dtype == torch.float32
-                             and self.cfg.head_dim <= rowops.MAX_HEAD_DIM)
+            layer.fused_int8 = backend == "int8"
+            layer.native_rotary = (backend == "int8" and rowops.available() and self.rotary.cos.dtype == torch.float32
+                                   and self.cfg.head_dim <= rowops.MAX_HEAD_DIM)
         if self.lm_head is not None:
             self.logits_kernel = self.lm_head.kernel
         else:

@@ -1,0 +1,173 @@
+/* W8A8 linear through FBGEMM, one call per projection (kvflow/layers/linear.py, Int8Kernel).
+ *
+ * out = residual + (W_q . quant(pre(x))) * row_scale * w_scale + bias, where
+ *   pre(x) is x, rmsnorm(x) * norm_w, or silu(x[:, :k]) * x[:, k:] (the op that feeds the projection),
+ *   quant(v) = round(127 * v / max|v|) + 128, one scale per row (per token), so a token gets the full
+ *   8-bit range whatever its batch holds and its result does not depend on the batch,
+ *   W_q is int8 with one symmetric scale per output channel, packed once by FBGEMM.
+ * The int8 GEMM and the per-channel dequantization are FBGEMM's (PackAWithRowOffset, PackBMatrix,
+ * ReQuantizeForFloat, fbgemmPacked: the kernels behind torch's quantized linear, called directly so a
+ * projection is one call with its prologue and epilogue instead of five torch ops).
+ *
+ * Every row is computed by the same code in the same order whatever the number of rows: reductions
+ * use LANES fixed partial sums and exp goes through one LANES-wide path for every element.
+ */
+#include <fbgemm/Fbgemm.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+namespace {
+
+constexpr int LANES = 16;
+constexpr float MIN_SCALE = 1e-30f;
+
+enum Prologue { NONE = 0, RMSNORM = 1, SILU_MUL = 2 };
+
+struct PackedWeight {
+  std::unique_ptr<fbgemm::PackBMatrix<int8_t>> packed;
+  int n, k;
+  int levels;                        // activations use round(levels * v / max|v|) + levels + 1
+  std::vector<float> scale;         // per output channel
+  std::vector<int32_t> col_offsets; // sum of each output channel's int8 weights
+};
+
+using Dequantize = fbgemm::ReQuantizeForFloat<false, fbgemm::QuantizationGranularity::OUT_CHANNEL>;
+
+inline float absmax(const float* __restrict v, int n) {
+  float m[LANES] = {0};
+  int i = 0;
+  for (; i + LANES <= n; i += LANES)
+    for (int j = 0; j < LANES; j++) m[j] = std::max(m[j], std::fabs(v[i + j]));
+  for (int j = 0; i + j < n; j++) m[j] = std::max(m[j], std::fabs(v[i + j]));
+  float r = MIN_SCALE;
+  for (int j = 0; j < LANES; j++) r = std::max(r, m[j]);
+  return r;
+}
+
+/* pre(x) of one row into v[k]. */
+inline void prologue(int kind, const float* __restrict x, int k, const float* __restrict norm_w, float eps,
+                     float* __restrict v) {
+  if (kind == RMSNORM) {
+    float acc[LANES] = {0};
+    int i = 0;
+    for (; i + LANES <= k; i += LANES)
+      for (int j = 0; j < LANES; j++) acc[j] += x[i + j] * x[i + j];
+    for (int j = 0; i + j < k; j++) acc[j] += x[i + j] * x[i + j];
+    float ss = 0.f;
+    for (int j = 0; j < LANES; j++) ss += acc[j];
+    const float inv = 1.f / std::sqrt(ss / (float)k + eps);
+    for (int c = 0; c < k; c++) v[c] = x[c] * inv * norm_w[c];
+  } else if (kind == SILU_MUL) {
+    const float* __restrict up = x + k;
+    for (int i = 0; i < k; i += LANES) {
+      float e[LANES];
+      const int n = std::min(LANES, k - i);
+      // exp(80) is finite in float: built with -ffast-math, an inf here would not divide to 0.
+      for (int j = 0; j < LANES; j++) e[j] = j < n ? std::min(-x[i + j], 80.f) : 0.f;
+#pragma omp simd
+      for (int j = 0; j < LANES; j++) e[j] = expf(e[j]);
+      for (int j = 0; j < n; j++) v[i + j] = x[i + j] / (1.f + e[j]) * up[i + j];
+    }
+  } else {
+    for (int c = 0; c < k; c++) v[c] = x[c];
+  }
+}
+
+/* One row: pre-op, row scale, quantization to levels + 1 +- levels. */
+inline float quantize_row(int kind, const float* x, int k, const float* norm_w, float eps, int levels, float* v,
+                          uint8_t* q) {
+  prologue(kind, x, k, norm_w, eps, v);
+  const float r = absmax(v, k);
+  const float inv = (float)levels / r, zero = (float)(levels + 1);
+  for (int c = 0; c < k; c++) q[c] = (uint8_t)(std::nearbyint(v[c] * inv) + zero);
+  return r;
+}
+
+inline void epilogue(float* __restrict y, int j0, int j1, float r, const float* __restrict bias,
+                     const float* __restrict res) {
+  for (int j = j0; j < j1; j++) {
+    float o = y[j] * r;
+    if (bias) o += bias[j];
+    if (res) o = res[j] + o;
+    y[j] = o;
+  }
+}
+
+// Per calling thread (the engine's), reused across calls: the quantized rows, their scales, the
+// int32 accumulators. Large prefill buffers would otherwise be mapped and faulted in on every call.
+thread_local std::vector<uint8_t> t_q;
+thread_local std::vector<float> t_v, t_r;
+thread_local std::vector<int32_t> t_acc;
+
+}  // namespace
+
+extern "C" {
+
+/* w: int8 [n, k] row-major, scale: [n] (w ~= w_q * scale); activations are quantized to 2 * levels + 1
+ * values (127: 8 bits; 63: 7 bits, where FBGEMM's AVX2 kernel would saturate int16 pair sums).
+ * Returns a handle, or null when FBGEMM does not support this CPU. */
+void* kvflow_int8_pack(const int8_t* w, const float* scale, int n, int k, int levels) {
+  if (!fbgemm::fbgemmSupportedCPU()) return nullptr;
+  auto* p = new PackedWeight{nullptr, n, k, levels, std::vector<float>(n), std::vector<int32_t>(n, 0)};
+  for (int j = 0; j < n; j++) {
+    p->scale[j] = scale[j];
+    int32_t s = 0;
+    for (int c = 0; c < k; c++) s += w[(long)j * k + c];
+    p->col_offsets[j] = s;
+  }
+  p->packed = std::make_unique<fbgemm::PackBMatrix<int8_t>>(fbgemm::matrix_op_t::Transpose, k, n, w, k, nullptr, 1);
+  return p;
+}
+
+void kvflow_int8_free(void* handle) { delete static_cast<PackedWeight*>(handle); }
+
+/* The packed weight back as int8 [n, k] and its scales [n]. */
+void kvflow_int8_unpack(void* handle, int8_t* w, float* scale) {
+  auto& p = *static_cast<PackedWeight*>(handle);
+  p.packed->unpack(w);
+  std::copy(p.scale.begin(), p.scale.end(), scale);
+}
+
+/* out[m, n] = residual + W . pre(x) + bias (see the top of the file). x rows are ldx apart and hold
+ * k values (2k for SILU_MUL: gate then up); residual (or null) rows are ld_res apart; out is dense. */
+void kvflow_int8_linear(void* handle, const float* x, long ldx, int m, int kind, const float* norm_w, float eps,
+                        const float* bias, const float* residual, long ld_res, float* out, int num_threads) {
+  const auto& p = *static_cast<PackedWeight*>(handle);
+  const int n = p.n, k = p.k;
+  t_q.resize((size_t)m * k);
+  t_v.resize((size_t)num_threads * k);
+  t_r.resize(m);
+  t_acc.resize((size_t)m * n);
+  uint8_t* q = t_q.data();
+  float* v = t_v.data();
+  float* r = t_r.data();
+  int32_t* acc = t_acc.data();
+  fbgemm::DoNothing<float, float> done;
+  Dequantize dequantize(done, 1.f / (float)p.levels, p.scale.data(), p.levels + 1, nullptr, nullptr, p.col_offsets.data(), nullptr, n);
+#pragma omp parallel num_threads(num_threads)
+  {
+    const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
+#pragma omp for schedule(static)
+    for (int i = 0; i < m; i++)
+      r[i] = quantize_row(kind, x + i * ldx, k, norm_w, eps, p.levels, v + (long)tid * k, q + (long)i * k);
+    fbgemm::PackAWithRowOffset<uint8_t> a(fbgemm::matrix_op_t::NoTranspose, m, k, q, k, nullptr, 1);
+    fbgemm::fbgemmPacked(a, *p.packed, out, acc, n, dequantize, tid, nth);
+#pragma omp barrier
+    if (m >= nth) {
+#pragma omp for schedule(static)
+      for (int i = 0; i < m; i++)
+        epilogue(out + (long)i * n, 0, n, r[i], bias, residual ? residual + i * ld_res : nullptr);
+    } else {  // few rows: split the columns
+      const int chunk = (n + nth - 1) / nth, j0 = std::min(n, tid * chunk), j1 = std::min(n, j0 + chunk);
+      for (int i = 0; i < m; i++)
+        epilogue(out + (long)i * n, j0, j1, r[i], bias, residual ? residual + i * ld_res : nullptr);
+    }
+  }
+}
+
+}  // extern "C"
