@@ -16,7 +16,8 @@ of a shared machine falls on every mode alike:
 * where a decode step's time goes, at batch 1 and 32 (~100-token contexts): matmuls (every
   projection + lm_head, per-token activation quantization included; int8 also runs the RMSNorms
   and silu*mul inside its projection calls), attention (cache write, then
-  the native decode kernel or gather + SDPA), other model ops (norms, rotary, residuals, activation, embedding), attention
+  the native decode kernel or gather + SDPA; int8 decode steps: rotary, cache write and attention
+  in one call), other model ops (norms, rotary, residuals, activation, embedding), attention
   metadata, sampling, the rest of the runner and the engine outside it (scheduler, outputs,
   detokenize). Measured by timing wrappers around those pieces (~0.5 us each), not the profiler.
 
@@ -212,6 +213,7 @@ def breakdown(llm, prompts: Prompts, batch: int, steps: int = 24) -> tuple[dict[
     saved.append((model, "logits_kernel", model.logits_kernel, True))
     model.logits_kernel = _TimedKernel(model.logits_kernel, timers.wrap("lm_head", model.logits_kernel))
     patch(runner.attention, "forward", "attention")
+    patch(runner.attention, "fused_decode", "attention")
     patch(runner.attention, "build_metadata", "metadata")
     patch(model, "forward", "model forward")
     patch(runner, "sampler", "sampling")

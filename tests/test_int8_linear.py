@@ -1,7 +1,7 @@
 """The int8 linear's native path (csrc/int8_linear.cpp: prologue, per-token quantization, FBGEMM,
 epilogue in one call) against a float64 recomputation of the same quantized arithmetic and against
 the torch-op path; batch invariance (a row's result must not depend on the other rows: the int8
-path is exact across batching, chunking and preemption); and the native rotary."""
+path is exact across batching, chunking and preemption); and the native rotary the int8 path uses."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvflow.layers import rowops
+from kvflow.layers.cpu_attention import rotary_, rotary_available
 from kvflow.layers.linear import Int8Kernel, activation_qparams
 from kvflow.layers.rotary import apply_rotary_
 
@@ -87,7 +87,7 @@ def test_native_int8_large_batch_and_no_residual(monkeypatch):
     assert torch.equal(native(x[123:124].clone()), got[123:124])
 
 
-@pytest.mark.skipif(not rowops.available(), reason="no C compiler: the native rotary cannot be built")
+@pytest.mark.skipif(not rotary_available(torch.float32, 64), reason="no C compiler: the native rotary cannot be built")
 @pytest.mark.parametrize("head_dim", [64, 16])
 def test_rotary_matches_torch_path(head_dim):
     g = torch.Generator().manual_seed(head_dim)
@@ -97,6 +97,6 @@ def test_rotary_matches_torch_path(head_dim):
     ref = x.double() * cos.double() + x.double().roll(head_dim // 2, -1) * sin.double()
     expect = x.clone()
     apply_rotary_(expect, cos, sin)
-    rowops.rotary_(x, cos, sin)
+    rotary_(x, cos, sin)
     assert torch.allclose(x.double(), ref, atol=1e-5)
     assert torch.allclose(x, expect, atol=1e-5)

@@ -213,6 +213,19 @@ class TorchPagedAttention:
     def forward(self, q: torch.Tensor, kv: torch.Tensor, kv_cache: LayerKVCache, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:
         """q: [T, H, D]; kv: [T, 2, KV, D] (new keys and values) -> [T, H * D] (contiguous)."""
+        self._write_kv(kv, kv_cache, meta)
+        out = None
+        for g in meta.groups:
+            out = self._attend(q, kv_cache, g, scale, out)
+        return out
+
+    def fused_decode(self, qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, kv_cache: LayerKVCache,
+                     meta: AttentionMetadata, scale: float, num_heads: int) -> torch.Tensor | None:
+        """Rotary, cache write and attention of a decode-only step in one call, where the backend has
+        one; None otherwise (the caller then runs rotary and `forward`)."""
+        return None
+
+    def _write_kv(self, kv: torch.Tensor, kv_cache: LayerKVCache, meta: AttentionMetadata) -> None:
         slots, slot_scales = kv_cache.slots, kv_cache.slot_scales
         if slot_scales is None:
             slots.index_copy_(0, meta.slot_mapping, kv)
@@ -220,11 +233,6 @@ class TorchPagedAttention:
             kv_q, kv_s = quantize_kv(kv)
             slots.index_copy_(0, meta.slot_mapping, kv_q)
             slot_scales.index_copy_(0, meta.slot_mapping, kv_s)
-
-        out = None
-        for g in meta.groups:
-            out = self._attend(q, kv_cache, g, scale, out)
-        return out
 
     def _attend(self, q: torch.Tensor, kv_cache: LayerKVCache, g: AttentionGroup, scale: float,
                 out: torch.Tensor | None) -> torch.Tensor:
@@ -267,3 +275,6 @@ class AttentionBackend(Protocol):
 
     def forward(self, q: torch.Tensor, kv: torch.Tensor, kv_cache: LayerKVCache, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor: ...
+
+    def fused_decode(self, qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, kv_cache: LayerKVCache,
+                     meta: AttentionMetadata, scale: float, num_heads: int) -> torch.Tensor | None: ...

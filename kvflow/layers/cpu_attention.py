@@ -18,7 +18,7 @@ import torch
 
 from kvflow.config import ATTENTION_BACKENDS
 from kvflow.layers import native
-from kvflow.layers.attention import AttentionGroup, LayerKVCache, TorchPagedAttention
+from kvflow.layers.attention import AttentionGroup, AttentionMetadata, LayerKVCache, TorchPagedAttention
 
 MAX_HEAD_DIM = 256  # the kernel's limits (csrc/paged_attention.c)
 MAX_GROUP = 32
@@ -34,13 +34,34 @@ class NativeGroup:
     tokens: torch.Tensor  # int32 [B]
 
 
-_P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
-_SIGNATURES = {"kvflow_paged_attention": ([_P, _L, _P, _P, _I, _P, _L, _P, _P, _I, _I, _I, _I, _I, _I,
-                                           ctypes.c_float, _P, _I], _I)}
+_P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
+_SIGNATURES = {
+    "kvflow_paged_attention": ([_P, _L, _P, _P, _I, _P, _L, _P, _P, _I, _I, _I, _I, _I, _I, _F, _P, _I], _I),
+    "kvflow_rotary": ([_P, _L, _I, _I, _I, _P, _P, _I], None),
+    "kvflow_write_kv": ([_P, _L, _P, _I, _P, _P, _I, _I, _I, _I], None),
+    "kvflow_decode_attention": ([_P, _L, _P, _P, _P, _P, _I, _P, _P, _L, _P, _P, _I, _I, _I, _I, _I, _I, _F, _P, _I],
+                                _I),
+}
 
 
 def _lib() -> ctypes.CDLL | None:
     return native.load("paged_attention", _SIGNATURES)
+
+
+def rotary_available(dtype: torch.dtype, head_dim: int) -> bool:
+    return dtype == torch.float32 and head_dim <= MAX_HEAD_DIM and head_dim % 2 == 0 and _lib() is not None
+
+
+def rotary_(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> None:
+    """Rotary in place on x [T, heads, head_dim] (heads contiguous, any row stride), by the same code
+    as the fused decode call; cos, sin_signed: [T, 1, head_dim] as `RotaryEmbedding.lookup` returns
+    them (contiguous). The int8 path uses it for every step, so a token's keys do not depend on
+    which path computed them."""
+    t, heads, head_dim = x.shape
+    if x.dtype != torch.float32 or x.stride(2) != 1 or x.stride(1) != head_dim or head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"rotary_ takes float32 [T, heads, head_dim <= {MAX_HEAD_DIM}] with contiguous heads")
+    _lib().kvflow_rotary(x.data_ptr(), x.stride(0), t, heads, head_dim, cos.data_ptr(), sin_signed.data_ptr(),
+                         torch.get_num_threads())
 
 
 def native_unsupported(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
@@ -63,6 +84,7 @@ class CpuPagedAttention(TorchPagedAttention):
         lib = _lib()
         if lib is None:
             raise RuntimeError("the native paged-attention kernel could not be built")
+        self._lib = lib
         self._kernel = lib.kvflow_paged_attention
 
     def _group(self, members: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor,
@@ -75,6 +97,35 @@ class CpuPagedAttention(TorchPagedAttention):
             context_lens=(starts[members] + 1).to(torch.int32),
             tokens=offsets[members].to(torch.int32),
         )
+
+    def _write_kv(self, kv: torch.Tensor, kv_cache: LayerKVCache, meta: AttentionMetadata) -> None:
+        # The same C code as the fused decode call's write (int8 caches: the same rounding).
+        t = kv.shape[0]
+        kv = kv.reshape(t, -1)
+        if kv.stride(1) != 1:
+            kv = kv.contiguous()
+        data, scales = kv_cache.data, kv_cache.scale
+        self._lib.kvflow_write_kv(kv.data_ptr(), kv.stride(0), meta.slot_mapping.data_ptr(), t, data.data_ptr(),
+                                  None if scales is None else scales.data_ptr(), int(scales is not None),
+                                  data.shape[3], data.shape[4], torch.get_num_threads())
+
+    def fused_decode(self, qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, kv_cache: LayerKVCache,
+                     meta: AttentionMetadata, scale: float, num_heads: int) -> torch.Tensor | None:
+        if len(meta.groups) != 1 or not isinstance(g := meta.groups[0], NativeGroup) or qkv.stride(1) != 1:
+            return None
+        t = qkv.shape[0]
+        data, scales = kv_cache.data, kv_cache.scale
+        kv_heads, head_dim = data.shape[3], data.shape[4]
+        out = torch.empty(t, num_heads * head_dim, dtype=qkv.dtype)
+        rc = self._lib.kvflow_decode_attention(
+            qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin_signed.data_ptr(), data.data_ptr(),
+            None if scales is None else scales.data_ptr(), int(scales is not None), meta.slot_mapping.data_ptr(),
+            g.tables.data_ptr(), g.tables.stride(0), g.context_lens.data_ptr(), g.tokens.data_ptr(), t, num_heads,
+            kv_heads, head_dim, self.block_size, self.sliding_window or 0, scale, out.data_ptr(),
+            torch.get_num_threads())
+        if rc != 0:
+            raise RuntimeError(f"native decode attention refused head_dim={head_dim}, heads={num_heads}/{kv_heads}")
+        return out
 
     def _attend(self, q: torch.Tensor, kv_cache: LayerKVCache, g: AttentionGroup | NativeGroup, scale: float,
                 out: torch.Tensor | None) -> torch.Tensor:

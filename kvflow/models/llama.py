@@ -12,8 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from kvflow.config import ModelConfig
-from kvflow.layers import rowops
 from kvflow.layers.attention import AttentionBackend, AttentionMetadata, LayerKVCache
+from kvflow.layers.cpu_attention import rotary_ as native_rotary_
+from kvflow.layers.cpu_attention import rotary_available
 from kvflow.layers.linear import Linear, LinearKernel, make_linear_kernel
 from kvflow.layers.norm import RMSNorm
 from kvflow.layers.quant import SMOOTH_ALPHA, smoothing_scales
@@ -38,7 +39,8 @@ class DecoderLayer(torch.nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, False, dtype, device)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, dtype, device)
         # int8 path (set by LlamaForCausalLM.prepare): the int8 kernels apply the norms and the
-        # activation themselves; rotary runs natively (kvflow.layers.rowops) where it can.
+        # activation themselves; rotary runs natively where it can, fused with the cache write and
+        # attention on decode-only steps (the attention backend's `fused_decode`).
         self.fused_int8 = False
         self.native_rotary = False
 
@@ -51,19 +53,23 @@ class DecoderLayer(torch.nn.Module):
             qkv = self.qkv_proj.kernel(x, norm=(self.input_layernorm.weight, self.input_layernorm.eps))
         else:
             qkv = self.qkv_proj.kernel(self.input_layernorm.forward(x))  # [T, q | k | v]
-        heads = self.num_heads + self.num_kv_heads
-        qk = qkv[:, : self.q_size + self.kv_size].view(t, heads, self.head_dim)
-        if self.q_norm is not None:
-            normed = torch.cat((self.q_norm.forward(qk[:, : self.num_heads]),
-                                self.k_norm.forward(qk[:, self.num_heads:])), dim=1)
-            apply_rotary_(normed, cos, sin_signed, out=qk)
-        elif self.native_rotary:
-            rowops.rotary_(qk, cos, sin_signed)
-        else:
-            apply_rotary_(qk, cos, sin_signed)  # q and k rotated together, in place in qkv
-        q = qk[:, : self.num_heads]
-        kv = qkv[:, self.q_size:].view(t, 2, self.num_kv_heads, self.head_dim)
-        attn = self.attention.forward(q, kv, kv_cache, meta, self.scale)
+        attn = None
+        if self.native_rotary:  # decode-only steps: rotary, cache write and attention in one call
+            attn = self.attention.fused_decode(qkv, cos, sin_signed, kv_cache, meta, self.scale, self.num_heads)
+        if attn is None:
+            heads = self.num_heads + self.num_kv_heads
+            qk = qkv[:, : self.q_size + self.kv_size].view(t, heads, self.head_dim)
+            if self.q_norm is not None:
+                normed = torch.cat((self.q_norm.forward(qk[:, : self.num_heads]),
+                                    self.k_norm.forward(qk[:, self.num_heads:])), dim=1)
+                apply_rotary_(normed, cos, sin_signed, out=qk)
+            elif self.native_rotary:
+                native_rotary_(qk, cos, sin_signed)
+            else:
+                apply_rotary_(qk, cos, sin_signed)  # q and k rotated together, in place in qkv
+            q = qk[:, : self.num_heads]
+            kv = qkv[:, self.q_size:].view(t, 2, self.num_kv_heads, self.head_dim)
+            attn = self.attention.forward(q, kv, kv_cache, meta, self.scale)
         x = self.o_proj.kernel(attn, x)  # x + o_proj(attn)
         if self.fused_int8:
             norm = self.post_attention_layernorm
@@ -98,8 +104,8 @@ class LlamaForCausalLM(torch.nn.Module):
                 m.prepare(backend)
         for layer in self.layers:
             layer.fused_int8 = backend == "int8"
-            layer.native_rotary = (backend == "int8" and rowops.available() and self.rotary.cos.dtype == torch.float32
-                                   and self.cfg.head_dim <= rowops.MAX_HEAD_DIM)
+            layer.native_rotary = (backend == "int8" and not self.cfg.qk_norm
+                                   and rotary_available(self.rotary.cos.dtype, self.cfg.head_dim))
         if self.lm_head is not None:
             self.logits_kernel = self.lm_head.kernel
         else:
