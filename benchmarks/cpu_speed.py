@@ -15,11 +15,13 @@ of a shared machine falls on every mode alike:
   tok/s over the whole run;
 * where a decode step's time goes, at batch 1 and 32 (~100-token contexts): matmuls (every
   projection + lm_head, per-token activation quantization included; int8 also runs the RMSNorms
-  and silu*mul inside its projection calls), attention (cache write, then
-  the native decode kernel or gather + SDPA; int8 decode steps: rotary, cache write and attention
-  in one call), other model ops (norms, rotary, residuals, activation, embedding), attention
+  and silu*mul inside its projection calls), attention (cache write, then the native decode kernel
+  or gather + SDPA), other model ops (norms, rotary, residuals, activation, embedding), attention
   metadata, sampling, the rest of the runner and the engine outside it (scheduler, outputs,
   detokenize). Measured by timing wrappers around those pieces (~0.5 us each), not the profiler.
+  An int8 engine's decode steps run all decoder layers in one native call (kvflow.models.native_decode),
+  which is timed as one piece; its table is followed by one of the same engine on the per-layer
+  path, which shows the pieces.
 
 The machine is shared: the script prints the load average and, per mode, the CPU time other
 processes used while it was measured ("foreign", in cores); figures with foreign > 0.1 are suspect.
@@ -192,8 +194,11 @@ class _TimedKernel:
         return self._timed(x, residual, **fused)
 
 
-def breakdown(llm, prompts: Prompts, batch: int, steps: int = 24) -> tuple[dict[str, float], float, float]:
-    """ms per decode step by component, at `batch` concurrent decodes (context ~100-130 tokens)."""
+def breakdown(llm, prompts: Prompts, batch: int, steps: int = 24,
+              per_layer: bool = False) -> tuple[dict[str, float], float, float]:
+    """ms per decode step by component, at `batch` concurrent decodes (context ~100-130 tokens).
+    per_layer: an int8 engine's decode steps take the per-layer path instead of the one-call native
+    pass (whose layers cannot be timed piece by piece from Python)."""
     from kvflow import SamplingParams
     from kvflow.layers.linear import Linear
 
@@ -213,7 +218,11 @@ def breakdown(llm, prompts: Prompts, batch: int, steps: int = 24) -> tuple[dict[
     saved.append((model, "logits_kernel", model.logits_kernel, True))
     model.logits_kernel = _TimedKernel(model.logits_kernel, timers.wrap("lm_head", model.logits_kernel))
     patch(runner.attention, "forward", "attention")
-    patch(runner.attention, "fused_decode", "attention")
+    native = model.native_decode
+    if per_layer:
+        model.native_decode = None
+    elif native is not None:
+        patch(model, "native_decode", "native layers")
     patch(runner.attention, "build_metadata", "metadata")
     patch(model, "forward", "model forward")
     patch(runner, "sampler", "sampling")
@@ -241,13 +250,16 @@ def breakdown(llm, prompts: Prompts, batch: int, steps: int = 24) -> tuple[dict[
             setattr(obj, attr, old)
         else:
             delattr(obj, attr)
+    model.native_decode = native
     t = defaultdict(float, {k: v * 1000 / steps for k, v in measured.items()})
     step_ms = wall * 1000 / steps
     parts = {
         "matmuls (projections + lm_head)": t["matmul"] + t["lm_head"],
         "attention (KV write, paged attention)": t["attention"],
+        "decoder layers in one native call (int8 decode pass: all of the above but the lm_head)": t["native layers"],
         # forward = its projections (not the lm_head: that runs after it) + attention + the rest
-        "other model ops (norms, rotary, residual, silu, embedding)": t["model forward"] - t["matmul"] - t["attention"],
+        "other model ops (norms, rotary, residual, silu, embedding)": t["model forward"] - t["matmul"] - t["attention"]
+                                                                      - t["native layers"],
         "attention metadata (once per step)": t["metadata"],
         "sampling": t["sampling"],
         "rest of the runner (input tensors, logits rows)": t["runner"] - t["model forward"] - t["lm_head"]
@@ -315,7 +327,12 @@ def main() -> int:
             tput[mode] = throughput(llms[mode], work)
             foreign[mode] = max(foreign[mode], tput[mode][2])
             print(f"# {mode}: throughput done", file=sys.stderr, flush=True)
-    breakdowns = {(mode, b): breakdown(llms[mode], prompts, b) for b in batches for mode in modes}
+    breakdowns = {}
+    for b in batches:
+        for mode in modes:
+            breakdowns[mode, b] = breakdown(llms[mode], prompts, b)
+            if llms[mode].engine.runner.model.native_decode is not None:
+                breakdowns[f"{mode} (per-layer path)", b] = breakdown(llms[mode], prompts, b, per_layer=True)
     rows = []
     for mode in modes:
         eng = llms[mode].engine
@@ -342,7 +359,8 @@ def main() -> int:
         print("| component | ms/step | share |")
         print("|---|---|---|")
         for name, ms in parts.items():
-            print(f"| {name} | {ms:.2f} | {ms / step_ms:.0%} |")
+            if ms > 0.004:
+                print(f"| {name} | {ms:.2f} | {ms / step_ms:.0%} |")
     if not args.skip_throughput:
         ins, outs = workload_lengths(args.requests, args.seed)
         print(f"\n# throughput workload: {len(outs)} requests, prompts {min(ins)}-{max(ins)} tokens, outputs "

@@ -9,7 +9,7 @@ import torch
 from kvflow import LLM, SamplingParams
 from kvflow.layers.attention import LayerKVCache, SeqLayout, TorchPagedAttention, partition_groups
 from conftest import assert_no_leaks
-from kvflow.layers.cpu_attention import CpuPagedAttention, make_attention_backend, native_unsupported, rotary_
+from kvflow.layers.cpu_attention import CpuPagedAttention, make_attention_backend, native_unsupported
 
 CPU = torch.device("cpu")
 pytestmark = pytest.mark.skipif(native_unsupported(CPU, torch.float32, 4, 2, 16) is not None,
@@ -76,36 +76,6 @@ def test_kernel_matches_float64_and_torch(kv_dtype, heads, kv_heads, head_dim, w
     assert (outs["native"].double() - ref).abs().max() < 2e-5
     assert (outs["torch"].double() - ref).abs().max() < 2e-5
     assert (outs["native"] - outs["torch"]).abs().max() < 2e-5
-
-
-@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
-@pytest.mark.parametrize("heads,kv_heads,head_dim,window", [(4, 4, 16, None), (9, 3, 64, None), (6, 2, 32, 5)])
-def test_fused_decode_equals_rotary_write_attend(kv_dtype, heads, kv_heads, head_dim, window):
-    """The one-call decode (rotary on q/k, cache write, attention) gives the same cache and output,
-    bit for bit, as rotary_ + forward (the path of steps with prefill chunks)."""
-    gen = torch.Generator().manual_seed(heads + head_dim)
-    bs, num_blocks = 4, 24
-    attn = CpuPagedAttention(bs, window, CPU)
-    cache = _random_cache(attn, num_blocks, kv_heads, head_dim, kv_dtype, gen)
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
-    seqs = [SeqLayout(10, 1, perm[0:3]), SeqLayout(0, 1, perm[3:4]), SeqLayout(15, 1, perm[4:8])]
-    meta = attn.build_metadata(seqs)
-    qkv = torch.randn(3, (heads + 2 * kv_heads) * head_dim + 5, generator=gen)[:, :-5]  # a row stride
-    cos, sin = torch.randn(3, 1, head_dim, generator=gen), torch.randn(3, 1, head_dim, generator=gen)
-
-    split = LayerKVCache(cache.data.clone(), None if cache.scale is None else cache.scale.clone())
-    qkv_split = qkv.clone()
-    qk = qkv_split[:, : (heads + kv_heads) * head_dim].view(3, heads + kv_heads, head_dim)
-    rotary_(qk, cos, sin)
-    kv = qkv_split[:, heads * head_dim:].view(3, 2, kv_heads, head_dim)
-    expect = attn.forward(qk[:, :heads], kv, split, meta, head_dim ** -0.5)
-
-    got = attn.fused_decode(qkv, cos, sin, cache, meta, head_dim ** -0.5, heads)
-    assert got is not None and torch.equal(got, expect)
-    assert torch.equal(cache.data, split.data)
-    assert cache.scale is None or torch.equal(cache.scale, split.scale)
-    # A step with a prefill chunk is not fused.
-    assert attn.fused_decode(qkv, cos, sin, cache, attn.build_metadata([SeqLayout(0, 3, perm[8:9])]), 0.1, heads) is None
 
 
 def test_kernel_reads_q_with_a_row_stride():

@@ -28,7 +28,7 @@ paged cache in place; a GPU kernel can replace it behind the same methods.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -219,10 +219,8 @@ class TorchPagedAttention:
             out = self._attend(q, kv_cache, g, scale, out)
         return out
 
-    def fused_decode(self, qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, kv_cache: LayerKVCache,
-                     meta: AttentionMetadata, scale: float, num_heads: int) -> torch.Tensor | None:
-        """Rotary, cache write and attention of a decode-only step in one call, where the backend has
-        one; None otherwise (the caller then runs rotary and `forward`)."""
+    def decode_group(self, meta: AttentionMetadata) -> None:
+        """The native decode rows of a decode-only step (see CpuPagedAttention); none here."""
         return None
 
     def _write_kv(self, kv: torch.Tensor, kv_cache: LayerKVCache, meta: AttentionMetadata) -> None:
@@ -276,5 +274,4 @@ class AttentionBackend(Protocol):
     def forward(self, q: torch.Tensor, kv: torch.Tensor, kv_cache: LayerKVCache, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor: ...
 
-    def fused_decode(self, qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, kv_cache: LayerKVCache,
-                     meta: AttentionMetadata, scale: float, num_heads: int) -> torch.Tensor | None: ...
+    def decode_group(self, meta: AttentionMetadata) -> Any: ...

@@ -12,6 +12,7 @@ compute-bound there and already good).
 from __future__ import annotations
 
 import ctypes
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -39,11 +40,10 @@ _SIGNATURES = {
     "kvflow_paged_attention": ([_P, _L, _P, _P, _I, _P, _L, _P, _P, _I, _I, _I, _I, _I, _I, _F, _P, _I], _I),
     "kvflow_rotary": ([_P, _L, _I, _I, _I, _P, _P, _I], None),
     "kvflow_write_kv": ([_P, _L, _P, _I, _P, _P, _I, _I, _I, _I], None),
-    "kvflow_decode_attention": ([_P, _L, _P, _P, _P, _P, _I, _P, _P, _L, _P, _P, _I, _I, _I, _I, _I, _I, _F, _P, _I],
-                                _I),
 }
 
 
+@functools.cache
 def _lib() -> ctypes.CDLL | None:
     return native.load("paged_attention", _SIGNATURES)
 
@@ -54,7 +54,7 @@ def rotary_available(dtype: torch.dtype, head_dim: int) -> bool:
 
 def rotary_(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> None:
     """Rotary in place on x [T, heads, head_dim] (heads contiguous, any row stride), by the same code
-    as the fused decode call; cos, sin_signed: [T, 1, head_dim] as `RotaryEmbedding.lookup` returns
+    as the native decode pass (kvflow.models.native_decode); cos, sin_signed: [T, 1, head_dim] as `RotaryEmbedding.lookup` returns
     them (contiguous). The int8 path uses it for every step, so a token's keys do not depend on
     which path computed them."""
     t, heads, head_dim = x.shape
@@ -99,7 +99,7 @@ class CpuPagedAttention(TorchPagedAttention):
         )
 
     def _write_kv(self, kv: torch.Tensor, kv_cache: LayerKVCache, meta: AttentionMetadata) -> None:
-        # The same C code as the fused decode call's write (int8 caches: the same rounding).
+        # The same C code as the native decode pass's write (int8 caches: the same rounding).
         t = kv.shape[0]
         kv = kv.reshape(t, -1)
         if kv.stride(1) != 1:
@@ -109,23 +109,11 @@ class CpuPagedAttention(TorchPagedAttention):
                                   None if scales is None else scales.data_ptr(), int(scales is not None),
                                   data.shape[3], data.shape[4], torch.get_num_threads())
 
-    def fused_decode(self, qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, kv_cache: LayerKVCache,
-                     meta: AttentionMetadata, scale: float, num_heads: int) -> torch.Tensor | None:
-        if len(meta.groups) != 1 or not isinstance(g := meta.groups[0], NativeGroup) or qkv.stride(1) != 1:
-            return None
-        t = qkv.shape[0]
-        data, scales = kv_cache.data, kv_cache.scale
-        kv_heads, head_dim = data.shape[3], data.shape[4]
-        out = torch.empty(t, num_heads * head_dim, dtype=qkv.dtype)
-        rc = self._lib.kvflow_decode_attention(
-            qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin_signed.data_ptr(), data.data_ptr(),
-            None if scales is None else scales.data_ptr(), int(scales is not None), meta.slot_mapping.data_ptr(),
-            g.tables.data_ptr(), g.tables.stride(0), g.context_lens.data_ptr(), g.tokens.data_ptr(), t, num_heads,
-            kv_heads, head_dim, self.block_size, self.sliding_window or 0, scale, out.data_ptr(),
-            torch.get_num_threads())
-        if rc != 0:
-            raise RuntimeError(f"native decode attention refused head_dim={head_dim}, heads={num_heads}/{kv_heads}")
-        return out
+    def decode_group(self, meta: AttentionMetadata) -> NativeGroup | None:
+        """The step's rows as one NativeGroup when every row is a decode (one new token per
+        sequence, row r = sequence r's token), else None."""
+        g = meta.groups[0]
+        return g if len(meta.groups) == 1 and isinstance(g, NativeGroup) else None
 
     def _attend(self, q: torch.Tensor, kv_cache: LayerKVCache, g: AttentionGroup | NativeGroup, scale: float,
                 out: torch.Tensor | None) -> torch.Tensor:

@@ -165,7 +165,7 @@ class Int8Kernel:
         self.bias = None if bias is None else bias.detach().float().contiguous().clone()
         self.x_scale, self.x_zero_point = activation_qparams()
         q, scale = quantize_weight_per_channel(weight.detach())
-        lib = _int8_library()
+        lib = int8_library()
         self._lib = self._handle = None
         if lib is not None:
             self._handle = lib.kvflow_int8_pack(q.contiguous().data_ptr(), scale.contiguous().data_ptr(),
@@ -180,6 +180,11 @@ class Int8Kernel:
     @property
     def native(self) -> bool:
         return self._lib is not None
+
+    @property
+    def native_handle(self) -> int | None:
+        """The packed weight in the native library (csrc/int8_linear.cpp), None on the torch path."""
+        return self._handle if self._lib is not None else None
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None, *,
                  norm: tuple[torch.Tensor, float] | None = None, silu_mul: bool = False) -> torch.Tensor:
@@ -229,12 +234,13 @@ _INT8_SIGNATURES = {
 }
 
 
-def _int8_library() -> ctypes.CDLL | None:
-    """csrc/int8_linear.cpp, or None (the torch-op path) when it cannot be built here or
-    KVFLOW_INT8_NATIVE=0 asks for the torch path."""
+def int8_library(signatures: dict[str, native.Signature] = _INT8_SIGNATURES) -> ctypes.CDLL | None:
+    """The native int8 library (csrc/int8_linear.cpp, int8_decode.cpp) with `signatures` typed, or
+    None (the torch-op path) when it cannot be built here or KVFLOW_INT8_NATIVE=0 asks for the torch
+    path."""
     if os.environ.get("KVFLOW_INT8_NATIVE", "1") == "0":
         return None
-    return native.load("int8_linear", _INT8_SIGNATURES)
+    return native.load("int8", signatures)
 
 
 def _fbgemm_prepack(q: torch.Tensor, scale: torch.Tensor):

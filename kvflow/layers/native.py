@@ -4,8 +4,8 @@ Plain C with OpenMP, no torch headers: each library builds in about half a secon
 every supported machine has (a torch C++ extension compiles the torch headers as well). C++ sources
 may include the FBGEMM headers that ship with torch and link against torch's own libtorch_cpu (the
 library that is already loaded), to call FBGEMM's kernels directly. The shared object is cached under
-`$KVFLOW_CACHE_DIR` (default ``~/.cache/kvflow``), named by a hash of the source, the flags, the
-compiler and the CPU (it is built with -march=native), and written atomically, so concurrent
+`$KVFLOW_CACHE_DIR` (default ``~/.cache/kvflow``), named by a hash of the sources, the flags, the
+compiler, torch's version and the CPU (it is built with -march=native), and written atomically, so concurrent
 processes and stale builds are harmless. When there is no compiler the callers fall back to the
 torch path (`load` returns None and says why once).
 
@@ -57,32 +57,34 @@ def _cpu_id() -> str:
     return platform.processor() or platform.machine()
 
 
-def _source(name: str) -> Path:
-    for suffix in LANGUAGES:
-        if (CSRC / f"{name}{suffix}").exists():
-            return CSRC / f"{name}{suffix}"
-    raise FileNotFoundError(f"no source for native library {name!r} in {CSRC}")
+# Library -> its sources (one language per library). Headers (csrc/*.h) are shared.
+LIBRARIES = {
+    "paged_attention": ("paged_attention.c",),
+    "int8": ("int8_linear.cpp", "int8_decode.cpp"),
+}
 
 
-def _compiler(src: Path) -> str | None:
-    env, *names = LANGUAGES[src.suffix][0]
+def _compiler(suffix: str) -> str | None:
+    env, *names = LANGUAGES[suffix][0]
     return os.environ.get(env) or next(filter(None, map(shutil.which, names)), None)
 
 
-def _build(src: Path, cc: str) -> Path:
-    _, std, extra_compile, extra_link = LANGUAGES[src.suffix]
+def _build(name: str, sources: list[Path], cc: str) -> Path:
+    _, std, extra_compile, extra_link = LANGUAGES[sources[0].suffix]
     compile_flags, link_flags = (*COMPILE_FLAGS, std, *extra_compile), (*LINK_FLAGS, *extra_link)
-    text = src.read_bytes()
+    texts = [p.read_bytes() for p in (*sources, *sorted(CSRC.glob("*.h")))]
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(b"\0".join([text, " ".join(compile_flags + link_flags).encode(), version.encode(),
+    key = hashlib.sha256(b"\0".join([*texts, " ".join(compile_flags + link_flags).encode(), version.encode(),
                                      torch.__version__.encode(), _cpu_id().encode()])).hexdigest()[:16]
-    out = cache_dir() / f"{src.stem}-{key}.so"
+    out = cache_dir() / f"{name}-{key}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        obj, lib = Path(tmp) / f"{src.stem}.o", Path(tmp) / f"{src.stem}.so"
-        for cmd in ([cc, *compile_flags, "-c", str(src), "-o", str(obj)], [cc, str(obj), *link_flags, "-o", str(lib)]):
+        objs = [Path(tmp) / f"{src.stem}.o" for src in sources]
+        lib = Path(tmp) / f"{name}.so"
+        cmds = [[cc, *compile_flags, "-c", str(src), "-o", str(obj)] for src, obj in zip(sources, objs)]
+        for cmd in (*cmds, [cc, *map(str, objs), *link_flags, "-o", str(lib)]):
             r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode != 0:
                 raise RuntimeError(f"{' '.join(cmd)} failed:\n{r.stderr.strip()[-2000:]}")
@@ -94,24 +96,28 @@ Signature = tuple[list[type], type | None]  # (argtypes, restype) of one exporte
 
 
 def load(name: str, signatures: dict[str, Signature]) -> ctypes.CDLL | None:
-    """The compiled library `csrc/<name>.c` (or .cpp) with its functions typed by `signatures`, or
+    """The compiled library `name` (see LIBRARIES) with its functions typed by `signatures`, or
     None (logged once) when it cannot be built here."""
-    if name in _cache:
-        return _cache[name]
-    lib = None
-    src = _source(name)
-    cc = _compiler(src)
-    if cc is None:
-        env, *names = LANGUAGES[src.suffix][0]
-        logger.warning("no compiler for %s found (%s, or $%s): native %s kernel off, using the torch path",
-                       src.name, "/".join(names), env, name)
-    else:
-        try:
-            lib = ctypes.CDLL(str(_build(src, cc)))
-        except (OSError, RuntimeError) as e:
-            logger.warning("native %s kernel unavailable, using the torch path: %s", name, e)
-    if lib is not None:
+    if name not in _cache:
+        _cache[name] = _open(name)
+    lib = _cache[name]
+    if lib is not None:  # each caller types the functions it uses
         for fn, (argtypes, restype) in signatures.items():
             getattr(lib, fn).argtypes, getattr(lib, fn).restype = argtypes, restype
-    _cache[name] = lib
     return lib
+
+
+def _open(name: str) -> ctypes.CDLL | None:
+    sources = [CSRC / f for f in LIBRARIES[name]]
+    suffix = sources[0].suffix
+    cc = _compiler(suffix)
+    if cc is None:
+        env, *names = LANGUAGES[suffix][0]
+        logger.warning("no compiler for %s found (%s, or $%s): native %s kernels off, using the torch path",
+                       suffix, "/".join(names), env, name)
+        return None
+    try:
+        return ctypes.CDLL(str(_build(name, sources, cc)))
+    except (OSError, RuntimeError) as e:
+        logger.warning("native %s kernels unavailable, using the torch path: %s", name, e)
+        return None

@@ -19,6 +19,7 @@ from kvflow.layers.linear import Linear, LinearKernel, make_linear_kernel
 from kvflow.layers.norm import RMSNorm
 from kvflow.layers.quant import SMOOTH_ALPHA, smoothing_scales
 from kvflow.layers.rotary import RotaryEmbedding, apply_rotary_
+from kvflow.models.native_decode import NativeDecode, native_decode_unsupported
 
 
 class DecoderLayer(torch.nn.Module):
@@ -39,8 +40,7 @@ class DecoderLayer(torch.nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, False, dtype, device)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, dtype, device)
         # int8 path (set by LlamaForCausalLM.prepare): the int8 kernels apply the norms and the
-        # activation themselves; rotary runs natively where it can, fused with the cache write and
-        # attention on decode-only steps (the attention backend's `fused_decode`).
+        # activation themselves; rotary runs natively where it can (the same code as NativeDecode).
         self.fused_int8 = False
         self.native_rotary = False
 
@@ -53,23 +53,19 @@ class DecoderLayer(torch.nn.Module):
             qkv = self.qkv_proj.kernel(x, norm=(self.input_layernorm.weight, self.input_layernorm.eps))
         else:
             qkv = self.qkv_proj.kernel(self.input_layernorm.forward(x))  # [T, q | k | v]
-        attn = None
-        if self.native_rotary:  # decode-only steps: rotary, cache write and attention in one call
-            attn = self.attention.fused_decode(qkv, cos, sin_signed, kv_cache, meta, self.scale, self.num_heads)
-        if attn is None:
-            heads = self.num_heads + self.num_kv_heads
-            qk = qkv[:, : self.q_size + self.kv_size].view(t, heads, self.head_dim)
-            if self.q_norm is not None:
-                normed = torch.cat((self.q_norm.forward(qk[:, : self.num_heads]),
-                                    self.k_norm.forward(qk[:, self.num_heads:])), dim=1)
-                apply_rotary_(normed, cos, sin_signed, out=qk)
-            elif self.native_rotary:
-                native_rotary_(qk, cos, sin_signed)
-            else:
-                apply_rotary_(qk, cos, sin_signed)  # q and k rotated together, in place in qkv
-            q = qk[:, : self.num_heads]
-            kv = qkv[:, self.q_size:].view(t, 2, self.num_kv_heads, self.head_dim)
-            attn = self.attention.forward(q, kv, kv_cache, meta, self.scale)
+        heads = self.num_heads + self.num_kv_heads
+        qk = qkv[:, : self.q_size + self.kv_size].view(t, heads, self.head_dim)
+        if self.q_norm is not None:
+            normed = torch.cat((self.q_norm.forward(qk[:, : self.num_heads]),
+                                self.k_norm.forward(qk[:, self.num_heads:])), dim=1)
+            apply_rotary_(normed, cos, sin_signed, out=qk)
+        elif self.native_rotary:
+            native_rotary_(qk, cos, sin_signed)
+        else:
+            apply_rotary_(qk, cos, sin_signed)  # q and k rotated together, in place in qkv
+        q = qk[:, : self.num_heads]
+        kv = qkv[:, self.q_size:].view(t, 2, self.num_kv_heads, self.head_dim)
+        attn = self.attention.forward(q, kv, kv_cache, meta, self.scale)
         x = self.o_proj.kernel(attn, x)  # x + o_proj(attn)
         if self.fused_int8:
             norm = self.post_attention_layernorm
@@ -85,6 +81,7 @@ class LlamaForCausalLM(torch.nn.Module):
                  device: torch.device) -> None:
         super().__init__()
         self.cfg = cfg
+        self.attention = attention
         self.embed_tokens = torch.nn.Parameter(
             torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False
         )
@@ -96,6 +93,8 @@ class LlamaForCausalLM(torch.nn.Module):
         self.logits_kernel: LinearKernel | None = None
         self.linear_backend = "dense"
         self._lm_head_smoothing: torch.Tensor | None = None  # tied + smoothed: columns of the lm_head copy
+        # int8 + native kernels: decode-only steps run all layers in one call (set by `prepare`).
+        self.native_decode: NativeDecode | None = None
 
     def prepare(self, backend: str) -> None:
         """Move every projection, and the lm_head, to the linear backend `backend` (after load_weights)."""
@@ -116,6 +115,7 @@ class LlamaForCausalLM(torch.nn.Module):
                 w = w * self._lm_head_smoothing
             self.logits_kernel = make_linear_kernel(backend, w)
         self.linear_backend = backend
+        self.native_decode = NativeDecode(self) if native_decode_unsupported(self) is None else None
 
     def linear_inputs(self) -> dict[str, torch.nn.Module]:
         """The modules whose inputs `apply_smoothing` takes statistics of: every Linear by its
@@ -167,8 +167,12 @@ class LlamaForCausalLM(torch.nn.Module):
         """input_ids, positions: [T] -> final hidden states [T, hidden]."""
         x = F.embedding(input_ids, self.embed_tokens)
         cos, sin_signed = self.rotary.lookup(positions)
-        for layer, kv in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin_signed, kv, meta)
+        group = self.attention.decode_group(meta) if self.native_decode is not None else None
+        if group is not None:
+            self.native_decode(x, cos, sin_signed, kv_caches, meta.slot_mapping, group)
+        else:
+            for layer, kv in zip(self.layers, kv_caches):
+                x = layer(x, cos, sin_signed, kv, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

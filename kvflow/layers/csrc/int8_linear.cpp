@@ -12,29 +12,18 @@
  * Every row is computed by the same code in the same order whatever the number of rows: reductions
  * use LANES fixed partial sums and exp goes through one LANES-wide path for every element.
  */
-#include <fbgemm/Fbgemm.h>
+#include "int8_linear.h"
+
 #include <omp.h>
 
 #include <algorithm>
 #include <cmath>
-#include <cstdint>
-#include <memory>
-#include <vector>
 
+namespace kvflow {
 namespace {
 
 constexpr int LANES = 16;
 constexpr float MIN_SCALE = 1e-30f;
-
-enum Prologue { NONE = 0, RMSNORM = 1, SILU_MUL = 2 };
-
-struct PackedWeight {
-  std::unique_ptr<fbgemm::PackBMatrix<int8_t>> packed;
-  int n, k;
-  int levels;                        // activations use round(levels * v / max|v|) + levels + 1
-  std::vector<float> scale;         // per output channel
-  std::vector<int32_t> col_offsets; // sum of each output channel's int8 weights
-};
 
 using Dequantize = fbgemm::ReQuantizeForFloat<false, fbgemm::QuantizationGranularity::OUT_CHANNEL>;
 
@@ -106,38 +95,8 @@ thread_local std::vector<int32_t> t_acc;
 
 }  // namespace
 
-extern "C" {
-
-/* w: int8 [n, k] row-major, scale: [n] (w ~= w_q * scale); activations are quantized to 2 * levels + 1
- * values (127: 8 bits; 63: 7 bits, where FBGEMM's AVX2 kernel would saturate int16 pair sums).
- * Returns a handle, or null when FBGEMM does not support this CPU. */
-void* kvflow_int8_pack(const int8_t* w, const float* scale, int n, int k, int levels) {
-  if (!fbgemm::fbgemmSupportedCPU()) return nullptr;
-  auto* p = new PackedWeight{nullptr, n, k, levels, std::vector<float>(n), std::vector<int32_t>(n, 0)};
-  for (int j = 0; j < n; j++) {
-    p->scale[j] = scale[j];
-    int32_t s = 0;
-    for (int c = 0; c < k; c++) s += w[(long)j * k + c];
-    p->col_offsets[j] = s;
-  }
-  p->packed = std::make_unique<fbgemm::PackBMatrix<int8_t>>(fbgemm::matrix_op_t::Transpose, k, n, w, k, nullptr, 1);
-  return p;
-}
-
-void kvflow_int8_free(void* handle) { delete static_cast<PackedWeight*>(handle); }
-
-/* The packed weight back as int8 [n, k] and its scales [n]. */
-void kvflow_int8_unpack(void* handle, int8_t* w, float* scale) {
-  auto& p = *static_cast<PackedWeight*>(handle);
-  p.packed->unpack(w);
-  std::copy(p.scale.begin(), p.scale.end(), scale);
-}
-
-/* out[m, n] = residual + W . pre(x) + bias (see the top of the file). x rows are ldx apart and hold
- * k values (2k for SILU_MUL: gate then up); residual (or null) rows are ld_res apart; out is dense. */
-void kvflow_int8_linear(void* handle, const float* x, long ldx, int m, int kind, const float* norm_w, float eps,
-                        const float* bias, const float* residual, long ld_res, float* out, int num_threads) {
-  const auto& p = *static_cast<PackedWeight*>(handle);
+void int8_linear(const PackedWeight& p, const float* x, long ldx, int m, int kind, const float* norm_w, float eps,
+                 const float* bias, const float* residual, long ld_res, float* out, int num_threads) {
   const int n = p.n, k = p.k;
   t_q.resize((size_t)m * k);
   t_v.resize((size_t)num_threads * k);
@@ -168,6 +127,44 @@ void kvflow_int8_linear(void* handle, const float* x, long ldx, int m, int kind,
         epilogue(out + (long)i * n, j0, j1, r[i], bias, residual ? residual + i * ld_res : nullptr);
     }
   }
+}
+
+
+}  // namespace kvflow
+
+extern "C" {
+
+/* w: int8 [n, k] row-major, scale: [n] (w ~= w_q * scale); activations are quantized to 2 * levels + 1
+ * values (127: 8 bits; 63: 7 bits, where FBGEMM's AVX2 kernel would saturate int16 pair sums).
+ * Returns a handle, or null when FBGEMM does not support this CPU. */
+void* kvflow_int8_pack(const int8_t* w, const float* scale, int n, int k, int levels) {
+  if (!fbgemm::fbgemmSupportedCPU()) return nullptr;
+  auto* p = new kvflow::PackedWeight{nullptr, n, k, levels, std::vector<float>(n), std::vector<int32_t>(n, 0)};
+  for (int j = 0; j < n; j++) {
+    p->scale[j] = scale[j];
+    int32_t s = 0;
+    for (int c = 0; c < k; c++) s += w[(long)j * k + c];
+    p->col_offsets[j] = s;
+  }
+  p->packed = std::make_unique<fbgemm::PackBMatrix<int8_t>>(fbgemm::matrix_op_t::Transpose, k, n, w, k, nullptr, 1);
+  return p;
+}
+
+void kvflow_int8_free(void* handle) { delete static_cast<kvflow::PackedWeight*>(handle); }
+
+/* The packed weight back as int8 [n, k] and its scales [n]. */
+void kvflow_int8_unpack(void* handle, int8_t* w, float* scale) {
+  auto& p = *static_cast<kvflow::PackedWeight*>(handle);
+  p.packed->unpack(w);
+  std::copy(p.scale.begin(), p.scale.end(), scale);
+}
+
+/* out[m, n] = residual + W . pre(x) + bias (see the top of the file). x rows are ldx apart and hold
+ * k values (2k for SILU_MUL: gate then up); residual (or null) rows are ld_res apart; out is dense. */
+void kvflow_int8_linear(void* handle, const float* x, long ldx, int m, int kind, const float* norm_w, float eps,
+                        const float* bias, const float* residual, long ld_res, float* out, int num_threads) {
+  kvflow::int8_linear(*static_cast<kvflow::PackedWeight*>(handle), x, ldx, m, kind, norm_w, eps, bias, residual,
+                      ld_res, out, num_threads);
 }
 
 }  // extern "C"

@@ -1,0 +1,200 @@
+/* Attention kernels shared by the C library (paged_attention.c) and the C++ int8 decode pass
+ * (int8_decode.cpp): static inline, compiled into each, so both compute bit for bit the same.
+ * See paged_attention.c for the cache layout. Valid C11 and C++17.
+ */
+#ifndef KVFLOW_ATTENTION_H
+#define KVFLOW_ATTENTION_H
+
+#ifdef __cplusplus
+#define restrict __restrict__
+#endif
+
+#include <math.h>
+#include <stdint.h>
+#include <omp.h>
+
+#define MAX_HEAD_DIM 256
+#define MAX_GROUP 32
+#define CHUNK 32 /* keys scored per online-softmax update */
+#define PARALLEL_MIN 65536 /* elements below which rotary / cache writes stay on one thread */
+#define MIN_KV_SCALE 1e-12f /* as kvflow.layers.quant: an all-zero vector quantizes to zeros */
+
+/* Rotary in place on `heads` contiguous head vectors, rotate-half layout:
+ * x = x * cos + roll(x, D/2) * sin_signed (sin_signed: sin with its first half negated). */
+static inline void rotary_heads(float *x, int heads, int head_dim, const float *restrict c,
+                                const float *restrict s) {
+    const int half = head_dim / 2;
+    for (int h = 0; h < heads; h++) {
+        float *restrict v = x + (long)h * head_dim;
+        float lo[MAX_HEAD_DIM / 2], hi[MAX_HEAD_DIM / 2];
+        for (int d = 0; d < half; d++) {
+            lo[d] = v[d];
+            hi[d] = v[half + d];
+        }
+        for (int d = 0; d < half; d++) {
+            v[d] = lo[d] * c[d] + hi[d] * s[d];
+            v[half + d] = hi[d] * c[half + d] + lo[d] * s[half + d];
+        }
+    }
+}
+
+/* One token's new k and v (kv: 2 * kv_heads * head_dim floats, k heads then v heads) into cache slot
+ * `slot`; int8 caches get one scale per (k/v, head): max|x| / 127. */
+static inline void write_kv(const float *restrict kv, long slot, void *cache, float *scales, int quant,
+                            int kv_heads, int head_dim) {
+    const long n = 2L * kv_heads * head_dim;
+    if (!quant) {
+        float *restrict dst = (float *)cache + slot * n;
+        for (long i = 0; i < n; i++) dst[i] = kv[i];
+        return;
+    }
+    int8_t *restrict dst = (int8_t *)cache + slot * n;
+    for (int v = 0; v < 2 * kv_heads; v++) {
+        const float *restrict x = kv + (long)v * head_dim;
+        float mx = 0.f;
+        for (int d = 0; d < head_dim; d++) mx = fmaxf(mx, fabsf(x[d]));
+        const float sc = fmaxf(mx * (1.f / 127.f), MIN_KV_SCALE);
+        scales[slot * 2 * kv_heads + v] = sc;
+        for (int d = 0; d < head_dim; d++) dst[(long)v * head_dim + d] = (int8_t)nearbyintf(x[d] / sc);
+    }
+}
+
+static inline float dot_f32(const float *restrict a, const float *restrict b, int n) {
+    float s = 0.f;
+#pragma omp simd reduction(+ : s)
+    for (int i = 0; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+static inline float dot_i8(const float *restrict a, const int8_t *restrict b, int n) {
+    float s = 0.f;
+#pragma omp simd reduction(+ : s)
+    for (int i = 0; i < n; i++) s += a[i] * (float)b[i];
+    return s;
+}
+
+static inline void attend(const float *restrict q, const void *kv, const float *scales, int quant,
+                   const int32_t *restrict table, int begin, int end, int kv_heads, int head_dim,
+                   int block_size, int group, int h, float scale, float *restrict out) {
+    float qs[MAX_GROUP][MAX_HEAD_DIM];
+    float acc[MAX_GROUP][MAX_HEAD_DIM];
+    float m[MAX_GROUP], l[MAX_GROUP];
+    float s[MAX_GROUP][CHUNK];
+    const long tok_stride = 2L * kv_heads * head_dim; /* elements from one slot to the next */
+    const long v_off = (long)kv_heads * head_dim;
+
+    for (int g = 0; g < group; g++) {
+        for (int d = 0; d < head_dim; d++) {
+            qs[g][d] = q[g * head_dim + d] * scale;
+            acc[g][d] = 0.f;
+        }
+        m[g] = -1e30f;
+        l[g] = 0.f;
+    }
+    int t = begin;
+    while (t < end) {
+        const int off = t % block_size;
+        int n = block_size - off;
+        if (n > CHUNK) n = CHUNK;
+        if (n > end - t) n = end - t;
+        const long slot0 = (long)table[t / block_size] * block_size + off;
+
+        for (int j = 0; j < n; j++) {
+            const long base = (slot0 + j) * tok_stride + (long)h * head_dim;
+            if (quant) {
+                const float ks = scales[(slot0 + j) * 2 * kv_heads + h];
+                const int8_t *k = (const int8_t *)kv + base;
+                for (int g = 0; g < group; g++) s[g][j] = ks * dot_i8(qs[g], k, head_dim);
+            } else {
+                const float *k = (const float *)kv + base;
+                for (int g = 0; g < group; g++) s[g][j] = dot_f32(qs[g], k, head_dim);
+            }
+        }
+        for (int g = 0; g < group; g++) {
+            float mx = m[g];
+            for (int j = 0; j < n; j++) mx = s[g][j] > mx ? s[g][j] : mx;
+            const float corr = expf(m[g] - mx);
+            float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+            for (int j = 0; j < n; j++) {
+                s[g][j] = expf(s[g][j] - mx);
+                sum += s[g][j];
+            }
+            l[g] = l[g] * corr + sum;
+            m[g] = mx;
+            if (corr != 1.f) {
+#pragma omp simd
+                for (int d = 0; d < head_dim; d++) acc[g][d] *= corr;
+            }
+        }
+        for (int j = 0; j < n; j++) {
+            const long base = (slot0 + j) * tok_stride + v_off + (long)h * head_dim;
+            if (quant) {
+                const float vs = scales[(slot0 + j) * 2 * kv_heads + kv_heads + h];
+                const int8_t *v = (const int8_t *)kv + base;
+                for (int g = 0; g < group; g++) {
+                    const float p = s[g][j] * vs;
+#pragma omp simd
+                    for (int d = 0; d < head_dim; d++) acc[g][d] += p * (float)v[d];
+                }
+            } else {
+                const float *v = (const float *)kv + base;
+                for (int g = 0; g < group; g++) {
+                    const float p = s[g][j];
+#pragma omp simd
+                    for (int d = 0; d < head_dim; d++) acc[g][d] += p * v[d];
+                }
+            }
+        }
+        t += n;
+    }
+    for (int g = 0; g < group; g++) {
+        const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
+        for (int d = 0; d < head_dim; d++) out[g * head_dim + d] = acc[g][d] * inv;
+    }
+}
+
+static inline int check_shape(int num_heads, int kv_heads, int head_dim) {
+    const int group = num_heads / kv_heads;
+    return head_dim > MAX_HEAD_DIM || (head_dim & 1) || group > MAX_GROUP || group * kv_heads != num_heads ? -1 : 0;
+}
+
+static inline void attend_rows(const float *q, long q_row_stride, const void *kv, const float *scales, int quant,
+                        const int32_t *tables, long table_stride, const int32_t *context_lens,
+                        const int32_t *tokens, int rows, int num_heads, int kv_heads, int head_dim,
+                        int block_size, int window, float scale, float *out) {
+    const int group = num_heads / kv_heads;
+    const long tasks = (long)rows * kv_heads;
+#pragma omp for schedule(dynamic, 1)
+    for (long task = 0; task < tasks; task++) {
+        const int r = (int)(task / kv_heads), h = (int)(task % kv_heads);
+        const int end = context_lens[r];
+        int begin = window > 0 ? end - window : 0;
+        if (begin < 0) begin = 0;
+        const long tok = tokens[r];
+        attend(q + tok * q_row_stride + (long)h * group * head_dim, kv, scales, quant,
+               tables + r * table_stride, begin, end, kv_heads, head_dim,
+               block_size, group, h, scale, out + (tok * num_heads + (long)h * group) * head_dim);
+    }
+}
+
+
+/* A decode step's attention, inside a parallel region. qkv: [rows, q heads | k heads | v heads], one
+ * new token per sequence: rotary on each row's q and k in place, its k and v into cache slot
+ * slots[t], then (after the loop's barrier) attention as attend_rows, the new keys included. */
+static inline void decode_attention(float *qkv, long qkv_row_stride, const float *cos_t, const float *sin_t,
+                                    void *cache, float *scales, int quant, const int64_t *slots,
+                                    const int32_t *tables, long table_stride, const int32_t *context_lens,
+                                    const int32_t *tokens, int rows, int num_heads, int kv_heads, int head_dim,
+                                    int block_size, int window, float scale, float *out) {
+#pragma omp for
+    for (int t = 0; t < rows; t++) {
+        float *row = qkv + t * qkv_row_stride;
+        rotary_heads(row, num_heads + kv_heads, head_dim, cos_t + (long)t * head_dim, sin_t + (long)t * head_dim);
+        write_kv(row + (long)num_heads * head_dim, slots[t], cache, scales, quant, kv_heads, head_dim);
+    }
+    attend_rows(qkv, qkv_row_stride, cache, scales, quant, tables, table_stride, context_lens, tokens, rows,
+                num_heads, kv_heads, head_dim, block_size, window, scale, out);
+}
+
+#endif

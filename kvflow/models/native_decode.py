@@ -1,0 +1,93 @@
+"""A decode-only step's decoder layers of an int8 model in one native call (csrc/int8_decode.cpp).
+
+At batch 1 the int8 matmuls take ~half of a step; most of the rest was the Python around them:
+~10 calls per layer (five native kernels, views, the attention backend's dispatch) x 30 layers.
+Here the layers loop in C++ over the same kernels in the same order as the per-layer path
+(`Int8Kernel` with its fused norm / activation, the native rotary, cache write and paged
+attention), so a token's hidden state is bit for bit the same whichever path ran it. Steps with
+prefill chunks take the per-layer path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kvflow.layers.attention import LayerKVCache
+from kvflow.layers.cpu_attention import CpuPagedAttention, NativeGroup, rotary_available
+from kvflow.layers.linear import Int8Kernel, int8_library
+
+_I, _F, _P = ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+
+
+class _Shape(ctypes.Structure):  # DecoderShape in csrc/int8_decode.cpp
+    _fields_ = [(n, _I) for n in ("num_layers", "hidden", "intermediate", "num_heads", "num_kv_heads", "head_dim",
+                                  "block_size", "window", "kv_quant")] + [("eps", _F), ("scale", _F)]
+
+
+class _Layer(ctypes.Structure):  # DecoderLayer in csrc/int8_decode.cpp
+    _fields_ = [(n, _P) for n in ("qkv", "o", "gate_up", "down", "qkv_bias", "input_norm", "post_norm", "kv_cache",
+                                  "kv_scales")]
+
+
+_SIGNATURES = {"kvflow_int8_decode": ([ctypes.POINTER(_Shape), ctypes.POINTER(_Layer), _P, _I, _P, _P, _P, _P,
+                                       ctypes.c_long, _P, _P, _I], _I)}
+
+
+def native_decode_unsupported(model: torch.nn.Module) -> str | None:
+    """Why `model` (a prepared LlamaForCausalLM) cannot use the native decode pass, or None."""
+    cfg = model.cfg
+    if model.linear_backend != "int8":
+        return "it is the int8 path"
+    if not isinstance(model.attention, CpuPagedAttention):
+        return "it needs the native attention backend"
+    if cfg.qk_norm or not rotary_available(model.rotary.cos.dtype, cfg.head_dim):
+        return "q/k norms, or rotary not available natively for this dtype / head_dim"
+    kernels = [lin.kernel for layer in model.layers
+               for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
+    if not all(isinstance(k, Int8Kernel) and k.native for k in kernels):
+        return "the native int8 linear could not be built"
+    if any(k.bias is not None for layer in model.layers for k in (layer.o_proj.kernel, layer.gate_up_proj.kernel,
+                                                                 layer.down_proj.kernel)):
+        return "o / gate_up / down projections with a bias"
+    return None
+
+
+class NativeDecode:
+    def __init__(self, model: torch.nn.Module) -> None:
+        cfg = model.cfg
+        attention: CpuPagedAttention = model.attention
+        self._fn = int8_library(_SIGNATURES).kvflow_int8_decode
+        self.shape = _Shape(num_layers=cfg.num_layers, hidden=cfg.hidden_size, intermediate=cfg.intermediate_size,
+                            num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                            block_size=attention.block_size, window=attention.sliding_window or 0, kv_quant=0,
+                            eps=cfg.rms_norm_eps, scale=cfg.head_dim ** -0.5)
+        self.layers = (_Layer * cfg.num_layers)()
+        for dst, layer in zip(self.layers, model.layers):
+            qkv = layer.qkv_proj.kernel
+            dst.qkv, dst.o = qkv.native_handle, layer.o_proj.kernel.native_handle
+            dst.gate_up, dst.down = layer.gate_up_proj.kernel.native_handle, layer.down_proj.kernel.native_handle
+            dst.qkv_bias = None if qkv.bias is None else qkv.bias.data_ptr()
+            dst.input_norm = layer.input_layernorm.weight.data_ptr()
+            dst.post_norm = layer.post_attention_layernorm.weight.data_ptr()
+        self._bound: list[LayerKVCache] | None = None
+
+    def _bind(self, kv_caches: list[LayerKVCache]) -> None:
+        for dst, kv in zip(self.layers, kv_caches):
+            dst.kv_cache = kv.data.data_ptr()
+            dst.kv_scales = None if kv.scale is None else kv.scale.data_ptr()
+        self.shape.kv_quant = int(kv_caches[0].scale is not None)
+        self._bound = kv_caches
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, kv_caches: list[LayerKVCache],
+                 slot_mapping: torch.Tensor, group: NativeGroup) -> None:
+        """Runs every decoder layer on x [rows, hidden] (contiguous float32) in place; row r is the
+        step's token r, one per sequence."""
+        if kv_caches is not self._bound:
+            self._bind(kv_caches)
+        rc = self._fn(ctypes.byref(self.shape), self.layers, x.data_ptr(), x.shape[0], cos.data_ptr(),
+                      sin_signed.data_ptr(), slot_mapping.data_ptr(), group.tables.data_ptr(), group.tables.stride(0),
+                      group.context_lens.data_ptr(), group.tokens.data_ptr(), torch.get_num_threads())
+        if rc != 0:
+            raise RuntimeError("native decode refused the attention shape")

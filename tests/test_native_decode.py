@@ -1,0 +1,75 @@
+"""The int8 decode pass in one native call (kvflow.models.native_decode) against the per-layer path
+it replaces: same hidden states and same cache contents, bit for bit, on decode rows of different
+context lengths; and the engine uses it without changing outputs or leaking blocks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import assert_no_leaks
+from kvflow import LLM, SamplingParams
+from kvflow.layers.attention import LayerKVCache, SeqLayout
+
+
+def _int8_llm(path: str, kv_dtype: str) -> LLM:
+    llm = LLM(model=path, quantization="int8", kv_cache_dtype=kv_dtype, num_kv_blocks=48, max_model_len=128,
+              block_size=4)
+    if llm.engine.runner.model.native_decode is None:
+        pytest.skip("no C++ compiler: the native int8 kernels cannot be built")
+    return llm
+
+
+def _clone(caches: list[LayerKVCache]) -> list[LayerKVCache]:
+    return [LayerKVCache(c.data.clone(), None if c.scale is None else c.scale.clone()) for c in caches]
+
+
+@pytest.mark.parametrize("arch,kv_dtype", [("llama", "auto"), ("llama", "int8"), ("qwen2", "auto"),
+                                           ("mistral", "int8")])
+def test_native_decode_equals_per_layer_path(model_factory, arch, kv_dtype):
+    path, _ = model_factory(arch, **({"sliding_window": 6} if arch == "mistral" else {}))
+    llm = _int8_llm(path, kv_dtype)
+    runner, model = llm.engine.runner, llm.engine.runner.model
+    attn = runner.attention
+    g = torch.Generator().manual_seed(0)
+    # Three sequences with 9, 4 and 16 tokens already cached (block boundary and mid-block), tables
+    # scattered over the pool.
+    tables = [[5, 2, 9], [7], [1, 11, 3, 8, 12]]
+    contexts = [9, 4, 16]
+    with torch.inference_mode():
+        for table, n in zip(tables, contexts):
+            ids = torch.randint(3, 200, (n,), generator=g)
+            meta = attn.build_metadata([SeqLayout(0, n, table)])
+            model(ids, meta.positions, runner.kv_caches, meta)
+        meta = attn.build_metadata([SeqLayout(n, 1, t) for n, t in zip(contexts, tables)])
+        assert attn.decode_group(meta) is not None
+        ids = torch.randint(3, 200, (3,), generator=g)
+        per_layer_caches = _clone(runner.kv_caches)
+        native, model.native_decode = model.native_decode, None
+        expect = model(ids, meta.positions, per_layer_caches, meta)
+        model.native_decode = native
+        got = model(ids, meta.positions, runner.kv_caches, meta)
+    assert torch.equal(got, expect)
+    for a, b in zip(runner.kv_caches, per_layer_caches):
+        assert torch.equal(a.data, b.data)
+        assert a.scale is None or torch.equal(a.scale, b.scale)
+
+
+def test_engine_outputs_with_and_without_native_decode(tiny_llama):
+    """Batched decodes with preemption: the greedy tokens are the same when every step takes the
+    per-layer path, and no block leaks."""
+    path, _ = tiny_llama
+    prompts = [[(5 * i + j) % 190 + 3 for j in range(4 + 7 * i)] for i in range(6)]
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    results = []
+    for native in (True, False):
+        llm = LLM(model=path, quantization="int8", num_kv_blocks=36, max_model_len=128, block_size=4,
+                  max_num_batched_tokens=32)
+        if not native:
+            llm.engine.runner.model.native_decode = None
+        elif llm.engine.runner.model.native_decode is None:
+            pytest.skip("no C++ compiler: the native int8 kernels cannot be built")
+        results.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        assert llm.engine.get_stats().num_preemptions > 0
+        assert_no_leaks(llm.engine)
+    assert results[0] == results[1]
