@@ -100,3 +100,13 @@ def test_rotary_matches_torch_path(head_dim):
     rotary_(x, cos, sin)
     assert torch.allclose(x.double(), ref, atol=1e-5)
     assert torch.allclose(x, expect, atol=1e-5)
+
+
+def test_int8_linear_refuses_a_wrong_input_width(monkeypatch):
+    native, reference = _kernels(torch.randn(8, 32), None, monkeypatch)
+    for k in (native, reference):
+        with pytest.raises(ValueError, match="32 inputs got rows of 31"):
+            k(torch.randn(2, 31))
+        with pytest.raises(ValueError, match="silu_mul takes gate and up"):
+            k(torch.randn(2, 32), silu_mul=True)
+        assert k(torch.randn(0, 32)).shape == (0, 8)

@@ -54,9 +54,9 @@ def rotary_available(dtype: torch.dtype, head_dim: int) -> bool:
 
 def rotary_(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> None:
     """Rotary in place on x [T, heads, head_dim] (heads contiguous, any row stride), by the same code
-    as the native decode pass (kvflow.models.native_decode); cos, sin_signed: [T, 1, head_dim] as `RotaryEmbedding.lookup` returns
-    them (contiguous). The int8 path uses it for every step, so a token's keys do not depend on
-    which path computed them."""
+    as the native decode pass (kvflow.models.native_decode); cos, sin_signed: [T, 1, head_dim] as
+    `RotaryEmbedding.lookup` returns them (contiguous). The int8 path uses it for every step, so a
+    token's keys do not depend on which path computed them."""
     t, heads, head_dim = x.shape
     if x.dtype != torch.float32 or x.stride(2) != 1 or x.stride(1) != head_dim or head_dim > MAX_HEAD_DIM:
         raise ValueError(f"rotary_ takes float32 [T, heads, head_dim <= {MAX_HEAD_DIM}] with contiguous heads")

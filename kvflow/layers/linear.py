@@ -189,6 +189,9 @@ class Int8Kernel:
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None, *,
                  norm: tuple[torch.Tensor, float] | None = None, silu_mul: bool = False) -> torch.Tensor:
         dtype = x.dtype
+        if x.shape[-1] != (2 if silu_mul else 1) * self.in_features:
+            raise ValueError(f"int8 linear of {self.in_features} inputs got rows of {x.shape[-1]}"
+                             + (" (silu_mul takes gate and up: twice the inputs)" if silu_mul else ""))
         if self._lib is not None and dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1 and (
                 residual is None or residual.stride(1) == 1):
             out = torch.empty(x.shape[0], self.out_features)

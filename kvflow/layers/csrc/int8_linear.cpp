@@ -98,6 +98,7 @@ thread_local std::vector<int32_t> t_acc;
 void int8_linear(const PackedWeight& p, const float* x, long ldx, int m, int kind, const float* norm_w, float eps,
                  const float* bias, const float* residual, long ld_res, float* out, int num_threads) {
   const int n = p.n, k = p.k;
+  if (m <= 0) return;
   t_q.resize((size_t)m * k);
   t_v.resize((size_t)num_threads * k);
   t_r.resize(m);
