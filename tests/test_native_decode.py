@@ -73,3 +73,21 @@ def test_engine_outputs_with_and_without_native_decode(tiny_llama):
         assert llm.engine.get_stats().num_preemptions > 0
         assert_no_leaks(llm.engine)
     assert results[0] == results[1]
+
+
+def test_int8_torch_op_fallback_close_to_native(model_factory, monkeypatch):
+    """Without the native int8 library (no C++ compiler; forced here) the engine runs the per-layer
+    path on torch's quantized ops: the same quantization rule, logits equal up to float32 rounding."""
+    path, _ = model_factory("qwen2")
+    prompt = [(11 * j) % 180 + 3 for j in range(21)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3)
+    outs = []
+    for native in ("1", "0"):
+        monkeypatch.setenv("KVFLOW_INT8_NATIVE", native)
+        llm = LLM(model=path, quantization="int8", num_kv_blocks=32, max_model_len=64, block_size=4)
+        assert (llm.engine.runner.model.native_decode is None) == (native == "0")
+        outs.append(llm.generate([prompt], params, use_tqdm=False)[0].outputs[0])
+    native_out, torch_out = outs
+    assert native_out.token_ids == torch_out.token_ids
+    for tok, a, b in zip(native_out.token_ids, native_out.logprobs, torch_out.logprobs):
+        assert abs(a[tok].logprob - b[tok].logprob) < 1e-3
