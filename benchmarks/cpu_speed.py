@@ -20,8 +20,8 @@ of a shared machine falls on every mode alike:
   metadata, sampling, the rest of the runner and the engine outside it (scheduler, outputs,
   detokenize). Measured by timing wrappers around those pieces (~0.5 us each), not the profiler.
   An int8 engine's decode steps run all decoder layers in one native call (kvflow.models.native_decode),
-  which is timed as one piece; its table is followed by one of the same engine on the per-layer
-  path, which shows the pieces.
+  timed as one piece and, inside it, per phase by the native code (omp_get_wtime); its table is
+  followed by one of the same engine on the per-layer path.
 
 The machine is shared: the script prints the load average and, per mode, the CPU time other
 processes used while it was measured ("foreign", in cores); figures with foreign > 0.1 are suspect.
@@ -201,6 +201,7 @@ def breakdown(llm, prompts: Prompts, batch: int, steps: int = 24,
     pass (whose layers cannot be timed piece by piece from Python)."""
     from kvflow import SamplingParams
     from kvflow.layers.linear import Linear
+    from kvflow.models.native_decode import PHASES
 
     eng, runner = llm.engine, llm.engine.runner
     model = runner.model
@@ -237,6 +238,8 @@ def breakdown(llm, prompts: Prompts, batch: int, steps: int = 24,
     for _ in range(3):
         eng.step()
     timers.t.clear()
+    if native is not None and not per_layer:
+        native.phase_seconds = torch.zeros(len(PHASES), dtype=torch.float64)
     with Foreign() as fo:
         t0 = time.perf_counter()
         for _ in range(steps):
@@ -251,12 +254,17 @@ def breakdown(llm, prompts: Prompts, batch: int, steps: int = 24,
         else:
             delattr(obj, attr)
     model.native_decode = native
+    phases = {}
+    if native is not None and native.phase_seconds is not None:
+        phases = {f"  of which {name}": v * 1000 / steps for name, v in zip(PHASES, native.phase_seconds.tolist())}
+        native.phase_seconds = None
     t = defaultdict(float, {k: v * 1000 / steps for k, v in measured.items()})
     step_ms = wall * 1000 / steps
     parts = {
         "matmuls (projections + lm_head)": t["matmul"] + t["lm_head"],
         "attention (KV write, paged attention)": t["attention"],
         "decoder layers in one native call (int8 decode pass: all of the above but the lm_head)": t["native layers"],
+        **phases,
         # forward = its projections (not the lm_head: that runs after it) + attention + the rest
         "other model ops (norms, rotary, residual, silu, embedding)": t["model forward"] - t["matmul"] - t["attention"]
                                                                       - t["native layers"],

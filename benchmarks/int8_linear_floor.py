@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from kvflow.layers.linear import Int8Kernel, _fbgemm_prepack, activation_qparams
+from kvflow.layers.linear import Int8Kernel, activation_qparams, fbgemm_prepack
 from kvflow.layers.quant import quantize_weight_per_channel
 
 HIDDEN, INTER, Q, KV, LAYERS = 576, 1536, 576, 192, 30  # SmolLM2-135M
@@ -27,7 +27,7 @@ def main() -> None:
     shapes = [(Q + 2 * KV, HIDDEN), (HIDDEN, Q), (2 * INTER, HIDDEN), (HIDDEN, INTER)] * LAYERS
     weights = [torch.randn(n, k) * 0.05 for n, k in shapes]
     kernels = [Int8Kernel(w, None) for w in weights]
-    packed = [_fbgemm_prepack(*quantize_weight_per_channel(w)) for w in weights]
+    packed = [fbgemm_prepack(*quantize_weight_per_channel(w)) for w in weights]
     del weights
     inputs = [torch.randn(1, k) for _, k in shapes]
     scaled = [x / x.abs().amax() for x in inputs]

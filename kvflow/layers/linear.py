@@ -174,7 +174,7 @@ class Int8Kernel:
             self._lib = lib
             weakref.finalize(self, lib.kvflow_int8_free, self._handle)
         else:
-            self.packed = _fbgemm_prepack(q, scale)
+            self.packed = fbgemm_prepack(q, scale)
             self._op = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32
 
     @property
@@ -246,7 +246,7 @@ def int8_library(signatures: dict[str, native.Signature] = _INT8_SIGNATURES) -> 
     return native.load("int8", signatures)
 
 
-def _fbgemm_prepack(q: torch.Tensor, scale: torch.Tensor):
+def fbgemm_prepack(q: torch.Tensor, scale: torch.Tensor):
     """FBGEMM-packed int8 weight [out, in] with one symmetric scale per output channel, as torch's
     quantized linear ops take it."""
     with warnings.catch_warnings():  # torch deprecates quantized tensors; FBGEMM's prepack takes one
@@ -276,7 +276,7 @@ def activation_qparams() -> tuple[float, int]:
     if _QPARAMS is None:
         k = 64
         y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
-            torch.ones(1, k), 1 / 127, 128, _fbgemm_prepack(*quantize_weight_per_channel(torch.ones(8, k))))
+            torch.ones(1, k), 1 / 127, 128, fbgemm_prepack(*quantize_weight_per_channel(torch.ones(8, k))))
         exact = torch.allclose(y, torch.full_like(y, float(k)), rtol=1e-3)
         _QPARAMS = (1 / 127, 128) if exact else (1 / 63, 64)
     return _QPARAMS

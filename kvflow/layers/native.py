@@ -1,11 +1,12 @@
 """Native CPU kernels (kvflow/layers/csrc/*.c, *.cpp), compiled at first use and called through ctypes.
 
-Plain C with OpenMP, no torch headers: each library builds in about half a second with the gcc
-every supported machine has (a torch C++ extension compiles the torch headers as well). C++ sources
-may include the FBGEMM headers that ship with torch and link against torch's own libtorch_cpu (the
-library that is already loaded), to call FBGEMM's kernels directly. The shared object is cached under
-`$KVFLOW_CACHE_DIR` (default ``~/.cache/kvflow``), named by a hash of the sources, the flags, the
-compiler, torch's version and the CPU (it is built with -march=native), and written atomically, so concurrent
+Small C / C++ libraries with OpenMP and no torch headers: the C attention library builds in about
+half a second with the gcc every supported machine has. The C++ int8 library includes the FBGEMM
+headers that ship with torch and links against torch's own libtorch_cpu (already loaded), to call
+FBGEMM's kernels directly; it builds in a few seconds (a torch C++ extension would compile the
+torch headers as well). The shared object is cached under `$KVFLOW_CACHE_DIR` (default
+``~/.cache/kvflow``), named by a hash of the sources and headers, the flags, the compiler, torch's
+version and the CPU (it is built with -march=native), and written atomically, so concurrent
 processes and stale builds are harmless. When there is no compiler the callers fall back to the
 torch path (`load` returns None and says why once).
 

@@ -32,7 +32,9 @@ class _Layer(ctypes.Structure):  # DecoderLayer in csrc/int8_decode.cpp
 
 
 _SIGNATURES = {"kvflow_int8_decode": ([ctypes.POINTER(_Shape), ctypes.POINTER(_Layer), _P, _I, _P, _P, _P, _P,
-                                       ctypes.c_long, _P, _P, _I], _I)}
+                                       ctypes.c_long, _P, _P, _P, _I], _I)}
+PHASES = ("qkv projection (+ RMSNorm)", "rotary + cache write + attention", "o projection (+ residual)",
+          "gate_up projection (+ RMSNorm)", "down projection (+ silu*mul, residual)")
 
 
 def native_decode_unsupported(model: torch.nn.Module) -> str | None:
@@ -72,6 +74,8 @@ class NativeDecode:
             dst.input_norm = layer.input_layernorm.weight.data_ptr()
             dst.post_norm = layer.post_attention_layernorm.weight.data_ptr()
         self._bound: list[LayerKVCache] | None = None
+        # Set to a float64 tensor of len(PHASES) to have each call add the seconds spent per phase.
+        self.phase_seconds: torch.Tensor | None = None
 
     def _bind(self, kv_caches: list[LayerKVCache]) -> None:
         for dst, kv in zip(self.layers, kv_caches):
@@ -88,6 +92,7 @@ class NativeDecode:
             self._bind(kv_caches)
         rc = self._fn(ctypes.byref(self.shape), self.layers, x.data_ptr(), x.shape[0], cos.data_ptr(),
                       sin_signed.data_ptr(), slot_mapping.data_ptr(), group.tables.data_ptr(), group.tables.stride(0),
-                      group.context_lens.data_ptr(), group.tokens.data_ptr(), torch.get_num_threads())
+                      group.context_lens.data_ptr(), group.tokens.data_ptr(),
+                      None if self.phase_seconds is None else self.phase_seconds.data_ptr(), torch.get_num_threads())
         if rc != 0:
             raise RuntimeError("native decode refused the attention shape")
