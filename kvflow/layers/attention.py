@@ -28,12 +28,15 @@ paged cache in place; a GPU kernel can replace it behind the same methods.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from kvflow.layers.quant import quantize_kv
+
+if TYPE_CHECKING:
+    from kvflow.layers.cpu_attention import NativeGroup
 
 KV_CACHE_DTYPES = ("auto", "int8")
 
@@ -274,4 +277,4 @@ class AttentionBackend(Protocol):
     def forward(self, q: torch.Tensor, kv: torch.Tensor, kv_cache: LayerKVCache, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor: ...
 
-    def decode_group(self, meta: AttentionMetadata) -> Any: ...
+    def decode_group(self, meta: AttentionMetadata) -> NativeGroup | None: ...
