@@ -41,7 +41,7 @@ def native_decode_unsupported(model: torch.nn.Module) -> str | None:
     """Why `model` (a prepared LlamaForCausalLM) cannot use the native decode pass, or None."""
     cfg = model.cfg
     if model.linear_backend != "int8":
-        return "it is the int8 path"
+        return "it serves the int8 linear backend only"
     if not isinstance(model.attention, CpuPagedAttention):
         return "it needs the native attention backend"
     if cfg.qk_norm or not rotary_available(model.rotary.cos.dtype, cfg.head_dim):
