@@ -73,7 +73,8 @@ static inline float dot_i8(const float *restrict a, const int8_t *restrict b, in
     return s;
 }
 
-static inline void attend(const float *restrict q, const void *kv, const float *scales, int quant,
+/* always_inline: attend_rows instantiates it with head_dim as a constant (see there). */
+static inline __attribute__((always_inline)) void attend(const float *restrict q, const void *kv, const float *scales, int quant,
                    const int32_t *restrict table, int begin, int end, int kv_heads, int head_dim,
                    int block_size, int group, int h, float scale, float *restrict out) {
     float qs[MAX_GROUP][MAX_HEAD_DIM];
@@ -172,9 +173,17 @@ static inline void attend_rows(const float *q, long q_row_stride, const void *kv
         int begin = window > 0 ? end - window : 0;
         if (begin < 0) begin = 0;
         const long tok = tokens[r];
-        attend(q + tok * q_row_stride + (long)h * group * head_dim, kv, scales, quant,
-               tables + r * table_stride, begin, end, kv_heads, head_dim,
-               block_size, group, h, scale, out + (tok * num_heads + (long)h * group) * head_dim);
+        const float *qr = q + tok * q_row_stride + (long)h * group * head_dim;
+        const int32_t *table = tables + r * table_stride;
+        float *o = out + (tok * num_heads + (long)h * group) * head_dim;
+        /* The same code with the common head sizes as constants: gcc then unrolls and vectorizes the
+         * fixed-length loops (measured 1.2-1.45x on 32 rows x 100-token contexts, head_dim 64). */
+        if (head_dim == 64)
+            attend(qr, kv, scales, quant, table, begin, end, kv_heads, 64, block_size, group, h, scale, o);
+        else if (head_dim == 128)
+            attend(qr, kv, scales, quant, table, begin, end, kv_heads, 128, block_size, group, h, scale, o);
+        else
+            attend(qr, kv, scales, quant, table, begin, end, kv_heads, head_dim, block_size, group, h, scale, o);
     }
 }
 
