@@ -6,7 +6,8 @@ token per sequence) is not gathered and padded for scaled_dot_product_attention;
 they lie. A step then reads each sequence's real context once -- the torch path copies it and pads
 the batch to its longest context -- and blocks that several sequences share stay in the CPU's
 cache instead of being copied once per sequence. Prefill chunks keep the torch path (SDPA is
-compute-bound there and already good).
+compute-bound there and already good). The cache write of every step, and the rotary the int8 path
+uses, run in the same library with the same code as the int8 decode pass (csrc/attention.h).
 """
 
 from __future__ import annotations
