@@ -476,8 +476,18 @@ def test_admission_control(small_server):
         async with httpx.AsyncClient(timeout=60) as c:
             return await asyncio.gather(*(c.post(s.url + "/v1/completions", json=body) for _ in range(16)))
 
+    # Steps of the tiny model take well under a millisecond: slow them down so that the gauges are
+    # seen mid-burst by the polling below whatever the machine's speed (the engine is not changed).
+    runner = s.engine.runner
+    real_execute = runner.execute
+
+    def slow_execute(sched):
+        time.sleep(0.005)
+        return real_execute(sched)
+
     out: list = []
     burst = threading.Thread(target=lambda: out.extend(asyncio.run(run())))
+    runner.execute = slow_execute
     burst.start()
     try:  # 8 blocks hold two 62-token sequences: some run, the rest wait (the gauges move)
         wait_for(lambda: (m := s.metrics())["kvflow:num_requests_waiting"] > 0
@@ -485,6 +495,7 @@ def test_admission_control(small_server):
                  "the gauges did not move")
     finally:
         burst.join(60)
+        runner.execute = real_execute
     results = out
     codes = [r.status_code for r in results]
     # at most 4 running + 4 waiting at a time, and each request takes 60 steps
