@@ -51,7 +51,7 @@ def _reference(q: torch.Tensor, cache: LayerKVCache, seqs: list[SeqLayout], bloc
 
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 16), (6, 2, 32), (8, 1, 64), (9, 3, 64), (4, 2, 128)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 16), (6, 2, 32), (8, 1, 64), (9, 3, 64), (4, 2, 128), (2, 1, 15)])
 @pytest.mark.parametrize("window", [None, 5])
 def test_kernel_matches_float64_and_torch(kv_dtype, heads, kv_heads, head_dim, window):
     gen = torch.Generator().manual_seed(heads * 100 + head_dim)

@@ -157,7 +157,7 @@ static inline __attribute__((always_inline)) void attend(const float *restrict q
 
 static inline int check_shape(int num_heads, int kv_heads, int head_dim) {
     const int group = num_heads / kv_heads;
-    return head_dim > MAX_HEAD_DIM || (head_dim & 1) || group > MAX_GROUP || group * kv_heads != num_heads ? -1 : 0;
+    return head_dim > MAX_HEAD_DIM || group > MAX_GROUP || group * kv_heads != num_heads ? -1 : 0;
 }
 
 static inline void attend_rows(const float *q, long q_row_stride, const void *kv, const float *scales, int quant,
