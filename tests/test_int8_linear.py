@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from kvflow.layers.cpu_attention import rotary_, rotary_available
 from kvflow.layers.linear import Int8Kernel, activation_qparams
+from kvflow.layers.norm import RMSNorm
 from kvflow.layers.rotary import apply_rotary_
 
 EPS = 1e-5
@@ -30,7 +31,7 @@ def _float64_reference(k: Int8Kernel, x, residual, norm, silu_mul) -> torch.Tens
     """The same quantized maths in float64: prologue, per-row scale, rounding, integer products."""
     v = x.double()
     if norm is not None:
-        v = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + norm[1]) * norm[0].double()
+        v = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + norm.eps) * norm.weight.double()
     if silu_mul:
         g, u = v.chunk(2, dim=-1)
         v = F.silu(g) * u
@@ -54,7 +55,9 @@ def test_native_int8_linear_matches_float64_and_torch_path(n, k, prologue, monke
     x[2] *= 1000.0  # a token with massive activations must not flatten the others
     x[5] = 0.0  # an all-zero row quantizes to zeros, not NaN
     residual = torch.randn(9, n, generator=g)
-    kw = {"norm": (torch.rand(k, generator=g) + 0.5, EPS)} if prologue == "rmsnorm" else {"silu_mul": prologue == "silu_mul"}
+    norm = RMSNorm(k, EPS, torch.float32, torch.device("cpu"))
+    norm.weight.data = torch.rand(k, generator=g) + 0.5
+    kw = {"norm": norm} if prologue == "rmsnorm" else {"silu_mul": prologue == "silu_mul"}
     got = native(x, residual, **kw)
     ref = _float64_reference(native, x, residual, kw.get("norm"), kw.get("silu_mul", False))
     assert got.dtype == torch.float32 and got.shape == (9, n) and torch.isfinite(got).all()

@@ -86,7 +86,6 @@ class CpuPagedAttention(TorchPagedAttention):
         if lib is None:
             raise RuntimeError("the native paged-attention kernel could not be built")
         self._lib = lib
-        self._kernel = lib.kvflow_paged_attention
 
     def _group(self, members: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor,
                offsets: torch.Tensor, tables: torch.Tensor, total: int) -> AttentionGroup | NativeGroup:
@@ -126,7 +125,7 @@ class CpuPagedAttention(TorchPagedAttention):
         if out is None:
             out = torch.empty(t, num_heads * head_dim, dtype=q.dtype, device=q.device)
         data, scales = kv_cache.data, kv_cache.scale
-        rc = self._kernel(
+        rc = self._lib.kvflow_paged_attention(
             q.data_ptr(), q.stride(0), data.data_ptr(), None if scales is None else scales.data_ptr(),
             int(scales is not None), g.tables.data_ptr(), g.tables.stride(0), g.context_lens.data_ptr(), g.tokens.data_ptr(), len(g.tokens), num_heads, data.shape[3],
             head_dim, self.block_size, self.sliding_window or 0, scale, out.data_ptr(), torch.get_num_threads())

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from kvflow.layers import native
+from kvflow.layers.norm import RMSNorm
 from kvflow.layers.quant import quantize_weight_per_channel
 
 LINEAR_BACKENDS = ("dense", "onednn", "int8")
@@ -149,8 +150,8 @@ class Int8Kernel:
     does, a token with massive activations flattens the others: perplexity +200% on SmolLM2-135M),
     and a token's result does not depend on what it is batched with.
 
-    `norm=(weight, eps)` or `silu_mul=True` apply the op that produces the projection's input first
-    (RMSNorm; silu(x[:, :k]) * x[:, k:]), and `residual` is added to the output: with the native
+    `norm=<RMSNorm>` or `silu_mul=True` apply the op that produces the projection's input first
+    (that RMSNorm; silu(x[:, :k]) * x[:, k:]), and `residual` is added to the output: with the native
     library (csrc/int8_linear.cpp, FBGEMM called directly) a projection and its neighbours are then
     one call; without it, the same maths runs as torch ops around `torch.ops.quantized`.
     """
@@ -165,46 +166,45 @@ class Int8Kernel:
         self.bias = None if bias is None else bias.detach().float().contiguous().clone()
         self.x_scale, self.x_zero_point = activation_qparams()
         q, scale = quantize_weight_per_channel(weight.detach())
-        lib = int8_library()
-        self._lib = self._handle = None
-        if lib is not None:
-            self._handle = lib.kvflow_int8_pack(q.contiguous().data_ptr(), scale.contiguous().data_ptr(),
-                                                self.out_features, self.in_features, self.x_zero_point - 1)
-        if self._handle:
-            self._lib = lib
-            weakref.finalize(self, lib.kvflow_int8_free, self._handle)
+        # The packed weight in the native library (csrc/int8_linear.cpp); None: the torch-op path.
+        self._lib = int8_library()
+        self.native_handle: int | None = None
+        if self._lib is not None:
+            self.native_handle = self._lib.kvflow_int8_pack(
+                q.contiguous().data_ptr(), scale.contiguous().data_ptr(), self.out_features, self.in_features,
+                self.x_zero_point - 1)
+        if self.native_handle is not None:
+            weakref.finalize(self, self._lib.kvflow_int8_free, self.native_handle)
         else:
             self.packed = fbgemm_prepack(q, scale)
             self._op = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32
 
     @property
     def native(self) -> bool:
-        return self._lib is not None
-
-    @property
-    def native_handle(self) -> int | None:
-        """The packed weight in the native library (csrc/int8_linear.cpp), None on the torch path."""
-        return self._handle if self._lib is not None else None
+        return self.native_handle is not None
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None, *,
-                 norm: tuple[torch.Tensor, float] | None = None, silu_mul: bool = False) -> torch.Tensor:
+                 norm: RMSNorm | None = None, silu_mul: bool = False) -> torch.Tensor:
         dtype = x.dtype
         if x.shape[-1] != (2 if silu_mul else 1) * self.in_features:
             raise ValueError(f"int8 linear of {self.in_features} inputs got rows of {x.shape[-1]}"
                              + (" (silu_mul takes gate and up: twice the inputs)" if silu_mul else ""))
-        if self._lib is not None and dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1 and (
+        if self.native and dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1 and (
                 residual is None or residual.stride(1) == 1):
             out = torch.empty(x.shape[0], self.out_features)
-            kind, norm_w, eps = (1, norm[0].data_ptr(), norm[1]) if norm is not None else (2 if silu_mul else 0, None, 0.0)
+            if norm is not None:
+                kind, norm_w, eps = _RMSNORM, norm.weight.data_ptr(), norm.eps
+            else:
+                kind, norm_w, eps = (_SILU_MUL if silu_mul else _PLAIN), None, 0.0
             self._lib.kvflow_int8_linear(
-                self._handle, x.data_ptr(), x.stride(0), x.shape[0], kind, norm_w, eps,
+                self.native_handle, x.data_ptr(), x.stride(0), x.shape[0], kind, norm_w, eps,
                 None if self.bias is None else self.bias.data_ptr(),
                 None if residual is None else residual.data_ptr(), 0 if residual is None else residual.stride(0),
                 out.data_ptr(), torch.get_num_threads())
             return out
-        x = x.float()
         if norm is not None:
-            x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm[1]) * norm[0].float()
+            x = norm.forward(x)
+        x = x.float()
         if silu_mul:
             gate, up = x.chunk(2, dim=-1)
             x = F.silu(gate) * up
@@ -216,11 +216,11 @@ class Int8Kernel:
         return y if residual is None else residual + y
 
     def dequantized_weight(self) -> torch.Tensor:
-        if self._lib is None:
+        if not self.native:
             return torch.ops.quantized.linear_unpack(self.packed)[0].dequantize()
         q = torch.empty(self.out_features, self.in_features, dtype=torch.int8)
         scale = torch.empty(self.out_features)
-        self._lib.kvflow_int8_unpack(self._handle, q.data_ptr(), scale.data_ptr())
+        self._lib.kvflow_int8_unpack(self.native_handle, q.data_ptr(), scale.data_ptr())
         return q.float() * scale[:, None]
 
     @property
@@ -228,6 +228,8 @@ class Int8Kernel:
         return self.out_features * self.in_features + 4 * self.out_features + _nbytes(self.bias)
 
 
+# The op applied to each input row before it is quantized (enum Prologue in csrc/int8_linear.h).
+_PLAIN, _RMSNORM, _SILU_MUL = 0, 1, 2
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 _INT8_SIGNATURES = {
     "kvflow_int8_pack": ([_P, _P, _I, _I, _I], _P),

@@ -50,7 +50,7 @@ class DecoderLayer(torch.nn.Module):
         # per step on the decode path, where per-call overhead is what a step costs (no hooks here).
         t = x.shape[0]
         if self.fused_int8:
-            qkv = self.qkv_proj.kernel(x, norm=(self.input_layernorm.weight, self.input_layernorm.eps))
+            qkv = self.qkv_proj.kernel(x, norm=self.input_layernorm)
         else:
             qkv = self.qkv_proj.kernel(self.input_layernorm.forward(x))  # [T, q | k | v]
         heads = self.num_heads + self.num_kv_heads
@@ -68,8 +68,7 @@ class DecoderLayer(torch.nn.Module):
         attn = self.attention.forward(q, kv, kv_cache, meta, self.scale)
         x = self.o_proj.kernel(attn, x)  # x + o_proj(attn)
         if self.fused_int8:
-            norm = self.post_attention_layernorm
-            gate_up = self.gate_up_proj.kernel(x, norm=(norm.weight, norm.eps))
+            gate_up = self.gate_up_proj.kernel(x, norm=self.post_attention_layernorm)
             return self.down_proj.kernel(gate_up, x, silu_mul=True)
         gate_up = self.gate_up_proj.kernel(self.post_attention_layernorm.forward(x))
         gate, up = gate_up.chunk(2, dim=-1)
