@@ -177,7 +177,7 @@ static inline void attend_rows(const float *q, long q_row_stride, const void *kv
         const int32_t *table = tables + r * table_stride;
         float *o = out + (tok * num_heads + (long)h * group) * head_dim;
         /* The same code with the common head sizes as constants, so gcc can unroll and vectorize the
-         * fixed-length loops (faster on this project's CPU: see the session-3 notes). */
+         * fixed-length loops (benchmarks/decode_attention.py: clearly faster with an int8 cache). */
         if (head_dim == 64)
             attend(qr, kv, scales, quant, table, begin, end, kv_heads, 64, block_size, group, h, scale, o);
         else if (head_dim == 128)

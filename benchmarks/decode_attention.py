@@ -1,0 +1,61 @@
+"""The native decode-attention kernel alone: one layer's attention for `--rows` decode rows, each
+with a `--context`-token context, on the default model's shape (9 query heads, 3 KV heads,
+head_dim 64) with a warm cache. Prints microseconds per layer, x30 (one step of the default
+model) and GFLOP/s (4 flops per query-head x key x dim: the scores and the weighted sum).
+
+    python benchmarks/decode_attention.py --rows 32 --context 100 --kv-cache-dtype int8
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from kvflow.layers.attention import SeqLayout
+from kvflow.layers.cpu_attention import CpuPagedAttention
+
+HEADS, KV_HEADS, HEAD_DIM, LAYERS = 9, 3, 64, 30  # SmolLM2-135M
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", type=int, default=32)
+    ap.add_argument("--context", type=int, default=100)
+    ap.add_argument("--kv-cache-dtype", choices=("auto", "int8"), default="auto")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--iters", type=int, default=200)
+    args = ap.parse_args()
+
+    bs = args.block_size
+    per_seq = -(-args.context // bs) + 1
+    attn = CpuPagedAttention(bs, None, torch.device("cpu"))
+    cache = attn.allocate_kv_cache(1, args.rows * per_seq, KV_HEADS, HEAD_DIM, torch.float32, args.kv_cache_dtype)[0]
+    g = torch.Generator().manual_seed(0)
+    if cache.scale is None:
+        cache.data.copy_(torch.randn(cache.data.shape, generator=g))
+    else:
+        cache.data.copy_(torch.randint(-100, 100, cache.data.shape, generator=g))
+        cache.scale.fill_(0.01)
+    seqs = [SeqLayout(args.context - 1, 1, list(range(i * per_seq, (i + 1) * per_seq))) for i in range(args.rows)]
+    group = attn.build_metadata(seqs).groups[0]
+    q = torch.randn(args.rows, HEADS, HEAD_DIM, generator=g)
+
+    for _ in range(20):
+        attn._attend(q, cache, group, HEAD_DIM ** -0.5, None)
+    times = []
+    for _ in range(args.iters):
+        t = time.perf_counter()
+        attn._attend(q, cache, group, HEAD_DIM ** -0.5, None)
+        times.append(time.perf_counter() - t)
+    med = statistics.median(times)
+    flops = 4 * args.rows * HEADS * args.context * HEAD_DIM
+    print(f"{args.rows} rows x {args.context}-token contexts, KV {args.kv_cache_dtype}, {torch.get_num_threads()} "
+          f"threads: median {med * 1e6:.0f} us a layer (min {min(times) * 1e6:.0f}), x{LAYERS} = "
+          f"{med * LAYERS * 1e3:.2f} ms, {flops / med / 1e9:.1f} GFLOP/s")
+
+
+if __name__ == "__main__":
+    main()
