@@ -193,6 +193,7 @@ class ServerConfig:
     max_request_body_bytes: int = 4 * 2**20
     log_interval_s: float = 5.0  # the periodic stats line while busy
     shutdown_grace_s: float = 30.0  # SIGTERM: in-flight requests get this long to finish
+    allowed_origins: list[str] | None = None  # CORS: origins browsers may call from (None: no CORS)
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:

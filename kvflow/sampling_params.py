@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 _GREEDY_EPS = 1e-5
+# Limits a request can reach (the server's and the offline API's alike; the README lists them).
+MAX_N = 128
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 64
+MAX_STOP_TOKEN_IDS = 1024
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # int64, as vLLM
 
 
 @dataclass
@@ -39,36 +47,51 @@ class SamplingParams:
 
     def _validate(self) -> None:
         def bad(name: str, cond: str) -> ValueError:
-            return ValueError(f"{name} must be {cond}, got {getattr(self, name)!r}")
+            return ValueError(f"{name} must be {cond}, got {_short(getattr(self, name))}")
 
-        if not isinstance(self.n, int) or self.n < 1:
-            raise bad("n", "an integer >= 1")
-        if self.temperature < 0:
-            raise bad("temperature", ">= 0")
-        if not 0 < self.top_p <= 1:
-            raise bad("top_p", "in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        def number(name: str, lo: float | None, hi: float | None, lo_open: bool = False) -> None:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise bad(name, "a finite number")
+            if (lo is not None and (v < lo or (lo_open and v == lo))) or (hi is not None and v > hi):
+                raise bad(name, _range(lo, hi, lo_open))
+
+        def integer(name: str, lo: int, hi: int | None = None, optional: bool = False) -> None:
+            v = getattr(self, name)
+            if optional and v is None:
+                return
+            if not is_int(v) or v < lo or (hi is not None and v > hi):
+                raise bad(name, f"an integer in [{lo}, {hi}]" if hi is not None else f"an integer >= {lo}")
+
+        integer("n", 1, MAX_N)
+        number("temperature", 0, None)
+        number("top_p", 0, 1, lo_open=True)
+        if not is_int(self.top_k) or self.top_k < 0:
             raise bad("top_k", "0 or -1 (disabled) or a positive integer")
-        if not 0 <= self.min_p <= 1:
-            raise bad("min_p", "in [0, 1]")
-        if not -2 <= self.presence_penalty <= 2:
-            raise bad("presence_penalty", "in [-2, 2]")
-        if not -2 <= self.frequency_penalty <= 2:
-            raise bad("frequency_penalty", "in [-2, 2]")
-        if self.repetition_penalty <= 0:
-            raise bad("repetition_penalty", "> 0")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            raise bad("max_tokens", "an integer >= 1")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            raise bad("min_tokens", "an integer >= 0")
+        number("min_p", 0, 1)
+        number("presence_penalty", -2, 2)
+        number("frequency_penalty", -2, 2)
+        number("repetition_penalty", 0, None, lo_open=True)
+        integer("seed", SEED_MIN, SEED_MAX, optional=True)
+        integer("max_tokens", 1, optional=True)
+        integer("min_tokens", 0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
-            raise bad("logprobs", "an integer in [0, 20]")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", "an integer")
+        integer("logprobs", 0, MAX_LOGPROBS, optional=True)
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "true or false")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop holds {len(self.stop)} strings; at most {MAX_STOP_STRINGS} are allowed")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop must be non-empty strings, got {_short(s)}")
+            check_text(s, "stop")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids holds {len(self.stop_token_ids)} ids; at most "
+                             f"{MAX_STOP_TOKEN_IDS} are allowed")
+        if any(not is_int(t) or t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be non-negative integers, got {_short(self.stop_token_ids)}")
 
     @property
     def greedy(self) -> bool:
@@ -79,6 +102,33 @@ class SamplingParams:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     def for_child(self, index: int) -> "SamplingParams":
-        """Params of the index-th of n completions: each gets its own seed stream."""
-        seed = None if self.seed is None else self.seed + index
+        """Params of the index-th of n completions: each gets its own seed stream (seed + index,
+        wrapped into int64)."""
+        seed = None if self.seed is None else (self.seed + index - SEED_MIN) % 2**64 + SEED_MIN
         return replace(self, n=1, seed=seed)
+
+
+def check_text(text: str, what: str) -> None:
+    """Refuse a string that is not valid Unicode (a lone surrogate, e.g. "\\ud800" in JSON): no
+    tokenizer or UTF-8 encoder downstream can take it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} is not valid Unicode: a lone surrogate {text[e.start]!r} at character "
+                         f"{e.start}") from None
+
+
+def is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _range(lo: float | None, hi: float | None, lo_open: bool) -> str:
+    if hi is None:
+        return f"> {lo}" if lo_open else f">= {lo}"
+    return f"in ({lo}, {hi}]" if lo_open else f"in [{lo}, {hi}]"
+
+
+def _short(v: Any, limit: int = 60) -> str:
+    """repr of a user value, cut so an error message never echoes a long input back."""
+    r = repr(v)
+    return r if len(r) <= limit else r[:limit] + "..."

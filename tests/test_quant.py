@@ -19,6 +19,14 @@ from kvflow.layers.quant import dequantize_symmetric, quantize_kv, quantize_symm
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 INT8 = dict(quantization="int8")
+
+
+def reduced_range() -> bool:
+    """True where FBGEMM's kernel saturates int16 pair sums (AVX2 without VNNI): activations are
+    then quantized to 7 bits (as torch's reduce_range), which costs some accuracy. Measured on an
+    AVX2-only AMD EPYC: tiny-model relative logit error 5.2%, max 0.34 (8 bits: 0.12-0.15), default-model KL 0.039
+    nats/token on 1,024 tokens (8 bits, AVX-512 VNNI: 0.013-0.019)."""
+    return activation_qparams()[1] == 64
 INT8_KV8 = dict(quantization="int8", kv_cache_dtype="int8")
 
 
@@ -114,8 +122,8 @@ def test_int8_weights_logits_close_to_fp32(model_factory, arch):
     ref = all_logits(LLM(path, num_kv_blocks=32, max_model_len=128), prompt)
     got = all_logits(LLM(path, num_kv_blocks=32, max_model_len=128, **INT8), prompt)
     # Measured 0.12-0.15 on these random tiny models (logits up to ~3.7); fp32 is within 2e-6.
-    assert (got - ref).abs().max() < 0.3
-    assert ((got - ref).norm() / ref.norm()) < 0.05
+    assert (got - ref).abs().max() < (0.5 if reduced_range() else 0.3)
+    assert ((got - ref).norm() / ref.norm()) < (0.08 if reduced_range() else 0.05)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -253,7 +261,7 @@ def test_default_model_int8_perplexity_within_bounds():
     ppl = {k: math.exp(v / n) for k, v in nll.items()}
     for name in ("int8", "int8+kv8"):
         assert ppl[name] / ppl["fp32"] < 1.05, ppl
-        assert kl[name] / n < 0.03, kl
+        assert kl[name] / n < (0.05 if reduced_range() else 0.03), kl
 
 
 @pytest.mark.parametrize("tier", ["cpu", "disk"])

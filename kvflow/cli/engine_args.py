@@ -52,6 +52,8 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, title: str,
         if kind is bool:
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
                                help=text)
+        elif typing.get_origin(kind) is list:
+            group.add_argument(flag, dest=f.name, type=_comma_list, default=default, help=text)
         else:
             group.add_argument(flag, dest=f.name, type=kind, default=default, help=text)
 
@@ -64,6 +66,10 @@ def dataclass_kwargs(cls: type, args: argparse.Namespace) -> dict[str, typing.An
 
 def dataclass_from_args(cls: type, args: argparse.Namespace):
     return cls(**dataclass_kwargs(cls, args))
+
+
+def _comma_list(value: str) -> list[str]:
+    return [x.strip() for x in value.split(",") if x.strip()]
 
 
 def _base_type(hint: typing.Any) -> type:

@@ -19,6 +19,8 @@ _SERVER_HELP = {
     "max_request_body_bytes": "larger request bodies get 413",
     "log_interval_s": "seconds between stats log lines while busy",
     "shutdown_grace_s": "on SIGTERM, seconds in-flight requests get to finish before they are aborted",
+    "allowed_origins": "CORS: origins that browsers may call the API from (comma-separated; "
+                       "'*' for any); without it no CORS headers are sent",
 }
 
 

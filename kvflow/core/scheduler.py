@@ -217,7 +217,9 @@ class Scheduler:
             req.num_computed_tokens += len(seq.token_ids)
             if not seq.sample:
                 continue
-            token = sampled[seq.request_id]
+            token = sampled.get(seq.request_id)
+            if token is None:  # its sampling failed: the engine ends it with an error
+                continue
             req.output_token_ids.append(token)
             advanced.append(req)
             status = self._check_stop(req, token)

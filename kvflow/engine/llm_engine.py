@@ -16,7 +16,7 @@ from kvflow.core.request import Request, RequestStatus
 from kvflow.core.scheduler import KVMemoryStats, Scheduler
 from kvflow.engine.output_processor import OutputProcessor
 from kvflow.outputs import RequestOutput
-from kvflow.sampling_params import SamplingParams
+from kvflow.sampling_params import SamplingParams, is_int, check_text
 
 if TYPE_CHECKING:
     from kvflow.worker.kv_offload import KVOffloadStore, OffloadStats
@@ -154,17 +154,23 @@ class LLMEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: give the prompt as token ids")
+            check_text(prompt, "the prompt")
             return self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
+        if not isinstance(prompt, (list, tuple)) or not all(is_int(t) for t in prompt):
+            raise ValueError(f"the prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         return list(prompt)
 
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams,
                     arrival_time: float | None = None, add_special_tokens: bool = True) -> str:
-        """Validate and queue a request; returns its id. Raises ValueError on bad input."""
+        """Validate and queue a request; returns its id. Raises ValueError on bad input (and then
+        changes nothing)."""
         request_id = str(next(self._ids)) if request_id is None else request_id
         if self.output_processor.has(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         prompt_ids = self.tokenize(prompt, add_special_tokens)
-        self._validate_prompt(prompt_ids, params)
+        self._validate_request(prompt_ids, params)
         max_tokens = params.max_tokens or (self.max_model_len - len(prompt_ids))
         arrival = time.monotonic() if arrival_time is None else arrival_time
         child_params = [params.for_child(i) for i in range(params.n)]
@@ -181,13 +187,17 @@ class LLMEngine:
         self._prompt_tokens += len(prompt_ids) * params.n
         return request_id
 
-    def _validate_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
+    def _validate_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """What only the model knows: the vocabulary and the context length."""
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         vocab = self.model_config.vocab_size
         bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is out of range [0, {vocab})")
+        bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids: token id {bad[0]} is out of range [0, {vocab})")
         n, limit = len(prompt_ids), self.max_model_len
         if n >= limit:
             raise ValueError(f"the prompt has {n} tokens but max_model_len is {limit}; "
@@ -195,6 +205,9 @@ class LLMEngine:
         if params.max_tokens is not None and n + params.max_tokens > limit:
             raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = "
                              f"{n + params.max_tokens} exceeds max_model_len {limit}")
+        if params.min_tokens > limit - n:
+            raise ValueError(f"min_tokens ({params.min_tokens}) exceeds the {limit - n} tokens left after the "
+                             f"prompt ({n} tokens) within max_model_len {limit}")
 
     def abort(self, request_ids: str | list[str]) -> list[RequestOutput]:
         ids = [request_ids] if isinstance(request_ids, str) else request_ids
@@ -210,10 +223,16 @@ class LLMEngine:
 
     def fail_all(self, error: str) -> list[RequestOutput]:
         """End every request with an error (a model step raised)."""
+        return self._fail_requests({rid: error for rid in list(self._children)})
+
+    def _fail_requests(self, errors: dict[str, str]) -> list[RequestOutput]:
+        """End these user requests (parent id -> error) with finish_reason "error", all their
+        completions with them; everyone else goes on."""
         outputs = []
-        for rid in list(self._children):
-            children = self._children.pop(rid)
+        for rid, error in errors.items():
+            children = self._children.pop(rid, [])
             self.scheduler.finish_requests(children, RequestStatus.FINISHED_ERROR)
+            self.runner.release(children)
             out = self.output_processor.finish(rid, "error", error)
             if out is not None:
                 outputs.append(out)
@@ -229,18 +248,30 @@ class LLMEngine:
             return []
         self._steps += 1
         self._peak_usage = max(self._peak_usage, self.kv_cache.usage)
-        sampled, logprobs = self.runner.execute(sched)
-        advanced, finished = self.scheduler.update_from_output(sched, sampled)
+        result = self.runner.execute(sched)  # raises only for a fault of the step itself
+        advanced, finished = self.scheduler.update_from_output(sched, result.sampled)
         self._generation_tokens += len(advanced)
         self._track_kv_utilization()
-        outputs, stopped = self.output_processor.process(advanced, finished, logprobs)
+        outputs, stopped, failed = self.output_processor.process(advanced, finished, result.logprobs)
         if stopped:
             finished += self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         self.runner.release(r.request_id for r in finished)
         for out in outputs:
             if out.finished:
                 self._children.pop(out.request_id, None)
+        for child_id, error in result.failed.items():
+            req_parent = self._parent_of(child_id)
+            if req_parent is not None:
+                failed.setdefault(req_parent, f"sampling failed: {error}")
+        if failed:
+            for rid, error in failed.items():
+                logger.warning("request %s failed alone: %s", rid, error)
+            outputs += self._fail_requests({rid: f"request failed: {e}" for rid, e in failed.items()})
         return outputs
+
+    def _parent_of(self, child_id: str) -> str | None:
+        req = self.scheduler.requests.get(child_id)
+        return None if req is None else req.parent_id
 
     def _track_kv_utilization(self) -> None:
         if not self.scheduler.running:

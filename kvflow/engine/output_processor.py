@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvflow.core.request import Request, RequestStatus
-from kvflow.engine.detokenizer import IncrementalDetokenizer
+from kvflow.engine.detokenizer import IncrementalDetokenizer, TokenBytes
 from kvflow.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from kvflow.sampling_params import SamplingParams
 
@@ -76,6 +76,7 @@ class ParentState:
 class OutputProcessor:
     def __init__(self, tokenizer: Any | None) -> None:
         self.tokenizer = tokenizer
+        self.token_bytes = None if tokenizer is None else TokenBytes(tokenizer)
         self.parents: dict[str, ParentState] = {}
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
@@ -94,43 +95,63 @@ class OutputProcessor:
                                                RequestMetrics(arrival_time=arrival_time))
 
     def process(self, advanced: list[Request], finished: list[Request],
-                logprobs: dict[str, tuple]) -> tuple[list[RequestOutput], list[str]]:
-        """Returns the outputs of parents that changed and the child ids a stop string ended."""
+                logprobs: dict[str, tuple]) -> tuple[list[RequestOutput], list[str], dict[str, str]]:
+        """Returns the outputs of parents that changed, the child ids a stop string ended, and the
+        parents whose processing raised (parent id -> error; the caller ends them).
+
+        Everything done here for one request (detokenizing, stop strings, logprobs, and whatever a
+        later feature adds to `_advance`) runs inside one guard: its exception fails that request
+        alone."""
         now = time.monotonic()
         done = {r.request_id for r in finished}
         changed: dict[str, ParentState] = {}
         stopped: list[str] = []
+        failed: dict[str, str] = {}
         for req in advanced:
+            if req.parent_id in failed:
+                continue
             parent = self.parents[req.parent_id]
-            child = parent.children[req.index]
-            m = parent.metrics
-            if m.first_scheduled_time is None:
-                m.first_scheduled_time = req.first_scheduled_time
-                parent.num_cached_tokens = max(req.num_cached_tokens, 0)
-            if m.first_token_time is None:
-                m.first_token_time = now
-            m.last_token_time = now
-            token = req.output_token_ids[-1]
-            child.token_ids.append(token)
-            if child.logprobs is not None and req.request_id in logprobs:
-                child.logprobs.append(self._logprob_dict(token, logprobs[req.request_id]))
-            ended_by_token = req.request_id in done and req.status == RequestStatus.FINISHED_STOPPED
-            if child.detokenizer is not None and not ended_by_token:
-                self._append_text(child, child.detokenizer.add(token))
-            if req.request_id in done:
-                if child.finish_reason is None:  # a stop string takes precedence
-                    child.finish_reason = req.status.finish_reason
-                    child.stop_reason = req.stop_reason
-            elif child.finish_reason is not None:  # a stop string matched
-                stopped.append(req.request_id)
+            try:
+                if self._advance(parent, req, req.request_id in done, logprobs.get(req.request_id), now):
+                    stopped.append(req.request_id)
+            except Exception as e:
+                failed[parent.request_id] = f"{type(e).__name__}: {e}"
+                continue
             changed[parent.request_id] = parent
         outputs = []
         for parent in changed.values():
+            if parent.request_id in failed:
+                continue
             if parent.finished:
                 parent.metrics.finished_time = now
                 del self.parents[parent.request_id]
             outputs.append(parent.output())
-        return outputs, stopped
+        return outputs, stopped, failed
+
+    def _advance(self, parent: ParentState, req: Request, is_done: bool, logprobs: tuple | None,
+                 now: float) -> bool:
+        """One new token of one child; True when a stop string ended it."""
+        child = parent.children[req.index]
+        m = parent.metrics
+        if m.first_scheduled_time is None:
+            m.first_scheduled_time = req.first_scheduled_time
+            parent.num_cached_tokens = max(req.num_cached_tokens, 0)
+        if m.first_token_time is None:
+            m.first_token_time = now
+        m.last_token_time = now
+        token = req.output_token_ids[-1]
+        child.token_ids.append(token)
+        if child.logprobs is not None and logprobs is not None:
+            child.logprobs.append(self._logprob_dict(token, logprobs))
+        ended_by_token = is_done and req.status == RequestStatus.FINISHED_STOPPED
+        if child.detokenizer is not None and not ended_by_token:
+            self._append_text(child, child.detokenizer.add(token))
+        if is_done:
+            if child.finish_reason is None:  # a stop string takes precedence
+                child.finish_reason = req.status.finish_reason
+                child.stop_reason = req.stop_reason
+            return False
+        return child.finish_reason is not None  # a stop string matched
 
     @staticmethod
     def _append_text(child: ChildState, delta: str) -> None:
@@ -152,7 +173,7 @@ class OutputProcessor:
 
     def _logprob_dict(self, token: int, entry: tuple) -> dict[int, Logprob]:
         chosen, rank, top_ids, top_vals = entry
-        decode = (lambda t: self.tokenizer.decode([t])) if self.tokenizer is not None else (lambda t: None)
+        decode = self.token_bytes.text if self.token_bytes is not None else (lambda t: None)
         result = {tid: Logprob(val, r + 1, decode(tid)) for r, (tid, val) in enumerate(zip(top_ids, top_vals))}
         if token not in result:
             result[token] = Logprob(chosen, rank, decode(token))

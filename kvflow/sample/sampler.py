@@ -38,6 +38,42 @@ class SamplerOutput:
     logprobs: list[tuple[float, int, list[int], list[float]] | None]
 
 
+def truncate(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Top-k, top-p and min-p: excluded tokens get -inf."""
+    dev = logits.device
+    vocab = logits.shape[1]
+    top_k = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], device=dev)
+    top_p = torch.tensor([p.top_p for p in params], device=dev, dtype=logits.dtype)
+    min_p = torch.tensor([p.min_p for p in params], device=dev, dtype=logits.dtype)
+    if bool((top_k < vocab).any()) or bool((top_p < 1).any()):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        rank = torch.arange(vocab, device=dev)[None, :]
+        drop = rank >= top_k[:, None]
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Drop a token when the mass strictly before it already reaches top_p (keeps >= 1).
+        before = torch.cumsum(probs, dim=-1) - probs
+        drop |= before >= top_p[:, None]
+        logits = torch.full_like(logits, float("-inf")).scatter(
+            1, order, sorted_logits.masked_fill(drop, float("-inf"))
+        )
+    if bool((min_p > 0).any()):
+        probs = torch.softmax(logits, dim=-1)
+        threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    return logits
+
+
+def transformed_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """[N, V] logits -> the distribution each row samples from: temperature, then top-k, top-p,
+    min-p, then softmax (one params per row). Greedy rows get temperature 1 (they take the argmax).
+    One code path for the sampler and both sides of speculative decoding: rejection sampling is
+    exact only if the target and the draft distributions are transformed alike."""
+    temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params],
+                         device=logits.device, dtype=logits.dtype)
+    return torch.softmax(truncate(logits / temps[:, None], params), dim=-1)
+
+
 class Sampler:
     def __init__(self, seed: int, device: torch.device) -> None:
         self.device = device
@@ -58,10 +94,7 @@ class Sampler:
         greedy = torch.tensor([p.greedy for p in params], device=dev)
         tokens = logits.argmax(dim=-1)
         if not bool(greedy.all()):
-            temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params],
-                                 device=dev, dtype=logits.dtype)
-            scaled = self._truncate(logits / temps[:, None], params)
-            probs = torch.softmax(scaled, dim=-1)
+            probs = transformed_probs(logits, params)
             cdf = torch.cumsum(probs, dim=-1)
             u = self._uniforms(batch.generators, dev) * cdf[:, -1]
             sampled = torch.searchsorted(cdf, u[:, None], right=True).clamp_max_(vocab - 1)
@@ -110,32 +143,6 @@ class Sampler:
                     if not masked:
                         logits, masked = logits.clone(), True
                     logits[i, ids] = float("-inf")
-        return logits
-
-    @staticmethod
-    def _truncate(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-        """Top-k, top-p and min-p: excluded tokens get -inf."""
-        dev = logits.device
-        vocab = logits.shape[1]
-        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev)
-        top_p = torch.tensor([p.top_p for p in params], device=dev, dtype=logits.dtype)
-        min_p = torch.tensor([p.min_p for p in params], device=dev, dtype=logits.dtype)
-        if bool((top_k < vocab).any()) or bool((top_p < 1).any()):
-            sorted_logits, order = logits.sort(dim=-1, descending=True)
-            rank = torch.arange(vocab, device=dev)[None, :]
-            drop = rank >= top_k[:, None]
-            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-            probs = torch.softmax(sorted_logits, dim=-1)
-            # Drop a token when the mass strictly before it already reaches top_p (keeps >= 1).
-            before = torch.cumsum(probs, dim=-1) - probs
-            drop |= before >= top_p[:, None]
-            logits = torch.full_like(logits, float("-inf")).scatter(
-                1, order, sorted_logits.masked_fill(drop, float("-inf"))
-            )
-        if bool((min_p > 0).any()):
-            probs = torch.softmax(logits, dim=-1)
-            threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
-            logits = logits.masked_fill(probs < threshold, float("-inf"))
         return logits
 
     def _uniforms(self, generators: list[torch.Generator | None], dev: torch.device) -> torch.Tensor:

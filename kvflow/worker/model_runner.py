@@ -6,12 +6,14 @@ generators. Knows sequences only as (tokens, start position, block table, sampli
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 import torch
 
 from kvflow.config import EngineConfig, ModelConfig
-from kvflow.core.scheduler import SchedulerOutput
+from kvflow.core.scheduler import ScheduledSeq, SchedulerOutput
 from kvflow.layers.attention import SeqLayout
 from kvflow.layers.cpu_attention import make_attention_backend
 from kvflow.layers.linear import select_linear_backend
@@ -20,6 +22,14 @@ from kvflow.sample.sampler import Sampler, SamplingBatch
 from kvflow.worker.kv_offload import KVOffloadStore
 
 LogprobEntry = tuple[float, int, list[int], list[float]]
+
+
+@dataclass
+class RunnerOutput:
+    sampled: dict[str, int] = field(default_factory=dict)  # request id -> next token
+    logprobs: dict[str, LogprobEntry] = field(default_factory=dict)
+    # Requests whose own sampling raised (request id -> error); the rest of the batch went on.
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -57,12 +67,13 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> tuple[dict[str, int], dict[str, LogprobEntry]]:
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        """One step. An exception from here is the step's (the model pass): it fails everyone."""
         if self.offload is not None:
             self._transfer_kv(out)
         seqs = out.seqs
         if not seqs:
-            return {}, {}
+            return RunnerOutput()
         tokens = [t for s in seqs for t in s.token_ids]
         input_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         meta = self.attention.build_metadata(
@@ -72,22 +83,45 @@ class ModelRunner:
 
         sampling = [s for s in seqs if s.sample]
         if not sampling:
-            return {}, {}
+            return RunnerOutput()
         ends = torch.cumsum(torch.tensor([len(s.token_ids) for s in seqs]), 0) - 1
         rows = ends[torch.tensor([s.sample for s in seqs])].to(self.device)
         logits = self.model.compute_logits(hidden[rows])
+        return self._sample(logits, sampling)
+
+    def _sample(self, logits: torch.Tensor, seqs: list[ScheduledSeq]) -> RunnerOutput:
+        """Sampling belongs to each request: if the batch raises, every row is sampled alone and
+        only the rows that still raise fail (a seeded row retried this way may draw a different
+        token than it would have in the batch: only on this error path)."""
+        try:
+            return self._sample_rows(logits, seqs)
+        except Exception:
+            if len(seqs) == 1:
+                return RunnerOutput(failed={seqs[0].request_id: _describe(sys.exc_info()[1])})
+        out = RunnerOutput()
+        for i, s in enumerate(seqs):
+            try:
+                one = self._sample_rows(logits[i:i + 1], [s])
+            except Exception as e:
+                out.failed[s.request_id] = _describe(e)
+                continue
+            out.sampled.update(one.sampled)
+            out.logprobs.update(one.logprobs)
+        return out
+
+    def _sample_rows(self, logits: torch.Tensor, seqs: list[ScheduledSeq]) -> RunnerOutput:
         batch = SamplingBatch(
-            params=[s.params for s in sampling],
-            generators=[self._generator(s.request_id, s.params.seed) for s in sampling],
-            prompt_ids=[s.prompt_token_ids for s in sampling],
-            output_ids=[s.output_token_ids for s in sampling],
-            num_output_tokens=[s.start_pos + len(s.token_ids) - s.num_prompt_tokens for s in sampling],
+            params=[s.params for s in seqs],
+            generators=[self._generator(s.request_id, s.params.seed) for s in seqs],
+            prompt_ids=[s.prompt_token_ids for s in seqs],
+            output_ids=[s.output_token_ids for s in seqs],
+            num_output_tokens=[s.start_pos + len(s.token_ids) - s.num_prompt_tokens for s in seqs],
         )
         result = self.sampler(logits, batch)
         ids = result.token_ids.tolist()
-        sampled = {s.request_id: ids[i] for i, s in enumerate(sampling)}
-        logprobs = {s.request_id: lp for s, lp in zip(sampling, result.logprobs) if lp is not None}
-        return sampled, logprobs
+        return RunnerOutput(
+            sampled={s.request_id: ids[i] for i, s in enumerate(seqs)},
+            logprobs={s.request_id: lp for s, lp in zip(seqs, result.logprobs) if lp is not None})
 
     # ---- KV offload tiers ------------------------------------------------------------------
     def _transfer_kv(self, out: SchedulerOutput) -> None:
@@ -174,13 +208,25 @@ class ModelRunner:
         g = self._generators.get(request_id)
         if g is None:
             g = torch.Generator(device=self.device)
-            g.manual_seed(seed)
+            g.manual_seed(_seed32(seed))
             self._generators[request_id] = g
         return g
 
     def release(self, request_ids: Iterable[str]) -> None:
         for rid in request_ids:
             self._generators.pop(rid, None)
+
+
+def _seed32(seed: int) -> int:
+    """torch's CPU generator keeps only 32 bits of its seed, so int64 seeds that differ only in
+    their high half (-1 and 2**63 - 1) would collide: mix the high half in. Seeds in [0, 2**32)
+    stay as they are."""
+    u = seed % 2**64
+    return ((u & 0xFFFFFFFF) + (u >> 32) * 0x9E3779B1) & 0xFFFFFFFF
+
+
+def _describe(e: BaseException | None) -> str:
+    return f"{type(e).__name__}: {e}"
 
 
 def _random_ids(vocab_size: int, n: int) -> list[int]:

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Path
 from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -39,7 +39,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from kvflow.config import ServerConfig
 from kvflow.engine.async_llm import AsyncLLM
 from kvflow.engine.llm_engine import LLMEngine
-from kvflow.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequest
+from kvflow.entrypoints.openai.openapi import install_openapi, json_body, responses
+from kvflow.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                               TokenizeRequest)
 from kvflow.entrypoints.openai.serving import RETRY_AFTER_S
 from kvflow.entrypoints.openai.serving_chat import ServingChat
 from kvflow.entrypoints.openai.serving_completion import ServingCompletion
@@ -206,6 +208,15 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     return replay
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvflow")
+    except PackageNotFoundError:
+        return "0"
+
+
 def _default_exit(code: int) -> None:
     """Without a server loop to stop: leave the process after a moment (responses flush)."""
     logger.error("exiting with status %d", code)
@@ -235,9 +246,15 @@ def build_app(engine: LLMEngine, config: ServerConfig | None = None, *,
         finally:
             await llm.shutdown()
 
-    app = FastAPI(title="kvflow", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="kvflow", version=_version(), lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.kvflow = state
     app.add_middleware(GateMiddleware, state=state)
+    if config.allowed_origins:  # no CORS headers at all unless asked for
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
+    install_openapi(app, (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest))
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> Response:
@@ -259,7 +276,7 @@ def build_app(engine: LLMEngine, config: ServerConfig | None = None, *,
         logger.exception("unhandled error in %s %s", request.method, request.url.path)
         return APIError(500, f"internal server error: {type(exc).__name__}: {exc}", code="internal_error").response()
 
-    @app.get("/health")
+    @app.get("/health", responses=responses())
     async def health() -> Response:
         if llm.is_dead:
             return APIError(503, f"the engine is dead: {llm.dead_error}", code="engine_dead").response()
@@ -267,7 +284,8 @@ def build_app(engine: LLMEngine, config: ServerConfig | None = None, *,
             return APIError(503, "the server is shutting down", code="shutting_down").response()
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    @app.get("/metrics", responses={200: {"description": "Prometheus text format",
+                                          "content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}}}})
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
@@ -275,24 +293,24 @@ def build_app(engine: LLMEngine, config: ServerConfig | None = None, *,
         return {"id": served, "object": "model", "created": state.created, "owned_by": "kvflow",
                 "root": getattr(engine, "model_path", served), "parent": None, "max_model_len": llm.max_model_len}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=responses())
     async def list_models() -> Response:
         return JSONResponse({"object": "list", "data": [model_card()]})
 
-    @app.get("/v1/models/{model_id:path}")
-    async def get_model(model_id: str) -> Response:
+    @app.get("/v1/models/{model_id:path}", responses=responses())
+    async def get_model(model_id: str = Path(examples=[served])) -> Response:
         completions.model_name(model_id)
         return JSONResponse(model_card())
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=json_body(CompletionRequest), responses=responses(stream=True))
     async def create_completion(request: Request) -> Response:
         return await completions.create(request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=json_body(ChatCompletionRequest), responses=responses(stream=True))
     async def create_chat_completion(request: Request) -> Response:
         return await chat.create(request)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=json_body(TokenizeRequest), responses=responses(stream=False))
     async def tokenize(request: Request) -> Response:
         req = await parse_body(request, TokenizeRequest)
         completions.model_name(req.model)
@@ -303,7 +321,7 @@ def build_app(engine: LLMEngine, config: ServerConfig | None = None, *,
             ids = completions.tokenize(req.prompt, special)
         else:
             try:
-                conversation = [{"role": m.role, "content": m.text()} for m in req.messages]
+                conversation = [m.template_dict() for m in req.messages]
             except ValueError as e:
                 raise APIError(400, str(e), param="messages") from None
             text = chat.apply_chat_template(conversation, req.add_generation_prompt)
@@ -313,7 +331,7 @@ def build_app(engine: LLMEngine, config: ServerConfig | None = None, *,
             body["token_strs"] = llm.tokenizer.convert_ids_to_tokens(ids)
         return JSONResponse(body)
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=json_body(DetokenizeRequest), responses=responses(stream=False))
     async def detokenize(request: Request) -> Response:
         req = await parse_body(request, DetokenizeRequest)
         completions.model_name(req.model)

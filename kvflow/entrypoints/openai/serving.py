@@ -4,10 +4,12 @@ requests to the engine, and logprobs in both OpenAI formats."""
 from __future__ import annotations
 
 import asyncio
+import codecs
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvflow.engine.detokenizer import TokenBytes
 from kvflow.engine.async_llm import AsyncLLM, EngineDeadError, EngineOverloadedError, RequestHandle
 from kvflow.entrypoints.openai.utils import APIError, abort_all, safe_logprob, value_error
 from kvflow.outputs import Logprob
@@ -21,6 +23,7 @@ class OpenAIServing:
         self.llm = llm
         self.served_model_name = served_model_name
         self.tokenizer = llm.tokenizer
+        self.token_bytes = None if llm.tokenizer is None else TokenBytes(llm.tokenizer)
 
     def model_name(self, requested: str | None) -> str:
         if requested is not None and requested != self.served_model_name:
@@ -54,6 +57,12 @@ class OpenAIServing:
     async def add_requests(self, request_id: str, prompts: Sequence[list[int]], params: SamplingParams,
                            prompt_param: str, arrival_time: float) -> list[RequestHandle]:
         """Add one engine request per prompt; all or none (a failure aborts those already added)."""
+        limit = self.llm.max_waiting_requests
+        if limit is not None and params.n * len(prompts) > limit:
+            # Never admissible, however idle the server: the client's error, not an overload.
+            raise APIError(400, f"n ({params.n}) x {len(prompts)} prompts = {params.n * len(prompts)} sequences "
+                                f"exceeds the server's max_waiting_requests ({limit})", param="n",
+                           code="invalid_value")
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         results = await asyncio.gather(
             *(self.llm.add_request(rid, p, params, arrival_time=arrival_time) for rid, p in zip(ids, prompts)),
@@ -84,43 +93,48 @@ def now_s() -> int:
     return int(time.time())
 
 
-def token_str(token_id: int, lp: Logprob | None, decode: Callable[[list[int]], str]) -> str:
-    if lp is not None and lp.decoded_token is not None:
-        return lp.decoded_token
-    return decode([token_id])
-
-
 def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], num: int, offset: int,
-                        decode: Callable[[list[int]], str]) -> dict[str, Any]:
-    """OpenAI's legacy format: tokens, token_logprobs, top_logprobs (top `num` plus the sampled
-    token), text_offset (character offsets, starting at `offset`)."""
-    tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
-    for tid, entry in zip(token_ids, logprobs):
-        chosen = entry.get(tid)
-        s = token_str(tid, chosen, decode)
-        tokens.append(s)
-        token_logprobs.append(None if chosen is None else safe_logprob(chosen.logprob))
-        top = {}
-        for t, lp in sorted(entry.items(), key=lambda kv: kv[1].rank):
-            if lp.rank <= num or t == tid:
-                top.setdefault(token_str(t, lp, decode), safe_logprob(lp.logprob))
-        top_logprobs.append(top)
-        text_offset.append(offset)
-        offset += len(s)
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+                        tokens: TokenBytes | None, start: int = 0) -> dict[str, Any]:
+    """OpenAI's legacy format for tokens [start:] of a completion: tokens, token_logprobs,
+    top_logprobs (top `num` plus the sampled token), text_offset (the characters of the text
+    before each token, from `offset`; a token ending inside a character moves it by nothing).
+    Offsets count from the completion's first token, so a stream gets the same ones."""
+    out_tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
+    utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    for i, (tid, entry) in enumerate(zip(token_ids, logprobs)):
+        if i >= start:
+            chosen = entry.get(tid)
+            out_tokens.append(_token_text(tid, chosen, tokens))
+            token_logprobs.append(None if chosen is None else safe_logprob(chosen.logprob))
+            top = {}
+            for t, lp in sorted(entry.items(), key=lambda kv: kv[1].rank):
+                if lp.rank <= num or t == tid:
+                    top.setdefault(_token_text(t, lp, tokens), safe_logprob(lp.logprob))
+            top_logprobs.append(top)
+            text_offset.append(offset)
+        offset += len(utf8.decode(tokens.bytes(tid))) if tokens is not None else 0
+    return {"tokens": out_tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
             "text_offset": text_offset}
 
 
 def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], num: int,
-                  decode: Callable[[list[int]], str]) -> dict[str, Any]:
-    """OpenAI's chat format: {"content": [{token, logprob, bytes, top_logprobs: [...]}]}."""
+                  tokens: TokenBytes | None) -> dict[str, Any]:
+    """OpenAI's chat format: {"content": [{token, logprob, bytes, top_logprobs: [...]}]}; `bytes`
+    are the token's own (a piece of a multi-byte character included), `token` is its text or, for
+    such a piece, `bytes:\\xe3\\x81`."""
+    def entry_of(t: int, lp: Logprob | None) -> dict[str, Any]:
+        return {"token": _token_text(t, lp, tokens),
+                "logprob": safe_logprob(lp.logprob) if lp is not None else -9999.0,
+                "bytes": list(tokens.bytes(t)) if tokens is not None else []}
+
     content = []
     for tid, entry in zip(token_ids, logprobs):
-        chosen = entry.get(tid)
-        s = token_str(tid, chosen, decode)
-        top = [{"token": (ts := token_str(t, lp, decode)), "logprob": safe_logprob(lp.logprob),
-                "bytes": list(ts.encode("utf-8"))}
-               for t, lp in sorted(entry.items(), key=lambda kv: kv[1].rank) if lp.rank <= num][:num]
-        content.append({"token": s, "logprob": safe_logprob(chosen.logprob) if chosen else -9999.0,
-                        "bytes": list(s.encode("utf-8")), "top_logprobs": top})
+        top = [entry_of(t, lp) for t, lp in sorted(entry.items(), key=lambda kv: kv[1].rank) if lp.rank <= num][:num]
+        content.append({**entry_of(tid, entry.get(tid)), "top_logprobs": top})
     return {"content": content}
+
+
+def _token_text(token_id: int, lp: Logprob | None, tokens: TokenBytes | None) -> str:
+    if lp is not None and lp.decoded_token is not None:
+        return lp.decoded_token
+    return tokens.text(token_id) if tokens is not None else ""

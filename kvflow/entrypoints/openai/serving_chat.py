@@ -48,7 +48,7 @@ class ServingChat(OpenAIServing):
     def _logprobs(self, req: ChatCompletionRequest, token_ids: list[int], logprobs) -> dict[str, Any] | None:
         if not req.logprobs or logprobs is None:
             return None
-        return chat_logprobs(token_ids, logprobs, req.top_logprobs or 0, self.decode)
+        return chat_logprobs(token_ids, logprobs, req.top_logprobs or 0, self.token_bytes)
 
     def _response(self, request_id: str, model: str, created: int, req: ChatCompletionRequest,
                   out: RequestOutput) -> dict[str, Any]:

@@ -37,11 +37,12 @@ class ServingCompletion(OpenAIServing):
             return Response(status_code=499)  # the client closed the connection
         return JSONResponse(self._response(ctx, finals))
 
-    def _choice(self, ctx: "_Ctx", prompt_index: int, out: RequestOutput, c, text: str, token_ids: list[int],
-                logprobs, offset: int) -> dict[str, Any]:
+    def _choice(self, ctx: "_Ctx", prompt_index: int, c, text: str, first_token: int) -> dict[str, Any]:
+        """The choice for text `text` and the logprobs of c's tokens from `first_token` on."""
         lp = None
-        if ctx.req.logprobs is not None and logprobs is not None:
-            lp = completion_logprobs(token_ids, logprobs, ctx.req.logprobs, offset, self.decode)
+        if ctx.req.logprobs is not None and c.logprobs is not None:
+            lp = completion_logprobs(c.token_ids, c.logprobs, ctx.req.logprobs, len(ctx.echo[prompt_index]),
+                                     self.token_bytes, start=first_token)
         choice = {"index": prompt_index * ctx.req.n + c.index, "text": text, "logprobs": lp,
                   "finish_reason": c.finish_reason}
         if c.finish_reason is not None:
@@ -53,7 +54,7 @@ class ServingCompletion(OpenAIServing):
         for pi, out in enumerate(finals):
             for c in out.outputs:
                 prefix = ctx.echo[pi]
-                choices.append(self._choice(ctx, pi, out, c, prefix + c.text, c.token_ids, c.logprobs, len(prefix)))
+                choices.append(self._choice(ctx, pi, c, prefix + c.text, 0))
         n_prompt = sum(len(o.prompt_token_ids) for o in finals)
         n_out = sum(len(c.token_ids) for o in finals for c in o.outputs)
         return {"id": ctx.request_id, "object": "text_completion", "created": ctx.created, "model": ctx.model,
@@ -67,7 +68,6 @@ class ServingCompletion(OpenAIServing):
         sent_tokens: dict[int, int] = {}
         finished: set[int] = set()
         prompt_tokens: dict[int, int] = {}
-        lp_offset: dict[int, int] = {}  # choice index -> text_offset of its next token
         try:
             async for pi, out in merge_handles(handles):
                 prompt_tokens[pi] = len(out.prompt_token_ids)
@@ -83,12 +83,7 @@ class ServingCompletion(OpenAIServing):
                             first and ctx.echo[pi]):
                         continue
                     prefix = ctx.echo[pi] if first else ""
-                    offset = lp_offset.get(idx, len(ctx.echo[pi]))
-                    new_lps = c.logprobs[n_tok:] if c.logprobs is not None else None
-                    choice = self._choice(ctx, pi, out, c, prefix + delta, new_ids, new_lps, offset)
-                    if choice["logprobs"] and choice["logprobs"]["tokens"]:
-                        lp = choice["logprobs"]
-                        lp_offset[idx] = lp["text_offset"][-1] + len(lp["tokens"][-1])
+                    choice = self._choice(ctx, pi, c, prefix + delta, n_tok)
                     sent_text[idx], sent_tokens[idx] = len(c.text), len(c.token_ids)
                     if c.finished:
                         finished.add(idx)

@@ -17,7 +17,7 @@ from starlette.types import Receive, Scope, Send
 
 from kvflow.engine.async_llm import RequestFailedError, RequestHandle
 from kvflow.outputs import RequestOutput
-from kvflow.sampling_params import SamplingParams
+from kvflow.sampling_params import SamplingParams, check_text
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -39,10 +39,17 @@ class APIError(Exception):
         self.headers = headers
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return {"error": {"message": _cut(self.message), "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+_MAX_MESSAGE_CHARS = 500  # an error message never echoes a whole prompt (or a stack of them) back
+
+
+def _cut(message: str) -> str:
+    return message if len(message) <= _MAX_MESSAGE_CHARS else message[:_MAX_MESSAGE_CHARS] + "... (cut)"
 
 
 class ClientDisconnected(Exception):
@@ -51,26 +58,82 @@ class ClientDisconnected(Exception):
 
 # ---- request bodies ----------------------------------------------------------------------------------
 async def parse_body(request: Request, model: type[M]) -> M:
-    raw = await request.body()
+    return validate_body(await request.body(), model)
+
+
+def validate_body(raw: bytes, model: type[M]) -> M:
+    """JSON bytes -> the request model, or an APIError (400) naming the problem."""
     try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+        data = json.loads(raw, parse_constant=_no_constant)
+    except RecursionError:
+        raise APIError(400, "the request body is nested too deeply", code="invalid_json") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer of > 4300 digits, NaN
+        raise APIError(400, f"the request body is not valid JSON: {_cut(str(e))}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+    _check_strings(data, [])
     try:
         return model.model_validate(data)
     except ValidationError as e:
         raise validation_error(e) from None
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _check_strings(value: Any, path: list[str]) -> None:
+    """Every string (and key) must be valid Unicode: JSON's "\\ud800" escape decodes to a lone
+    surrogate that no tokenizer or UTF-8 encoder takes. Iterative: the body may nest deeply."""
+    stack = [(value, path)]
+    while stack:
+        v, p = stack.pop()
+        if isinstance(v, str):
+            _check_text(v, p)
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                _check_text(k, p)
+                stack.append((x, p + [k]))
+        elif isinstance(v, list):
+            stack.extend((x, p + [str(i)]) for i, x in enumerate(v))
+
+
+def _check_text(text: str, path: list[str]) -> None:
+    try:
+        check_text(text, ".".join(path) or "a key")
+    except ValueError as e:
+        param = ".".join(p for p in path if _safe(p)) or None
+        raise APIError(400, str(e), param=param, code="invalid_unicode") from None
+
+
+def _safe(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
 def validation_error(e: ValidationError) -> APIError:
-    err = e.errors(include_url=False)[0]
+    # For a union-typed field pydantic reports each member's failure; the one that got deepest
+    # (a content part's type, not "is not a string") says most.
+    err = max(e.errors(include_url=False), key=lambda x: len(x.get("loc", ())))
     return pydantic_error(err)
 
 
+# Chat messages are a union tagged by role: pydantic puts the tag (and, for a union-typed field,
+# the member type it tried) into an error's location. Neither is a parameter the client sent.
+_UNION_PARTS = re.compile(r"^(system|developer|user|assistant|tool|str|int|float|bool|.*\[.*)$")
+
+
 def pydantic_error(err: dict[str, Any]) -> APIError:
-    loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+    raw_loc = [x for x in err.get("loc", ()) if x != "body"]
+    loc: list[str] = []
+    for i, x in enumerate(raw_loc):
+        if i > 0 and isinstance(x, str) and _UNION_PARTS.match(x) and (isinstance(raw_loc[i - 1], int) or
+                                                                         i == len(raw_loc) - 1):
+            continue
+        loc.append(str(x))
     param = ".".join(loc) or None
     msg = str(err.get("msg", "invalid value"))
     msg = msg.removeprefix("Value error, ")
@@ -90,8 +153,9 @@ def _short(value: Any) -> bool:
         return False
 
 
-_SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)} | {"best_of", "suffix", "echo",
-                                                                          "top_logprobs", "logit_bias", "n"}
+_SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)} | {
+    "best_of", "suffix", "echo", "top_logprobs", "logit_bias", "n", "stream_options", "response_format", "tools",
+    "tool_choice", "functions", "function_call", "messages"}
 
 
 def value_error(e: ValueError, prompt_param: str = "prompt") -> APIError:
@@ -102,7 +166,7 @@ def value_error(e: ValueError, prompt_param: str = "prompt") -> APIError:
         return APIError(400, msg, param=prompt_param, code="context_length_exceeded")
     if msg.startswith("prompt (") and "max_model_len" in msg:
         return APIError(400, msg, param="max_tokens", code="context_length_exceeded")
-    if msg.startswith(("the prompt is empty", "prompt token id", "prompt must", "prompt is")):
+    if msg.startswith(("the prompt", "prompt token id", "prompt must", "prompt is")):
         return APIError(400, msg, param=prompt_param, code="invalid_value")
     m = re.match(r"\s*([a-z_]+)", msg)
     param = m.group(1) if m and m.group(1) in _SAMPLING_FIELDS else None
