@@ -48,6 +48,9 @@ class EngineConfig:
     kv_offload_cpu_gb: float = 0.0
     kv_offload_disk_dir: str | None = None
     kv_offload_disk_gb: float = 4.0  # used only with kv_offload_disk_dir
+    # Speculative decoding, as vLLM's dict: {"method": "ngram", "num_speculative_tokens": 4, ...}
+    # (see kvflow/spec_decode/config.py); None = off.
+    speculative_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -69,8 +72,22 @@ class EngineConfig:
             _positive("max_model_len", self.max_model_len)
         if self.kv_offload_cpu_gb < 0 or self.kv_offload_disk_gb < 0:
             raise ValueError("kv_offload_cpu_gb and kv_offload_disk_gb must be >= 0")
+        if self.speculative_config is not None:
+            self.speculative()  # validate now, with a message naming the key
         if (self.kv_offload_cpu_gb > 0 or self.kv_offload_disk_dir) and not self.enable_prefix_caching:
             raise ValueError("the KV offload tiers hold prefix-cache blocks: they need enable_prefix_caching")
+
+    def speculative(self):
+        """The typed `SpeculativeConfig`, or None when speculation is off."""
+        if self.speculative_config is None:
+            return None
+        from kvflow.spec_decode.config import SpeculativeConfig
+
+        if isinstance(self.speculative_config, SpeculativeConfig):
+            return self.speculative_config
+        if not isinstance(self.speculative_config, dict):
+            raise ValueError(f"speculative_config must be a dict (JSON object), got {self.speculative_config!r}")
+        return SpeculativeConfig.from_dict(self.speculative_config)
 
     @classmethod
     def field_names(cls) -> set[str]:

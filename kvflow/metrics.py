@@ -60,6 +60,14 @@ class EngineMetrics:
                                       registry=r)
         self.prefix_hits = Counter("kvflow:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                                    registry=r)
+        self.spec_drafts = Counter("kvflow:spec_decode_num_drafts", "Request-steps that verified draft tokens.",
+                                   registry=r)
+        self.spec_draft_tokens = Counter("kvflow:spec_decode_num_draft_tokens", "Draft tokens verified.", registry=r)
+        self.spec_accepted = Counter("kvflow:spec_decode_num_accepted_tokens", "Draft tokens accepted.", registry=r)
+        self.spec_accepted_pos = Counter("kvflow:spec_decode_num_accepted_tokens_per_pos",
+                                         "Draft tokens accepted, by depth in the draft (0 = first).", ["position"],
+                                         registry=r)
+        self._seen_spec: tuple[int, int, int, list[int]] = (0, 0, 0, [])
         for reason in ("stop", "length", "abort", "error"):
             self.success.labels(finished_reason=reason)  # export zeros from the start
         self._last_token_time: dict[str, float] = {}
@@ -117,6 +125,16 @@ class EngineMetrics:
         if hits > self._seen_prefix[1]:
             self.prefix_hits.inc(hits - self._seen_prefix[1])
         self._seen_prefix = (max(queries, self._seen_prefix[0]), max(hits, self._seen_prefix[1]))
+        spec = getattr(stats, "spec_decode", None)
+        if spec is not None:
+            drafts, tokens, accepted, per_pos = self._seen_spec
+            self.spec_drafts.inc(max(0, spec.num_drafts - drafts))
+            self.spec_draft_tokens.inc(max(0, spec.num_draft_tokens - tokens))
+            self.spec_accepted.inc(max(0, spec.num_accepted_tokens - accepted))
+            for j, n in enumerate(spec.accepted_per_pos):
+                self.spec_accepted_pos.labels(position=str(j)).inc(max(0, n - (per_pos[j] if j < len(per_pos) else 0)))
+            self._seen_spec = (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
+                               list(spec.accepted_per_pos))
 
     def record_rejected(self) -> None:
         self.rejected.inc()
@@ -141,12 +159,18 @@ class StatLogger:
             return False
         p, g = stats.prompt_tokens_total, stats.generation_tokens_total
         hit_rate = getattr(stats, "prefix_cache_hit_rate", None)
+        spec = getattr(stats, "spec_decode", None)
+        spec_text = ""
+        if spec is not None and spec.num_drafts:
+            per_pos = ", ".join(f"{n / spec.num_drafts:.2f}" for n in spec.accepted_per_pos)
+            spec_text = (f", spec decode: mean acceptance length {spec.mean_acceptance_length:.2f}, "
+                         f"acceptance rate {100 * spec.acceptance_rate:.1f}%, per position [{per_pos}]")
         logger.info(
             "running: %d reqs, waiting: %d reqs, prompt throughput: %.1f tok/s, generation throughput: "
-            "%.1f tok/s, KV cache usage: %.1f%%, preemptions: %d%s",
+            "%.1f tok/s, KV cache usage: %.1f%%, preemptions: %d%s%s",
             stats.num_running, stats.num_waiting, (p - self._last[0]) / elapsed, (g - self._last[1]) / elapsed,
             100 * stats.kv_cache_usage, stats.num_preemptions,
-            "" if hit_rate is None else f", prefix cache hit rate: {100 * hit_rate:.1f}%",
+            "" if hit_rate is None else f", prefix cache hit rate: {100 * hit_rate:.1f}%", spec_text,
         )
         self._last_time, self._last = now, (p, g)
         return True

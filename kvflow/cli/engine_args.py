@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import typing
 
 from kvflow.config import EngineConfig
@@ -28,6 +29,9 @@ _HELP = {
     "kv_offload_cpu_gb": "CPU-memory tier for evicted prefix-cache blocks, GiB (0 = off)",
     "kv_offload_disk_dir": "directory of the disk tier for evicted prefix-cache blocks (kept across runs)",
     "kv_offload_disk_gb": "size limit of the disk tier, GiB",
+    "speculative_config": "speculative decoding as a JSON object, e.g. '{\"method\": \"ngram\", "
+                          "\"num_speculative_tokens\": 4}' (keys: method, num_speculative_tokens, "
+                          "prompt_lookup_min, prompt_lookup_max, adaptive)",
 }
 
 
@@ -54,6 +58,8 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, title: str,
                                help=text)
         elif typing.get_origin(kind) is list:
             group.add_argument(flag, dest=f.name, type=_comma_list, default=default, help=text)
+        elif typing.get_origin(kind) is dict:
+            group.add_argument(flag, dest=f.name, type=_json_object, default=default, help=text)
         else:
             group.add_argument(flag, dest=f.name, type=kind, default=default, help=text)
 
@@ -66,6 +72,16 @@ def dataclass_kwargs(cls: type, args: argparse.Namespace) -> dict[str, typing.An
 
 def dataclass_from_args(cls: type, args: argparse.Namespace):
     return cls(**dataclass_kwargs(cls, args))
+
+
+def _json_object(value: str) -> dict:
+    try:
+        obj = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {value!r}") from None
+    if not isinstance(obj, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {value!r}")
+    return obj
 
 
 def _comma_list(value: str) -> list[str]:

@@ -63,6 +63,7 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.extra_key = extra_key  # e.g. the model identity, so hashes never match across models
         self.block_tables: dict[str, list[int]] = {}
+        self.num_cached_blocks: dict[str, int] = {}  # per request: leading blocks registered in the cache
         self.prefix_stats = PrefixCacheStats()
         self.offload = offload if enable_caching else None
         # KV transfers for the model runner, collected while scheduling a step.
@@ -124,13 +125,17 @@ class KVCacheManager:
             table.extend(new)
             self.pending_loads.extend(zip(new, computed.load_hashes))
         if self.enable_caching:
-            # Blocks that will be full once this step has run (loaded ones included). Registering
-            # them now is safe: the runner loads before the forward pass, and within the pass
-            # every layer writes all new K/V before any attention reads it.
-            self._update_hashes(req, total)
-            for i in range(len(computed.blocks) + req.num_computed_tokens // self.block_size,
-                           total // self.block_size):
+            # Blocks that will be full of the sequence's own tokens once this step has run (loaded
+            # ones included). Registering them now is safe: the runner loads before the forward
+            # pass, and within the pass every layer writes all new K/V before any attention reads
+            # it. Draft tokens (speculative decoding) lie past num_tokens: a block holding any is
+            # registered only once verification has made its tokens the sequence's.
+            full = min(total, req.num_tokens) // self.block_size
+            self._update_hashes(req, full * self.block_size)
+            start = max(self.num_cached_blocks.get(req.request_id, 0), len(computed.blocks))
+            for i in range(start, full):
                 self.pool.cache_block(table[i], req.block_hashes[i])
+            self.num_cached_blocks[req.request_id] = max(start, full)
         return True
 
     def take_transfers(self) -> tuple[list[tuple[int, BlockHash]], list[tuple[int, BlockHash]]]:
@@ -140,6 +145,7 @@ class KVCacheManager:
         return saves, loads
 
     def free(self, req: Request) -> None:
+        self.num_cached_blocks.pop(req.request_id, None)
         table = self.block_tables.pop(req.request_id, None)
         if table:
             self.pool.release(table)

@@ -56,6 +56,9 @@ class Request:
     # valid across preemption.
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_tokens: int = -1  # prompt tokens found in the prefix cache at first scheduling
+    # Draft tokens (speculative decoding) to verify with the next step; never part of the sequence
+    # until verified.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def token_ids_between(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of prompt + output, without concatenating the whole sequence."""

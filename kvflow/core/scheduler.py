@@ -32,6 +32,9 @@ class ScheduledSeq:
     # For penalties: what the sequence holds so far (only filled when a penalty is on).
     prompt_token_ids: list[int] | None = None
     output_token_ids: list[int] | None = None
+    # Draft tokens at the end of token_ids, to verify (speculative decoding): the runner returns
+    # the accepted ones and one token of its own.
+    spec_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -141,7 +144,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            # Draft tokens ride along as extra tokens of the request, inside the same budget.
+            n = min(req.num_tokens - req.num_computed_tokens + len(req.spec_token_ids), budget)
             while not self.kv_cache.allocate_slots(req, n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -185,19 +189,23 @@ class Scheduler:
         start = req.num_computed_tokens
         p = req.params
         wants_history = p.has_penalties
+        own = min(n, req.num_tokens - start)
+        spec = req.spec_token_ids[: n - own]  # the budget may cut the drafts short
         return ScheduledSeq(
             request_id=req.request_id,
-            token_ids=req.token_ids_between(start, start + n),
+            token_ids=req.token_ids_between(start, start + own) + spec,
             start_pos=start,
             block_table=self.kv_cache.block_table(req),
-            sample=start + n == req.num_tokens,
+            sample=start + own == req.num_tokens,
             params=p,
             num_prompt_tokens=len(req.prompt_token_ids),
             prompt_token_ids=req.prompt_token_ids if wants_history else None,
             output_token_ids=req.output_token_ids if wants_history else None,
+            spec_token_ids=spec,
         )
 
     def _preempt(self, req: Request) -> None:
+        req.spec_token_ids = []
         self.kv_cache.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
@@ -206,29 +214,36 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def update_from_output(
-        self, out: SchedulerOutput, sampled: dict[str, int]
-    ) -> tuple[list[Request], list[Request]]:
-        """Advance requests by what the step computed; returns (got a new token, finished)."""
+        self, out: SchedulerOutput, sampled: dict[str, list[int]]
+    ) -> tuple[list[tuple[Request, list[int]]], list[Request]]:
+        """Advance requests by what the step computed: (each request that got tokens, with them),
+        and the finished requests. With drafts, `sampled` holds the accepted drafts then the
+        verifier's own token; the KV of rejected drafts is left to be overwritten (only positions
+        below num_computed_tokens count)."""
         advanced, finished = [], []
         for seq in out.seqs:
             req = self.requests.get(seq.request_id)
             if req is None:  # aborted while the step ran
                 continue
-            req.num_computed_tokens += len(seq.token_ids)
-            if not seq.sample:
+            req.spec_token_ids = []
+            tokens = sampled.get(seq.request_id) if seq.sample else None
+            accepted = len(tokens) - 1 if tokens else 0
+            req.num_computed_tokens += len(seq.token_ids) - len(seq.spec_token_ids) + accepted
+            if tokens is None:  # a prefill chunk, or its sampling failed (the engine ends it)
                 continue
-            token = sampled.get(seq.request_id)
-            if token is None:  # its sampling failed: the engine ends it with an error
-                continue
-            req.output_token_ids.append(token)
-            advanced.append(req)
-            status = self._check_stop(req, token)
-            if status is not None:
-                self.requests.pop(req.request_id)
-                self.running.remove(req)
-                req.status = status
-                self.kv_cache.free(req)
-                finished.append(req)
+            new = []
+            for token in tokens:
+                req.output_token_ids.append(token)
+                new.append(token)
+                status = self._check_stop(req, token)
+                if status is not None:  # a stop inside an accepted run ends the request there
+                    self.requests.pop(req.request_id)
+                    self.running.remove(req)
+                    req.status = status
+                    self.kv_cache.free(req)
+                    finished.append(req)
+                    break
+            advanced.append((req, new))
         return advanced, finished
 
     @staticmethod

@@ -3,6 +3,7 @@ this same object (the server from its own thread)."""
 
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 import os
@@ -19,6 +20,7 @@ from kvflow.outputs import RequestOutput
 from kvflow.sampling_params import SamplingParams, is_int, check_text
 
 if TYPE_CHECKING:
+    from kvflow.spec_decode.speculator import SpecDecodeStats
     from kvflow.worker.kv_offload import KVOffloadStore, OffloadStats
 
 logger = logging.getLogger("kvflow")
@@ -41,6 +43,7 @@ class EngineStats:
     kv_utilization_mean: float
     kv_utilization_contiguous_mean: float
     kv_offload: "OffloadStats | None" = None
+    spec_decode: "SpecDecodeStats | None" = None
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -81,6 +84,18 @@ class LLMEngine:
                                        offload=offload)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_batched_tokens, config.max_num_seqs)
         self.output_processor = OutputProcessor(self.tokenizer)
+        spec = config.speculative()
+        self.speculator = None
+        if spec is not None:
+            from kvflow.spec_decode.speculator import Speculator
+
+            proposer = None
+            if spec.method == "draft_model":
+                from kvflow.spec_decode.draft_model import DraftModelProposer
+
+                proposer = DraftModelProposer.create(config, spec, self.model_config.vocab_size, self.max_model_len,
+                                                     self.num_kv_blocks, calibration)
+            self.speculator = Speculator(spec, proposer)
         self._children: dict[str, list[str]] = {}
         self._ids = itertools.count()
         self._peak_usage = 0.0
@@ -215,7 +230,7 @@ class LLMEngine:
         for rid in ids:
             children = self._children.pop(rid, [])
             self.scheduler.finish_requests(children, RequestStatus.FINISHED_ABORTED)
-            self.runner.release(children)
+            self._release(children)
             out = self.output_processor.finish(rid, "abort")
             if out is not None:
                 outputs.append(out)
@@ -232,7 +247,7 @@ class LLMEngine:
         for rid, error in errors.items():
             children = self._children.pop(rid, [])
             self.scheduler.finish_requests(children, RequestStatus.FINISHED_ERROR)
-            self.runner.release(children)
+            self._release(children)
             out = self.output_processor.finish(rid, "error", error)
             if out is not None:
                 outputs.append(out)
@@ -243,19 +258,24 @@ class LLMEngine:
 
     # ---- one iteration -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
         self._steps += 1
         self._peak_usage = max(self._peak_usage, self.kv_cache.usage)
+        t0 = time.perf_counter()
         result = self.runner.execute(sched)  # raises only for a fault of the step itself
+        if self.speculator is not None:
+            self.speculator.observe(sched, result.sampled, time.perf_counter() - t0)
         advanced, finished = self.scheduler.update_from_output(sched, result.sampled)
-        self._generation_tokens += len(advanced)
+        self._generation_tokens += sum(len(tokens) for _, tokens in advanced)
         self._track_kv_utilization()
         outputs, stopped, failed = self.output_processor.process(advanced, finished, result.logprobs)
         if stopped:
             finished += self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-        self.runner.release(r.request_id for r in finished)
+        self._release([r.request_id for r in finished])
         for out in outputs:
             if out.finished:
                 self._children.pop(out.request_id, None)
@@ -268,6 +288,12 @@ class LLMEngine:
                 logger.warning("request %s failed alone: %s", rid, error)
             outputs += self._fail_requests({rid: f"request failed: {e}" for rid, e in failed.items()})
         return outputs
+
+    def _release(self, request_ids: list[str]) -> None:
+        """Per-request state outside the scheduler (generators, acceptance averages)."""
+        self.runner.release(request_ids)
+        if self.speculator is not None:
+            self.speculator.release(request_ids)
 
     def _parent_of(self, child_id: str) -> str | None:
         req = self.scheduler.requests.get(child_id)
@@ -297,6 +323,7 @@ class LLMEngine:
             kv_utilization_mean=self._util_sum / max(self._util_steps, 1),
             kv_utilization_contiguous_mean=self._util_contig_sum / max(self._util_steps, 1),
             kv_offload=None if self.runner.offload is None else self.runner.offload.stats,
+            spec_decode=None if self.speculator is None else copy.deepcopy(self.speculator.stats),
         )
 
     def shutdown(self) -> None:

@@ -94,10 +94,12 @@ class OutputProcessor:
         self.parents[request_id] = ParentState(request_id, prompt, prompt_token_ids, children,
                                                RequestMetrics(arrival_time=arrival_time))
 
-    def process(self, advanced: list[Request], finished: list[Request],
-                logprobs: dict[str, tuple]) -> tuple[list[RequestOutput], list[str], dict[str, str]]:
-        """Returns the outputs of parents that changed, the child ids a stop string ended, and the
-        parents whose processing raised (parent id -> error; the caller ends them).
+    def process(self, advanced: list[tuple[Request, list[int]]], finished: list[Request],
+                logprobs: dict[str, list[tuple]]) -> tuple[list[RequestOutput], list[str], dict[str, str]]:
+        """`advanced`: each request that got tokens this step, with them (several with speculative
+        decoding); `logprobs`: per request, one entry per token. Returns the outputs of parents
+        that changed, the child ids a stop string ended, and the parents whose processing raised
+        (parent id -> error; the caller ends them).
 
         Everything done here for one request (detokenizing, stop strings, logprobs, and whatever a
         later feature adds to `_advance`) runs inside one guard: its exception fails that request
@@ -107,12 +109,12 @@ class OutputProcessor:
         changed: dict[str, ParentState] = {}
         stopped: list[str] = []
         failed: dict[str, str] = {}
-        for req in advanced:
+        for req, tokens in advanced:
             if req.parent_id in failed:
                 continue
             parent = self.parents[req.parent_id]
             try:
-                if self._advance(parent, req, req.request_id in done, logprobs.get(req.request_id), now):
+                if self._advance(parent, req, tokens, req.request_id in done, logprobs.get(req.request_id), now):
                     stopped.append(req.request_id)
             except Exception as e:
                 failed[parent.request_id] = f"{type(e).__name__}: {e}"
@@ -128,9 +130,10 @@ class OutputProcessor:
             outputs.append(parent.output())
         return outputs, stopped, failed
 
-    def _advance(self, parent: ParentState, req: Request, is_done: bool, logprobs: tuple | None,
-                 now: float) -> bool:
-        """One new token of one child; True when a stop string ended it."""
+    def _advance(self, parent: ParentState, req: Request, tokens: list[int], is_done: bool,
+                 logprobs: list[tuple] | None, now: float) -> bool:
+        """This step's new tokens of one child; True when a stop string ended it (the tokens after
+        the one that completed the stop string are dropped)."""
         child = parent.children[req.index]
         m = parent.metrics
         if m.first_scheduled_time is None:
@@ -139,19 +142,22 @@ class OutputProcessor:
         if m.first_token_time is None:
             m.first_token_time = now
         m.last_token_time = now
-        token = req.output_token_ids[-1]
-        child.token_ids.append(token)
-        if child.logprobs is not None and logprobs is not None:
-            child.logprobs.append(self._logprob_dict(token, logprobs))
-        ended_by_token = is_done and req.status == RequestStatus.FINISHED_STOPPED
-        if child.detokenizer is not None and not ended_by_token:
-            self._append_text(child, child.detokenizer.add(token))
+        for i, token in enumerate(tokens):
+            child.token_ids.append(token)
+            if child.logprobs is not None and logprobs is not None:
+                child.logprobs.append(self._logprob_dict(token, logprobs[i]))
+            last = i == len(tokens) - 1
+            ended_by_token = last and is_done and req.status == RequestStatus.FINISHED_STOPPED
+            if child.detokenizer is not None and not ended_by_token:
+                self._append_text(child, child.detokenizer.add(token))
+            if child.finish_reason is not None:  # a stop string matched
+                break
         if is_done:
             if child.finish_reason is None:  # a stop string takes precedence
                 child.finish_reason = req.status.finish_reason
                 child.stop_reason = req.stop_reason
             return False
-        return child.finish_reason is not None  # a stop string matched
+        return child.finish_reason is not None
 
     @staticmethod
     def _append_text(child: ChildState, delta: str) -> None:

@@ -154,6 +154,11 @@ class Sampler:
         return u
 
     @staticmethod
+    def logprobs(logits: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]):
+        """Per row: (logprob of tokens[row], its rank, top ids, top logprobs) from raw logits."""
+        return Sampler._logprobs(torch.log_softmax(logits, dim=-1), tokens, params)
+
+    @staticmethod
     def _logprobs(raw: torch.Tensor | None, tokens: torch.Tensor, params: list[SamplingParams]):
         result: list = [None] * len(params)
         if raw is None:

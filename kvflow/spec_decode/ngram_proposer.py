@@ -8,8 +8,13 @@ recent (nearest context). Strong on summarisation, code edits, quoting, and repe
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from kvflow.core.request import Request
+    from kvflow.core.scheduler import SchedulerOutput
 
 
 class NgramProposer:
@@ -57,3 +62,21 @@ class NgramProposer:
             return []
         e = int(ends[np.flatnonzero(length == best)[-1]])  # the most recent of the longest matches
         return tokens[e + 1 : e + 1 + k].tolist()
+
+
+class NgramBatchProposer:
+    """The n-gram proposer behind the batch interface the speculator calls (`propose(requests,
+    plan)`, `observe`, `release`), which the draft-model proposer shares."""
+
+    def __init__(self, proposer: NgramProposer) -> None:
+        self.proposer = proposer
+
+    def propose(self, requests: "list[Request]", plan: dict[str, int]) -> dict[str, list[int]]:
+        return {r.request_id: self.proposer.propose(r.prompt_token_ids + r.output_token_ids, k)
+                for r in requests if (k := plan.get(r.request_id, 0)) > 0}
+
+    def observe(self, sched: "SchedulerOutput", sampled: dict[str, list[int]]) -> None:
+        pass
+
+    def release(self, request_ids) -> None:
+        pass

@@ -18,6 +18,7 @@ from kvflow.layers.attention import SeqLayout
 from kvflow.layers.cpu_attention import make_attention_backend
 from kvflow.layers.linear import select_linear_backend
 from kvflow.models.llama import LlamaForCausalLM
+from kvflow.sample.rejection_sampler import RejectionSampler
 from kvflow.sample.sampler import Sampler, SamplingBatch
 from kvflow.worker.kv_offload import KVOffloadStore
 
@@ -26,8 +27,9 @@ LogprobEntry = tuple[float, int, list[int], list[float]]
 
 @dataclass
 class RunnerOutput:
-    sampled: dict[str, int] = field(default_factory=dict)  # request id -> next token
-    logprobs: dict[str, LogprobEntry] = field(default_factory=dict)
+    # request id -> its new tokens: one, or with drafts the accepted ones then the verifier's own
+    sampled: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[LogprobEntry]] = field(default_factory=dict)  # one entry per new token
     # Requests whose own sampling raised (request id -> error); the rest of the batch went on.
     failed: dict[str, str] = field(default_factory=dict)
 
@@ -63,6 +65,7 @@ class ModelRunner:
             self.kv_block_shape = (model_config.num_layers, *self.kv_caches[0].data.shape[1:])
             self.kv_block_dtype = self.dtype
         self.sampler = Sampler(config.seed, self.device)
+        self.rejection_sampler = RejectionSampler(config.seed + 1, self.device)
         self.offload: KVOffloadStore | None = None  # set by the engine when tiers are configured
         self._generators: dict[str, torch.Generator] = {}
 
@@ -84,9 +87,11 @@ class ModelRunner:
         sampling = [s for s in seqs if s.sample]
         if not sampling:
             return RunnerOutput()
-        ends = torch.cumsum(torch.tensor([len(s.token_ids) for s in seqs]), 0) - 1
-        rows = ends[torch.tensor([s.sample for s in seqs])].to(self.device)
-        logits = self.model.compute_logits(hidden[rows])
+        # Logits rows: each sampling sequence's last position, or with drafts its last 1 + k.
+        ends = torch.cumsum(torch.tensor([len(s.token_ids) for s in seqs]), 0).tolist()
+        rows = [r for s, end in zip(seqs, ends) if s.sample
+                for r in range(end - 1 - len(s.spec_token_ids), end)]
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
         return self._sample(logits, sampling)
 
     def _sample(self, logits: torch.Tensor, seqs: list[ScheduledSeq]) -> RunnerOutput:
@@ -99,29 +104,60 @@ class ModelRunner:
             if len(seqs) == 1:
                 return RunnerOutput(failed={seqs[0].request_id: _describe(sys.exc_info()[1])})
         out = RunnerOutput()
-        for i, s in enumerate(seqs):
+        start = 0
+        for s in seqs:
+            n = 1 + len(s.spec_token_ids)
             try:
-                one = self._sample_rows(logits[i:i + 1], [s])
+                one = self._sample_rows(logits[start:start + n], [s])
             except Exception as e:
                 out.failed[s.request_id] = _describe(e)
-                continue
-            out.sampled.update(one.sampled)
-            out.logprobs.update(one.logprobs)
+            else:
+                out.sampled.update(one.sampled)
+                out.logprobs.update(one.logprobs)
+            start += n
         return out
 
     def _sample_rows(self, logits: torch.Tensor, seqs: list[ScheduledSeq]) -> RunnerOutput:
-        batch = SamplingBatch(
-            params=[s.params for s in seqs],
-            generators=[self._generator(s.request_id, s.params.seed) for s in seqs],
-            prompt_ids=[s.prompt_token_ids for s in seqs],
-            output_ids=[s.output_token_ids for s in seqs],
-            num_output_tokens=[s.start_pos + len(s.token_ids) - s.num_prompt_tokens for s in seqs],
-        )
-        result = self.sampler(logits, batch)
-        ids = result.token_ids.tolist()
-        return RunnerOutput(
-            sampled={s.request_id: ids[i] for i, s in enumerate(seqs)},
-            logprobs={s.request_id: lp for s, lp in zip(seqs, result.logprobs) if lp is not None})
+        """logits: 1 + k rows per sequence, in order. Sequences without drafts take the sampler;
+        those with drafts the rejection sampler, which emits exactly what the sampler would have
+        (greedy: the same tokens; random: the same distribution)."""
+        spans, start = [], 0
+        for s in seqs:
+            spans.append((start, start + 1 + len(s.spec_token_ids)))
+            start = spans[-1][1]
+        out = RunnerOutput()
+        plain = [i for i, s in enumerate(seqs) if not s.spec_token_ids]
+        if plain:
+            sub = [seqs[i] for i in plain]
+            batch = SamplingBatch(
+                params=[s.params for s in sub],
+                generators=[self._generator(s.request_id, s.params.seed) for s in sub],
+                prompt_ids=[s.prompt_token_ids for s in sub],
+                output_ids=[s.output_token_ids for s in sub],
+                num_output_tokens=[s.start_pos + len(s.token_ids) - s.num_prompt_tokens for s in sub],
+            )
+            result = self.sampler(logits[[spans[i][0] for i in plain]], batch)
+            ids = result.token_ids.tolist()
+            for j, s in enumerate(sub):
+                out.sampled[s.request_id] = [ids[j]]
+                if result.logprobs[j] is not None:
+                    out.logprobs[s.request_id] = [result.logprobs[j]]
+        spec = [i for i, s in enumerate(seqs) if s.spec_token_ids]
+        if spec:
+            sub = [seqs[i] for i in spec]
+            target = logits[[r for i in spec for r in range(*spans[i])]] if plain else logits
+            verified = self.rejection_sampler(
+                target, [s.spec_token_ids for s in sub], [None] * len(sub), [s.params for s in sub],
+                [self._generator(s.request_id, s.params.seed) for s in sub])
+            offset = 0
+            for s, tokens in zip(sub, verified.token_ids):
+                out.sampled[s.request_id] = tokens
+                if s.params.logprobs is not None:  # of the emitted tokens, from their own positions
+                    rows = target[offset:offset + len(tokens)]
+                    lps = self.sampler.logprobs(rows, torch.tensor(tokens, device=rows.device), [s.params] * len(tokens))
+                    out.logprobs[s.request_id] = lps
+                offset += 1 + len(s.spec_token_ids)
+        return out
 
     # ---- KV offload tiers ------------------------------------------------------------------
     def _transfer_kv(self, out: SchedulerOutput) -> None:

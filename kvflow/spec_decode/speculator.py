@@ -1,0 +1,152 @@
+"""Speculation policy: which requests get draft tokens this step, and how many.
+
+Before each step the engine asks the speculator to propose drafts for the running requests that
+are decoding; the scheduler then schedules them as extra tokens of those requests (inside the
+step's token budget) and the runner verifies them. After the step the speculator learns from
+what was accepted and how long the step took.
+
+How many drafts (the goodput rule of SmartSpec, arXiv 2406.14066): each request keeps a moving
+average alpha of how often its drafts are accepted, and a draft at depth j (1-based) then adds
+alpha^j expected tokens. The step's time comes from `StepCostModel` (a + b * tokens + c * multi-token
+sequences). Drafts are handed out one at a time, highest expected gain first, while a draft's gain
+per second it costs (alpha^j / (b, + c for a request's first)) beats the step's tokens per second
+without it (E / T): at batch 1 a pass costs about
+the same for 1 or 5 tokens, so drafts are almost free; at a large batch E / T approaches 1 / b and
+no draft (alpha^j < 1) can beat it, so speculation switches itself off; so does a request whose
+drafts keep failing (alpha^j below `_MIN_GAIN`). `adaptive: false` always proposes
+`num_speculative_tokens`.
+
+Who never speculates: requests still prefilling, with penalties (their distribution at a draft
+position would depend on the drafts before it), before `min_tokens`, or one token short of
+`max_tokens`. No tensors here.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvflow.core.request import Request
+from kvflow.core.scheduler import SchedulerOutput
+from kvflow.core.step_cost import StepCostModel
+from kvflow.spec_decode.config import SpeculativeConfig
+from kvflow.spec_decode.ngram_proposer import NgramBatchProposer, NgramProposer
+
+
+class Proposer(Protocol):
+    """Draft tokens for a batch: `plan` says how many each request may get (0: none)."""
+
+    def propose(self, requests: list[Request], plan: dict[str, int]) -> dict[str, list[int]]: ...
+    def observe(self, sched: SchedulerOutput, sampled: dict[str, list[int]]) -> None: ...
+    def release(self, request_ids) -> None: ...
+
+_ALPHA_PRIOR = 0.5  # a new request's acceptance rate before it has any
+_ALPHA_WEIGHT = 0.2  # weight of each verified draft position in the moving average
+# A draft expected to add less than this is not proposed, however cheap the cost model says a token
+# is (the fit is noisy, and a proposal is not free). A request that drops below it stops speculating.
+_MIN_GAIN = 0.02
+
+
+@dataclass
+class SpecDecodeStats:
+    num_drafts: int = 0  # (request, step) pairs that verified at least one draft
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)  # [j]: drafts accepted at depth j + 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a verifying step emits per request on average (accepted drafts + 1)."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer | None = None,
+                 cost: StepCostModel | None = None) -> None:
+        self.config = config
+        self.k = config.num_speculative_tokens
+        if proposer is None:
+            proposer = NgramBatchProposer(NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max, self.k))
+        self.proposer = proposer
+        self.cost = cost or StepCostModel()  # of a target step
+        self.alpha: dict[str, float] = {}
+        self.stats = SpecDecodeStats(accepted_per_pos=[0] * self.k)
+        self.last_plan: dict[str, int] = {}  # request id -> drafts allowed in the last proposal
+
+    # ---- before a step ----------------------------------------------------------------------------
+    def propose(self, running: list[Request]) -> None:
+        decoding = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
+        limits = {r.request_id: self._limit(r) for r in decoding}
+        plan = self._plan(running, limits) if self.config.adaptive else limits
+        self.last_plan = plan
+        drafts = self.proposer.propose(decoding, plan)
+        for r in decoding:
+            r.spec_token_ids = drafts.get(r.request_id, [])[: plan.get(r.request_id, 0)]
+
+    def _limit(self, r: Request) -> int:
+        p = r.params
+        if p.has_penalties or r.num_output_tokens < p.min_tokens:
+            return 0
+        return max(0, min(self.k, r.max_tokens - r.num_output_tokens - 1))
+
+    def _plan(self, running: list[Request], limits: dict[str, int]) -> dict[str, int]:
+        a, b, c = self.cost.coefficients
+        # A request's first draft makes it a multi-token sequence (c). A draft model adds a pass
+        # per draft depth (a_d, paid by the first draft at that depth) and a row in it (b_d);
+        # prompt lookup costs nothing measurable.
+        draft_cost = getattr(self.proposer, "cost", None)
+        a_d, b_d, _ = draft_cost.coefficients if draft_cost is not None and draft_cost.samples else (0.0, 0.0, 0.0)
+        remaining = [max(1, r.num_tokens - r.num_computed_tokens) for r in running]
+        expected = float(len(running))  # every running request emits about one token per step
+        seconds = a + b * sum(remaining) + c * sum(1 for n in remaining if n > 1)
+        gamma = dict.fromkeys(limits, 0)
+        depth = 0  # deepest draft handed out so far
+        heap = [(-self._alpha(rid), rid) for rid, lim in limits.items() if lim > 0]
+        heapq.heapify(heap)
+        while heap:
+            neg_gain, rid = heapq.heappop(heap)
+            gain = -neg_gain
+            cost = b + b_d + (c if gamma[rid] == 0 else 0.0) + (a_d if gamma[rid] + 1 > depth else 0.0)
+            if gain < _MIN_GAIN or gain * seconds <= cost * expected:  # gain / cost <= E / T: goodput drops
+                break
+            gamma[rid] += 1
+            depth = max(depth, gamma[rid])
+            expected += gain
+            seconds += cost
+            if gamma[rid] < limits[rid]:
+                heapq.heappush(heap, (-gain * self._alpha(rid), rid))
+        return gamma
+
+    def _alpha(self, request_id: str) -> float:
+        return self.alpha.get(request_id, _ALPHA_PRIOR)
+
+    # ---- after a step -----------------------------------------------------------------------------
+    def observe(self, sched: SchedulerOutput, sampled: dict[str, list[int]], seconds: float) -> None:
+        self.cost.observe(sched.num_tokens, seconds, sum(1 for s in sched.seqs if len(s.token_ids) > 1))
+        self.proposer.observe(sched, sampled)
+        for seq in sched.seqs:
+            k = len(seq.spec_token_ids)
+            tokens = sampled.get(seq.request_id)
+            if not k or tokens is None:
+                continue
+            accepted = len(tokens) - 1
+            st = self.stats
+            st.num_drafts += 1
+            st.num_draft_tokens += k
+            st.num_accepted_tokens += accepted
+            for j in range(accepted):
+                st.accepted_per_pos[j] += 1
+            alpha = self._alpha(seq.request_id)
+            for j in range(min(k, accepted + 1)):  # positions tested: the accepted run, then one miss
+                alpha += _ALPHA_WEIGHT * ((1.0 if j < accepted else 0.0) - alpha)
+            self.alpha[seq.request_id] = alpha
+
+    def release(self, request_ids) -> None:
+        for rid in request_ids:
+            self.alpha.pop(rid, None)
+        self.proposer.release(request_ids)

@@ -1,0 +1,247 @@
+"""Speculative decoding in the engine: outputs exactly those of plain decoding (greedy: the same
+tokens; seeded random: reproducible), under batching, chunked prefill, preemption and prefix hits;
+the speculation length adapts and switches off when drafts do not pay."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import assert_no_leaks, hf_greedy
+
+from kvflow import LLM, SamplingParams
+from kvflow.core.request import Request
+from kvflow.core.step_cost import StepCostModel
+from kvflow.spec_decode.config import SpeculativeConfig
+from kvflow.spec_decode.ngram_proposer import NgramBatchProposer
+from kvflow.spec_decode.speculator import Speculator
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+# Repetitive prompts: prompt lookup finds matches, so drafts are proposed and some accepted.
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. The quick",
+    "hello world hello world hello world hello",
+    "Paris is the capital of France. Berlin is the capital of Germany. Paris is the capital of",
+    "def hello(name):\n    return f'hello {name}'\n\ndef hello(name):\n",
+    "Once upon a time there was a little engine. Once upon a time",
+]
+
+
+def generate(llm: LLM, prompts, params) -> list[list[int]]:
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [c.token_ids for o in outs for c in o.outputs]
+
+
+SELF_DRAFT = {"method": "draft_model", "quantization": "int8", "num_speculative_tokens": 3}
+
+
+def spec_llm(path: str, config: dict | None = None, **kw) -> LLM:
+    return LLM(model=path, speculative_config={**(config or NGRAM), "adaptive": False}, **kw)
+
+
+def method_configs(model_factory, arch: str) -> dict[str, dict]:
+    # a smaller random model of the same family and vocabulary as the draft
+    small, _ = model_factory(arch, num_hidden_layers=1, hidden_size=32, intermediate_size=64,
+                             **({"head_dim": 8} if arch == "qwen3" else {}))
+    return {"ngram": NGRAM, "self-draft int8": SELF_DRAFT,
+            "draft model": {"method": "draft_model", "model": small, "num_speculative_tokens": 3}}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_greedy_identical_to_plain_and_hf(model_factory, arch):
+    path, hf = model_factory(arch)
+    sp = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    plain_llm = LLM(model=path, num_kv_blocks=256)
+    plain = generate(plain_llm, PROMPTS, sp)
+    assert plain[0] == hf_greedy(hf, plain_llm.tokenizer(PROMPTS[0])["input_ids"], 48)
+    for name, config in method_configs(model_factory, arch).items():
+        llm = spec_llm(path, config, num_kv_blocks=256)
+        assert generate(llm, PROMPTS, sp) == plain, name
+        stats = llm.engine.speculator.stats
+        assert stats.num_draft_tokens > 20, (name, stats)  # speculation really ran
+        if name != "draft model":  # (a random small model's drafts are rarely right)
+            assert stats.num_accepted_tokens > 5, (name, stats)
+        assert_no_leaks(llm.engine)
+        proposer = llm.engine.speculator.proposer
+        if hasattr(proposer, "kv"):  # the draft's own KV pool is empty again too
+            assert proposer.kv.pool.num_free_blocks == proposer.kv.pool.num_blocks and not proposer.seqs
+
+
+def test_greedy_under_chunking_preemption_and_prefix_hits(tiny_llama):
+    path, _ = tiny_llama
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompts = PROMPTS + [p + " again" for p in PROMPTS]  # shared prefixes: prefix-cache hits
+    plain = generate(LLM(model=path, num_kv_blocks=256), prompts, sp)
+    for config in (NGRAM, SELF_DRAFT):
+        # a small pool and budget: chunked prefill and preemption while drafts are in flight
+        llm = spec_llm(path, config, num_kv_blocks=40, block_size=4, max_num_batched_tokens=24, max_model_len=160)
+        assert generate(llm, prompts, sp) == plain
+        e = llm.engine
+        assert e.scheduler.num_preemptions > 0 and e.kv_cache.prefix_stats.hits > 0
+        assert e.speculator.stats.num_accepted_tokens > 0
+        assert_no_leaks(e)
+        # and again on the warm prefix cache: hashes registered while drafts were in flight are right
+        assert generate(llm, prompts, sp) == plain
+
+
+def test_stops_max_tokens_logprobs_n(tiny_llama):
+    path, _ = tiny_llama
+    plain, spec = LLM(model=path, num_kv_blocks=256), spec_llm(path, num_kv_blocks=256)
+    base = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    ref = generate(plain, PROMPTS[:1], base)[0]
+    # a stop token inside an accepted run ends the request there; max_tokens is exact
+    stop_tok = ref[17]
+    for params in (SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop_token_ids=[stop_tok]),
+                   SamplingParams(temperature=0, max_tokens=13, ignore_eos=True)):
+        a, b = plain.generate(PROMPTS[:1], params, use_tqdm=False)[0], spec.generate(PROMPTS[:1], params,
+                                                                                     use_tqdm=False)[0]
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].finish_reason == b.outputs[0].finish_reason
+        assert a.outputs[0].text == b.outputs[0].text
+    # stop strings
+    text = plain.generate(PROMPTS[:1], base, use_tqdm=False)[0].outputs[0].text
+    stop = text[10:14]
+    p = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop])
+    a, b = plain.generate(PROMPTS[:1], p, use_tqdm=False)[0].outputs[0], spec.generate(PROMPTS[:1], p,
+                                                                                       use_tqdm=False)[0].outputs[0]
+    assert (a.text, a.token_ids, a.finish_reason, a.stop_reason) == (b.text, b.token_ids, b.finish_reason,
+                                                                   b.stop_reason)
+    # logprobs of the emitted tokens equal plain decoding's
+    p = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=3)
+    a, b = plain.generate(PROMPTS, p, use_tqdm=False), spec.generate(PROMPTS, p, use_tqdm=False)
+    for x, y in zip(a, b):
+        assert x.outputs[0].token_ids == y.outputs[0].token_ids
+        for da, db in zip(x.outputs[0].logprobs, y.outputs[0].logprobs):
+            assert da.keys() == db.keys()
+            for t in da:
+                assert da[t].logprob == pytest.approx(db[t].logprob, abs=1e-4) and da[t].rank == db[t].rank
+    # n > 1, penalties and min_tokens (which never speculate) give plain decoding's output
+    p = SamplingParams(n=3, temperature=0, max_tokens=20, ignore_eos=True)
+    assert generate(plain, PROMPTS[:2], p) == generate(spec, PROMPTS[:2], p)
+    p = SamplingParams(temperature=0, max_tokens=20, repetition_penalty=1.3, min_tokens=5)
+    assert generate(plain, PROMPTS, p) == generate(spec, PROMPTS, p)
+    assert_no_leaks(spec.engine)
+
+
+@pytest.mark.parametrize("config", [NGRAM, SELF_DRAFT], ids=["ngram", "self-draft"])
+def test_seeded_sampling_is_reproducible(tiny_llama, config):
+    path, _ = tiny_llama
+    p = [SamplingParams(temperature=0.8, top_p=0.95, seed=s, max_tokens=30, ignore_eos=True) for s in range(5)]
+    runs = [generate(spec_llm(path, config, num_kv_blocks=256), PROMPTS, p) for _ in range(2)]
+    assert runs[0] == runs[1]
+    assert len({tuple(t) for t in runs[0]}) == len(PROMPTS)
+
+
+def test_draft_model_must_share_the_vocabulary(model_factory, tiny_llama):
+    other, _ = model_factory("llama", vocab_size=256)
+    with pytest.raises(ValueError, match="vocabulary"):
+        LLM(model=tiny_llama[0], speculative_config={"method": "draft_model", "model": other,
+                                                     "num_speculative_tokens": 2})
+
+
+def test_adaptive_turns_rejected_drafts_off(tiny_llama):
+    """A draft that is always wrong: the speculation length goes to 0, the output stays exact."""
+    path, _ = tiny_llama
+    sp = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    plain = generate(LLM(model=path, num_kv_blocks=256), PROMPTS[:2], sp)
+    llm = LLM(model=path, num_kv_blocks=256, speculative_config={**NGRAM, "adaptive": True})
+    spec = llm.engine.speculator
+    vocab = llm.engine.model_config.vocab_size
+    refs = {tuple(t) for t in plain}
+
+    class Wrong:  # proposes a token the greedy continuation never holds
+        def propose(self, token_ids, k):
+            bad = next(t for t in range(vocab - 1, 0, -1) if all(t not in r for r in refs))
+            return [bad] * k
+
+    spec.proposer = NgramBatchProposer(Wrong())
+    drafts_per_step = []
+    orig = spec.observe
+
+    def observe(sched, sampled, seconds):
+        drafts_per_step.append(sum(len(s.spec_token_ids) for s in sched.seqs))
+        orig(sched, sampled, seconds)
+
+    spec.observe = observe
+    assert generate(llm, PROMPTS[:2], sp) == plain
+    assert sum(drafts_per_step[:5]) > 0  # it tried
+    assert sum(drafts_per_step[-20:]) == 0  # and stopped
+    assert spec.stats.num_accepted_tokens == 0
+
+
+def _request(rid: str, n_out: int = 5) -> Request:
+    r = Request(rid, rid, 0, [1, 2, 3, 1, 2, 3], SamplingParams(max_tokens=100), 100, 0.0)
+    r.output_token_ids = [1] * n_out
+    r.num_computed_tokens = r.num_tokens - 1
+    return r
+
+
+def test_plan_switches_off_at_large_batch():
+    """Fake cost model: a pass costs a = 10 ms, each token b = 0.5 ms (a CPU: weights dominate
+    at batch 1, per-token work at batch 64)."""
+    cost = StepCostModel()
+    for tokens, chunks in ((1, 0), (2, 1), (8, 2), (16, 0), (32, 4), (64, 1), (4, 3), (40, 0), (20, 2)):
+        cost.observe(tokens, 0.010 + 0.0005 * tokens + 0.002 * chunks, chunks)
+    a, b, c = cost.coefficients
+    assert a == pytest.approx(0.010, rel=0.05) and b == pytest.approx(0.0005, rel=0.05)
+    assert c == pytest.approx(0.002, rel=0.1)
+    spec = Speculator(SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 5}), cost)
+    for rid in ("x",) + tuple(f"r{i}" for i in range(64)):
+        spec.alpha[rid] = 0.7
+    one = [_request("x")]
+    plan = spec._plan(one, {"x": 5})
+    assert plan["x"] == 5  # batch 1: every draft pays
+    many = [_request(f"r{i}") for i in range(64)]
+    plan = spec._plan(many, {r.request_id: 5 for r in many})
+    assert sum(plan.values()) == 0  # batch 64: no draft beats the step's own tokens per second
+    spec.alpha["x"] = 0.01
+    assert spec._plan(one, {"x": 5})["x"] <= 1  # hopeless drafts get (almost) nothing
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="method"):
+        LLM(model=None, speculative_config={"method": "medusa", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="unknown speculative_config key"):
+        LLM(model=None, speculative_config={"method": "ngram", "num_speculative_tokens": 2, "gamma": 3})
+
+
+def test_server_streams_several_tokens_a_step(tiny_llama):
+    import httpx
+
+    from server_utils import LiveServer, parse_metrics
+
+    from kvflow.config import EngineConfig, ServerConfig
+
+    s = LiveServer(EngineConfig(model=tiny_llama[0], num_kv_blocks=256, speculative_config={**NGRAM, "adaptive": False}),
+                   ServerConfig())
+    try:
+        client = s.openai()
+        kw = dict(model=s.model, prompt=PROMPTS[0], max_tokens=40, temperature=0, extra_body={"ignore_eos": True})
+        full = client.completions.create(**kw).choices[0].text
+        chunks = [c.choices[0].text for c in client.completions.create(stream=True, **kw)]
+        assert "".join(chunks) == full
+        m = parse_metrics(httpx.get(s.url + "/metrics").text)
+        assert m["kvflow:spec_decode_num_draft_tokens_total"] > 0
+        assert m["kvflow:spec_decode_num_accepted_tokens_total"] > 0
+        assert m['kvflow:spec_decode_num_accepted_tokens_per_pos_total{position="0"}'] > 0
+        s.wait_engine_idle()
+    finally:
+        s.stop()
+
+
+@pytest.mark.slow
+def test_default_model_self_draft_greedy_is_fp32_greedy():
+    """The embedded SmolLM2-135M: its int8 copy drafting for it changes nothing in greedy output."""
+    chats = [[{"role": "user", "content": q}] for q in (
+        "What is the capital of France?", "Write a haiku about autumn.",
+        "Repeat exactly: the quick brown fox jumps over the lazy dog.")]
+    sp = SamplingParams(temperature=0, max_tokens=48)
+    plain = LLM(max_model_len=1024, num_kv_blocks=256)
+    ref = [o.outputs[0].token_ids for o in plain.chat(chats, sp, use_tqdm=False)]
+    del plain
+    llm = LLM(max_model_len=1024, num_kv_blocks=256,
+              speculative_config={**SELF_DRAFT, "num_speculative_tokens": 4, "adaptive": False})
+    got = [o.outputs[0].token_ids for o in llm.chat(chats, sp, use_tqdm=False)]
+    assert got == ref
+    stats = llm.engine.speculator.stats
+    assert stats.acceptance_rate > 0.5, stats  # the int8 copy agrees with fp32 most of the time
