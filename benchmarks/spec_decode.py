@@ -1,6 +1,6 @@
 """Speculative decoding on the default model: decode tok/s with and without it, in one process.
 
-    python benchmarks/spec_decode.py [--batches 1,8,32] [--max-tokens 128] [--k 4] [--quantization int8]
+    python benchmarks/spec_decode.py [--batches 1,8,32] [--max-tokens 128] [--k 4] [--rounds 3]
 
 Workloads: `chat` (open-ended questions) and `grounded` (repeat / lightly edit a given passage,
 where prompt lookup finds the continuation in the prompt); greedy, each answer ending at EOS or
@@ -16,9 +16,9 @@ decoding's.
 from __future__ import annotations
 
 import argparse
+import statistics
 import subprocess
 import sys
-import time
 
 from kvflow import LLM, SamplingParams
 
@@ -33,11 +33,23 @@ CODE = (
     "def variance(values):\n    m = mean(values)\n    total = 0\n    for v in values:\n        total += (v - m) ** 2\n"
     "    return total / len(values)\n"
 )
+PASSAGE2 = (
+    "A scheduler decides, at every step, which requests run and how many of their tokens. Decodes "
+    "come first, one token each; prefill chunks fill what is left of the token budget. When memory "
+    "runs out, the most recent request is preempted and recomputed later from its tokens."
+)
+CODE2 = (
+    "class Counter:\n    def __init__(self):\n        self.counts = {}\n\n    def add(self, key):\n"
+    "        self.counts[key] = self.counts.get(key, 0) + 1\n\n    def top(self, n):\n"
+    "        return sorted(self.counts.items(), key=lambda kv: -kv[1])[:n]\n"
+)
+# Tasks whose answer is mostly in the prompt. (Asking SmolLM2-135M to quote sentences out of order
+# or to add docstrings gets new text instead: 1.17x and 1.21x with prompt lookup at batch 1.)
 GROUNDED = [
     f"Repeat the following text exactly, word for word:\n\n{PASSAGE}",
     f"Rewrite this code with the function `mean` renamed to `average`, changing nothing else:\n\n{CODE}",
-    f"Quote the second sentence of this text, then the first:\n\n{PASSAGE}",
-    f"Copy this code and add a docstring to each function:\n\n{CODE}",
+    f"Repeat the following text exactly, word for word:\n\n{PASSAGE2}",
+    f"Copy this code exactly:\n\n{CODE2}",
 ]
 CHAT = [
     "What is the capital of France, and what is it famous for?",
@@ -59,12 +71,24 @@ def run(llm: LLM, prompts: list[str], batch: int, max_tokens: int) -> tuple[list
     return tokens, decoded / seconds
 
 
+def _counts(llm: LLM) -> list[int]:
+    """Cumulative: generated tokens, (request, pass) pairs, drafts, draft tokens, accepted, per position."""
+    st, spec = llm.engine.get_stats(), llm.engine.speculator
+    head = [st.generation_tokens_total, st.sampling_rows_total]
+    if spec is None:
+        return head + [0, 0, 0]
+    s = spec.stats
+    return head + [s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, *s.accepted_per_pos]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--quantization", default=None)
+    ap.add_argument("--rounds", type=int, default=1, help="interleaved rounds; medians are printed")
+    ap.add_argument("--lookup", default="2,4", help="ngram prompt_lookup_min,prompt_lookup_max")
     ap.add_argument("--workloads", default="grounded,chat")
     ap.add_argument("--methods", default="ngram,int8", help="besides none: ngram, int8 (self-draft)")
     args = ap.parse_args()
@@ -73,10 +97,12 @@ def main() -> None:
     isa = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile") if f" {f} " in flags + " "]
     print(f"CPU: {model_line}; {', '.join(isa)}; quantization: {args.quantization}")
     common = dict(quantization=args.quantization, max_model_len=2048, num_kv_blocks=2048)
+    lo, hi = (int(x) for x in args.lookup.split(","))
+    ngram = {"method": "ngram", "prompt_lookup_min": lo, "prompt_lookup_max": hi}
     methods = {
         "none": None,
-        "ngram": {"method": "ngram", "num_speculative_tokens": args.k},
-        "ngram fixed": {"method": "ngram", "num_speculative_tokens": args.k, "adaptive": False},
+        "ngram": {**ngram, "num_speculative_tokens": args.k},
+        "ngram fixed": {**ngram, "num_speculative_tokens": args.k, "adaptive": False},
         "int8 draft": {"method": "draft_model", "quantization": "int8", "num_speculative_tokens": args.k},
         "int8 fixed": {"method": "draft_model", "quantization": "int8", "num_speculative_tokens": args.k,
                        "adaptive": False},
@@ -89,37 +115,34 @@ def main() -> None:
         base_prompts = GROUNDED if workload == "grounded" else CHAT
         for b in (int(x) for x in args.batches.split(",")):
             prompts = [base_prompts[i % len(base_prompts)] for i in range(max(b, len(base_prompts)))]
-            ref_tokens, ref_speed = None, None
-            for name, llm in engines.items():
-                run(llm, prompts[:1], 1, 4)  # warm-up (kernels, caches)
-                spec = llm.engine.speculator
-                before = None if spec is None else (spec.stats.num_drafts, spec.stats.num_draft_tokens,
-                                                    spec.stats.num_accepted_tokens, list(spec.stats.accepted_per_pos))
-                steps0 = llm.engine.get_stats().num_steps
-                t0 = time.perf_counter()
-                tokens, speed = run(llm, prompts, b, args.max_tokens)
-                wall = time.perf_counter() - t0
-                steps = llm.engine.get_stats().num_steps - steps0
-                if ref_tokens is None:
-                    ref_tokens, ref_speed = tokens, speed
-                    print(f"{workload:9} {b:>5} {name:12} {speed:8.1f} {1:6.2f} {'':>10} {'':>6} {'1.00':>8} "
-                          f"{'':>8}  ({wall:.1f} s, {steps} steps)")
+            speeds: dict[str, list[float]] = {name: [] for name in engines}
+            totals: dict[str, list[int]] = {}
+            outputs: dict[str, list[list[int]]] = {}
+            for _ in range(args.rounds):  # methods interleaved, so host drift hits them alike
+                for name, llm in engines.items():
+                    run(llm, prompts[:1], 1, 4)  # warm-up (kernels, caches)
+                    before = _counts(llm)
+                    tokens, speed = run(llm, prompts, b, args.max_tokens)
+                    speeds[name].append(speed)
+                    outputs[name] = tokens
+                    after = _counts(llm)
+                    totals[name] = [x + (y - z) for x, y, z in zip(totals.get(name, [0] * len(after)), after, before)]
+            ref = statistics.median(speeds["none"])
+            for name in engines:
+                speed = statistics.median(speeds[name])
+                same = "" if outputs[name] == outputs["none"] else "  OUTPUT DIFFERS"
+                if name == "none":
+                    print(f"{workload:9} {b:>5} {name:12} {speed:8.1f} {1:6.2f} {'':>10} {'':>6} {'1.00':>8} {'':>8}")
                     continue
-                same = "" if tokens == ref_tokens else "  OUTPUT DIFFERS"
-                st = spec.stats
-                drafts, dtok, acc = (st.num_drafts - before[0], st.num_draft_tokens - before[1],
-                                     st.num_accepted_tokens - before[2])
-                per_pos = [(n - m) / drafts if drafts else 0.0 for n, m in zip(st.accepted_per_pos, before[3])]
+                generated, passes, drafts, dtok, acc, *per_pos = totals[name]
                 alpha = acc / dtok if dtok else 0.0
                 k = args.k
                 formula = (1 - alpha ** (k + 1)) / (1 - alpha) if alpha < 1 else k + 1
-                # tokens per target pass of a request: each (request, pass) emits 1 + its accepted
-                # drafts, so passes = tokens - accepted (passes without drafts included)
-                out_tokens = sum(len(t) for t in tokens)
-                per_pass = out_tokens / max(1, out_tokens - acc)
-                print(f"{workload:9} {b:>5} {name:12} {speed:8.1f} {speed / ref_speed:6.2f} "
+                per_pass = generated / max(1, passes)  # tokens per target pass of a request, all passes
+                print(f"{workload:9} {b:>5} {name:12} {speed:8.1f} {speed / ref:6.2f} "
                       f"{(1 + acc / drafts) if drafts else 0:10.2f} {alpha:6.2f} {per_pass:8.2f} {formula:8.2f}  "
-                      f"[{', '.join(f'{p:.2f}' for p in per_pos)}] ({wall:.1f} s, {steps} steps, {dtok} drafts){same}")
+                      f"[{', '.join(f'{p / drafts if drafts else 0:.2f}' for p in per_pos)}] ({dtok} drafts; "
+                      f"x per round {', '.join(f'{v / r:.2f}' for v, r in zip(speeds[name], speeds['none']))}){same}")
             sys.stdout.flush()
 
 

@@ -165,7 +165,7 @@ def test_adaptive_turns_rejected_drafts_off(tiny_llama):
     spec.observe = observe
     assert generate(llm, PROMPTS[:2], sp) == plain
     assert sum(drafts_per_step[:5]) > 0  # it tried
-    assert sum(drafts_per_step[-20:]) == 0  # and stopped
+    assert sum(drafts_per_step[-24:]) <= 3  # and stopped: one probing draft every 8 steps at most
     assert spec.stats.num_accepted_tokens == 0
 
 

@@ -35,6 +35,8 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens_total: int
     generation_tokens_total: int
+    # (request, step) pairs that produced tokens: generation tokens / this = tokens per target pass
+    sampling_rows_total: int
     num_steps: int
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int  # of which found (in the pool or an offload tier)
@@ -101,6 +103,7 @@ class LLMEngine:
         self._peak_usage = 0.0
         self._prompt_tokens = 0
         self._generation_tokens = 0
+        self._sampling_rows = 0  # (request, step) pairs that produced tokens
         self._steps = 0
         self._util_sum = self._util_contig_sum = 0.0
         self._util_steps = 0
@@ -271,6 +274,7 @@ class LLMEngine:
             self.speculator.observe(sched, result.sampled, time.perf_counter() - t0)
         advanced, finished = self.scheduler.update_from_output(sched, result.sampled)
         self._generation_tokens += sum(len(tokens) for _, tokens in advanced)
+        self._sampling_rows += len(advanced)
         self._track_kv_utilization()
         outputs, stopped, failed = self.output_processor.process(advanced, finished, result.logprobs)
         if stopped:
@@ -316,6 +320,7 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens_total=self._prompt_tokens,
             generation_tokens_total=self._generation_tokens,
+            sampling_rows_total=self._sampling_rows,
             num_steps=self._steps,
             prefix_cache_queries=self.kv_cache.prefix_stats.queries,
             prefix_cache_hits=self.kv_cache.prefix_stats.hits,

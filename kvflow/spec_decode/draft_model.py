@@ -91,7 +91,10 @@ class DraftModelProposer:
                              len(r.prompt_token_ids)) for r, ds, ids in seqs])
             t0 = time.perf_counter()
             sampled = self.runner.execute(out).sampled
-            self.cost.observe(out.num_tokens, time.perf_counter() - t0, sum(len(x.token_ids) > 1 for x in out.seqs))
+            if out.num_tokens == len(out.seqs):
+                # A one-token-per-row pass is what each further draft depth costs; catch-up passes
+                # (a new request's whole prompt) would make drafting look dearer than it is.
+                self.cost.observe(out.num_tokens, time.perf_counter() - t0)
             depth += 1
             nxt = []
             for r, ds, ids in seqs:

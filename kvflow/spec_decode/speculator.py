@@ -16,6 +16,10 @@ no draft (alpha^j < 1) can beat it, so speculation switches itself off; so does 
 drafts keep failing (alpha^j below `_MIN_GAIN`). `adaptive: false` always proposes
 `num_speculative_tokens`.
 
+Each request's alpha starts from the average over all requests so far. While the plan gives no
+draft at all, one request in turn gets a single probing draft every `_PROBE_EVERY` steps, so the
+estimates can learn when drafts start to pay again (at most one extra verified token per 8 steps).
+
 Who never speculates: requests still prefilling, with penalties (their distribution at a draft
 position would depend on the drafts before it), before `min_tokens`, or one token short of
 `max_tokens`. No tensors here.
@@ -46,6 +50,8 @@ _ALPHA_WEIGHT = 0.2  # weight of each verified draft position in the moving aver
 # A draft expected to add less than this is not proposed, however cheap the cost model says a token
 # is (the fit is noisy, and a proposal is not free). A request that drops below it stops speculating.
 _MIN_GAIN = 0.02
+_GLOBAL_WEIGHT = 0.02  # the same, for the estimate over all requests
+_PROBE_EVERY = 8  # while speculation is off: one probing draft every this many steps
 
 
 @dataclass
@@ -75,6 +81,8 @@ class Speculator:
         self.proposer = proposer
         self.cost = cost or StepCostModel()  # of a target step
         self.alpha: dict[str, float] = {}
+        self.global_alpha = _ALPHA_PRIOR  # over every verified draft: a new request's starting estimate
+        self._steps_off = 0  # steps in a row that the plan gave no draft at all
         self.stats = SpecDecodeStats(accepted_per_pos=[0] * self.k)
         self.last_plan: dict[str, int] = {}  # request id -> drafts allowed in the last proposal
 
@@ -83,6 +91,7 @@ class Speculator:
         decoding = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
         limits = {r.request_id: self._limit(r) for r in decoding}
         plan = self._plan(running, limits) if self.config.adaptive else limits
+        self._probe(plan, limits)
         self.last_plan = plan
         drafts = self.proposer.propose(decoding, plan)
         for r in decoding:
@@ -122,8 +131,19 @@ class Speculator:
                 heapq.heappush(heap, (-gain * self._alpha(rid), rid))
         return gamma
 
+    def _probe(self, plan: dict[str, int], limits: dict[str, int]) -> None:
+        """While speculation is off, one draft every `_PROBE_EVERY` steps (for one request, in
+        turn): without trials the acceptance estimates could never learn that drafts now pay."""
+        if any(plan.values()):
+            self._steps_off = 0
+            return
+        self._steps_off += 1
+        eligible = sorted(rid for rid, lim in limits.items() if lim > 0)
+        if eligible and self._steps_off % _PROBE_EVERY == 0:
+            plan[eligible[(self._steps_off // _PROBE_EVERY) % len(eligible)]] = 1
+
     def _alpha(self, request_id: str) -> float:
-        return self.alpha.get(request_id, _ALPHA_PRIOR)
+        return self.alpha.get(request_id, self.global_alpha)
 
     # ---- after a step -----------------------------------------------------------------------------
     def observe(self, sched: SchedulerOutput, sampled: dict[str, list[int]], seconds: float) -> None:
@@ -143,7 +163,9 @@ class Speculator:
                 st.accepted_per_pos[j] += 1
             alpha = self._alpha(seq.request_id)
             for j in range(min(k, accepted + 1)):  # positions tested: the accepted run, then one miss
-                alpha += _ALPHA_WEIGHT * ((1.0 if j < accepted else 0.0) - alpha)
+                hit = 1.0 if j < accepted else 0.0
+                alpha += _ALPHA_WEIGHT * (hit - alpha)
+                self.global_alpha += _GLOBAL_WEIGHT * (hit - self.global_alpha)
             self.alpha[seq.request_id] = alpha
 
     def release(self, request_ids) -> None:
