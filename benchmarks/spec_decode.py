@@ -96,7 +96,7 @@ def main() -> None:
     model_line = next((ln for ln in flags.splitlines() if "Model name" in ln), "").split(":")[-1].strip()
     isa = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile") if f" {f} " in flags + " "]
     print(f"CPU: {model_line}; {', '.join(isa)}; quantization: {args.quantization}")
-    common = dict(quantization=args.quantization, max_model_len=2048, num_kv_blocks=2048)
+    common = dict(quantization=args.quantization, max_model_len=2048, num_kv_blocks=1024)
     lo, hi = (int(x) for x in args.lookup.split(","))
     ngram = {"method": "ngram", "prompt_lookup_min": lo, "prompt_lookup_max": hi}
     methods = {

@@ -1,15 +1,16 @@
 """How long an engine step takes, learned from the steps that ran:
 
-    seconds = a + b * tokens + c * chunks
+    seconds = a + b * tokens + c * chunks + m * (chunks > 0)
 
 `tokens` are all tokens computed in the step, `chunks` the sequences computing more than one
-(prefill chunks, draft verification): on a CPU a step reads every weight once whatever it
-computes, so `a` (the pass) dominates, `b` (one more token) is small until the batch is large,
-and `c` is what a multi-token sequence costs beyond its tokens (its attention runs apart from the
-batched decode kernel). That is what makes verifying drafts cheap at batch 1 and not at batch 8+.
+(prefill chunks, draft verification). On a CPU a step reads every weight once whatever it
+computes, so `a` (the pass) dominates, `b` (one more token) is small until the batch is large, `c`
+is what a multi-token sequence costs beyond its tokens (its attention runs apart from the batched
+decode kernel) and `m` what a step pays once for having any (the mixed path). That is what makes
+verifying drafts cheap at batch 1 and not at batch 32.
 
-Refitted by least squares over a window of recent steps, pulled gently toward prior ratios (b and
-c as fractions of a step) so that a coefficient the steps have not varied enough to show stays
+Refitted by least squares over a window of recent steps, pulled gently toward prior ratios (b, c
+and m as fractions of a step) so that a coefficient the steps have not varied enough to show stays
 sensible. No tensors here: the scheduler side uses it.
 """
 
@@ -21,10 +22,11 @@ import numpy as np
 
 
 class StepCostModel:
-    def __init__(self, window: int = 256, prior_token_ratio: float = 0.01, prior_chunk_ratio: float = 0.02) -> None:
+    def __init__(self, window: int = 256, prior_token_ratio: float = 0.01, prior_chunk_ratio: float = 0.02,
+                 prior_mixed_ratio: float = 0.05) -> None:
         self.samples: deque[tuple[int, int, float]] = deque(maxlen=window)
-        self.prior = np.array([1.0, prior_token_ratio, prior_chunk_ratio])  # (a, b, c) / a
-        self._fit: tuple[float, float, float] | None = None
+        self.prior = np.array([1.0, prior_token_ratio, prior_chunk_ratio, prior_mixed_ratio])  # / a
+        self._fit: tuple[float, float, float, float] | None = None
 
     def observe(self, tokens: int, seconds: float, chunks: int = 0) -> None:
         if tokens > 0 and seconds > 0:
@@ -32,30 +34,30 @@ class StepCostModel:
             self._fit = None
 
     @property
-    def coefficients(self) -> tuple[float, float, float]:
-        """(a, b, c): seconds per step, per token, per multi-token sequence. With no data only the
-        ratios are known: (1, prior b, prior c)."""
+    def coefficients(self) -> tuple[float, float, float, float]:
+        """(a, b, c, m): seconds per step, per token, per multi-token sequence, per step having
+        any. With no data only the ratios are known: (1, prior b, prior c, prior m)."""
         if self._fit is None:
             self._fit = self._solve()
         return self._fit
 
     def predict(self, tokens: int, chunks: int = 0) -> float:
-        a, b, c = self.coefficients
-        return a + b * tokens + c * chunks
+        a, b, c, m = self.coefficients
+        return a + b * tokens + c * chunks + m * (chunks > 0)
 
-    def _solve(self) -> tuple[float, float, float]:
+    def _solve(self) -> tuple[float, float, float, float]:
         if not self.samples:
             return tuple(self.prior.tolist())  # type: ignore[return-value]
         data = np.array(self.samples, dtype=np.float64)
-        x = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1]])
+        x = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1], data[:, 1] > 0])
         y = data[:, 2]
-        # The prior, scaled to the measured step time, as pseudo-observations of b and c: a ridge
-        # toward it that the data outweighs once the steps have varied.
-        scale = float(y.mean()) / float(self.prior @ [1.0, data[:, 0].mean(), data[:, 1].mean()])
-        weight = np.sqrt(len(data)) * np.array([0.0, data[:, 0].std() + 1.0, data[:, 1].std() + 1.0]) * 0.1
-        prior_rows = np.diag(weight)[1:]
-        prior_y = weight[1:] * self.prior[1:] * scale
-        coef, *_ = np.linalg.lstsq(np.vstack([x, prior_rows]), np.concatenate([y, prior_y]), rcond=None)
-        a, b, c = coef.tolist()
+        # The prior, scaled to the measured step time, as pseudo-observations of b, c and m: a
+        # ridge toward it that the data outweighs once the steps have varied.
+        scale = float(y.mean()) / float(self.prior @ x.mean(axis=0))
+        weight = np.sqrt(len(data)) * (x.std(axis=0) + 1.0) * 0.1
+        weight[0] = 0.0
+        coef, *_ = np.linalg.lstsq(np.vstack([x, np.diag(weight)[1:]]),
+                                   np.concatenate([y, weight[1:] * self.prior[1:] * scale]), rcond=None)
         floor = 1e-3 * scale  # never free: noise must not make tokens or chunks cost nothing
-        return max(a, floor), max(b, self.prior[1] * floor), max(c, self.prior[2] * floor)
+        lows = np.concatenate([[floor], self.prior[1:] * floor])
+        return tuple(np.maximum(coef, lows).tolist())  # type: ignore[return-value]

@@ -8,17 +8,17 @@ what was accepted and how long the step took.
 How many drafts (the goodput rule of SmartSpec, arXiv 2406.14066): each request keeps a moving
 average alpha of how often its drafts are accepted, and a draft at depth j (1-based) then adds
 alpha^j expected tokens. The step's time comes from `StepCostModel` (a + b * tokens + c * multi-token
-sequences). Drafts are handed out one at a time, highest expected gain first, while a draft's gain
-per second it costs (alpha^j / (b, + c for a request's first)) beats the step's tokens per second
-without it (E / T): at batch 1 a pass costs about
+sequences + m if there are any). Drafts are handed out one at a time, highest expected gain first,
+while a draft's gain per second it costs (alpha^j / (b, + c and maybe m for a request's first))
+beats the step's tokens per second without it (E / T): at batch 1 a pass costs about
 the same for 1 or 5 tokens, so drafts are almost free; at a large batch E / T approaches 1 / b and
 no draft (alpha^j < 1) can beat it, so speculation switches itself off; so does a request whose
 drafts keep failing (alpha^j below `_MIN_GAIN`). `adaptive: false` always proposes
 `num_speculative_tokens`.
 
 Each request's alpha starts from the average over all requests so far. While the plan gives no
-draft at all, one request in turn gets a single probing draft every `_PROBE_EVERY` steps, so the
-estimates can learn when drafts start to pay again (at most one extra verified token per 8 steps).
+draft at all, one request in turn gets a single probing draft every `_PROBE_EVERY` steps (prompt
+lookup only), so the estimates can learn when drafts start to pay again.
 
 Who never speculates: requests still prefilling, with penalties (their distribution at a draft
 position would depend on the drafts before it), before `min_tokens`, or one token short of
@@ -104,15 +104,16 @@ class Speculator:
         return max(0, min(self.k, r.max_tokens - r.num_output_tokens - 1))
 
     def _plan(self, running: list[Request], limits: dict[str, int]) -> dict[str, int]:
-        a, b, c = self.cost.coefficients
+        a, b, c, m = self.cost.coefficients
         # A request's first draft makes it a multi-token sequence (c). A draft model adds a pass
         # per draft depth (a_d, paid by the first draft at that depth) and a row in it (b_d);
         # prompt lookup costs nothing measurable.
         draft_cost = getattr(self.proposer, "cost", None)
-        a_d, b_d, _ = draft_cost.coefficients if draft_cost is not None and draft_cost.samples else (0.0, 0.0, 0.0)
+        a_d, b_d = draft_cost.coefficients[:2] if draft_cost is not None and draft_cost.samples else (0.0, 0.0)
         remaining = [max(1, r.num_tokens - r.num_computed_tokens) for r in running]
         expected = float(len(running))  # every running request emits about one token per step
-        seconds = a + b * sum(remaining) + c * sum(1 for n in remaining if n > 1)
+        chunks = sum(1 for n in remaining if n > 1)
+        seconds = a + b * sum(remaining) + c * chunks + m * (chunks > 0)
         gamma = dict.fromkeys(limits, 0)
         depth = 0  # deepest draft handed out so far
         heap = [(-self._alpha(rid), rid) for rid, lim in limits.items() if lim > 0]
@@ -120,7 +121,10 @@ class Speculator:
         while heap:
             neg_gain, rid = heapq.heappop(heap)
             gain = -neg_gain
-            cost = b + b_d + (c if gamma[rid] == 0 else 0.0) + (a_d if gamma[rid] + 1 > depth else 0.0)
+            cost = b + b_d + (a_d if gamma[rid] + 1 > depth else 0.0)
+            if gamma[rid] == 0:  # its first draft makes it a multi-token sequence (and maybe the step mixed)
+                cost += c + (m if chunks == 0 else 0.0)
+                chunks += 1
             if gain < _MIN_GAIN or gain * seconds <= cost * expected:  # gain / cost <= E / T: goodput drops
                 break
             gamma[rid] += 1
@@ -134,7 +138,9 @@ class Speculator:
     def _probe(self, plan: dict[str, int], limits: dict[str, int]) -> None:
         """While speculation is off, one draft every `_PROBE_EVERY` steps (for one request, in
         turn): without trials the acceptance estimates could never learn that drafts now pay."""
-        if any(plan.values()):
+        if any(plan.values()) or getattr(self.proposer, "cost", None) is not None:
+            # (a draft model would first have to catch up on the request's whole sequence: a probe
+            # would cost a prefill, so it does not probe)
             self._steps_off = 0
             return
         self._steps_off += 1
