@@ -245,3 +245,18 @@ def test_default_model_self_draft_greedy_is_fp32_greedy():
     assert got == ref
     stats = llm.engine.speculator.stats
     assert stats.acceptance_rate > 0.5, stats  # the int8 copy agrees with fp32 most of the time
+
+
+def test_greedy_with_the_cpu_offload_tier(tiny_llama):
+    """Evicted prefix blocks go to the CPU tier and come back while drafts are in flight."""
+    path, _ = tiny_llama
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    prompts = [p + " " + q for p in PROMPTS for q in ("once", "twice")]
+    plain = generate(LLM(model=path, num_kv_blocks=256), prompts, sp)
+    llm = spec_llm(path, num_kv_blocks=48, block_size=4, max_model_len=160, kv_offload_cpu_gb=0.01)
+    for _ in range(2):  # the second pass finds the prompts in the tier
+        assert generate(llm, prompts, sp) == plain
+    offload = llm.engine.get_stats().kv_offload
+    assert offload is not None and offload.loaded > 0, offload
+    assert llm.engine.speculator.stats.num_accepted_tokens > 0
+    assert_no_leaks(llm.engine)
