@@ -195,7 +195,6 @@ def test_zero_draft_probability_accepts_iff_target_allows_it():
 def test_empty_residual_falls_back_to_p():
     # q >= p everywhere (here q = 2p, an over-estimate): max(p - q, 0) is all zero, yet half the
     # drafts are rejected; the replacement must come from p, never from a zero row.
-    vocab = 4
     logits = torch.tensor([[1.0, 0.0, -1.0, -float("inf")]] * 2)
     p = torch.softmax(logits, -1)
     rows = 400

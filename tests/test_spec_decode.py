@@ -5,7 +5,6 @@ the speculation length adapts and switches off when drafts do not pay."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from conftest import assert_no_leaks, hf_greedy
 

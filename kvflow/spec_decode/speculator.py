@@ -84,7 +84,6 @@ class Speculator:
         self.global_alpha = _ALPHA_PRIOR  # over every verified draft: a new request's starting estimate
         self._steps_off = 0  # steps in a row that the plan gave no draft at all
         self.stats = SpecDecodeStats(accepted_per_pos=[0] * self.k)
-        self.last_plan: dict[str, int] = {}  # request id -> drafts allowed in the last proposal
 
     # ---- before a step ----------------------------------------------------------------------------
     def propose(self, running: list[Request]) -> None:
@@ -92,7 +91,6 @@ class Speculator:
         limits = {r.request_id: self._limit(r) for r in decoding}
         plan = self._plan(running, limits) if self.config.adaptive else limits
         self._probe(plan, limits)
-        self.last_plan = plan
         drafts = self.proposer.propose(decoding, plan)
         for r in decoding:
             r.spec_token_ids = drafts.get(r.request_id, [])[: plan.get(r.request_id, 0)]
