@@ -71,6 +71,13 @@ def run(llm: LLM, prompts: list[str], batch: int, max_tokens: int) -> tuple[list
     return tokens, decoded / seconds
 
 
+def cpu_line(quantization: str | None) -> str:
+    flags = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    model_line = next((ln for ln in flags.splitlines() if "Model name" in ln), "").split(":")[-1].strip()
+    isa = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile") if f" {f} " in flags + " "]
+    return f"CPU: {model_line}; {', '.join(isa)}; quantization: {quantization}"
+
+
 def _counts(llm: LLM) -> list[int]:
     """Cumulative: generated tokens, (request, pass) pairs, drafts, draft tokens, accepted, per position."""
     st, spec = llm.engine.get_stats(), llm.engine.speculator
@@ -92,10 +99,7 @@ def main() -> None:
     ap.add_argument("--workloads", default="grounded,chat")
     ap.add_argument("--methods", default="ngram,int8", help="besides none: ngram, int8 (self-draft)")
     args = ap.parse_args()
-    flags = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    model_line = next((ln for ln in flags.splitlines() if "Model name" in ln), "").split(":")[-1].strip()
-    isa = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile") if f" {f} " in flags + " "]
-    print(f"CPU: {model_line}; {', '.join(isa)}; quantization: {args.quantization}")
+    print(cpu_line(args.quantization))
     common = dict(quantization=args.quantization, max_model_len=2048, num_kv_blocks=1024)
     lo, hi = (int(x) for x in args.lookup.split(","))
     ngram = {"method": "ngram", "prompt_lookup_min": lo, "prompt_lookup_max": hi}

@@ -184,7 +184,7 @@ def test_plan_switches_off_at_large_batch():
     a, b, c, m = cost.coefficients
     assert a == pytest.approx(0.010, rel=0.05) and b == pytest.approx(0.0005, rel=0.05)
     assert c + m == pytest.approx(0.002, rel=0.2)  # (one multi-token sequence: c + m)
-    spec = Speculator(SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 5}), cost)
+    spec = Speculator(SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 5}), cost=cost)
     for rid in ("x",) + tuple(f"r{i}" for i in range(64)):
         spec.alpha[rid] = 0.7
     one = [_request("x")]

@@ -3,7 +3,6 @@ this same object (the server from its own thread)."""
 
 from __future__ import annotations
 
-import copy
 import itertools
 import logging
 import os
@@ -328,7 +327,7 @@ class LLMEngine:
             kv_utilization_mean=self._util_sum / max(self._util_steps, 1),
             kv_utilization_contiguous_mean=self._util_contig_sum / max(self._util_steps, 1),
             kv_offload=None if self.runner.offload is None else self.runner.offload.stats,
-            spec_decode=None if self.speculator is None else copy.deepcopy(self.speculator.stats),
+            spec_decode=None if self.speculator is None else self.speculator.stats.snapshot(),
         )
 
     def shutdown(self) -> None:

@@ -68,6 +68,8 @@ class NgramBatchProposer:
     """The n-gram proposer behind the batch interface the speculator calls (`propose(requests,
     plan)`, `observe`, `release`), which the draft-model proposer shares."""
 
+    cost = None  # looking up n-grams costs nothing the step-cost model would see
+
     def __init__(self, proposer: NgramProposer) -> None:
         self.proposer = proposer
 

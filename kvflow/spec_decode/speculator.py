@@ -27,6 +27,7 @@ position would depend on the drafts before it), before `min_tokens`, or one toke
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -39,7 +40,10 @@ from kvflow.spec_decode.ngram_proposer import NgramBatchProposer, NgramProposer
 
 
 class Proposer(Protocol):
-    """Draft tokens for a batch: `plan` says how many each request may get (0: none)."""
+    """Draft tokens for a batch: `plan` says how many each request may get (0: none). `cost`: what
+    one more draft depth costs (a model's passes), or None when proposing is free (prompt lookup)."""
+
+    cost: StepCostModel | None
 
     def propose(self, requests: list[Request], plan: dict[str, int]) -> dict[str, list[int]]: ...
     def observe(self, sched: SchedulerOutput, sampled: dict[str, list[int]]) -> None: ...
@@ -60,6 +64,9 @@ class SpecDecodeStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)  # [j]: drafts accepted at depth j + 1
+
+    def snapshot(self) -> "SpecDecodeStats":
+        return dataclasses.replace(self, accepted_per_pos=list(self.accepted_per_pos))
 
     @property
     def acceptance_rate(self) -> float:
@@ -106,7 +113,7 @@ class Speculator:
         # A request's first draft makes it a multi-token sequence (c). A draft model adds a pass
         # per draft depth (a_d, paid by the first draft at that depth) and a row in it (b_d);
         # prompt lookup costs nothing measurable.
-        draft_cost = getattr(self.proposer, "cost", None)
+        draft_cost = self.proposer.cost
         a_d, b_d = draft_cost.coefficients[:2] if draft_cost is not None and draft_cost.samples else (0.0, 0.0)
         remaining = [max(1, r.num_tokens - r.num_computed_tokens) for r in running]
         expected = float(len(running))  # every running request emits about one token per step
@@ -119,12 +126,13 @@ class Speculator:
         while heap:
             neg_gain, rid = heapq.heappop(heap)
             gain = -neg_gain
+            first = gamma[rid] == 0  # its first draft makes it a multi-token sequence (maybe the step mixed)
             cost = b + b_d + (a_d if gamma[rid] + 1 > depth else 0.0)
-            if gamma[rid] == 0:  # its first draft makes it a multi-token sequence (and maybe the step mixed)
+            if first:
                 cost += c + (m if chunks == 0 else 0.0)
-                chunks += 1
             if gain < _MIN_GAIN or gain * seconds <= cost * expected:  # gain / cost <= E / T: goodput drops
                 break
+            chunks += first
             gamma[rid] += 1
             depth = max(depth, gamma[rid])
             expected += gain
@@ -136,7 +144,7 @@ class Speculator:
     def _probe(self, plan: dict[str, int], limits: dict[str, int]) -> None:
         """While speculation is off, one draft every `_PROBE_EVERY` steps (for one request, in
         turn): without trials the acceptance estimates could never learn that drafts now pay."""
-        if any(plan.values()) or getattr(self.proposer, "cost", None) is not None:
+        if any(plan.values()) or self.proposer.cost is not None:
             # (a draft model would first have to catch up on the request's whole sequence: a probe
             # would cost a prefill, so it does not probe)
             self._steps_off = 0

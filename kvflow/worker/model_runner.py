@@ -6,7 +6,6 @@ generators. Knows sequences only as (tokens, start position, block table, sampli
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -100,9 +99,9 @@ class ModelRunner:
         token than it would have in the batch: only on this error path)."""
         try:
             return self._sample_rows(logits, seqs)
-        except Exception:
+        except Exception as e:
             if len(seqs) == 1:
-                return RunnerOutput(failed={seqs[0].request_id: _describe(sys.exc_info()[1])})
+                return RunnerOutput(failed={seqs[0].request_id: _describe(e)})
         out = RunnerOutput()
         start = 0
         for s in seqs:
@@ -261,7 +260,7 @@ def _seed32(seed: int) -> int:
     return ((u & 0xFFFFFFFF) + (u >> 32) * 0x9E3779B1) & 0xFFFFFFFF
 
 
-def _describe(e: BaseException | None) -> str:
+def _describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
