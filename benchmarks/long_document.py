@@ -13,7 +13,6 @@ import os
 import random
 import statistics
 import tempfile
-import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

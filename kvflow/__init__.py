@@ -2,8 +2,9 @@
 
 from kvflow.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from kvflow.sampling_params import SamplingParams
+from kvflow.structured_output.params import StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics", "Logprob",
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "RequestMetrics", "Logprob",
            "LLMEngine", "EngineConfig"]
 __version__ = "0.1.0"
 

@@ -51,6 +51,8 @@ class EngineConfig:
     # Speculative decoding, as vLLM's dict: {"method": "ngram", "num_speculative_tokens": 4, ...}
     # (see kvflow/spec_decode/config.py); None = off.
     speculative_config: dict[str, Any] | None = None
+    # Structured outputs: a grammar that does not compile within this is refused (400).
+    structured_outputs_compile_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -72,6 +74,9 @@ class EngineConfig:
             _positive("max_model_len", self.max_model_len)
         if self.kv_offload_cpu_gb < 0 or self.kv_offload_disk_gb < 0:
             raise ValueError("kv_offload_cpu_gb and kv_offload_disk_gb must be >= 0")
+        if not self.structured_outputs_compile_timeout_s > 0:
+            raise ValueError("structured_outputs_compile_timeout_s must be > 0, got "
+                             f"{self.structured_outputs_compile_timeout_s}")
         if self.speculative_config is not None:
             self.speculative()  # validate now, with a message naming the key
         if (self.kv_offload_cpu_gb > 0 or self.kv_offload_disk_dir) and not self.enable_prefix_caching:
@@ -211,11 +216,19 @@ class ServerConfig:
     log_interval_s: float = 5.0  # the periodic stats line while busy
     shutdown_grace_s: float = 30.0  # SIGTERM: in-flight requests get this long to finish
     allowed_origins: list[str] | None = None  # CORS: origins browsers may call from (None: no CORS)
+    # How chat templates write tool calls: auto (from the template) | hermes | llama3_json | mistral |
+    # generic (kvflow's JSON protocol, for templates without tool support)
+    tool_call_parser: str = "auto"
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         _positive("max_waiting_requests", self.max_waiting_requests)
         _positive("max_request_body_bytes", self.max_request_body_bytes)
+        from kvflow.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS
+
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got "
+                             f"{self.tool_call_parser!r}")
         if self.log_interval_s <= 0 or self.shutdown_grace_s < 0:
             raise ValueError("log_interval_s must be > 0 and shutdown_grace_s >= 0")

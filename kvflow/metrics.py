@@ -23,6 +23,8 @@ _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.7
                  10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0)
+_COMPILE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_MASK_BUCKETS = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1)
 _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                     120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
@@ -68,6 +70,15 @@ class EngineMetrics:
                                          "Draft tokens accepted, by depth in the draft (0 = first).", ["position"],
                                          registry=r)
         self._seen_spec: tuple[int, int, int, list[int]] = (0, 0, 0, [])
+        self.grammar_compile = hist("structured_output_compile_seconds", "Time to compile one grammar "
+                                    "(JSON schema, regex, choice, EBNF, tool calls).", _COMPILE_BUCKETS)
+        self.grammar_mask = hist("structured_output_mask_seconds", "Time per step to fill the constrained rows' "
+                                 "token bitmasks.", _MASK_BUCKETS)
+        self.grammar_requests = Counter("kvflow:structured_output_requests", "Sequences constrained by a grammar.",
+                                        registry=r)
+        self.grammar_cache_hits = Counter("kvflow:structured_output_cache_hits",
+                                          "Constrained sequences whose grammar was already compiled.", registry=r)
+        self._seen_grammar = (0, 0)
         for reason in ("stop", "length", "abort", "error"):
             self.success.labels(finished_reason=reason)  # export zeros from the start
         self._last_token_time: dict[str, float] = {}
@@ -135,6 +146,18 @@ class EngineMetrics:
                 self.spec_accepted_pos.labels(position=str(j)).inc(max(0, n - (per_pos[j] if j < len(per_pos) else 0)))
             self._seen_spec = (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
                                list(spec.accepted_per_pos))
+
+    def record_structured(self, stats, timings: tuple[list[float], list[float]]) -> None:
+        """`stats`: a StructuredOutputStats; `timings`: (compile, mask) durations since the last call."""
+        requests, hits = self._seen_grammar
+        self.grammar_requests.inc(max(0, stats.requests_total - requests))
+        self.grammar_cache_hits.inc(max(0, stats.cache_hits_total - hits))
+        self._seen_grammar = (max(requests, stats.requests_total), max(hits, stats.cache_hits_total))
+        compiles, masks = timings
+        for dt in compiles:
+            self.grammar_compile.observe(dt)
+        for dt in masks:
+            self.grammar_mask.observe(dt)
 
     def record_rejected(self) -> None:
         self.rejected.inc()

@@ -6,12 +6,16 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from kvflow.structured_output.params import StructuredOutputsParams
+
 _GREEDY_EPS = 1e-5
 # Limits a request can reach (the server's and the offline API's alike; the README lists them).
 MAX_N = 128
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 64
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias
+LOGIT_BIAS_LIMIT = 100.0  # |bias|, as OpenAI
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # int64, as vLLM
 
 
@@ -33,6 +37,10 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None  # number of top logprobs besides the sampled token
     skip_special_tokens: bool = True
+    # token id -> added to its logit before sampling (OpenAI's logit_bias; -100 bans a token)
+    logit_bias: dict[int, float] | None = None
+    # a JSON schema, regex, choice or grammar the output must follow (see structured_output/)
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled by the engine: EOS ids of the model (not a user field).
     _eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
 
@@ -92,6 +100,26 @@ class SamplingParams:
                              f"{MAX_STOP_TOKEN_IDS} are allowed")
         if any(not is_int(t) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {_short(self.stop_token_ids)}")
+        self._validate_logit_bias()
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams, got "
+                             f"{type(self.structured_outputs).__name__}")
+
+    def _validate_logit_bias(self) -> None:
+        bias = self.logit_bias
+        if bias is None:
+            return
+        if not isinstance(bias, dict):
+            raise ValueError(f"logit_bias must be a map of token id to bias, got {_short(bias)}")
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias holds {len(bias)} tokens; at most {MAX_LOGIT_BIAS} are allowed")
+        for token, value in bias.items():
+            if not is_int(token) or token < 0:
+                raise ValueError(f"logit_bias keys must be non-negative token ids, got {_short(token)}")
+            if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+                    or abs(value) > LOGIT_BIAS_LIMIT):
+                raise ValueError(f"logit_bias for token {token} must be a number in [-{LOGIT_BIAS_LIMIT:g}, "
+                                 f"{LOGIT_BIAS_LIMIT:g}], got {_short(value)}")
 
     @property
     def greedy(self) -> bool:

@@ -137,7 +137,7 @@ def test_admission_and_fault(tiny_llama):
         assert first.outputs[0].token_ids
         h2 = await llm.add_request("r9", "hi", params)  # one may wait
 
-        def boom(_):
+        def boom(*_):
             raise RuntimeError("kaput")
 
         engine.runner.execute = boom

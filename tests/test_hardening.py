@@ -112,7 +112,9 @@ def test_lone_surrogates_are_a_400(server, path, raw, param):
     ({"role": "assistant"}, "messages.0.content"),
     ({"role": "tool", "content": "42"}, "messages.0.tool_call_id"),
     ({"content": "hi"}, "messages.0.role"),
-    ({"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]}, "messages.0.tool_calls"),
+    ({"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]}, "messages.0.tool_calls.0.function"),
+    ({"role": "user", "content": "x", "tool_calls": []}, "messages.0.tool_calls"),
+    ({"role": "assistant", "function_call": {"name": "f", "arguments": "{}"}}, "messages.0.function_call"),
     ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}, None),
 ])
 def test_message_rules_per_role(server, message, param):
@@ -129,19 +131,23 @@ def test_tool_message_with_its_id_is_accepted(server):
     assert r.status_code == 200, r.text
 
 
-@pytest.mark.parametrize("extra,param", [
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"functions": [{"name": "f"}]}, "functions"),
-    ({"logit_bias": {"5": 10}}, "logit_bias"),
+@pytest.mark.parametrize("extra,param,fragment", [
+    ({"functions": [{"name": "f"}]}, "functions", "deprecated and not supported"),
+    ({"function_call": "auto"}, "function_call", "deprecated and not supported"),
+    ({"tool_choice": "required"}, "tool_choice", "tool_choice needs tools"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format",
+     "needs json_schema.schema"),
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "response_format",
+     "cannot both be given"),
+    ({"logit_bias": {"5": 101}}, "logit_bias", "in [-100, 100]"),
+    ({"logit_bias": {"x": 1}}, "logit_bias", "keys must be token ids"),
+    ({"logit_bias": {"100000": 1}}, "logit_bias", "out of range"),
 ])
-def test_unimplemented_fields_are_refused(server, extra, param):
+def test_unsupported_or_inconsistent_fields_are_refused(server, extra, param, fragment):
     # once accepted and silently ignored: the answer looked fine and was not what was asked
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **extra}
     err = assert_error(post(server, "/v1/chat/completions", body), 400, param=param)
-    assert "not supported" in err["message"]
+    assert fragment in err["message"], err
     ok = post(server, "/v1/chat/completions", {**body, **{k: None for k in extra}, "response_format": {"type": "text"}})
     assert ok.status_code == 200, ok.text
 

@@ -406,9 +406,9 @@ def test_disconnects_free_everything(server):
     runner = server.engine.runner
     real_execute = runner.execute
 
-    def slow_execute(sched):  # >= 5 ms a step: 480 tokens take >= 2.4 s, far beyond the clients
+    def slow_execute(sched, *rest):  # >= 5 ms a step: 480 tokens take >= 2.4 s, far beyond the clients
         time.sleep(0.005)
-        return real_execute(sched)
+        return real_execute(sched, *rest)
 
     runner.execute = slow_execute
     try:
@@ -490,9 +490,9 @@ def test_admission_control(small_server):
     runner = s.engine.runner
     real_execute = runner.execute
 
-    def slow_execute(sched):
+    def slow_execute(sched, *rest):
         time.sleep(0.005)
-        return real_execute(sched)
+        return real_execute(sched, *rest)
 
     out: list = []
     burst = threading.Thread(target=lambda: out.extend(asyncio.run(run())))
@@ -527,10 +527,10 @@ def test_engine_fault(tiny_llama):
         real_execute = runner.execute
         broken = threading.Event()
 
-        def execute(sched):
+        def execute(sched, *rest):
             if broken.is_set():
                 raise RuntimeError("injected fault")
-            return real_execute(sched)
+            return real_execute(sched, *rest)
 
         runner.execute = execute
         body = {"model": s.model, "prompt": "hi", "max_tokens": 400, "ignore_eos": True}
@@ -585,9 +585,9 @@ def test_drain_in_process(tiny_llama):
     s = LiveServer(EngineConfig(model=tiny_llama[0], num_kv_blocks=64))
     real_execute = s.engine.runner.execute
 
-    def slow_execute(sched):  # 20 ms a step: "short" takes ~0.4 s, "long" ~8 s, the grace is 2 s
+    def slow_execute(sched, *rest):  # 20 ms a step: "short" takes ~0.4 s, "long" ~8 s, the grace is 2 s
         time.sleep(0.02)
-        return real_execute(sched)
+        return real_execute(sched, *rest)
 
     s.engine.runner.execute = slow_execute
     try:
@@ -681,11 +681,11 @@ engine = LLMEngine(EngineConfig(model=sys.argv[1], num_kv_blocks=64))
 real = engine.runner.execute
 calls = [0]
 
-def execute(sched):
+def execute(sched, *rest):
     calls[0] += 1
     if calls[0] > 3:
         raise RuntimeError("injected fault")
-    return real(sched)
+    return real(sched, *rest)
 
 engine.runner.execute = execute
 sys.exit(serve(engine, ServerConfig(port=int(sys.argv[2])), on_ready=lambda url: print("ready", url, flush=True)))

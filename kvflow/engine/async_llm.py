@@ -213,10 +213,25 @@ class AsyncLLM:
         waiting) or EngineDeadError. If the caller is cancelled meanwhile, the request is aborted."""
         self._check_alive()
         assert self._loop is not None, "AsyncLLM.start() was not called"
-        fut = self._loop.create_future()
         arrival = time.monotonic() if arrival_time is None else arrival_time
+        if params.structured_outputs is not None:
+            await self._compile(params)
+        fut = self._loop.create_future()
         self._send(_Add(request_id, prompt, params, add_special_tokens, arrival, fut))
         return await fut
+
+    async def _compile(self, params: SamplingParams) -> None:
+        """Wait for the request's grammar on the event loop (it compiles in the grammar pool),
+        so the engine thread finds it compiled; GrammarError (a ValueError) if it cannot be."""
+        manager = getattr(self.engine, "structured", None)
+        if manager is None:
+            raise ValueError("structured outputs need the model's tokenizer; this model has none")
+        spec = params.structured_outputs
+        fut = manager.submit(spec, ahead=True)
+        try:  # shield: a timeout here must not cancel the shared compile
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)), manager.compile_timeout_s)
+        except TimeoutError:
+            manager.compiled(spec, timeout=0)  # raises the timeout's GrammarError
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
                        add_special_tokens: bool = True) -> AsyncIterator[RequestOutput]:
@@ -423,6 +438,9 @@ class AsyncLLM:
         stats = self.engine.get_stats()
         if self.metrics is not None:
             self.metrics.record_stats(stats)
+            structured = getattr(self.engine, "structured", None)
+            if structured is not None and getattr(stats, "structured_output", None) is not None:
+                self.metrics.record_structured(stats.structured_output, structured.take_timings())
         if stepped and self._stat_logger is not None:
             self._stat_logger.maybe_log(stats)
 

@@ -17,6 +17,7 @@ from kvflow.core.scheduler import KVMemoryStats, Scheduler
 from kvflow.engine.output_processor import OutputProcessor
 from kvflow.outputs import RequestOutput
 from kvflow.sampling_params import SamplingParams, is_int, check_text
+from kvflow.structured_output.manager import StructuredOutputManager, StructuredOutputStats
 
 if TYPE_CHECKING:
     from kvflow.spec_decode.speculator import SpecDecodeStats
@@ -45,6 +46,7 @@ class EngineStats:
     kv_utilization_contiguous_mean: float
     kv_offload: "OffloadStats | None" = None
     spec_decode: "SpecDecodeStats | None" = None
+    structured_output: StructuredOutputStats | None = None
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -85,6 +87,10 @@ class LLMEngine:
                                        offload=offload)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_batched_tokens, config.max_num_seqs)
         self.output_processor = OutputProcessor(self.tokenizer)
+        # Grammars for structured outputs; the compiler is built on first use (or warm_up()).
+        self.structured = None if self.tokenizer is None else StructuredOutputManager(
+            self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
+            config.structured_outputs_compile_timeout_s)
         spec = config.speculative()
         self.speculator = None
         if spec is not None:
@@ -188,6 +194,7 @@ class LLMEngine:
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         prompt_ids = self.tokenize(prompt, add_special_tokens)
         self._validate_request(prompt_ids, params)
+        grammar = self._grammar(params)
         max_tokens = params.max_tokens or (self.max_model_len - len(prompt_ids))
         arrival = time.monotonic() if arrival_time is None else arrival_time
         child_params = [params.for_child(i) for i in range(params.n)]
@@ -198,6 +205,8 @@ class LLMEngine:
         children = []
         for i, p in enumerate(child_params):
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            if grammar is not None:
+                self.structured.add_request(child_id, grammar)
             self.scheduler.add_request(Request(child_id, request_id, i, prompt_ids, p, max_tokens, arrival))
             children.append(child_id)
         self._children[request_id] = children
@@ -215,6 +224,9 @@ class LLMEngine:
         bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"stop_token_ids: token id {bad[0]} is out of range [0, {vocab})")
+        bad = [t for t in params.logit_bias or () if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"logit_bias: token id {bad[0]} is out of range [0, {vocab})")
         n, limit = len(prompt_ids), self.max_model_len
         if n >= limit:
             raise ValueError(f"the prompt has {n} tokens but max_model_len is {limit}; "
@@ -225,6 +237,16 @@ class LLMEngine:
         if params.min_tokens > limit - n:
             raise ValueError(f"min_tokens ({params.min_tokens}) exceeds the {limit - n} tokens left after the "
                              f"prompt ({n} tokens) within max_model_len {limit}")
+
+    def _grammar(self, params: SamplingParams):
+        """The compiled grammar of a constrained request (waits for the compile: the server has
+        already waited for it off the engine thread, so there it is a cache hit)."""
+        spec = params.structured_outputs
+        if spec is None:
+            return None
+        if self.structured is None:
+            raise ValueError("structured outputs need the model's tokenizer; this model has none")
+        return self.structured.compiled(spec)
 
     def abort(self, request_ids: str | list[str]) -> list[RequestOutput]:
         ids = [request_ids] if isinstance(request_ids, str) else request_ids
@@ -268,10 +290,14 @@ class LLMEngine:
         self._steps += 1
         self._peak_usage = max(self._peak_usage, self.kv_cache.usage)
         t0 = time.perf_counter()
-        result = self.runner.execute(sched)  # raises only for a fault of the step itself
+        grammar = None if self.structured is None else self.structured.bitmask(sched.seqs)
+        result = self.runner.execute(sched, grammar)  # raises only for a fault of the step itself
         if self.speculator is not None:
             self.speculator.observe(sched, result.sampled, time.perf_counter() - t0)
         advanced, finished = self.scheduler.update_from_output(sched, result.sampled)
+        broken: dict[str, str] = {}
+        if self.structured is not None and self.structured.has_requests():
+            finished += self._advance_grammars(advanced, broken)
         self._generation_tokens += sum(len(tokens) for _, tokens in advanced)
         self._sampling_rows += len(advanced)
         self._track_kv_utilization()
@@ -282,19 +308,34 @@ class LLMEngine:
         for out in outputs:
             if out.finished:
                 self._children.pop(out.request_id, None)
-        for child_id, error in result.failed.items():
+        for child_id, error in [*result.failed.items(), *broken.items()]:
             req_parent = self._parent_of(child_id)
             if req_parent is not None:
-                failed.setdefault(req_parent, f"sampling failed: {error}")
+                failed.setdefault(req_parent, error if child_id in broken else f"sampling failed: {error}")
         if failed:
             for rid, error in failed.items():
                 logger.warning("request %s failed alone: %s", rid, error)
             outputs += self._fail_requests({rid: f"request failed: {e}" for rid, e in failed.items()})
         return outputs
 
+    def _advance_grammars(self, advanced: list[tuple[Request, list[int]]], broken: dict[str, str]) -> list[Request]:
+        """Move each constrained sequence's matcher past its new tokens; end those whose grammar
+        is complete (a stop token ended it, also with ignore_eos). `broken` gets the sequences
+        whose tokens the grammar refused (never expected: the mask allowed them)."""
+        complete = []
+        for req, tokens in advanced:
+            done = self.structured.accept(req.request_id, tokens)
+            if done is None:
+                broken[req.request_id] = f"the output left its grammar at token {tokens}"
+            elif done and not req.is_finished:
+                complete.append(req.request_id)
+        return self.scheduler.finish_requests(complete, RequestStatus.FINISHED_STOPPED)
+
     def _release(self, request_ids: list[str]) -> None:
-        """Per-request state outside the scheduler (generators, acceptance averages)."""
+        """Per-request state outside the scheduler (generators, acceptance averages, matchers)."""
         self.runner.release(request_ids)
+        if self.structured is not None:
+            self.structured.remove(request_ids)
         if self.speculator is not None:
             self.speculator.release(request_ids)
 
@@ -328,10 +369,13 @@ class LLMEngine:
             kv_utilization_contiguous_mean=self._util_contig_sum / max(self._util_steps, 1),
             kv_offload=None if self.runner.offload is None else self.runner.offload.stats,
             spec_decode=None if self.speculator is None else self.speculator.stats.snapshot(),
+            structured_output=None if self.structured is None else self.structured.snapshot(),
         )
 
     def shutdown(self) -> None:
         """Persist the prefix cache to the offload tiers (a disk tier then serves the next run)."""
+        if self.structured is not None:
+            self.structured.shutdown()
         store = self.runner.offload
         if store is None:
             return

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,7 +20,11 @@ from kvflow.layers.linear import select_linear_backend
 from kvflow.models.llama import LlamaForCausalLM
 from kvflow.sample.rejection_sampler import RejectionSampler
 from kvflow.sample.sampler import Sampler, SamplingBatch
+from kvflow.structured_output.manager import apply_bitmask
 from kvflow.worker.kv_offload import KVOffloadStore
+
+if TYPE_CHECKING:
+    from kvflow.structured_output.manager import GrammarBitmask
 
 LogprobEntry = tuple[float, int, list[int], list[float]]
 
@@ -69,8 +74,9 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> RunnerOutput:
-        """One step. An exception from here is the step's (the model pass): it fails everyone."""
+    def execute(self, out: SchedulerOutput, grammar: "GrammarBitmask | None" = None) -> RunnerOutput:
+        """One step. An exception from here is the step's (the model pass): it fails everyone.
+        `grammar`: the allowed tokens of constrained rows (structured outputs)."""
         if self.offload is not None:
             self._transfer_kv(out)
         seqs = out.seqs
@@ -91,7 +97,23 @@ class ModelRunner:
         rows = [r for s, end in zip(seqs, ends) if s.sample
                 for r in range(end - 1 - len(s.spec_token_ids), end)]
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
-        return self._sample(logits, sampling)
+        return self._sample(self._constrain(logits, sampling, grammar), sampling)
+
+    def _constrain(self, logits: torch.Tensor, seqs: list[ScheduledSeq], grammar: "GrammarBitmask | None") -> torch.Tensor:
+        """logit_bias, then the grammar's mask (disallowed tokens get -inf), on every row a
+        sequence samples from (draft positions included), before the sampler or the verifier:
+        both then see the same distribution, so speculative decoding stays exact under them."""
+        start = 0
+        for s in seqs:
+            n = 1 + len(s.spec_token_ids)
+            if s.params.logit_bias:
+                ids = torch.tensor(list(s.params.logit_bias), dtype=torch.long, device=logits.device)
+                bias = torch.tensor(list(s.params.logit_bias.values()), dtype=logits.dtype, device=logits.device)
+                logits[start:start + n, ids] += bias
+            start += n
+        if grammar is not None:
+            apply_bitmask(logits, grammar)
+        return logits
 
     def _sample(self, logits: torch.Tensor, seqs: list[ScheduledSeq]) -> RunnerOutput:
         """Sampling belongs to each request: if the batch raises, every row is sampled alone and

@@ -236,7 +236,7 @@ def build_app(engine: LLMEngine, config: ServerConfig | None = None, *,
     state = ServerState(llm, config, metrics, served, exit_action or _default_exit)
     llm.on_fatal = state.on_engine_dead
     completions = ServingCompletion(llm, served)
-    chat = ServingChat(llm, served)
+    chat = ServingChat(llm, served, config.tool_call_parser)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -411,6 +411,8 @@ def serve(engine: LLMEngine, config: ServerConfig, *, on_ready: Callable[[str], 
             t.daemon = True
             t.start()
 
+    if engine.structured is not None:
+        engine.structured.warm_up()  # the grammar compiler builds while the server starts
     app = build_app(engine, config, exit_action=exit_action)
     state: ServerState = app.state.kvflow
     url = f"http://{_url_host(config.host)}:{config.port}"

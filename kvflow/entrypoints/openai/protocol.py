@@ -9,16 +9,21 @@ per-role message rules and the limits that exist only on the wire (top_logprobs,
 
 from __future__ import annotations
 
+import dataclasses
+import typing
+import warnings
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, create_model, field_validator
 
 from kvflow.entrypoints.openai.utils import APIError
 from kvflow.sampling_params import MAX_N, SamplingParams
+from kvflow.structured_output.params import StructuredOutputsParams
 
 # Limits of the wire only (the README lists them with SamplingParams' own).
 MAX_PROMPTS = 256  # prompts in one /v1/completions request
 MAX_MESSAGES = 1024  # messages in one chat request
+MAX_TOOLS = 128  # tools in one chat request (OpenAI's limit)
 # Strict types: a JSON string is never taken for a number, nor true for 1 (JSON Schema's rules,
 # so the OpenAPI schema says exactly what is accepted). Unknown fields are ignored, as OpenAI does.
 _CONFIG = ConfigDict(extra="ignore", strict=True)
@@ -27,6 +32,45 @@ _CONFIG = ConfigDict(extra="ignore", strict=True)
 class StreamOptions(BaseModel):
     model_config = _CONFIG
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = _CONFIG
+    name: str = Field(max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: free text, any JSON object, or JSON following a schema."""
+
+    model_config = _CONFIG
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if self.json_schema is None or self.json_schema.schema_ is None:
+            raise ValueError("response_format of type json_schema needs json_schema.schema")
+        return StructuredOutputsParams(json=self.json_schema.schema_)
+
+
+def _wire_model(cls: type, name: str) -> type[BaseModel]:
+    """A strict pydantic model with the fields of an options dataclass: the dataclass stays the
+    one definition (and validates in its __post_init__); this only checks the JSON types."""
+    hints = typing.get_type_hints(cls)
+    fields: dict[str, Any] = {f.name: (hints[f.name], f.default) for f in dataclasses.fields(cls)}
+    with warnings.catch_warnings():  # a field called "json" shadows BaseModel.json: harmless here
+        warnings.simplefilter("ignore")
+        return create_model(name, __config__=_CONFIG, **fields)
+
+
+# vLLM's `structured_outputs` extra: exactly one of the constraints (StructuredOutputsParams' fields).
+StructuredOutputsRequest = _wire_model(StructuredOutputsParams, "StructuredOutputsRequest")
 
 
 class _SamplingFields(BaseModel):
@@ -54,10 +98,10 @@ class _SamplingFields(BaseModel):
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None  # type: ignore[valid-type]
 
     def _sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported yet")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         return SamplingParams(
@@ -77,7 +121,28 @@ class _SamplingFields(BaseModel):
             min_tokens=self.min_tokens,
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            logit_bias=self._logit_bias(),
+            structured_outputs=self._constraint(),
         )
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        """OpenAI's map of token id (as a JSON string key) to bias; the range is SamplingParams'."""
+        if not self.logit_bias:
+            return None
+        bias = {}
+        for key, value in self.logit_bias.items():
+            if not key.isascii() or not key.isdigit():
+                raise ValueError(f"logit_bias keys must be token ids, got {key[:40]!r}")
+            bias[int(key)] = value
+        return bias
+
+    def _constraint(self) -> StructuredOutputsParams | None:
+        from_format = self.response_format.constraint() if self.response_format is not None else None
+        if self.structured_outputs is None:
+            return from_format
+        if from_format is not None:
+            raise ValueError("response_format and structured_outputs cannot both be given; use one")
+        return StructuredOutputsParams(**self.structured_outputs.model_dump())
 
     @property
     def include_usage(self) -> bool:
@@ -200,9 +265,43 @@ class UserMessage(_Message):
     content: Content
 
 
+class FunctionCall(BaseModel):
+    model_config = _CONFIG
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class AssistantToolCall(BaseModel):
+    model_config = _CONFIG
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(_Message):
     role: Literal["assistant"]
-    content: Content  # OpenAI lets tool_calls replace it; kvflow has no tools yet (refused below)
+    content: Content | None = None  # may be absent when tool_calls are given
+    tool_calls: list[AssistantToolCall] | None = None
+
+    def template_dict(self) -> dict[str, Any]:
+        msg = super().template_dict()
+        if self.tool_calls:
+            msg["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                                 for c in self.tool_calls]
+        return msg
+
+
+def _arguments(text: str) -> Any:
+    """Templates index into the arguments (`arguments.items()`): give them the object when the
+    text is one."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
 
 
 class ToolMessage(_Message):
@@ -242,14 +341,41 @@ def check_messages(v: Any) -> Any:
             raise bad(i, "role", "is required")
         if role not in _ROLES:
             raise bad(i, "role", f"must be one of {', '.join(_ROLES)}; got {str(role)[:40]!r}")
-        for field in ("tool_calls", "function_call"):
-            if m.get(field) is not None:
-                raise bad(i, field, "is not supported yet (kvflow has no tool calling)")
-        if m.get("content") is None:
-            raise bad(i, "content", f"is required for a {role} message")
+        if m.get("function_call") is not None:
+            raise bad(i, "function_call", "is deprecated and not supported; use tool_calls")
+        if m.get("tool_calls") is not None and role != "assistant":
+            raise bad(i, "tool_calls", "is only allowed in assistant messages")
+        if m.get("content") is None and not (role == "assistant" and m.get("tool_calls")):
+            raise bad(i, "content", f"is required for a {role} message" +
+                      (" without tool_calls" if role == "assistant" else ""))
         if role == "tool" and m.get("tool_call_id") is None:
             raise bad(i, "tool_call_id", "is required for a tool message")
     return v
+
+
+class FunctionDefinition(BaseModel):
+    model_config = _CONFIG
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; absent: no arguments
+    strict: bool | None = None
+
+
+class ChatTool(BaseModel):
+    model_config = _CONFIG
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = _CONFIG
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = _CONFIG
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -259,10 +385,10 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
-    # Known to OpenAI, not implemented yet: refused with 400 rather than silently ignored.
-    response_format: dict[str, Any] | None = None
-    tools: list[Any] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[ChatTool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    # OpenAI's deprecated function calling: refused with 400 rather than silently ignored.
     functions: list[Any] | None = None
     function_call: str | dict[str, Any] | None = None
 
@@ -274,19 +400,30 @@ class ChatCompletionRequest(_SamplingFields):
     def to_sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
-        kind = (self.response_format or {}).get("type", "text")
-        if kind != "text":
-            raise ValueError(f"response_format of type {kind!r} is not supported yet (only 'text')")
-        for name in ("tools", "functions", "function_call"):
+        for name in ("functions", "function_call"):
             if getattr(self, name):
-                raise ValueError(f"{name} is not supported yet")
-        if self.tool_choice not in (None, "none"):
-            raise ValueError("tool_choice is not supported yet (only 'none')")
+                raise ValueError(f"{name} is deprecated and not supported; use tools and tool_choice")
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise ValueError("tool_choice needs tools")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            name = self.tool_choice.function.name
+            if name not in {t.function.name for t in self.tools or ()}:
+                raise ValueError(f"tool_choice names the function {name[:64]!r}, which is not among the tools")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return self._sampling(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
 
     def conversation(self) -> list[dict[str, Any]]:
         return [m.template_dict() for m in self.messages]
+
+    @property
+    def effective_tool_choice(self) -> str | dict[str, Any]:
+        """OpenAI's default: "auto" when tools are given, else "none"."""
+        if self.tool_choice is None:
+            return "auto" if self.tools else "none"
+        return self.tool_choice if isinstance(self.tool_choice, str) else self.tool_choice.model_dump()
+
+    def tool_dicts(self) -> list[dict[str, Any]]:
+        return [t.model_dump(exclude_none=True) for t in self.tools or ()]
 
 
 class TokenizeRequest(BaseModel):

@@ -44,12 +44,14 @@ class OpenAIServing:
             return ""
         return self.tokenizer.decode(token_ids)
 
-    def apply_chat_template(self, conversation: list[dict[str, str]], add_generation_prompt: bool) -> str:
+    def apply_chat_template(self, conversation: list[dict[str, Any]], add_generation_prompt: bool,
+                            tools: list[dict[str, Any]] | None = None) -> str:
         tok = self.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
         try:
-            return tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
+            return tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                           **({"tools": tools} if tools else {}))
         except Exception as e:  # jinja errors, raise_exception() in the template
             raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
 

@@ -1,7 +1,14 @@
-"""POST /v1/chat/completions: messages through the model's chat template."""
+"""POST /v1/chat/completions: messages through the model's chat template, with OpenAI tools.
+
+With tools (and tool_choice other than "none"), the server's tool-call format (`--tool-call-parser`)
+decides the prompt (the template's own `tools=` where the template knows tools, else the generic
+protocol's system message), the constraint (`required` and named choices always produce a call
+whose arguments follow the tool's schema), and how the output text becomes `message.tool_calls`.
+"""
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -13,37 +20,69 @@ from starlette.responses import JSONResponse, Response
 from kvflow.engine.async_llm import RequestFailedError, RequestHandle
 from kvflow.entrypoints.openai.protocol import ChatCompletionRequest
 from kvflow.entrypoints.openai.serving import OpenAIServing, chat_logprobs, now_s, sampling_params
-from kvflow.entrypoints.openai.utils import (SSE_DONE, OwnedStreamingResponse,
+from kvflow.entrypoints.openai.tool_parsers import (StreamingToolParser, ToolCall, ToolCallFormat,
+                                                    generic_system_prompt, get_tool_format, make_tool_call_id)
+from kvflow.entrypoints.openai.utils import (SSE_DONE, APIError, OwnedStreamingResponse,
                                              finish_unstreamed, merge_handles, parse_body, sse,
                                              sse_error, usage, value_error)
-from kvflow.outputs import RequestOutput
+from kvflow.outputs import CompletionOutput, RequestOutput
+from kvflow.sampling_params import SamplingParams
+from kvflow.structured_output.params import StructuredOutputsParams
 
 
 class ServingChat(OpenAIServing):
-    def chat_prompt_ids(self, req: ChatCompletionRequest) -> list[int]:
+    def __init__(self, llm, served_model_name: str, tool_call_parser: str = "auto") -> None:
+        super().__init__(llm, served_model_name)
+        template = getattr(self.tokenizer, "chat_template", None)
+        self.tool_format = get_tool_format(tool_call_parser, template if isinstance(template, str) else None)
+
+    def chat_prompt_ids(self, req: ChatCompletionRequest, tools: ToolCallFormat | None = None) -> list[int]:
         try:
             conversation = req.conversation()
         except ValueError as e:
             raise value_error(e, "messages") from None
-        text = self.apply_chat_template(conversation, req.add_generation_prompt)
+        template_tools = None
+        if tools is not None and tools.uses_template_tools:
+            template_tools = req.tool_dicts()
+        elif tools is not None:
+            conversation = _generic_conversation(conversation, tools, req)
+        text = self.apply_chat_template(conversation, req.add_generation_prompt, tools=template_tools)
         # The template already holds the special tokens (BOS etc.): do not add them twice.
         return self.tokenize(text, add_special_tokens=False, param="messages")
+
+    def _tools(self, req: ChatCompletionRequest, params: SamplingParams) -> ToolCallFormat | None:
+        """The tool-call format when this request uses tools; constrains `params` when the
+        choice demands a call (and, for the generic protocol, always)."""
+        if not req.tools or req.effective_tool_choice == "none":
+            return None
+        fmt = self.tool_format
+        try:
+            tag = fmt.structural_tag(req.tool_dicts(), req.effective_tool_choice, req.parallel_tool_calls)
+        except ValueError as e:
+            raise APIError(400, f"tools: {e}", param="tools", code="invalid_value") from None
+        if tag is not None:
+            if params.structured_outputs is not None:
+                raise APIError(400, "response_format and structured_outputs cannot be combined with tools (unless "
+                                    "tool_choice is none)", param="response_format", code="invalid_value")
+            params.structured_outputs = StructuredOutputsParams(structural_tag=json.dumps(tag, ensure_ascii=False))
+        return fmt
 
     async def create(self, raw: Request) -> Response:
         arrival = time.monotonic()
         req = await parse_body(raw, ChatCompletionRequest)
         model = self.model_name(req.model)
         params = sampling_params(req.to_sampling_params)
-        prompt_ids = self.chat_prompt_ids(req)
+        tools = self._tools(req, params)
+        prompt_ids = self.chat_prompt_ids(req, tools)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         handles = await self.add_requests(request_id, [prompt_ids], params, "messages", arrival)
         created = now_s()
         if req.stream:
-            return OwnedStreamingResponse(self._stream(request_id, model, created, req, handles), handles)
+            return OwnedStreamingResponse(self._stream(request_id, model, created, req, handles, tools), handles)
         finals = await finish_unstreamed(raw, handles, _last_output(handles[0]))
         if finals is None:
             return Response(status_code=499)  # the client closed the connection
-        return JSONResponse(self._response(request_id, model, created, req, finals))
+        return JSONResponse(self._response(request_id, model, created, req, finals, tools))
 
     def _logprobs(self, req: ChatCompletionRequest, token_ids: list[int], logprobs) -> dict[str, Any] | None:
         if not req.logprobs or logprobs is None:
@@ -51,18 +90,23 @@ class ServingChat(OpenAIServing):
         return chat_logprobs(token_ids, logprobs, req.top_logprobs or 0, self.token_bytes)
 
     def _response(self, request_id: str, model: str, created: int, req: ChatCompletionRequest,
-                  out: RequestOutput) -> dict[str, Any]:
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": self._logprobs(req, c.token_ids, c.logprobs), "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason} for c in out.outputs]
+                  out: RequestOutput, tools: ToolCallFormat | None) -> dict[str, Any]:
+        choices = []
+        for c in out.outputs:
+            message, reason = _message(c, tools)
+            choices.append({"index": c.index, "message": message,
+                            "logprobs": self._logprobs(req, c.token_ids, c.logprobs), "finish_reason": reason,
+                            "stop_reason": c.stop_reason})
         return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
                 "choices": choices,
                 "usage": usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))}
 
     async def _stream(self, request_id: str, model: str, created: int, req: ChatCompletionRequest,
-                      handles: list[RequestHandle]) -> AsyncIterator[str]:
+                      handles: list[RequestHandle], tools: ToolCallFormat | None) -> AsyncIterator[str]:
         base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
         extra = {"usage": None} if req.include_usage else {}
+        parsers = [StreamingToolParser(tools) if tools is not None else None for _ in range(req.n)]
+        made_calls = [False] * req.n
         sent_text = [0] * req.n
         sent_tokens = [0] * req.n
         finished = [False] * req.n
@@ -77,14 +121,25 @@ class ServingChat(OpenAIServing):
                     i = c.index
                     if finished[i]:
                         continue
-                    delta = c.text[sent_text[i]:]
+                    delta: dict[str, Any] = {}
+                    parser = parsers[i]
+                    if parser is None:
+                        text = c.text[sent_text[i]:]
+                    else:  # tool calls: the parser decides what of the new text is content
+                        text, calls = parser.feed(c.text, c.finished)
+                        if calls:
+                            delta["tool_calls"] = calls
+                            made_calls[i] = True
+                    if text:
+                        delta["content"] = text
                     new_ids = c.token_ids[sent_tokens[i]:]
                     if not delta and not c.finished and not (req.logprobs and new_ids):
                         continue
                     new_lps = c.logprobs[sent_tokens[i]:] if c.logprobs is not None else None
-                    choice: dict[str, Any] = {"index": i, "delta": {"content": delta} if delta else {},
+                    reason = "tool_calls" if made_calls[i] and c.finish_reason == "stop" else c.finish_reason
+                    choice: dict[str, Any] = {"index": i, "delta": delta,
                                               "logprobs": self._logprobs(req, new_ids, new_lps),
-                                              "finish_reason": c.finish_reason}
+                                              "finish_reason": reason}
                     if c.finished:
                         choice["stop_reason"] = c.stop_reason
                         finished[i] = True
@@ -95,6 +150,40 @@ class ServingChat(OpenAIServing):
         except RequestFailedError as e:
             yield sse_error(str(e))
         yield SSE_DONE
+
+
+def _message(c: CompletionOutput, tools: ToolCallFormat | None) -> tuple[dict[str, Any], str | None]:
+    """The assistant message of one finished completion, and its finish_reason."""
+    if tools is None:
+        return {"role": "assistant", "content": c.text}, c.finish_reason
+    parsed = tools.parse(c.text)
+    message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+    if not parsed.tool_calls:
+        return message, c.finish_reason
+    message["tool_calls"] = [{"id": make_tool_call_id(), "type": "function",
+                              "function": {"name": t.name, "arguments": t.arguments}} for t in parsed.tool_calls]
+    return message, "tool_calls" if c.finish_reason == "stop" else c.finish_reason
+
+
+def _generic_conversation(conversation: list[dict[str, Any]], fmt: ToolCallFormat,
+                          req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """For a template that knows nothing of tools: the tools and the reply protocol go into the
+    system message, and earlier calls are written back as the text the protocol produces."""
+    prompt = generic_system_prompt(req.tool_dicts(), req.effective_tool_choice, req.parallel_tool_calls)
+    out = []
+    for m in conversation:
+        if m.get("tool_calls"):
+            calls = [ToolCall(c["function"]["name"], _arguments_text(c["function"]["arguments"]))
+                     for c in m["tool_calls"]]
+            m = {"role": "assistant", "content": fmt.history_text(calls)}
+        out.append(m)
+    if out and out[0]["role"] == "system":
+        return [{**out[0], "content": f"{out[0]['content']}\n\n{prompt}"}, *out[1:]]
+    return [{"role": "system", "content": prompt}, *out]
+
+
+def _arguments_text(arguments: Any) -> str:
+    return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
 
 
 async def _last_output(handle: RequestHandle) -> RequestOutput:

@@ -155,7 +155,7 @@ def _short(value: Any) -> bool:
 
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)} | {
     "best_of", "suffix", "echo", "top_logprobs", "logit_bias", "n", "stream_options", "response_format", "tools",
-    "tool_choice", "functions", "function_call", "messages"}
+    "tool_choice", "functions", "function_call", "messages", "parallel_tool_calls", "structured_outputs"}
 
 
 def value_error(e: ValueError, prompt_param: str = "prompt") -> APIError:
