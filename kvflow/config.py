@@ -53,6 +53,16 @@ class EngineConfig:
     speculative_config: dict[str, Any] | None = None
     # Structured outputs: a grammar that does not compile within this is refused (400).
     structured_outputs_compile_timeout_s: float = 10.0
+    # Scheduling: fcfs | priority (lower first, aging) | slo (goodput: chunk size from slack, EDF +
+    # shortest prompt, relegation, admission by predicted TTFT); see kvflow/core/sched/.
+    scheduling_policy: str = "fcfs"
+    fairness: str = "none"  # none | vtc (fair share of service across clients)
+    default_ttft_slo_ms: float | None = None  # SLOs of requests that give none
+    default_tpot_slo_ms: float | None = None
+    max_queue_time_s: float | None = None  # a request never scheduled within this ends with an error
+    priority_aging_s: float = 10.0  # priority: one level more important per this many seconds waited
+    # slo: refuse (503) a request whose predicted TTFT exceeds this many times its TTFT SLO; None: never
+    slo_admission_factor: float | None = 2.0
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -74,6 +84,19 @@ class EngineConfig:
             _positive("max_model_len", self.max_model_len)
         if self.kv_offload_cpu_gb < 0 or self.kv_offload_disk_gb < 0:
             raise ValueError("kv_offload_cpu_gb and kv_offload_disk_gb must be >= 0")
+        from kvflow.core.sched import FAIRNESS_MODES, SCHEDULING_POLICIES
+
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, got "
+                             f"{self.scheduling_policy!r}")
+        if self.fairness not in FAIRNESS_MODES:
+            raise ValueError(f"fairness must be one of {', '.join(FAIRNESS_MODES)}, got {self.fairness!r}")
+        for name in ("default_ttft_slo_ms", "default_tpot_slo_ms", "max_queue_time_s", "slo_admission_factor"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0 (or unset), got {value}")
+        if not self.priority_aging_s > 0:
+            raise ValueError(f"priority_aging_s must be > 0, got {self.priority_aging_s}")
         if not self.structured_outputs_compile_timeout_s > 0:
             raise ValueError("structured_outputs_compile_timeout_s must be > 0, got "
                              f"{self.structured_outputs_compile_timeout_s}")

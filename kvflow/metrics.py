@@ -56,8 +56,9 @@ class EngineMetrics:
         self.success = Counter("kvflow:request_success", "Finished requests by finish reason.",
                                ["finished_reason"], registry=r)
         self.preemptions = Counter("kvflow:num_preemptions", "Sequences preempted (recomputed later).", registry=r)
-        self.rejected = Counter("kvflow:request_rejected", "Requests refused by admission control (HTTP 503).",
-                                registry=r)
+        self.rejected = Counter("kvflow:request_rejected", "Requests refused by admission control (HTTP 503), by "
+                                "reason: queue_full (max_waiting_requests), slo (predicted TTFT past the SLO).",
+                                ["reason"], registry=r)
         self.prefix_queries = Counter("kvflow:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                                       registry=r)
         self.prefix_hits = Counter("kvflow:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
@@ -79,8 +80,20 @@ class EngineMetrics:
         self.grammar_cache_hits = Counter("kvflow:structured_output_cache_hits",
                                           "Constrained sequences whose grammar was already compiled.", registry=r)
         self._seen_grammar = (0, 0)
+        self.slo_attained = Counter("kvflow:request_slo_attained", "Finished requests that met their SLO "
+                                    "(ttft, tpot, all: both).", ["slo"], registry=r)
+        self.slo_missed = Counter("kvflow:request_slo_missed", "Finished requests that missed their SLO "
+                                  "(ttft, tpot, all), failed ones included.", ["slo"], registry=r)
+        self.goodput = Gauge("kvflow:goodput_requests_per_second", "Requests per second that met all their SLOs, "
+                             "over the last minute.", registry=r)
+        self.queue_time_by_priority = Histogram("kvflow:request_queue_time_by_priority_seconds",
+                                                "Arrival to first scheduled, by request priority.", ["priority"],
+                                                buckets=_REQUEST_BUCKETS, registry=r)
+        self._seen_slo: dict[str, dict[str, int]] = {"attained": {}, "missed": {}}
         for reason in ("stop", "length", "abort", "error"):
             self.success.labels(finished_reason=reason)  # export zeros from the start
+        for reason in ("queue_full", "slo"):
+            self.rejected.labels(reason=reason)
         self._last_token_time: dict[str, float] = {}
         self._seen = (0, 0, 0)  # prompt tokens, generation tokens, preemptions already counted
         self._seen_prefix = (0, 0)  # prefix-cache queries, hits
@@ -111,6 +124,8 @@ class EngineMetrics:
         self.e2e.observe(max(0.0, end - m.arrival_time))
         if m.first_scheduled_time is not None:
             self.queue_time.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
+            self.queue_time_by_priority.labels(priority=str(m.priority)).observe(
+                max(0.0, m.first_scheduled_time - m.arrival_time))
             if m.first_token_time is not None:
                 self.prefill_time.observe(max(0.0, m.first_token_time - m.first_scheduled_time))
         if m.first_token_time is not None and m.last_token_time is not None:
@@ -136,6 +151,15 @@ class EngineMetrics:
         if hits > self._seen_prefix[1]:
             self.prefix_hits.inc(hits - self._seen_prefix[1])
         self._seen_prefix = (max(queries, self._seen_prefix[0]), max(hits, self._seen_prefix[1]))
+        slo = getattr(stats, "slo", None)
+        if slo is not None:
+            for name, totals, counter in (("attained", slo.attained, self.slo_attained),
+                                          ("missed", slo.missed, self.slo_missed)):
+                seen = self._seen_slo[name]
+                for kind, n in totals.items():
+                    counter.labels(slo=kind).inc(max(0, n - seen.get(kind, 0)))
+                    seen[kind] = max(n, seen.get(kind, 0))
+            self.goodput.set(slo.goodput)
         spec = getattr(stats, "spec_decode", None)
         if spec is not None:
             drafts, tokens, accepted, per_pos = self._seen_spec
@@ -159,8 +183,8 @@ class EngineMetrics:
         for dt in masks:
             self.grammar_mask.observe(dt)
 
-    def record_rejected(self) -> None:
-        self.rejected.inc()
+    def record_rejected(self, reason: str = "queue_full") -> None:
+        self.rejected.labels(reason=reason).inc()
 
     # ---- any thread -----------------------------------------------------------------------------
     def render(self) -> bytes:
@@ -182,6 +206,9 @@ class StatLogger:
             return False
         p, g = stats.prompt_tokens_total, stats.generation_tokens_total
         hit_rate = getattr(stats, "prefix_cache_hit_rate", None)
+        slo = getattr(stats, "slo", None)
+        slo_text = "" if slo is None else (f", goodput: {slo.goodput:.2f} req/s, SLO attainment: "
+                                           f"{100 * slo.attainment:.1f}%")
         spec = getattr(stats, "spec_decode", None)
         spec_text = ""
         if spec is not None and spec.num_drafts:
@@ -190,10 +217,10 @@ class StatLogger:
                          f"acceptance rate {100 * spec.acceptance_rate:.1f}%, per position [{per_pos}]")
         logger.info(
             "running: %d reqs, waiting: %d reqs, prompt throughput: %.1f tok/s, generation throughput: "
-            "%.1f tok/s, KV cache usage: %.1f%%, preemptions: %d%s%s",
+            "%.1f tok/s, KV cache usage: %.1f%%, preemptions: %d%s%s%s",
             stats.num_running, stats.num_waiting, (p - self._last[0]) / elapsed, (g - self._last[1]) / elapsed,
             100 * stats.kv_cache_usage, stats.num_preemptions,
-            "" if hit_rate is None else f", prefix cache hit rate: {100 * hit_rate:.1f}%", spec_text,
+            "" if hit_rate is None else f", prefix cache hit rate: {100 * hit_rate:.1f}%", slo_text, spec_text,
         )
         self._last_time, self._last = now, (p, g)
         return True

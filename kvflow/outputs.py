@@ -39,6 +39,10 @@ class RequestMetrics:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+    # What the request asked for (seconds; None: no SLO), for SLO attainment and goodput.
+    ttft_slo: float | None = None
+    tpot_slo: float | None = None
+    priority: int = 0
 
 
 @dataclass

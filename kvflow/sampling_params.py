@@ -41,6 +41,11 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # a JSON schema, regex, choice or grammar the output must follow (see structured_output/)
     structured_outputs: StructuredOutputsParams | None = None
+    # Scheduling (vLLM's priority: lower first; SLOs for the slo policy and the goodput metrics;
+    # None: the server's default, if any)
+    priority: int = 0
+    ttft_slo_ms: float | None = None
+    tpot_slo_ms: float | None = None
     # Filled by the engine: EOS ids of the model (not a user field).
     _eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
 
@@ -101,6 +106,11 @@ class SamplingParams:
         if any(not is_int(t) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {_short(self.stop_token_ids)}")
         self._validate_logit_bias()
+        if not is_int(self.priority) or not SEED_MIN <= self.priority <= SEED_MAX:
+            raise bad("priority", "an integer (lower is served first)")
+        for name in ("ttft_slo_ms", "tpot_slo_ms"):
+            if getattr(self, name) is not None:
+                number(name, 0, None, lo_open=True)
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise ValueError("structured_outputs must be a StructuredOutputsParams, got "
                              f"{type(self.structured_outputs).__name__}")

@@ -151,4 +151,4 @@ def test_admission_and_fault(tiny_llama):
 
     run(llm, go)
     assert len(fatal) == 1 and "kaput" in str(fatal[0])
-    assert metrics.rejected._value.get() == 3
+    assert metrics.rejected.labels(reason="queue_full")._value.get() == 3

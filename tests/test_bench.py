@@ -518,3 +518,230 @@ def test_bench_cli_parses_throughput():
     assert "seed" not in kwargs and "tokenizer" not in kwargs  # those flags are the workload's here
     with pytest.raises(SystemExit):
         _cli(bench.register, ["bench", "serve", "--request-rate", "-1"])
+
+
+# ----------------------------------------------------------------------------------------------
+# Mixed workload, per-request SLOs, the SLO-scheduling harness
+# ----------------------------------------------------------------------------------------------
+
+
+def test_mixed_dataset_classes_lengths_and_extras():
+    tok = ds.WordTokenizer()
+    spec = lambda **kw: ds.WorkloadSpec("mixed", num_prompts=50, seed=3, **kw)  # noqa: E731
+    reqs = ds.generate_requests(spec(), tok)
+    assert _key(reqs) == _key(ds.generate_requests(spec(), tok))  # seeded
+    kinds = [r.request_class for r in reqs]
+    assert kinds.count("batch") == 10 and kinds.count("interactive") == 40  # exactly 0.2 x 50
+    assert kinds[:10] != ["batch"] * 10 and kinds != sorted(kinds)  # spread over the stream
+    for r in reqs:
+        assert len(tok.encode(r.prompt)) == r.prompt_len
+        if r.request_class == "interactive":
+            assert 32 <= r.prompt_len <= 128 and r.output_len == 64
+            assert r.extra_body == {"priority": 0, "ttft_slo_ms": 1000.0, "tpot_slo_ms": 150.0}
+        else:
+            assert 1000 <= r.prompt_len <= 2000 and r.output_len == 256
+            assert r.extra_body == {"priority": 1, "ttft_slo_ms": 30000.0, "tpot_slo_ms": 1000.0}
+    small = ds.generate_requests(spec(scale=0.1, max_input_len=150, mixed_batch_fraction=0.5), tok)
+    assert sum(r.request_class == "batch" for r in small) == 25
+    assert all(r.prompt_len <= 150 and r.output_len in (6, 26) for r in small)
+    users = ds.generate_requests(spec(mixed_users={"heavy": 10, "light": 1}), tok)
+    names = [r.extra_body["user"] for r in users]
+    assert names.count("light") == 5 and names.count("heavy") == 45  # 10x the light client's rate
+    assert [r.request_class for r in users] == kinds  # classes are drawn first: clients leave them be
+    with pytest.raises(ValueError, match="batch fraction"):
+        ds.generate_requests(spec(mixed_batch_fraction=1.5), tok)
+    plain = ds.generate_requests(ds.WorkloadSpec("random", num_prompts=3), tok)
+    assert all(r.request_class is None and r.extra_body == {} for r in plain)  # other datasets unchanged
+
+
+def test_split_counts_exact():
+    assert ds.split_counts(10, [0.8, 0.2]) == [8, 2]
+    assert ds.split_counts(7, [1, 1, 1]) == [3, 2, 2] and sum(ds.split_counts(101, [10, 1])) == 101
+    assert ds.split_counts(5, [1, 0]) == [5, 0]
+    with pytest.raises(ValueError):
+        ds.split_counts(5, [0, 0])
+
+
+def test_payload_and_record_carry_the_request_extras():
+    from kvflow.bench.serve_client import build_payload, new_record
+
+    req = ds.BenchRequest("the city", 2, 8, request_class="interactive",
+                          extra_body={"priority": 0, "ttft_slo_ms": 500.0, "tpot_slo_ms": 50.0, "user": "light"})
+    body = build_payload(req, ServeConfig(extra_body={"priority": 5, "seed": 1}), "m")
+    assert body["priority"] == 0 and body["seed"] == 1 and body["user"] == "light"  # the request's extras win
+    assert body["ttft_slo_ms"] == 500.0 and body["tpot_slo_ms"] == 50.0
+    rec = new_record(3, req, 2.0)
+    assert (rec.request_class, rec.user, rec.slo) == ("interactive", "light", SLO(ttft_ms=500.0, tpot_ms=50.0))
+    assert new_record(0, _reqs([4])[0], 1.0).slo is None
+
+
+def _slo_rec(cls, ttft_s, tpot_s, n, slo, ok=True, user=None):
+    """A request of `cls` sent at 0 with the given TTFT and TPOT (s) over n tokens."""
+    chunks = [ttft_s + i * tpot_s for i in range(n)]
+    return _rec(0.0, chunks if ok else [], chunks[-1], n if ok else 0, ok=ok, request_class=cls, user=user, slo=slo)
+
+
+def test_per_request_slo_attainment_and_goodput():
+    from kvflow.bench.report import group_table, run_goodput, slo_tables
+
+    tight, loose = SLO(ttft_ms=1000, tpot_ms=150), SLO(ttft_ms=30000, tpot_ms=1000)
+    recs = [
+        _slo_rec("interactive", 0.5, 0.1, 5, tight, user="a"),  # meets
+        _slo_rec("interactive", 2.0, 0.1, 5, tight, user="a"),  # TTFT 2000 > 1000
+        _slo_rec("interactive", 0.5, 0.2, 5, tight, user="b"),  # TPOT 200 > 150
+        _slo_rec("batch", 2.0, 0.2, 5, loose, user="b"),  # the same figures meet the batch SLO
+        _slo_rec("batch", 2.0, 0.2, 5, loose, ok=False, user="b"),  # failed: never meets
+    ]
+    m = compute_metrics(recs, duration=2.0)
+    assert m.goodput is None  # no run-wide SLO flags
+    overall, inter, batch = m.per_request_slo, m.classes["interactive"], m.classes["batch"]
+    assert (overall.sent, overall.completed, overall.met_slo) == (5, 4, 2)
+    assert overall.attainment == pytest.approx(0.4) and overall.goodput == pytest.approx(1.0)
+    assert run_goodput(m) == pytest.approx(1.0)
+    assert inter.met_slo == 1 and inter.attainment == pytest.approx(1 / 3)
+    assert batch.met_slo == 1 and batch.attainment == pytest.approx(0.5) and batch.completed == 1
+    assert inter.slo["ttft_ms"] == 1000 and overall.slo is None  # the class shares one SLO, the run does not
+    assert inter.ttft_ms["p50"] == pytest.approx(500.0) and inter.ttft_ms["p99"] == pytest.approx(1970.0)
+    assert batch.tpot_ms["p99"] == pytest.approx(200.0)
+    assert m.users["a"].met_slo == 1 and m.users["b"].sent == 3
+    assert list(m.classes) == ["batch", "interactive"]
+    # a record without its own SLO is judged on the run's flags
+    mixed = compute_metrics(recs[:1] + [_rec(0.0, [3.0, 3.1], 3.1, 2)], 1.0, SLO(ttft_ms=2000))
+    assert mixed.per_request_slo.met_slo == 1 and mixed.goodput == pytest.approx(1.0)
+    text = slo_tables(m)
+    assert "attain %" in text and "interactive" in text and "client" in text
+    row = next(ln for ln in group_table(m.classes, overall).splitlines() if ln.startswith("all"))
+    assert "40.00" in row and "1.00" in row
+    assert json.loads(json.dumps(m.to_dict()))["classes"]["batch"]["met_slo"] == 1
+
+
+def test_serve_client_sends_mixed_extras(fake_server):
+    base, seen = fake_server
+    seen.clear()
+    reqs = [ds.BenchRequest("the city", 2, 4, request_class="batch",
+                            extra_body={"priority": 1, "ttft_slo_ms": 30000.0, "tpot_slo_ms": 1000.0})]
+    res = run_benchmark(reqs, ServeConfig(base_url=base, model="m", disable_tqdm=True))
+    assert seen[0]["priority"] == 1 and seen[0]["ttft_slo_ms"] == 30000.0
+    assert res.metrics.classes["batch"].met_slo == 1 and res.metrics.per_request_slo.attainment == 1.0
+
+
+def test_bench_cli_mixed_flags():
+    from kvflow.cli import bench
+
+    args = _cli(bench.register, ["bench", "serve", "--dataset", "mixed", "--mixed-batch-fraction", "0.5",
+                                 "--interactive-ttft-slo-ms", "400", "--batch-tpot-slo-ms", "2000",
+                                 "--mixed-users", "heavy:10,light:1"])
+    spec = bench.workload_spec(args)
+    inter, batch = spec.mixed_classes
+    assert (inter.ttft_slo_ms, inter.tpot_slo_ms, batch.ttft_slo_ms, batch.tpot_slo_ms) == (400, 150, 30000, 2000)
+    assert spec.mixed_batch_fraction == 0.5 and spec.mixed_users == {"heavy": 10.0, "light": 1.0}
+    assert ds.INTERACTIVE.ttft_slo_ms == 1000  # the defaults are not touched
+    for bad in (["--mixed-batch-fraction", "2"], ["--batch-ttft-slo-ms", "0"]):
+        with pytest.raises(SystemExit):
+            _cli(bench.register, ["bench", "serve", *bad])
+    with pytest.raises(ValueError, match="NAME:WEIGHT"):
+        bench.parse_weights("heavy,light:1")
+
+
+@pytest.fixture(scope="module")
+def harness():
+    import importlib
+    import pathlib
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        yield importlib.import_module("slo_scheduling")
+    finally:
+        sys.path.pop(0)
+
+
+def test_harness_arguments(harness):
+    a = harness.parse_args(["--server-args", "--model /m --max-num-seqs 4", "--num-prompts", "8"])
+    assert a.policies == ["fcfs", "priority", "slo"] and a.rates == [0.5, 1.0, 1.5, 2.0]
+    assert a.dataset == "mixed" and a.server_flags == ["--model", "/m", "--max-num-seqs", "4"]
+    assert harness.flag_value(a.server_flags, "--model") == "/m" and harness.flag_value(["--x=3"], "--x") == "3"
+    a = harness.parse_args(["--policies", "slo,fcfs", "--rates", "1,3", "--seed", "7"])
+    assert a.policies == ["slo", "fcfs"] and a.rates == [1.0, 3.0] and a.seed == 7
+    v = harness.parse_args(["--scenario", "vtc", "--vtc-ratio", "4", "--server-args", "--scheduling-policy slo"])
+    assert v.mixed_users == "heavy:4,light:1"
+    for bad in (["--policies", "fcfs,lifo"], ["--rates", "1,inf"], ["--server-args", "--scheduling-policy slo"],
+                ["--scenario", "vtc", "--server-args", "--fairness vtc"]):
+        with pytest.raises(SystemExit):
+            harness.parse_args(bad)
+
+
+def _fake_run(harness, server, rate, recs, workload="mixed"):
+    from kvflow.bench.serve_client import RunResult
+
+    res = RunResult(rate, 1.0, None, "m", 2.0, recs, compute_metrics(recs, 2.0))
+    return harness.Run(server, workload, rate, res)
+
+
+def test_harness_tables(harness, tmp_path):
+    tight, loose = SLO(ttft_ms=1000, tpot_ms=150), SLO(ttft_ms=30000, tpot_ms=1000)
+    good = [_slo_rec("interactive", 0.1, 0.01, 4, tight), _slo_rec("batch", 1.0, 0.1, 4, loose)]
+    bad = [_slo_rec("interactive", 1.5, 0.01, 4, tight), _slo_rec("batch", 1.0, 0.1, 4, loose, ok=False)]
+    runs = [_fake_run(harness, "fcfs", 1.0, good), _fake_run(harness, "fcfs", 2.0, bad),
+            _fake_run(harness, "slo", 1.0, good)]
+    rows = [harness.policy_row(r) for r in runs]
+    assert (rows[0].goodput, rows[0].attainment, rows[0].batch_finished) == (1.0, 1.0, 1.0)
+    r = rows[1]
+    assert (r.goodput, r.attainment, r.interactive, r.batch, r.batch_finished) == (0.0, 0.0, 0.0, 0.0, 0.0)
+    assert r.interactive_ttft_p99_ms == pytest.approx(1500.0)
+    table = harness.policy_table(rows)
+    lines = table.splitlines()
+    assert "batch finished %" in lines[1] and lines[3].split()[:4] == ["fcfs", "1", "1.00", "100.00"]
+    assert lines[4].split()[-2:] == ["1,500.00", "0.00"] and lines[5].startswith("slo")
+    png = harness.plot_policies(rows, str(tmp_path))
+    assert open(png, "rb").read(4) == b"\x89PNG"
+
+    light = lambda t: [_slo_rec("interactive", t, 0.01, 3, tight, user="light")]  # noqa: E731
+    heavy = [_slo_rec("interactive", 0.9, 0.01, 3, tight, user="heavy")]
+    vruns = [_fake_run(harness, "no VTC", 4.0, light(0.1), "light only"),
+             _fake_run(harness, "no VTC", 4.0, light(0.8) + heavy), _fake_run(harness, "VTC", 4.0, light(0.2) + heavy)]
+    (row,) = harness.vtc_rows(vruns)
+    assert (row.rate, row.alone, row.mixed, row.mixed_vtc) == pytest.approx((4.0, 100.0, 800.0, 200.0))
+    assert harness.vtc_table([row]).splitlines()[-1].split() == ["4", "100.00", "800.00", "200.00"]
+
+
+def test_harness_workloads_and_checks(harness):
+    reqs = ds.generate_requests(ds.WorkloadSpec("mixed", num_prompts=22, mixed_users={"heavy": 10, "light": 1}))
+    no_vtc, vtc = harness.vtc_variants(reqs)
+    assert no_vtc.flags == ["--fairness", "none"] and vtc.flags == ["--fairness", "vtc"]
+    alone, mixed = no_vtc.workloads
+    assert len(alone.requests) == 2 and alone.rate_factor == pytest.approx(1 / 11) and mixed.requests is reqs
+    (p,) = harness.policy_variants(["slo"], reqs)
+    assert p.flags == ["--scheduling-policy", "slo"] and p.workloads[0].requests is reqs
+    harness.check_fits(reqs, None)
+    with pytest.raises(harness.ServerError, match="max_model_len is 512"):
+        harness.check_fits(reqs, 512)
+    msg = harness.start_failure_message("usage: ...\nkvflow serve: error: unrecognized arguments: "
+                                        "--scheduling-policy fcfs\n", 2)
+    assert "has not landed" in msg
+    assert "has not landed" in harness.start_failure_message(
+        "kvflow serve: error: argument --fairness: invalid choice: 'vtc'", 2)
+    assert "exited with code 1" in harness.start_failure_message("Traceback\nboom", 1)
+
+
+def test_harness_server_never_left_behind(harness):
+    import os
+    import sys
+
+    # a "server" that ignores SIGTERM and never answers /health: timed out, then killed
+    cmd = [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                                 "print('loading', flush=True); time.sleep(60)"]
+    server = harness.ManagedServer(cmd, [], startup_timeout=1.5, stop_timeout=0.5)
+    with pytest.raises(harness.ServerError, match="did not answer /health") as e:
+        with server:
+            pass
+    assert "loading" in str(e.value) and server.proc.returncode == -9
+    with pytest.raises(ProcessLookupError):
+        os.killpg(server.proc.pid, 0)  # nothing of its process group is left
+    # an unknown flag: the argparse error is turned into the scheduling message
+    fail = [sys.executable, "-c", "import argparse; p = argparse.ArgumentParser(prog='kvflow serve'); "
+                                  "p.add_argument('--port'); p.parse_args()"]
+    server = harness.ManagedServer(fail, ["--scheduling-policy", "fcfs"], startup_timeout=30, stop_timeout=1)
+    with pytest.raises(harness.ServerError, match="has not landed"):
+        server.__enter__()
+    assert server.proc.returncode == 2

@@ -512,11 +512,11 @@ def test_admission_control(small_server):
     rejected = [r for r in results if r.status_code == 503]
     assert rejected[0].headers["Retry-After"] == "1"
     assert_error(rejected[0], 503, code="overloaded", contains=("max_waiting_requests",))
-    assert s.metrics()["kvflow:request_rejected_total"] == len(rejected)
+    assert s.metrics()['kvflow:request_rejected_total{reason="queue_full"}'] == len(rejected)
     s.wait_engine_idle()
     # n larger than the queue can ever hold is a 400, not a retryable 503
     assert_error(post(s, "/v1/completions", {**body, "n": 5}), 400, param="n")
-    assert s.metrics()["kvflow:request_rejected_total"] == len(rejected)
+    assert s.metrics()['kvflow:request_rejected_total{reason="queue_full"}'] == len(rejected)
 
 
 # ---- fault injection --------------------------------------------------------------------------------

@@ -195,3 +195,59 @@ def test_structured_output_metrics(server, client):
     assert m["kvflow:structured_output_requests_total"] >= 1
     assert m["kvflow:structured_output_cache_hits_total"] >= 1
     assert m["kvflow:structured_output_mask_seconds_count"] >= 1
+
+
+# A Qwen2.5-style template that renders `tools` and writes calls as <tool_call>...</tool_call>:
+# `--tool-call-parser auto` picks hermes from it, and the tools go into the template, not a system
+# message of kvflow's.
+HERMES_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}\n"
+    "Call one as <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call><|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] %}{{ m['content'] }}{% endif %}"
+    "{% for c in m.get('tool_calls') or [] %}<tool_call>\n{{ c['function'] | tojson }}\n</tool_call>{% endfor %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def hermes_server(model_factory, tmp_path_factory):
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    path, _ = model_factory("llama", max_position_embeddings=2048)
+    hermes = str(tmp_path_factory.mktemp("hermes-model"))
+    shutil.copytree(path, hermes, dirs_exist_ok=True)
+    tok = AutoTokenizer.from_pretrained(hermes)
+    tok.chat_template = HERMES_TEMPLATE
+    tok.save_pretrained(hermes)
+    s = LiveServer(EngineConfig(model=hermes, num_kv_blocks=1024))
+    yield s
+    s.stop()
+
+
+def test_hermes_template_gets_the_tools_and_its_calls_parse(hermes_server):
+    s = hermes_server
+    client = s.openai(timeout=60)
+    messages = [*MESSAGES,
+                {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                    "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees"}]
+    for seed in (0, 1):
+        kw = dict(model=s.model, messages=messages, tools=TOOLS, tool_choice="required", seed=seed, max_tokens=300,
+                  parallel_tool_calls=False)  # one call: a random model may chain calls for long
+        r = client.chat.completions.create(**kw)
+        calls = _calls(r.choices[0].message)
+        assert r.choices[0].finish_reason == "tool_calls" and calls
+        for name, arguments in calls:
+            jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+        streamed, content, reason = _streamed_calls(client.chat.completions.create(**kw, stream=True))
+        assert streamed == calls and reason == "tool_calls"
+    # the template rendered the tools (hermes: tools=), and the output text was in hermes' format
+    r = httpx.post(s.url + "/v1/chat/completions", timeout=60, json={
+        "messages": MESSAGES, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_time"}},
+        "max_tokens": 300, "seed": 3, "logprobs": True})
+    body = r.json()
+    text = "".join(t["token"] for t in body["choices"][0]["logprobs"]["content"])
+    assert text.startswith('<tool_call>\n{"name": "get_time", "arguments": '), text
+    assert body["usage"]["prompt_tokens"] == len(s.llm.tokenizer(s.llm.tokenizer.apply_chat_template(
+        MESSAGES, tools=TOOLS, tokenize=False, add_generation_prompt=True), add_special_tokens=False)["input_ids"])

@@ -23,6 +23,12 @@ Datasets (name → generator):
   adds its own Q-token question; output O tokens. Requests are shuffled (seeded) unless
   `shared_prefix_order="grouped"`.
 - `jsonl`: one JSON object per line: `{"prompt": str | [int, ...], "output_len": int (optional)}`.
+- `mixed`: two request classes in one stream, for SLO-aware scheduling. **interactive**: prompts
+  32–128 tokens, 64 output tokens, tight SLOs (TTFT 1000 ms, TPOT 150 ms), priority 0; **batch**:
+  prompts 1000–2000 tokens, 256 output tokens, loose SLOs (TTFT 30 s, TPOT 1000 ms), priority 1.
+  Exactly n × `mixed_batch_fraction` (rounded) requests are batch, at seeded random positions. Each
+  request carries its class name and the body extras the server schedules on (`priority`,
+  `ttft_slo_ms`, `tpot_slo_ms`; `user` with `mixed_users`). `scale` and the caps apply.
 """
 
 from __future__ import annotations
@@ -47,7 +53,7 @@ PROFILES: dict[str, tuple[tuple[int, int], tuple[int, int] | str]] = {
 _ALIASES = {"summarization": "summarisation", "sharegpt": "sharegpt-like", "sharegpt_like": "sharegpt-like",
             "shared_prefix": "shared-prefix", "prefix": "shared-prefix"}
 
-DATASETS = ("random", *PROFILES, "sharegpt-like", "shared-prefix", "jsonl")
+DATASETS = ("random", *PROFILES, "sharegpt-like", "shared-prefix", "jsonl", "mixed")
 
 
 @dataclass
@@ -56,6 +62,34 @@ class BenchRequest:
     prompt_len: int
     output_len: int
     group: int | None = None  # shared-prefix group id (None elsewhere)
+    request_class: str | None = None  # mixed: "interactive" or "batch" (None elsewhere)
+    # Merged into this request's body (after --extra-body): priority, ttft_slo_ms, tpot_slo_ms, user.
+    extra_body: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RequestClass:
+    """One class of the mixed workload: its lengths (before `scale`), SLOs and priority."""
+
+    name: str
+    input_len: tuple[int, int]  # uniform, inclusive
+    output_len: tuple[int, int]
+    ttft_slo_ms: float | None
+    tpot_slo_ms: float | None
+    priority: int = 0  # lower = more important (the server's convention)
+
+    def body_extras(self) -> dict[str, Any]:
+        """The fields the server schedules on; an SLO left None is not sent (the server's default applies)."""
+        extras: dict[str, Any] = {"priority": self.priority}
+        if self.ttft_slo_ms is not None:
+            extras["ttft_slo_ms"] = float(self.ttft_slo_ms)
+        if self.tpot_slo_ms is not None:
+            extras["tpot_slo_ms"] = float(self.tpot_slo_ms)
+        return extras
+
+
+INTERACTIVE = RequestClass("interactive", (32, 128), (64, 64), ttft_slo_ms=1000.0, tpot_slo_ms=150.0, priority=0)
+BATCH = RequestClass("batch", (1000, 2000), (256, 256), ttft_slo_ms=30000.0, tpot_slo_ms=1000.0, priority=1)
 
 
 @dataclass
@@ -77,6 +111,9 @@ class WorkloadSpec:
     shared_prefix_order: str = "shuffled"  # or "grouped"
     path: str | None = None  # jsonl file
     token_ids: bool = False  # return token-id prompts instead of text
+    mixed_batch_fraction: float = 0.2  # mixed: share of batch requests
+    mixed_classes: tuple[RequestClass, RequestClass] = (INTERACTIVE, BATCH)  # mixed: (interactive, batch)
+    mixed_users: dict[str, float] | None = None  # mixed: `user` name -> share of the requests (weights)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -429,6 +466,58 @@ def shared_prefix_requests(spec: WorkloadSpec, builder: PromptBuilder) -> list[B
     return reqs
 
 
+def split_counts(n: int, weights: Sequence[float]) -> list[int]:
+    """n split in proportion to `weights` (largest remainder): the counts always sum to n."""
+    total = float(sum(weights))
+    if total <= 0 or any(w < 0 for w in weights):
+        raise ValueError(f"weights must be >= 0 with a positive sum, got {list(weights)}")
+    exact = [n * w / total for w in weights]
+    counts = [int(math.floor(x)) for x in exact]
+    by_remainder = sorted(range(len(weights)), key=lambda i: counts[i] - exact[i])
+    for i in by_remainder[: n - sum(counts)]:
+        counts[i] += 1
+    return counts
+
+
+def assign_labels(rng: Any, n: int, weights: dict[str, float]) -> list[str]:
+    """n labels in exact proportion to `weights`, in seeded random order.
+
+    Exact counts (not n independent draws) so a 10-request smoke run still has its batch
+    requests; the shuffle spreads them over the stream like thinning a Poisson process would.
+    """
+    labels = [name for name, k in zip(weights, split_counts(n, list(weights.values()))) for _ in range(k)]
+    return [labels[i] for i in rng.permutation(n)]
+
+
+def _class_len(rng: Any, bounds: tuple[int, int], scale: float, cap: int | None) -> int:
+    lo, hi = bounds
+    return int(_cap([max(1, round(int(rng.integers(lo, hi + 1)) * scale))], cap)[0])
+
+
+def mixed_requests(spec: WorkloadSpec, builder: PromptBuilder) -> list[BenchRequest]:
+    import numpy as np
+
+    f = spec.mixed_batch_fraction
+    if not 0 <= f <= 1:
+        raise ValueError(f"mixed: the batch fraction must be in [0, 1], got {f}")
+    interactive, batch = spec.mixed_classes
+    rng = np.random.default_rng(spec.seed)
+    n = spec.num_prompts
+    classes = {c.name: c for c in (interactive, batch)}
+    kinds = assign_labels(rng, n, {interactive.name: 1 - f, batch.name: f})
+    users = assign_labels(rng, n, spec.mixed_users) if spec.mixed_users else [None] * n
+    reqs = []
+    for kind, user in zip(kinds, users):
+        cls = classes[kind]
+        in_len = _class_len(rng, cls.input_len, spec.scale, spec.max_input_len)
+        out_len = _class_len(rng, cls.output_len, spec.scale, spec.max_output_len)
+        prompt, plen = builder.build(in_len, rng, token_ids=spec.token_ids)
+        extras = cls.body_extras() | ({"user": user} if user is not None else {})
+        reqs.append(BenchRequest(prompt=prompt, prompt_len=plen, output_len=out_len, request_class=cls.name,
+                                 extra_body=extras))
+    return reqs
+
+
 def jsonl_requests(spec: WorkloadSpec, tokenizer: Any = None) -> list[BenchRequest]:
     """Read `prompt` (text or token ids) and optional `output_len` per line; first num_prompts lines.
 
@@ -481,6 +570,7 @@ _GENERATORS: dict[str, Callable[[WorkloadSpec, PromptBuilder], list[BenchRequest
     **{name: profile_requests for name in PROFILES},
     "sharegpt-like": sharegpt_like_requests,
     "shared-prefix": shared_prefix_requests,
+    "mixed": mixed_requests,
 }
 
 

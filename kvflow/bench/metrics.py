@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 DEFAULT_PERCENTILES: tuple[float, ...] = (50.0, 90.0, 99.0)
 
@@ -46,6 +46,9 @@ class RequestRecord:
     error: str = ""
     generated_text: str = ""
     rate: float | None = None  # request rate of the run this record belongs to (sweeps)
+    request_class: str | None = None  # the workload's class of this request (mixed: interactive / batch)
+    user: str | None = None  # the client it was sent as (the body's `user`)
+    slo: SLO | None = None  # this request's own SLO (what it asked the server for); None = the run's
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -202,6 +205,59 @@ def goodput(records: Sequence[RequestRecord], duration: float, slo: SLO) -> floa
     return sum(1 for r in records if slo.met_by(r)) / duration
 
 
+def meets_own_slo(rec: RequestRecord, default: SLO | None = None) -> bool:
+    """Whether the request met its own SLO (`rec.slo`), else `default`; with neither, whether it succeeded."""
+    slo = rec.slo if rec.slo is not None else default
+    return slo.met_by(rec) if slo is not None else rec.success
+
+
+@dataclass
+class GroupMetrics:
+    """A group of requests (a request class, a client, or all of them), each judged on its own SLO."""
+
+    sent: int
+    completed: int
+    met_slo: int
+    attainment: float  # met_slo / sent
+    goodput: float  # met_slo / run duration, req/s
+    ttft_ms: dict[str, float]
+    tpot_ms: dict[str, float]
+    slo: dict | None  # the SLO when every request of the group has the same one, else None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def group_metrics(records: Sequence[RequestRecord], duration: float, default: SLO | None = None,
+                  percentiles: Iterable[float] = DEFAULT_PERCENTILES) -> GroupMetrics:
+    """Attainment, goodput and TTFT/TPOT of `records`, each request judged on its own SLO (else `default`)."""
+    # p50 and p99 always: the per-class tables show them whatever --percentiles says.
+    qs = sorted(set(percentiles) | {50.0, 99.0})
+    met = sum(meets_own_slo(r, default) for r in records)
+    ok = [r for r in records if r.success]
+    own = [r.slo if r.slo is not None else default for r in records]
+    shared = own[0] if own and all(s == own[0] for s in own) else None
+    return GroupMetrics(
+        sent=len(records), completed=len(ok), met_slo=met,
+        attainment=met / len(records) if records else math.nan,
+        goodput=met / duration if duration > 0 else math.nan,
+        ttft_ms=summarize([v for v in map(ttft, ok) if v is not None], qs, 1e3),
+        tpot_ms=summarize([v for v in map(tpot, ok) if v is not None], qs, 1e3),
+        slo=asdict(shared) if shared is not None else None)
+
+
+def groups_by(records: Sequence[RequestRecord], key: Callable[[RequestRecord], str | None],
+              duration: float, default: SLO | None = None,
+              percentiles: Iterable[float] = DEFAULT_PERCENTILES) -> dict[str, GroupMetrics]:
+    """GroupMetrics of each value of `key` (None = not in any group), in name order."""
+    groups: dict[str, list[RequestRecord]] = {}
+    for r in records:
+        k = key(r)
+        if k is not None:
+            groups.setdefault(k, []).append(r)
+    return {k: group_metrics(groups[k], duration, default, percentiles) for k in sorted(groups)}
+
+
 # ----------------------------------------------------------------------------------------------
 # Whole-run metrics
 # ----------------------------------------------------------------------------------------------
@@ -227,6 +283,10 @@ class BenchmarkMetrics:
     e2el_ms: dict[str, float]
     queue_delay_ms: dict[str, float]
     max_concurrent_requests: int
+    # Every request against its own SLO (mixed workloads); None when no request carries one.
+    per_request_slo: GroupMetrics | None = None
+    classes: dict[str, GroupMetrics] = field(default_factory=dict)  # by request class
+    users: dict[str, GroupMetrics] = field(default_factory=dict)  # by client (`user`)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -282,4 +342,7 @@ def compute_metrics(records: Sequence[RequestRecord], duration: float, slo: SLO 
         e2el_ms=summarize(e2els, percentiles, 1e3),
         queue_delay_ms=summarize(qd, percentiles, 1e3),
         max_concurrent_requests=max_concurrency_seen(records),
+        per_request_slo=group_metrics(records, duration, slo, percentiles) if any(r.slo is not None for r in records) else None,
+        classes=groups_by(records, lambda r: r.request_class, duration, slo, percentiles),
+        users=groups_by(records, lambda r: r.user, duration, slo, percentiles),
     )

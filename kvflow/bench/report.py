@@ -13,7 +13,7 @@ import platform
 import sys
 from typing import Any, Iterable, Sequence
 
-from kvflow.bench.metrics import BenchmarkMetrics, RequestRecord, tpot, ttft
+from kvflow.bench.metrics import BenchmarkMetrics, GroupMetrics, RequestRecord, tpot, ttft
 
 # ----------------------------------------------------------------------------------------------
 # Text
@@ -84,6 +84,9 @@ def metrics_summary(m: BenchmarkMetrics, title: str = "Serving benchmark") -> st
     if m.goodput is not None:
         slo = ", ".join(f"{k[:-3]}<={v:g}ms" for k, v in (m.slo or {}).items() if v is not None)
         pairs.append((f"Goodput (req/s) [{slo}]", m.goodput))
+    if m.per_request_slo is not None:
+        pairs.append(("Goodput, own SLOs (req/s)", m.per_request_slo.goodput))
+        pairs.append(("SLO attainment, own SLOs (%)", _pct(m.per_request_slo.attainment)))
     text = [format_kv(pairs, title=title)]
     stat_names = [k for k in m.ttft_ms if k not in ("count", "std", "min", "max", "p50")]
     rows = []
@@ -94,6 +97,42 @@ def metrics_summary(m: BenchmarkMetrics, title: str = "Serving benchmark") -> st
     return "\n".join(text)
 
 
+def _pct(x: float | None) -> float | None:
+    return None if x is None else 100.0 * x
+
+
+def group_table(groups: dict[str, GroupMetrics], overall: GroupMetrics | None = None, label: str = "class",
+                title: str | None = None) -> str:
+    """One row per group (and an `all` row): SLO attainment against each request's own SLO, TTFT/TPOT."""
+    rows = []
+    named = list(groups.items()) + ([("all", overall)] if overall is not None else [])
+    for name, g in named:
+        slo = g.slo or {}
+        rows.append([name, g.sent, g.completed, g.met_slo, _pct(g.attainment), slo.get("ttft_ms"), slo.get("tpot_ms"),
+                     g.ttft_ms.get("median"), g.ttft_ms.get("p99"), g.tpot_ms.get("median"), g.tpot_ms.get("p99"),
+                     g.goodput])
+    return format_table([label, "sent", "ok", "met SLO", "attain %", "TTFT SLO", "TPOT SLO", "TTFT p50", "TTFT p99",
+                         "TPOT p50", "TPOT p99", "goodput"], rows, title=title)
+
+
+def slo_tables(m: BenchmarkMetrics) -> str:
+    """Per-class and per-client tables of a run ('' when its requests have neither)."""
+    parts = []
+    if m.classes:
+        parts.append(group_table(m.classes, m.per_request_slo, "class",
+                                 "Per class, each request against its own SLO (ms; goodput req/s)"))
+    if m.users:
+        parts.append(group_table(m.users, None, "client", "Per client (ms; goodput req/s)"))
+    return "\n".join(parts)
+
+
+def run_goodput(m: BenchmarkMetrics) -> float | None:
+    """Goodput on the run-wide SLO flags, else against each request's own SLO (None without either)."""
+    if m.goodput is not None:
+        return m.goodput
+    return m.per_request_slo.goodput if m.per_request_slo is not None else None
+
+
 def sweep_table(results: Sequence[Any]) -> str:
     """One row per request rate of a sweep (RunResult objects)."""
     rows = []
@@ -101,9 +140,16 @@ def sweep_table(results: Sequence[Any]) -> str:
         m = r.metrics
         rows.append([f"{r.request_rate:g}", m.completed, m.failed, m.request_throughput, m.output_throughput,
                      m.ttft_ms.get("median"), m.ttft_ms.get("p99"), m.tpot_ms.get("median"), m.tpot_ms.get("p99"),
-                     m.itl_ms.get("p99"), m.goodput])
+                     m.itl_ms.get("p99"), run_goodput(m)])
     return format_table(["rate", "ok", "failed", "req/s", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50",
                          "TPOT p99", "ITL p99", "goodput"], rows, title="Sweep (latencies in ms)")
+
+
+def run_report(r: Any, title: str | None = None) -> str:
+    """Everything printed about one run (a RunResult): figures, per-class/client tables, failures."""
+    title = title or f"Serving benchmark, {r.model}, rate {r.request_rate:g} req/s"
+    parts = [metrics_summary(r.metrics, title=title), slo_tables(r.metrics), failure_summary(r.records)]
+    return "\n".join(p for p in parts if p)
 
 
 def failure_summary(records: Sequence[RequestRecord], limit: int = 5) -> str:
@@ -239,6 +285,11 @@ def _cdf_plot(series: dict[str, list[float]], xlabel: str, title: str, path: str
     ax.grid(True, alpha=0.3)
     if len(series) > 1 or next(iter(series)):
         ax.legend(fontsize="small")
+    return _save(plt, fig, path)
+
+
+def _save(plt: Any, fig: Any, path: str) -> str:
+    """Write the figure as a PNG (folders created), free it, return the path."""
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -275,10 +326,10 @@ def plot_sweep(results: Sequence[Any], out_dir: str, prefix: str = "") -> str | 
     axes[1].plot(rates, [r.metrics.tpot_ms["p99"] for r in finite], "o-")
     axes[1].set_title("p99 TPOT")
     axes[1].set_ylabel("ms")
-    has_goodput = any(r.metrics.goodput is not None for r in finite)
+    has_goodput = any(run_goodput(r.metrics) is not None for r in finite)
     axes[2].plot(rates, [r.metrics.request_throughput for r in finite], "s--", label="throughput")
     if has_goodput:
-        axes[2].plot(rates, [r.metrics.goodput for r in finite], "o-", label="goodput")
+        axes[2].plot(rates, [run_goodput(r.metrics) for r in finite], "o-", label="goodput")
     axes[2].plot(rates, rates, ":", color="gray", label="offered rate")
     axes[2].set_title("goodput" if has_goodput else "request throughput")
     axes[2].set_ylabel("req/s")
@@ -292,3 +343,21 @@ def plot_sweep(results: Sequence[Any], out_dir: str, prefix: str = "") -> str | 
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def line_plot(series: dict[str, tuple[Sequence[float], Sequence[float | None]]], xlabel: str, ylabel: str,
+              title: str, path: str) -> str | None:
+    """One line per series (label -> (xs, ys); None ys are gaps), one PNG. None when there is nothing to draw."""
+    series = {k: v for k, v in series.items() if len(v[0])}
+    if not series:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for label, (xs, ys) in series.items():
+        ax.plot(list(xs), [math.nan if y is None else y for y in ys], "o-", label=label)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small")
+    return _save(plt, fig, path)

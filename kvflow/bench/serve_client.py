@@ -169,7 +169,27 @@ def build_payload(req: BenchRequest, cfg: ServeConfig, model: str, tokenizer: An
             text = decode(tokenizer, text)
         body["messages"] = [{"role": "user", "content": text}]
     body.update(cfg.extra_body)
+    body.update(req.extra_body)  # the request's own extras (priority, SLOs, user) beat the run-wide ones
     return body
+
+
+def request_slo(req: BenchRequest) -> SLO | None:
+    """The SLO a request asks the server for in its body (ttft_slo_ms / tpot_slo_ms), None if it asks none.
+
+    Read from the body extras, so a request is judged on exactly what it sent.
+    """
+    ttft_ms, tpot_ms = req.extra_body.get("ttft_slo_ms"), req.extra_body.get("tpot_slo_ms")
+    if ttft_ms is None and tpot_ms is None:
+        return None
+    return SLO(ttft_ms=ttft_ms, tpot_ms=tpot_ms)
+
+
+def new_record(i: int, req: BenchRequest, rate: float) -> RequestRecord:
+    """The empty record of request `i`, with what the workload says about it."""
+    user = req.extra_body.get("user")
+    return RequestRecord(request_id=i, prompt_len=req.prompt_len, expected_output_len=req.output_len, rate=rate,
+                         request_class=req.request_class, user=str(user) if user is not None else None,
+                         slo=request_slo(req))
 
 
 def _content_of(event: dict, endpoint: str) -> str:
@@ -301,8 +321,7 @@ async def run_benchmark_async(requests: Sequence[BenchRequest], cfg: ServeConfig
 
             pbar = tqdm(total=len(requests), desc=f"rate {cfg.request_rate:g} req/s", unit="req")
 
-        records = [RequestRecord(request_id=i, prompt_len=r.prompt_len, expected_output_len=r.output_len,
-                                 rate=cfg.request_rate) for i, r in enumerate(requests)]
+        records = [new_record(i, r, cfg.request_rate) for i, r in enumerate(requests)]
 
         async def one(i: int) -> None:
             rec = records[i]

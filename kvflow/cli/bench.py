@@ -32,7 +32,7 @@ def add_dataset_args(p: argparse.ArgumentParser, default_num_prompts: int) -> No
     from_ = p.add_argument_group("workload")
     from_.add_argument("--dataset", default="random",
                        help="random, translation, generation, summarisation, reasoning, sharegpt-like, "
-                            "shared-prefix or jsonl (default random)")
+                            "shared-prefix, jsonl or mixed (default random)")
     from_.add_argument("--num-prompts", type=_positive_int, default=default_num_prompts,
                        help=f"number of requests (default {default_num_prompts}; shared-prefix uses "
                             "--num-groups x --prompts-per-group)")
@@ -51,10 +51,64 @@ def add_dataset_args(p: argparse.ArgumentParser, default_num_prompts: int) -> No
                        help="shared-prefix: request order (default shuffled, seeded)")
     from_.add_argument("--dataset-path", default=None, help="jsonl: the file (one {\"prompt\", \"output_len\"} per line)")
     from_.add_argument("--token-ids", action="store_true", help="send token-id prompts instead of text")
+    add_mixed_args(p)
     from_.add_argument("--seed", type=int, default=0, help="seed of the workload and the arrivals (default 0)")
     from_.add_argument("--tokenizer", default=None,
                        help="local tokenizer (model folder or .gguf; 'default' = the default model's) used to "
                             "build exact-length prompts; without one, prompts are common words (~1 token each)")
+
+
+def _fraction(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {s!r}") from None
+    if not 0 <= v <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {s}")
+    return v
+
+
+def parse_weights(spec: str) -> dict[str, float]:
+    """'heavy:10,light:1' -> {'heavy': 10.0, 'light': 1.0} (names with positive weights)."""
+    weights: dict[str, float] = {}
+    for part in spec.split(","):
+        name, sep, w = part.strip().rpartition(":")
+        try:
+            weight = float(w) if sep else math.nan
+        except ValueError:
+            weight = math.nan
+        if not name or not weight > 0:
+            raise ValueError(f"expected NAME:WEIGHT[,NAME:WEIGHT...] with weights > 0, got {spec!r}")
+        weights[name] = weight
+    return weights
+
+
+def add_mixed_args(p: argparse.ArgumentParser) -> None:
+    """Flags of the mixed dataset: the class mix, each class's SLOs, and optional clients."""
+    from kvflow.bench.datasets import BATCH, INTERACTIVE
+
+    g = p.add_argument_group("mixed dataset (interactive + batch requests in one stream)")
+    g.add_argument("--mixed-batch-fraction", type=_fraction, default=0.2,
+                   help="share of batch requests (default 0.2)")
+    for cls in (INTERACTIVE, BATCH):
+        for name in ("ttft", "tpot"):
+            default = getattr(cls, f"{name}_slo_ms")
+            g.add_argument(f"--{cls.name}-{name}-slo-ms", type=_positive_float, default=default,
+                           help=f"{name.upper()} SLO of {cls.name} requests, sent as {name}_slo_ms "
+                                f"(default {default:g})")
+    g.add_argument("--mixed-users", default=None,
+                   help="send each request as one of these clients (the body's `user`), in these proportions: "
+                        "NAME:WEIGHT,... (e.g. heavy:10,light:1)")
+
+
+def mixed_classes(args: argparse.Namespace) -> tuple:
+    """The (interactive, batch) classes with the SLOs the flags give."""
+    from dataclasses import replace
+
+    from kvflow.bench.datasets import BATCH, INTERACTIVE
+
+    return tuple(replace(cls, ttft_slo_ms=getattr(args, f"{cls.name}_ttft_slo_ms"),
+                         tpot_slo_ms=getattr(args, f"{cls.name}_tpot_slo_ms")) for cls in (INTERACTIVE, BATCH))
 
 
 def workload_spec(args: argparse.Namespace):
@@ -65,7 +119,32 @@ def workload_spec(args: argparse.Namespace):
         output_len=args.output_len, scale=args.scale, max_input_len=args.max_input_len,
         max_output_len=args.max_output_len, prefix_len=args.prefix_len, question_len=args.question_len,
         num_groups=args.num_groups, prompts_per_group=args.prompts_per_group,
-        shared_prefix_order=args.shared_prefix_order, path=args.dataset_path, token_ids=args.token_ids)
+        shared_prefix_order=args.shared_prefix_order, path=args.dataset_path, token_ids=args.token_ids,
+        mixed_batch_fraction=args.mixed_batch_fraction, mixed_classes=mixed_classes(args),
+        mixed_users=parse_weights(args.mixed_users) if args.mixed_users else None)
+
+
+def add_client_args(s: argparse.ArgumentParser, default_timeout: float) -> None:
+    """How the client talks to the server: endpoint, arrivals shape, SLO flags, sampling, timeouts."""
+    s.add_argument("--endpoint", choices=("completions", "chat"), default="completions",
+                   help="/v1/completions or /v1/chat/completions (default completions)")
+    s.add_argument("--model", default=None, help="model name to send (default: first id of GET /v1/models)")
+    s.add_argument("--api-key", default=None, help="sent as a Bearer token if given")
+    s.add_argument("--burstiness", type=_positive_float, default=1.0,
+                   help="gamma shape of the gaps (1 = Poisson, <1 burstier); mean gap stays 1/rate")
+    s.add_argument("--max-concurrency", type=_positive_int, default=None, help="cap on requests in flight")
+    for name, what in (("ttft", "time to first token"), ("tpot", "time per output token"),
+                       ("e2el", "end-to-end latency"), ("itl", "every inter-token gap")):
+        s.add_argument(f"--slo-{name}-ms", type=_positive_float, default=None,
+                       help=f"SLO on {what} for goodput (ms)")
+    s.add_argument("--percentiles", default="50,90,99", help="latency percentiles (default 50,90,99)")
+    s.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
+                   help="do not send ignore_eos=true (a vLLM extension)")
+    s.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0)")
+    s.add_argument("--extra-body", default=None, help="JSON object merged into every request body")
+    s.add_argument("--request-timeout", type=_positive_float, default=default_timeout,
+                   help=f"seconds per request (default {default_timeout:g})")
+    s.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -79,29 +158,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        description="Stream requests to an OpenAI-compatible server and measure TTFT, TPOT, "
                                    "ITL (gaps between content chunks, TTFT excluded), E2EL, throughput and goodput.")
     s.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (default http://127.0.0.1:8000)")
-    s.add_argument("--endpoint", choices=("completions", "chat"), default="completions",
-                   help="/v1/completions or /v1/chat/completions (default completions)")
-    s.add_argument("--model", default=None, help="model name to send (default: first id of GET /v1/models)")
-    s.add_argument("--api-key", default=None, help="sent as a Bearer token if given")
     s.add_argument("--request-rate", type=_rate, default=math.inf,
                    help="requests/s, Poisson arrivals (default inf: all at once)")
-    s.add_argument("--burstiness", type=_positive_float, default=1.0,
-                   help="gamma shape of the gaps (1 = Poisson, <1 burstier); mean gap stays 1/rate")
-    s.add_argument("--max-concurrency", type=_positive_int, default=None, help="cap on requests in flight")
     s.add_argument("--sweep-rates", default=None, help="comma-separated rates, one run each (e.g. 0.5,1,2,4)")
-    for name, what in (("ttft", "time to first token"), ("tpot", "time per output token"),
-                       ("e2el", "end-to-end latency"), ("itl", "every inter-token gap")):
-        s.add_argument(f"--slo-{name}-ms", type=_positive_float, default=None,
-                       help=f"SLO on {what} for goodput (ms)")
-    s.add_argument("--percentiles", default="50,90,99", help="latency percentiles (default 50,90,99)")
-    s.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
-                   help="do not send ignore_eos=true (a vLLM extension)")
-    s.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0)")
-    s.add_argument("--extra-body", default=None, help="JSON object merged into every request body")
-    s.add_argument("--request-timeout", type=_positive_float, default=3600.0, help="seconds per request (default 3600)")
+    add_client_args(s, default_timeout=3600.0)
     s.add_argument("--result-json", default=None, help="write config, machine info and every request's figures here")
     s.add_argument("--plot-dir", default=None, help="write TTFT/TPOT CDF PNGs (and sweep plots) in this folder")
-    s.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     add_dataset_args(s, 100)
     s.set_defaults(func=run_serve)
 
@@ -137,14 +199,12 @@ def _serve_tokenizer(args: argparse.Namespace) -> Any:
     return None
 
 
-def run_serve(args: argparse.Namespace) -> int:
+def serve_config(args: argparse.Namespace, base_url: str, request_rate: float = math.inf):
+    """The ServeConfig of the client flags (add_client_args), for the server at `base_url`."""
     import json
-    import os
 
-    from kvflow.bench.datasets import generate_requests
     from kvflow.bench.metrics import SLO
-    from kvflow.bench.report import dump_json, failure_summary, metrics_summary, plot_cdfs, plot_sweep, sweep_table
-    from kvflow.bench.serve_client import ServeConfig, config_dict, parse_rates, run_benchmark, run_sweep
+    from kvflow.bench.serve_client import ServeConfig
 
     try:
         percentiles = tuple(float(x) for x in args.percentiles.split(",") if x.strip())
@@ -160,29 +220,43 @@ def run_serve(args: argparse.Namespace) -> int:
             raise ValueError(f"--extra-body is not valid JSON ({e.msg})") from None
         if not isinstance(extra, dict):
             raise ValueError("--extra-body must be a JSON object")
-    cfg = ServeConfig(base_url=args.base_url, endpoint=args.endpoint, model=args.model,
-                      request_rate=args.request_rate, burstiness=args.burstiness,
-                      max_concurrency=args.max_concurrency, seed=args.seed, ignore_eos=args.ignore_eos,
-                      temperature=args.temperature, extra_body=extra, request_timeout=args.request_timeout,
-                      disable_tqdm=args.disable_tqdm, api_key=args.api_key, slo=SLO(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2el_ms, args.slo_itl_ms),
-                      percentiles=percentiles)
-    rates = parse_rates(args.sweep_rates) if args.sweep_rates else None
+    return ServeConfig(base_url=base_url, endpoint=args.endpoint, model=args.model,
+                       request_rate=request_rate, burstiness=args.burstiness,
+                       max_concurrency=args.max_concurrency, seed=args.seed, ignore_eos=args.ignore_eos,
+                       temperature=args.temperature, extra_body=extra, request_timeout=args.request_timeout,
+                       disable_tqdm=args.disable_tqdm, api_key=args.api_key,
+                       slo=SLO(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2el_ms, args.slo_itl_ms),
+                       percentiles=percentiles)
 
-    tokenizer = _serve_tokenizer(args)
+
+def build_workload(args: argparse.Namespace, tokenizer: Any) -> list:
+    """The requests of the workload flags (add_dataset_args), with a one-line description printed."""
+    from kvflow.bench.datasets import generate_requests
+
     if tokenizer is None:
         print("note: no --tokenizer: prompts are common English words (about one token each); "
               "prompt lengths are approximate")
     requests = generate_requests(workload_spec(args), tokenizer)
     print(f"workload: {len(requests)} requests, dataset {args.dataset}, "
           f"{sum(r.prompt_len for r in requests):,} prompt tokens, {sum(r.output_len for r in requests):,} output tokens asked")
+    return requests
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import os
+
+    from kvflow.bench.report import dump_json, plot_cdfs, plot_sweep, run_report, sweep_table
+    from kvflow.bench.serve_client import config_dict, parse_rates, run_benchmark, run_sweep
+
+    cfg = serve_config(args, args.base_url, args.request_rate)
+    rates = parse_rates(args.sweep_rates) if args.sweep_rates else None
+    tokenizer = _serve_tokenizer(args)
+    requests = build_workload(args, tokenizer)
 
     results = run_sweep(requests, cfg, rates, tokenizer) if rates else [run_benchmark(requests, cfg, tokenizer)]
     for r in results:
         print()
-        print(metrics_summary(r.metrics, title=f"Serving benchmark, {r.model}, rate {r.request_rate:g} req/s"))
-        fails = failure_summary(r.records)
-        if fails:
-            print(fails)
+        print(run_report(r))
     if len(results) > 1:
         print()
         print(sweep_table(results))

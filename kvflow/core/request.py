@@ -59,6 +59,13 @@ class Request:
     # Draft tokens (speculative decoding) to verify with the next step; never part of the sequence
     # until verified.
     spec_token_ids: list[int] = field(default_factory=list)
+    # Scheduling: lower priority first (priority policy); the client (fairness); SLOs in seconds
+    # (None: none), resolved from the request and the server's defaults.
+    priority: int = 0
+    client: str | None = None
+    ttft_slo: float | None = None
+    tpot_slo: float | None = None
+    last_token_time: float | None = None  # when the last output token came (scheduler clock)
 
     def token_ids_between(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of prompt + output, without concatenating the whole sequence."""

@@ -3,10 +3,12 @@
 Every step has a token budget. Running requests are served first (a decode costs one token, an
 unfinished prefill takes what is left), then waiting requests are admitted with prefill chunks
 that fill the rest of the budget (Sarathi-style stall-free chunked prefill). When the pool runs out
-of blocks, the most recently admitted running request is preempted: its blocks are freed and it is
-recomputed later from its prompt plus the tokens it had already generated.
+of blocks, the last running request (in the policy's order) is preempted: its blocks are freed and
+it is recomputed later from its prompt plus the tokens it had already generated.
 
-The scheduler never touches tensors; it hands the model runner a `SchedulerOutput`.
+The policy (core/sched/: fcfs, priority, slo) orders running and waiting requests, sizes the
+budget and may refuse a request at arrival; fairness (VTC) interleaves clients. The scheduler keeps
+the mechanics. It never touches tensors; it hands the model runner a `SchedulerOutput`.
 """
 
 from __future__ import annotations
@@ -15,8 +17,12 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from kvflow.core.kv_cache_manager import KVCacheManager
+from collections.abc import Callable
+
+from kvflow.core.kv_cache_manager import KVCacheManager, cdiv
 from kvflow.core.request import Request, RequestStatus
+from kvflow.core.sched.fairness import VirtualTokenCounter
+from kvflow.core.sched.policy import QueueView, SchedulingPolicy
 from kvflow.sampling_params import SamplingParams
 
 
@@ -45,6 +51,8 @@ class SchedulerOutput:
     # (block id, content hash) pairs; saves first.
     kv_saves: list[tuple[int, bytes]] = field(default_factory=list)
     kv_loads: list[tuple[int, bytes]] = field(default_factory=list)
+    # Requests that waited past max_queue_time_s (removed from the scheduler; the engine fails them).
+    timed_out: list[Request] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -78,19 +86,36 @@ class Scheduler:
         kv_cache: KVCacheManager,
         max_num_batched_tokens: int,
         max_num_seqs: int,
+        policy: SchedulingPolicy | None = None,
+        fairness: VirtualTokenCounter | None = None,
+        max_queue_time_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.kv_cache = kv_cache
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
+        self.policy = policy or SchedulingPolicy()
+        self.fairness = fairness
+        self.max_queue_time_s = max_queue_time_s
+        self.clock = clock
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
 
     # ---- intake -------------------------------------------------------------------------
+    def check_admission(self, request: Request) -> None:
+        """Raises AdmissionRejected when the policy refuses the request at arrival."""
+        self.policy.check_admission(request, self._view(), self.clock())
+
     def add_request(self, request: Request) -> None:
+        if self.fairness is not None:
+            self.fairness.on_arrival(request, [*self.waiting, *self.running])
         self.requests[request.request_id] = request
         self.waiting.append(request)
+
+    def _view(self) -> QueueView:
+        return QueueView(self.running, self.waiting, self.max_num_batched_tokens)
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
         """End requests wherever they are (abort, stop string, error); frees their blocks."""
@@ -138,15 +163,20 @@ class Scheduler:
 
     # ---- one step -------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
+        now = self.clock()
+        out = SchedulerOutput(timed_out=self._expire_waiting(now))
+        self.running = self.policy.running_order(self.running, now)
+        self._displace(out, now)
+        budget = self.policy.token_budget(self._view(), now)
 
+        pressure = False  # blocks ran out for the running requests
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             # Draft tokens ride along as extra tokens of the request, inside the same budget.
             n = min(req.num_tokens - req.num_computed_tokens + len(req.spec_token_ids), budget)
             while not self.kv_cache.allocate_slots(req, n):
+                pressure = True
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim.request_id)
@@ -159,31 +189,59 @@ class Scheduler:
                 continue
             break  # req preempted itself: nothing later in `running` is left either
 
-        # Admit new work only when nothing had to be preempted this step.
-        while (
-            not out.preempted
-            and self.waiting
-            and budget > 0
-            and len(self.running) < self.max_num_seqs
-        ):
-            req = self.waiting[0]
-            cached = self.kv_cache.get_computed_blocks(req)
-            num_cached = cached.num_blocks * self.kv_cache.block_size
-            n = min(req.num_tokens - num_cached, budget)
-            if not self.kv_cache.allocate_slots(req, n, cached):
-                break
-            self.waiting.popleft()
-            self.kv_cache.record_lookup(req.num_tokens, num_cached)
-            req.num_computed_tokens = num_cached
-            req.status = RequestStatus.RUNNING
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = time.monotonic()
-                req.num_cached_tokens = num_cached
-            self.running.append(req)
-            out.seqs.append(self._scheduled(req, n))
-            budget -= n
+        # Admit new work only when the running requests did not run out of blocks this step.
+        if not pressure and budget > 0:
+            for req in self._admission_order(now):
+                if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                    break
+                cached = self.kv_cache.get_computed_blocks(req)
+                num_cached = cached.num_blocks * self.kv_cache.block_size
+                n = min(req.num_tokens - num_cached, budget)
+                if not self.kv_cache.allocate_slots(req, n, cached):
+                    break
+                self.waiting.remove(req)
+                self.kv_cache.record_lookup(req.num_tokens, num_cached)
+                req.num_computed_tokens = num_cached
+                req.status = RequestStatus.RUNNING
+                if req.first_scheduled_time is None:
+                    req.first_scheduled_time = now
+                    req.num_cached_tokens = num_cached
+                self.running.append(req)
+                out.seqs.append(self._scheduled(req, n))
+                budget -= n
         out.kv_saves, out.kv_loads = self.kv_cache.take_transfers()
         return out
+
+    def _admission_order(self, now: float) -> list[Request]:
+        order = self.policy.waiting_order(self.waiting, now)
+        return self.fairness.order(order) if self.fairness is not None else order
+
+    def _displace(self, out: SchedulerOutput, now: float) -> None:
+        """Before anything is allocated this step: while the first waiting request cannot get in
+        (max_num_seqs reached, or too few free blocks for its prompt) and the policy lets it
+        displace the last running request, preempt that one."""
+        while self.waiting and self.running:
+            cand = self.policy.waiting_order(self.waiting, now)[0]
+            victim = self.running[-1]
+            need = cdiv(min(cand.num_tokens, self.max_num_batched_tokens), self.kv_cache.block_size)
+            blocked = len(self.running) >= self.max_num_seqs or self.kv_cache.num_free_blocks < need
+            if not blocked or not self.policy.may_displace(cand, victim, now):
+                return
+            self.running.pop()
+            self._preempt(victim)
+            out.preempted.append(victim.request_id)
+
+    def _expire_waiting(self, now: float) -> list[Request]:
+        """Requests that have waited past max_queue_time_s without ever being scheduled."""
+        limit = self.max_queue_time_s
+        if limit is None:
+            return []
+        late = [r for r in self.waiting if r.first_scheduled_time is None and now - r.arrival_time > limit]
+        for req in late:
+            self.waiting.remove(req)
+            del self.requests[req.request_id]
+            req.status = RequestStatus.FINISHED_ERROR
+        return late
 
     def _scheduled(self, req: Request, n: int) -> ScheduledSeq:
         start = req.num_computed_tokens
@@ -191,6 +249,8 @@ class Scheduler:
         wants_history = p.has_penalties
         own = min(n, req.num_tokens - start)
         spec = req.spec_token_ids[: n - own]  # the budget may cut the drafts short
+        if self.fairness is not None:
+            self.fairness.charge(req, max(0, min(start + own, len(req.prompt_token_ids)) - start), 0)
         return ScheduledSeq(
             request_id=req.request_id,
             token_ids=req.token_ids_between(start, start + own) + spec,
@@ -221,6 +281,7 @@ class Scheduler:
         verifier's own token; the KV of rejected drafts is left to be overwritten (only positions
         below num_computed_tokens count)."""
         advanced, finished = [], []
+        now = self.clock()
         for seq in out.seqs:
             req = self.requests.get(seq.request_id)
             if req is None:  # aborted while the step ran
@@ -231,6 +292,9 @@ class Scheduler:
             req.num_computed_tokens += len(seq.token_ids) - len(seq.spec_token_ids) + accepted
             if tokens is None:  # a prefill chunk, or its sampling failed (the engine ends it)
                 continue
+            req.last_token_time = now
+            if self.fairness is not None:
+                self.fairness.charge(req, 0, len(tokens))
             new = []
             for token in tokens:
                 req.output_token_ids.append(token)

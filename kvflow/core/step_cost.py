@@ -1,17 +1,20 @@
 """How long an engine step takes, learned from the steps that ran:
 
-    seconds = a + b * tokens + c * chunks + m * (chunks > 0)
+    seconds = a + b * tokens + c * chunks + m * (chunks > 0) + d * context / 1000
 
 `tokens` are all tokens computed in the step, `chunks` the sequences computing more than one
-(prefill chunks, draft verification). On a CPU a step reads every weight once whatever it
+(prefill chunks, draft verification), `context` the KV positions attention reads (each
+sequence's length after the step, summed). On a CPU a step reads every weight once whatever it
 computes, so `a` (the pass) dominates, `b` (one more token) is small until the batch is large, `c`
 is what a multi-token sequence costs beyond its tokens (its attention runs apart from the batched
-decode kernel) and `m` what a step pays once for having any (the mixed path). That is what makes
-verifying drafts cheap at batch 1 and not at batch 32.
+decode kernel), `m` what a step pays once for having any (the mixed path) and `d` attention's
+share, which grows with the contexts. That is what makes verifying drafts cheap at batch 1 and not
+at batch 32, and what the `slo` scheduling policy predicts TTFT and TPOT with.
 
 Refitted by least squares over a window of recent steps, pulled gently toward prior ratios (b, c
 and m as fractions of a step) so that a coefficient the steps have not varied enough to show stays
-sensible. No tensors here: the scheduler side uses it.
+sensible. No tensors here: the scheduler side uses it (one model per engine, shared by the
+speculator and the scheduling policy).
 """
 
 from __future__ import annotations
@@ -23,34 +26,35 @@ import numpy as np
 
 class StepCostModel:
     def __init__(self, window: int = 256, prior_token_ratio: float = 0.01, prior_chunk_ratio: float = 0.02,
-                 prior_mixed_ratio: float = 0.05) -> None:
-        self.samples: deque[tuple[int, int, float]] = deque(maxlen=window)
-        self.prior = np.array([1.0, prior_token_ratio, prior_chunk_ratio, prior_mixed_ratio])  # / a
-        self._fit: tuple[float, float, float, float] | None = None
+                 prior_mixed_ratio: float = 0.05, prior_context_ratio: float = 0.005) -> None:
+        self.samples: deque[tuple[int, int, float, float]] = deque(maxlen=window)
+        self.prior = np.array([1.0, prior_token_ratio, prior_chunk_ratio, prior_mixed_ratio,
+                               prior_context_ratio])  # / a
+        self._fit: tuple[float, ...] | None = None
 
-    def observe(self, tokens: int, seconds: float, chunks: int = 0) -> None:
+    def observe(self, tokens: int, seconds: float, chunks: int = 0, context: int = 0) -> None:
         if tokens > 0 and seconds > 0:
-            self.samples.append((tokens, chunks, seconds))
+            self.samples.append((tokens, chunks, context / 1000, seconds))
             self._fit = None
 
     @property
-    def coefficients(self) -> tuple[float, float, float, float]:
-        """(a, b, c, m): seconds per step, per token, per multi-token sequence, per step having
-        any. With no data only the ratios are known: (1, prior b, prior c, prior m)."""
+    def coefficients(self) -> tuple[float, ...]:
+        """(a, b, c, m, d): seconds per step, per token, per multi-token sequence, per step having
+        any, per 1,000 context positions. With no data only the ratios are known: (1, prior b, ...)."""
         if self._fit is None:
             self._fit = self._solve()
         return self._fit
 
-    def predict(self, tokens: int, chunks: int = 0) -> float:
-        a, b, c, m = self.coefficients
-        return a + b * tokens + c * chunks + m * (chunks > 0)
+    def predict(self, tokens: int, chunks: int = 0, context: int = 0) -> float:
+        a, b, c, m, d = self.coefficients
+        return a + b * tokens + c * chunks + m * (chunks > 0) + d * context / 1000
 
-    def _solve(self) -> tuple[float, float, float, float]:
+    def _solve(self) -> tuple[float, ...]:
         if not self.samples:
-            return tuple(self.prior.tolist())  # type: ignore[return-value]
+            return tuple(self.prior.tolist())
         data = np.array(self.samples, dtype=np.float64)
-        x = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1], data[:, 1] > 0])
-        y = data[:, 2]
+        x = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1], data[:, 1] > 0, data[:, 2]])
+        y = data[:, 3]
         # The prior, scaled to the measured step time, as pseudo-observations of b, c and m: a
         # ridge toward it that the data outweighs once the steps have varied.
         scale = float(y.mean()) / float(self.prior @ x.mean(axis=0))
@@ -60,4 +64,4 @@ class StepCostModel:
                                    np.concatenate([y, weight[1:] * self.prior[1:] * scale]), rcond=None)
         floor = 1e-3 * scale  # never free: noise must not make tokens or chunks cost nothing
         lows = np.concatenate([[floor], self.prior[1:] * floor])
-        return tuple(np.maximum(coef, lows).tolist())  # type: ignore[return-value]
+        return tuple(np.maximum(coef, lows).tolist())

@@ -30,6 +30,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kvflow.core.sched import AdmissionRejected
 from kvflow.engine.llm_engine import EngineStats, LLMEngine
 from kvflow.metrics import EngineMetrics, StatLogger
 from kvflow.outputs import RequestOutput
@@ -43,7 +44,13 @@ class EngineDeadError(RuntimeError):
 
 
 class EngineOverloadedError(RuntimeError):
-    """Admission control: too many requests are waiting."""
+    """Admission control: too many requests are waiting, or the scheduling policy predicts the
+    request would miss its SLO. `retry_after_s`: when to try again."""
+
+    def __init__(self, message: str, reason: str = "queue_full", retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.retry_after_s = retry_after_s
 
 
 class RequestFailedError(RuntimeError):
@@ -59,6 +66,7 @@ class _Add:
     add_special_tokens: bool
     arrival_time: float
     future: asyncio.Future
+    client: str | None = None
 
 
 @dataclass
@@ -206,7 +214,8 @@ class AsyncLLM:
 
     # ---- requests (event loop) --------------------------------------------------------------------
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
-                          add_special_tokens: bool = True, arrival_time: float | None = None) -> RequestHandle:
+                          add_special_tokens: bool = True, arrival_time: float | None = None,
+                          client: str | None = None) -> RequestHandle:
         """Queue a request in the engine thread and return its handle once the engine took it.
 
         Raises ValueError (bad input, as `LLMEngine.add_request`), EngineOverloadedError (too many
@@ -217,7 +226,7 @@ class AsyncLLM:
         if params.structured_outputs is not None:
             await self._compile(params)
         fut = self._loop.create_future()
-        self._send(_Add(request_id, prompt, params, add_special_tokens, arrival, fut))
+        self._send(_Add(request_id, prompt, params, add_special_tokens, arrival, fut, client))
         return await fut
 
     async def _compile(self, params: SamplingParams) -> None:
@@ -399,8 +408,13 @@ class AsyncLLM:
                     raise EngineOverloadedError(
                         f"the server is overloaded: {waiting} requests are waiting (max_waiting_requests="
                         f"{limit}); retry later")
-            self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, arrival_time=cmd.arrival_time,
-                                    add_special_tokens=cmd.add_special_tokens)
+            try:
+                self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, arrival_time=cmd.arrival_time,
+                                        add_special_tokens=cmd.add_special_tokens, client=cmd.client)
+            except AdmissionRejected as e:
+                if self.metrics is not None:
+                    self.metrics.record_rejected(e.reason)
+                raise EngineOverloadedError(str(e), e.reason, e.retry_after_s) from None
             self._live.add(cmd.request_id)
         except Exception as e:
             error = e

@@ -13,9 +13,12 @@ from typing import TYPE_CHECKING, Any
 from kvflow.config import EngineConfig
 from kvflow.core.kv_cache_manager import KVCacheManager, cdiv
 from kvflow.core.request import Request, RequestStatus
-from kvflow.core.scheduler import KVMemoryStats, Scheduler
+from kvflow.core.sched import VirtualTokenCounter, make_policy
+from kvflow.core.scheduler import KVMemoryStats, Scheduler, SchedulerOutput
+from kvflow.core.step_cost import StepCostModel
 from kvflow.engine.output_processor import OutputProcessor
-from kvflow.outputs import RequestOutput
+from kvflow.engine.slo_tracker import SLOStats, SLOTracker
+from kvflow.outputs import RequestMetrics, RequestOutput
 from kvflow.sampling_params import SamplingParams, is_int, check_text
 from kvflow.structured_output.manager import StructuredOutputManager, StructuredOutputStats
 
@@ -47,6 +50,7 @@ class EngineStats:
     kv_offload: "OffloadStats | None" = None
     spec_decode: "SpecDecodeStats | None" = None
     structured_output: StructuredOutputStats | None = None
+    slo: SLOStats | None = None
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -85,7 +89,13 @@ class LLMEngine:
         self.runner.offload = offload
         self.kv_cache = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching,
                                        offload=offload)
-        self.scheduler = Scheduler(self.kv_cache, config.max_num_batched_tokens, config.max_num_seqs)
+        # One model of step times, learned from every step: the speculator and the slo policy predict with it.
+        self.step_cost = StepCostModel()
+        policy = make_policy(config.scheduling_policy, self.step_cost, config.max_num_batched_tokens,
+                             config.priority_aging_s, config.slo_admission_factor)
+        self.scheduler = Scheduler(self.kv_cache, config.max_num_batched_tokens, config.max_num_seqs, policy,
+                                   VirtualTokenCounter() if config.fairness == "vtc" else None,
+                                   config.max_queue_time_s)
         self.output_processor = OutputProcessor(self.tokenizer)
         # Grammars for structured outputs; the compiler is built on first use (or warm_up()).
         self.structured = None if self.tokenizer is None else StructuredOutputManager(
@@ -102,7 +112,8 @@ class LLMEngine:
 
                 proposer = DraftModelProposer.create(config, spec, self.model_config.vocab_size, self.max_model_len,
                                                      self.num_kv_blocks, calibration)
-            self.speculator = Speculator(spec, proposer)
+            self.speculator = Speculator(spec, proposer, cost=self.step_cost)
+        self.slo = SLOTracker()
         self._children: dict[str, list[str]] = {}
         self._ids = itertools.count()
         self._peak_usage = 0.0
@@ -184,9 +195,11 @@ class LLMEngine:
         return list(prompt)
 
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None, add_special_tokens: bool = True) -> str:
-        """Validate and queue a request; returns its id. Raises ValueError on bad input (and then
-        changes nothing)."""
+                    arrival_time: float | None = None, add_special_tokens: bool = True,
+                    client: str | None = None) -> str:
+        """Validate and queue a request; returns its id. Raises ValueError on bad input, or
+        AdmissionRejected when the scheduling policy refuses it (and then changes nothing).
+        `client`: who sent it (fair share across clients)."""
         request_id = str(next(self._ids)) if request_id is None else request_id
         if self.output_processor.has(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -194,20 +207,30 @@ class LLMEngine:
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         prompt_ids = self.tokenize(prompt, add_special_tokens)
         self._validate_request(prompt_ids, params)
-        grammar = self._grammar(params)
         max_tokens = params.max_tokens or (self.max_model_len - len(prompt_ids))
         arrival = time.monotonic() if arrival_time is None else arrival_time
+        cfg = self.config
+        ttft = params.ttft_slo_ms if params.ttft_slo_ms is not None else cfg.default_ttft_slo_ms
+        tpot = params.tpot_slo_ms if params.tpot_slo_ms is not None else cfg.default_tpot_slo_ms
+        sched_fields = dict(priority=params.priority, client=client, ttft_slo=None if ttft is None else ttft / 1000,
+                            tpot_slo=None if tpot is None else tpot / 1000)
+        self.scheduler.check_admission(Request(request_id, request_id, 0, prompt_ids, params, max_tokens, arrival,
+                                               **sched_fields))
+        grammar = self._grammar(params)
         child_params = [params.for_child(i) for i in range(params.n)]
         for p in child_params:
             p._eos_token_ids = self.eos_token_ids
         self.output_processor.add_request(request_id, prompt if isinstance(prompt, str) else None,
-                                          prompt_ids, child_params, arrival)
+                                          prompt_ids, child_params, arrival,
+                                          RequestMetrics(arrival, ttft_slo=sched_fields["ttft_slo"],
+                                                         tpot_slo=sched_fields["tpot_slo"], priority=params.priority))
         children = []
         for i, p in enumerate(child_params):
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
             if grammar is not None:
                 self.structured.add_request(child_id, grammar)
-            self.scheduler.add_request(Request(child_id, request_id, i, prompt_ids, p, max_tokens, arrival))
+            self.scheduler.add_request(Request(child_id, request_id, i, prompt_ids, p, max_tokens, arrival,
+                                               **sched_fields))
             children.append(child_id)
         self._children[request_id] = children
         self._prompt_tokens += len(prompt_ids) * params.n
@@ -285,15 +308,18 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
+        expired = self._expire(sched)
         if sched.is_empty:
-            return []
+            self.slo.record(expired)
+            return expired
         self._steps += 1
         self._peak_usage = max(self._peak_usage, self.kv_cache.usage)
         t0 = time.perf_counter()
         grammar = None if self.structured is None else self.structured.bitmask(sched.seqs)
         result = self.runner.execute(sched, grammar)  # raises only for a fault of the step itself
+        self._observe_step_time(sched, time.perf_counter() - t0)
         if self.speculator is not None:
-            self.speculator.observe(sched, result.sampled, time.perf_counter() - t0)
+            self.speculator.observe(sched, result.sampled)
         advanced, finished = self.scheduler.update_from_output(sched, result.sampled)
         broken: dict[str, str] = {}
         if self.structured is not None and self.structured.has_requests():
@@ -316,7 +342,25 @@ class LLMEngine:
             for rid, error in failed.items():
                 logger.warning("request %s failed alone: %s", rid, error)
             outputs += self._fail_requests({rid: f"request failed: {e}" for rid, e in failed.items()})
+        outputs = expired + outputs
+        self.slo.record(outputs)
         return outputs
+
+    def _expire(self, sched: SchedulerOutput) -> list[RequestOutput]:
+        """End the requests that waited past max_queue_time_s (the scheduler already dropped them)."""
+        if not sched.timed_out:
+            return []
+        limit = self.config.max_queue_time_s
+        errors = {}
+        for req in sched.timed_out:
+            errors.setdefault(req.parent_id, f"the request waited more than max_queue_time_s ({limit:g} s) "
+                                             "without being scheduled; the server is overloaded, retry later")
+        return self._fail_requests(errors)
+
+    def _observe_step_time(self, sched: SchedulerOutput, seconds: float) -> None:
+        chunks = sum(1 for s in sched.seqs if len(s.token_ids) > 1)
+        context = sum(s.start_pos + len(s.token_ids) for s in sched.seqs)
+        self.step_cost.observe(sched.num_tokens, seconds, chunks, context)
 
     def _advance_grammars(self, advanced: list[tuple[Request, list[int]]], broken: dict[str, str]) -> list[Request]:
         """Move each constrained sequence's matcher past its new tokens; end those whose grammar
@@ -370,6 +414,7 @@ class LLMEngine:
             kv_offload=None if self.runner.offload is None else self.runner.offload.stats,
             spec_decode=None if self.speculator is None else self.speculator.stats.snapshot(),
             structured_output=None if self.structured is None else self.structured.snapshot(),
+            slo=self.slo.snapshot(),
         )
 
     def shutdown(self) -> None:

@@ -80,7 +80,8 @@ class OutputProcessor:
         self.parents: dict[str, ParentState] = {}
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    child_params: list[SamplingParams], arrival_time: float) -> None:
+                    child_params: list[SamplingParams], arrival_time: float,
+                    metrics: RequestMetrics | None = None) -> None:
         children = [
             ChildState(
                 index=i,
@@ -92,7 +93,7 @@ class OutputProcessor:
             for i, p in enumerate(child_params)
         ]
         self.parents[request_id] = ParentState(request_id, prompt, prompt_token_ids, children,
-                                               RequestMetrics(arrival_time=arrival_time))
+                                               metrics or RequestMetrics(arrival_time=arrival_time))
 
     def process(self, advanced: list[tuple[Request, list[int]]], finished: list[Request],
                 logprobs: dict[str, list[tuple]]) -> tuple[list[RequestOutput], list[str], dict[str, str]]:

@@ -109,7 +109,7 @@ class Speculator:
         return max(0, min(self.k, r.max_tokens - r.num_output_tokens - 1))
 
     def _plan(self, running: list[Request], limits: dict[str, int]) -> dict[str, int]:
-        a, b, c, m = self.cost.coefficients
+        a, b, c, m = self.cost.coefficients[:4]
         # A request's first draft makes it a multi-token sequence (c). A draft model adds a pass
         # per draft depth (a_d, paid by the first draft at that depth) and a row in it (b_d);
         # prompt lookup costs nothing measurable.
@@ -158,8 +158,8 @@ class Speculator:
         return self.alpha.get(request_id, self.global_alpha)
 
     # ---- after a step -----------------------------------------------------------------------------
-    def observe(self, sched: SchedulerOutput, sampled: dict[str, list[int]], seconds: float) -> None:
-        self.cost.observe(sched.num_tokens, seconds, sum(1 for s in sched.seqs if len(s.token_ids) > 1))
+    def observe(self, sched: SchedulerOutput, sampled: dict[str, list[int]]) -> None:
+        """After a step (its time went into the engine's StepCostModel, `cost`)."""
         self.proposer.observe(sched, sampled)
         for seq in sched.seqs:
             k = len(seq.spec_token_ids)

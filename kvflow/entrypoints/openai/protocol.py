@@ -100,6 +100,10 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None  # type: ignore[valid-type]
+    # scheduling extras: vLLM's priority (lower first), per-request SLOs
+    priority: int = 0
+    ttft_slo_ms: float | None = None
+    tpot_slo_ms: float | None = None
 
     def _sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         if self.stream_options is not None and not self.stream:
@@ -123,6 +127,9 @@ class _SamplingFields(BaseModel):
             skip_special_tokens=self.skip_special_tokens,
             logit_bias=self._logit_bias(),
             structured_outputs=self._constraint(),
+            priority=self.priority,
+            ttft_slo_ms=self.ttft_slo_ms,
+            tpot_slo_ms=self.tpot_slo_ms,
         )
 
     def _logit_bias(self) -> dict[int, float] | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -57,7 +58,7 @@ class OpenAIServing:
 
     # ---- requests ----------------------------------------------------------------------------------
     async def add_requests(self, request_id: str, prompts: Sequence[list[int]], params: SamplingParams,
-                           prompt_param: str, arrival_time: float) -> list[RequestHandle]:
+                           prompt_param: str, arrival_time: float, client: str | None = None) -> list[RequestHandle]:
         """Add one engine request per prompt; all or none (a failure aborts those already added)."""
         limit = self.llm.max_waiting_requests
         if limit is not None and params.n * len(prompts) > limit:
@@ -67,7 +68,8 @@ class OpenAIServing:
                            code="invalid_value")
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         results = await asyncio.gather(
-            *(self.llm.add_request(rid, p, params, arrival_time=arrival_time) for rid, p in zip(ids, prompts)),
+            *(self.llm.add_request(rid, p, params, arrival_time=arrival_time, client=client)
+              for rid, p in zip(ids, prompts)),
             return_exceptions=True)
         handles = [r for r in results if isinstance(r, RequestHandle)]
         errors = [r for r in results if not isinstance(r, RequestHandle)]
@@ -78,10 +80,24 @@ class OpenAIServing:
         if isinstance(err, ValueError):
             raise value_error(err, prompt_param)
         if isinstance(err, EngineOverloadedError):
-            raise APIError(503, str(err), code="overloaded", headers={"Retry-After": RETRY_AFTER_S})
+            retry = str(max(1, math.ceil(err.retry_after_s)))
+            raise APIError(503, str(err), code="overloaded", headers={"Retry-After": retry})
         if isinstance(err, EngineDeadError):
             raise APIError(503, str(err), code="engine_dead")
         raise err
+
+
+def client_of(raw: Any, user: str | None) -> str | None:
+    """Who sent a request, for fair sharing: OpenAI's `user`, else the API key (by a digest, so
+    the key itself is not kept), else nobody in particular."""
+    if user:
+        return f"user:{user}"
+    auth = raw.headers.get("authorization")
+    if auth:
+        import hashlib
+
+        return "key:" + hashlib.sha256(auth.encode()).hexdigest()[:16]
+    return None
 
 
 def sampling_params(build: Callable[[], SamplingParams]) -> SamplingParams:

@@ -19,7 +19,7 @@ from starlette.responses import JSONResponse, Response
 
 from kvflow.engine.async_llm import RequestFailedError, RequestHandle
 from kvflow.entrypoints.openai.protocol import ChatCompletionRequest
-from kvflow.entrypoints.openai.serving import OpenAIServing, chat_logprobs, now_s, sampling_params
+from kvflow.entrypoints.openai.serving import OpenAIServing, chat_logprobs, client_of, now_s, sampling_params
 from kvflow.entrypoints.openai.tool_parsers import (StreamingToolParser, ToolCall, ToolCallFormat,
                                                     generic_system_prompt, get_tool_format, make_tool_call_id)
 from kvflow.entrypoints.openai.utils import (SSE_DONE, APIError, OwnedStreamingResponse,
@@ -75,7 +75,8 @@ class ServingChat(OpenAIServing):
         tools = self._tools(req, params)
         prompt_ids = self.chat_prompt_ids(req, tools)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        handles = await self.add_requests(request_id, [prompt_ids], params, "messages", arrival)
+        handles = await self.add_requests(request_id, [prompt_ids], params, "messages", arrival,
+                                          client_of(raw, req.user))
         created = now_s()
         if req.stream:
             return OwnedStreamingResponse(self._stream(request_id, model, created, req, handles, tools), handles)

@@ -12,7 +12,7 @@ from starlette.responses import JSONResponse, Response
 
 from kvflow.engine.async_llm import RequestFailedError, RequestHandle
 from kvflow.entrypoints.openai.protocol import CompletionRequest
-from kvflow.entrypoints.openai.serving import OpenAIServing, completion_logprobs, now_s, sampling_params
+from kvflow.entrypoints.openai.serving import OpenAIServing, client_of, completion_logprobs, now_s, sampling_params
 from kvflow.entrypoints.openai.utils import (SSE_DONE, OwnedStreamingResponse,
                                              finish_unstreamed, merge_handles, parse_body, sse,
                                              sse_error, usage)
@@ -28,7 +28,7 @@ class ServingCompletion(OpenAIServing):
         prompt_ids = [self.tokenize(p, req.add_special_tokens) for p in req.prompt]
         echo = [(p if isinstance(p, str) else self.decode(p)) if req.echo else "" for p in req.prompt]
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        handles = await self.add_requests(request_id, prompt_ids, params, "prompt", arrival)
+        handles = await self.add_requests(request_id, prompt_ids, params, "prompt", arrival, client_of(raw, req.user))
         ctx = _Ctx(request_id, model, now_s(), req, echo)
         if req.stream:
             return OwnedStreamingResponse(self._stream(ctx, handles), handles)

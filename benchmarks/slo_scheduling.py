@@ -1,0 +1,503 @@
+"""SLO-aware scheduling: goodput and per-class SLO attainment of each scheduling policy, in one run.
+
+    .venv/bin/python benchmarks/slo_scheduling.py [--policies fcfs,priority,slo] [--rates 0.5,1,1.5,2]
+        [--num-prompts 100] [--seed 0] [--server-args "--model PATH ..."] [--plot-dir DIR] [--result-json FILE]
+    .venv/bin/python benchmarks/slo_scheduling.py --scenario vtc [--vtc-ratio 10] [--rates ...]
+
+`--scenario policies` (default): for each policy, start `kvflow serve --scheduling-policy P
+<--server-args>` on a free port, wait for /health, send one untimed warm-up request, run the
+`mixed` workload of `kvflow bench serve` (interactive and batch requests in one Poisson stream,
+each request carrying its own priority, ttft_slo_ms and tpot_slo_ms) at each rate, then stop the
+server. Every policy gets the same requests and arrivals (same --seed). Prints one table (policy x
+rate: goodput against each request's own SLO, attainment overall / interactive / batch,
+interactive TTFT p99, share of batch requests that finished) and plots goodput vs rate.
+
+`--scenario vtc`: two clients in one stream, `user` "heavy" sending --vtc-ratio times the
+requests of "light". The server runs with `--fairness none`, then `--fairness vtc`; the table gives
+the light client's TTFT p99 alone (its requests only, at its own rate), mixed without VTC and
+mixed with VTC. Rates are the total offered rate of both clients.
+
+Every workload flag of `kvflow bench serve` works here (--scale 0.1 and the --interactive-* /
+--batch-* SLO flags are the useful ones on a CPU). Needs a server with --scheduling-policy and
+--fairness: without them the harness stops with a message saying so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Sequence
+
+from kvflow.bench.metrics import GroupMetrics
+from kvflow.bench.report import format_table, line_plot
+from kvflow.bench.serve_client import RunResult, parse_rates
+from kvflow.cli.bench import _positive_float, add_client_args, add_dataset_args
+
+POLICIES = ("fcfs", "priority", "slo")
+SCHEDULING_FLAGS = ("--scheduling-policy", "--fairness", "--default-ttft-slo-ms", "--default-tpot-slo-ms")
+DEFAULT_SERVER_CMD = f"{shlex.quote(sys.executable)} -m kvflow.cli.main serve"
+
+# ----------------------------------------------------------------------------------------------
+# What runs: server variants and workloads
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Workload:
+    """Requests sent at `rate_factor` x each rate of --rates (the light client alone runs at its share)."""
+
+    name: str
+    requests: list
+    rate_factor: float = 1.0
+
+
+@dataclass
+class ServerVariant:
+    """One server configuration: a label for the tables and the flags that make it."""
+
+    label: str
+    flags: list[str]
+    workloads: list[Workload] = field(default_factory=list)
+
+
+@dataclass
+class Run:
+    """One workload at one rate on one server variant. `rate` is the nominal (total) rate of --rates."""
+
+    server: str
+    workload: str
+    rate: float
+    result: RunResult
+
+    def to_dict(self) -> dict:
+        return {"server": self.server, "workload": self.workload, "rate": self.rate, **self.result.to_dict()}
+
+
+def policy_variants(policies: Sequence[str], requests: list) -> list[ServerVariant]:
+    return [ServerVariant(p, ["--scheduling-policy", p], [Workload("mixed", requests)]) for p in policies]
+
+
+def vtc_variants(requests: list, light: str = "light") -> list[ServerVariant]:
+    """Without VTC: the light client alone at its share of the rate, then both; with VTC: both."""
+    alone = [r for r in requests if r.extra_body.get("user") == light]
+    if not alone:
+        raise ValueError(f"the workload has no request from client {light!r}: raise --num-prompts")
+    # Its share of the requests is exact (the mixed dataset assigns clients by exact counts), so
+    # alone it arrives at the same mean rate as it does inside the mixed stream.
+    share = len(alone) / len(requests)
+    return [ServerVariant("no VTC", ["--fairness", "none"],
+                          [Workload("light only", alone, share), Workload("mixed", requests)]),
+            ServerVariant("VTC", ["--fairness", "vtc"], [Workload("mixed", requests)])]
+
+
+# ----------------------------------------------------------------------------------------------
+# Arguments
+# ----------------------------------------------------------------------------------------------
+
+
+def _policies(spec: str) -> list[str]:
+    names = [p.strip() for p in spec.split(",") if p.strip()]
+    bad = [p for p in names if p not in POLICIES]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(f"policies must be among {', '.join(POLICIES)}, got {spec!r}")
+    return names
+
+
+def _rates(spec: str) -> list[float]:
+    try:
+        rates = parse_rates(spec)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if math.inf in rates:  # a goodput-vs-rate curve needs finite offered rates
+        raise argparse.ArgumentTypeError("--rates must be finite")
+    return rates
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--scenario", choices=("policies", "vtc"), default="policies",
+                    help="policies: one server per --policies; vtc: fairness none vs vtc (default policies)")
+    ap.add_argument("--policies", type=_policies, default=list(POLICIES),
+                    help=f"comma-separated scheduling policies (default {','.join(POLICIES)})")
+    ap.add_argument("--rates", type=_rates, default=[0.5, 1.0, 1.5, 2.0],
+                    help="comma-separated request rates, req/s (default 0.5,1,1.5,2)")
+    ap.add_argument("--server-args", default="", help="more `kvflow serve` flags, one string (e.g. \"--model DIR\")")
+    ap.add_argument("--server-cmd", default=DEFAULT_SERVER_CMD,
+                    help="the command that starts the server, before its flags (default: this python's "
+                         "`-m kvflow.cli.main serve`; e.g. `taskset -c 0-7 kvflow serve`)")
+    ap.add_argument("--startup-timeout", type=_positive_float, default=600.0,
+                    help="seconds to wait for /health (default 600)")
+    ap.add_argument("--stop-timeout", type=_positive_float, default=30.0,
+                    help="seconds after SIGTERM before the server is killed (default 30)")
+    ap.add_argument("--vtc-ratio", type=_positive_float, default=10.0,
+                    help="vtc: the heavy client's rate over the light one's (default 10)")
+    ap.add_argument("--plot-dir", default=None, help="write the goodput (vtc: light TTFT p99) vs rate PNG here")
+    ap.add_argument("--result-json", default=None, help="write config, machine info and every run here")
+    add_client_args(ap, default_timeout=600.0)
+    add_dataset_args(ap, 100)
+    ap.set_defaults(dataset="mixed")
+    return ap
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    args.server_flags = shlex.split(args.server_args)
+    own = "--fairness" if args.scenario == "vtc" else "--scheduling-policy"
+    if flag_value(args.server_flags, own) is not None:  # the harness sets it, one server per value
+        raise SystemExit(f"slo_scheduling: error: the {args.scenario} scenario sets {own} itself; "
+                         "drop it from --server-args")
+    if args.scenario == "vtc" and not args.mixed_users:
+        args.mixed_users = f"heavy:{args.vtc_ratio:g},light:1"
+    return args
+
+
+def flag_value(argv: Sequence[str], flag: str) -> str | None:
+    """The value of `flag` in an argv list ('--flag V' or '--flag=V'), None if absent."""
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# The server subprocess
+# ----------------------------------------------------------------------------------------------
+
+
+class ServerError(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_failure_message(log: str, returncode: int | None) -> str:
+    """Why the server did not come up, from its log: an unknown scheduling flag gets its own message."""
+    lines = log.strip().splitlines()
+    for line in lines:
+        if ("unrecognized arguments" in line or "invalid choice" in line) and any(f in line for f in SCHEDULING_FLAGS):
+            return (f"kvflow serve does not accept the scheduling flags ({line.strip()}). The harness needs a server "
+                    "with --scheduling-policy fcfs|priority|slo and --fairness none|vtc: the SLO-aware scheduling "
+                    "work has not landed in this checkout, or this environment runs another kvflow.")
+    tail = "\n".join("    " + ln for ln in lines[-20:])
+    how = f"exited with code {returncode}" if returncode is not None else "did not answer /health in time"
+    return f"kvflow serve {how}; last lines of its log:\n{tail}"
+
+
+class ManagedServer:
+    """`kvflow serve` as a child process in its own process group; always stopped on exit.
+
+    Its own group: a Ctrl-C in the terminal reaches only the harness, which then stops the server
+    in order (SIGTERM: drain, then SIGKILL to the whole group if it does not exit in time).
+    """
+
+    def __init__(self, cmd: Sequence[str], flags: Sequence[str], startup_timeout: float, stop_timeout: float):
+        self.port = free_port()
+        self.argv = [*cmd, "--port", str(self.port), *flags]
+        self.startup_timeout, self.stop_timeout = startup_timeout, stop_timeout
+        self.proc: subprocess.Popen | None = None
+        self.log = tempfile.TemporaryFile(mode="w+", prefix="kvflow-serve-")
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> "ManagedServer":
+        print(f"starting: {shlex.join(self.argv)}", flush=True)
+        self.proc = subprocess.Popen(self.argv, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def log_text(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()
+
+    def check_alive(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            raise ServerError(start_failure_message(self.log_text(), self.proc.returncode if self.proc else None))
+
+    def _wait_healthy(self) -> None:
+        import httpx
+
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            self.check_alive()
+            try:
+                if httpx.get(self.base_url + "/health", timeout=2.0, trust_env=False).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass  # not listening yet
+            time.sleep(0.5)
+        raise ServerError(start_failure_message(self.log_text(), None))
+
+    def stop(self) -> None:
+        """SIGTERM, wait, SIGKILL on timeout. Idempotent: __enter__'s failure path and __exit__ both call it."""
+        proc = self.proc
+        if proc is None:
+            return
+        if proc.poll() is None:
+            _signal_group(proc, signal.SIGTERM)
+            try:
+                proc.wait(self.stop_timeout)
+            except subprocess.TimeoutExpired:
+                print(f"server {proc.pid} still up {self.stop_timeout:g} s after SIGTERM: killing it", flush=True)
+                _signal_group(proc, signal.SIGKILL)
+                proc.wait()
+        self.log.close()
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)  # the group we created (start_new_session): the server and its children
+    except ProcessLookupError:
+        pass
+
+
+def server_max_model_len(base_url: str) -> int | None:
+    import httpx
+
+    try:
+        data = httpx.get(base_url + "/v1/models", timeout=10.0, trust_env=False).json()["data"]
+        return int(data[0]["max_model_len"])
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+        return None
+
+
+def check_fits(requests: Sequence[Any], max_model_len: int | None) -> None:
+    """Fail before measuring when a request cannot fit: its 400 would read as a scheduling failure."""
+    if max_model_len is None:
+        return
+    need = max(r.prompt_len + r.output_len + 1 for r in requests)  # +1: a BOS the server may add
+    if need > max_model_len:
+        raise ServerError(f"the longest request needs {need} tokens but the server's max_model_len is "
+                          f"{max_model_len}: lower --scale or --max-input-len/--max-output-len, or serve a "
+                          "longer --max-model-len")
+
+
+# ----------------------------------------------------------------------------------------------
+# Running
+# ----------------------------------------------------------------------------------------------
+
+
+def warm_up(cfg: Any, tokenizer: Any) -> None:
+    """One short untimed request: first-call set-up (allocation, kernels) is not any policy's fault."""
+    from kvflow.bench.datasets import BenchRequest
+    from kvflow.bench.serve_client import run_benchmark
+
+    res = run_benchmark([BenchRequest(prompt="the city of light", prompt_len=4, output_len=2)],
+                        replace(cfg, disable_tqdm=True), tokenizer)
+    if not res.records[0].success:
+        raise ServerError(f"the warm-up request failed: {res.records[0].error}")
+
+
+def run_variant(variant: ServerVariant, args: argparse.Namespace, tokenizer: Any) -> list[Run]:
+    from kvflow.bench.report import slo_tables
+    from kvflow.bench.serve_client import run_sweep
+    from kvflow.cli.bench import serve_config
+
+    runs = []
+    with ManagedServer(shlex.split(args.server_cmd), variant.flags + args.server_flags,
+                       args.startup_timeout, args.stop_timeout) as server:
+        cfg = serve_config(args, server.base_url)
+        max_len = server_max_model_len(server.base_url)
+        for w in variant.workloads:
+            check_fits(w.requests, max_len)
+        warm_up(cfg, tokenizer)
+        for w in variant.workloads:
+            results = run_sweep(w.requests, cfg, [r * w.rate_factor for r in args.rates], tokenizer)
+            server.check_alive()
+            for rate, res in zip(args.rates, results):
+                runs.append(Run(variant.label, w.name, rate, res))
+                print(f"\n{variant.label}, {w.name}, rate {rate:g} req/s: {res.metrics.completed}/"
+                      f"{res.metrics.num_requests} ok in {res.duration_s:.1f} s")
+                print(slo_tables(res.metrics))
+    return runs
+
+
+# ----------------------------------------------------------------------------------------------
+# Tables and plots (pure: they only read the runs)
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PolicyRow:
+    policy: str
+    rate: float
+    goodput: float | None  # req/s meeting their own SLOs
+    attainment: float | None  # shares in [0, 1]
+    interactive: float | None
+    batch: float | None
+    interactive_ttft_p99_ms: float | None
+    batch_finished: float | None  # batch requests that succeeded / sent
+
+
+def _share(x: float | None) -> float | None:
+    return None if x is None else 100.0 * x
+
+
+def policy_row(run: Run) -> PolicyRow:
+    m = run.result.metrics
+    overall, inter, batch = m.per_request_slo, m.classes.get("interactive"), m.classes.get("batch")
+
+    def attained(g: GroupMetrics | None) -> float | None:
+        return g.attainment if g is not None else None
+
+    return PolicyRow(
+        policy=run.server, rate=run.rate, goodput=overall.goodput if overall is not None else None,
+        attainment=attained(overall), interactive=attained(inter), batch=attained(batch),
+        interactive_ttft_p99_ms=inter.ttft_ms.get("p99") if inter is not None else None,
+        batch_finished=batch.completed / batch.sent if batch is not None and batch.sent else None)
+
+
+def policy_table(rows: Sequence[PolicyRow]) -> str:
+    return format_table(
+        ["policy", "rate", "goodput", "attain %", "interactive %", "batch %", "interactive TTFT p99 ms",
+         "batch finished %"],
+        [[r.policy, f"{r.rate:g}", r.goodput, _share(r.attainment), _share(r.interactive), _share(r.batch),
+          r.interactive_ttft_p99_ms, _share(r.batch_finished)] for r in rows],
+        title="SLO-aware scheduling: mixed workload, each request against its own SLO (goodput in req/s)")
+
+
+@dataclass
+class VtcRow:
+    """The light client's TTFT p99 (ms) at one total rate."""
+
+    rate: float
+    alone: float | None
+    mixed: float | None  # with the heavy client, no VTC
+    mixed_vtc: float | None
+
+
+def light_ttft_p99(run: Run | None, light: str = "light") -> float | None:
+    g = run.result.metrics.users.get(light) if run is not None else None
+    return g.ttft_ms.get("p99") if g is not None else None
+
+
+def vtc_rows(runs: Sequence[Run], light: str = "light") -> list[VtcRow]:
+    by_key = {(r.server, r.workload, r.rate): r for r in runs}
+    rates = list(dict.fromkeys(r.rate for r in runs))
+    return [VtcRow(rate, light_ttft_p99(by_key.get(("no VTC", "light only", rate)), light),
+                   light_ttft_p99(by_key.get(("no VTC", "mixed", rate)), light),
+                   light_ttft_p99(by_key.get(("VTC", "mixed", rate)), light)) for rate in rates]
+
+
+def vtc_table(rows: Sequence[VtcRow]) -> str:
+    return format_table(["rate", "light alone", "mixed, no VTC", "mixed, VTC"],
+                        [[f"{r.rate:g}", r.alone, r.mixed, r.mixed_vtc] for r in rows],
+                        title="VTC fairness: the light client's TTFT p99 (ms); rate = both clients' req/s")
+
+
+def plot_policies(rows: Sequence[PolicyRow], out_dir: str) -> str | None:
+    series: dict[str, tuple[list[float], list[float | None]]] = {}
+    for r in rows:
+        xs, ys = series.setdefault(r.policy, ([], []))
+        xs.append(r.rate)
+        ys.append(r.goodput)
+    return line_plot(series, "request rate (req/s)", "goodput (req/s meeting their own SLO)",
+                     "Goodput by scheduling policy", os.path.join(out_dir, "slo_goodput.png"))
+
+
+def plot_vtc(rows: Sequence[VtcRow], out_dir: str) -> str | None:
+    xs = [r.rate for r in rows]
+    series = {"light alone": (xs, [r.alone for r in rows]), "mixed, no VTC": (xs, [r.mixed for r in rows]),
+              "mixed, VTC": (xs, [r.mixed_vtc for r in rows])}
+    return line_plot(series, "total request rate (req/s)", "light client TTFT p99 (ms)",
+                     "VTC fairness", os.path.join(out_dir, "vtc_light_ttft.png"))
+
+
+# ----------------------------------------------------------------------------------------------
+# Main
+# ----------------------------------------------------------------------------------------------
+
+
+def harness_tokenizer(args: argparse.Namespace) -> Any:
+    """--tokenizer, else the served model's (its --tokenizer / --model in --server-args), else the default model's."""
+    from kvflow.bench.datasets import default_model_gguf, load_tokenizer
+
+    spec = args.tokenizer or flag_value(args.server_flags, "--tokenizer") or flag_value(args.server_flags, "--model")
+    if spec is None and default_model_gguf() is not None:
+        spec = "default"
+    return load_tokenizer(spec) if spec else None
+
+
+def report(runs: Sequence[Run], args: argparse.Namespace) -> None:
+    from kvflow.bench.report import dump_json
+    from kvflow.cli.bench import workload_spec
+
+    if args.scenario == "vtc":
+        rows: Sequence[Any] = vtc_rows(runs)
+        table, plot = vtc_table(rows), plot_vtc
+    else:
+        rows = [policy_row(r) for r in runs]
+        table, plot = policy_table(rows), plot_policies
+    print()
+    print(table)
+    if args.plot_dir:
+        path = plot(rows, args.plot_dir)
+        if path:
+            print(f"wrote {path}")
+    if args.result_json:
+        conf = {k: v for k, v in vars(args).items() if k not in ("server_flags", "api_key")}
+        conf["workload"] = vars(workload_spec(args))
+        dump_json(args.result_json, conf, [r.to_dict() for r in runs])
+        print(f"wrote {args.result_json}")
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)  # unwinds through ManagedServer.__exit__, which stops the server
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from spec_decode import cpu_line
+
+    from kvflow.cli.bench import build_workload
+
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    print(cpu_line(flag_value(args.server_flags, "--quantization")))
+    tokenizer = harness_tokenizer(args)
+    requests = build_workload(args, tokenizer)
+    if args.scenario == "vtc":
+        variants = vtc_variants(requests)
+    else:
+        variants = policy_variants(args.policies, requests)
+    runs: list[Run] = []
+    try:
+        for v in variants:
+            runs += run_variant(v, args, tokenizer)
+    except ServerError as e:
+        print(f"slo_scheduling: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # the server is already stopped (ManagedServer.__exit__)
+        print("slo_scheduling: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        if runs:
+            report(runs, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
