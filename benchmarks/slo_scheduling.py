@@ -333,7 +333,25 @@ def run_variant(variant: ServerVariant, args: argparse.Namespace, tokenizer: Any
                 print(f"\n{variant.label}, {w.name}, rate {rate:g} req/s: {res.metrics.completed}/"
                       f"{res.metrics.num_requests} ok in {res.duration_s:.1f} s")
                 print(slo_tables(res.metrics))
+        error = step_cost_error(server.base_url)
+        if error is not None:
+            print(f"{variant.label}: the step-time model's median prediction error over the last steps: "
+                  f"{100 * error:.1f}%")
     return runs
+
+
+def step_cost_error(base_url: str) -> float | None:
+    """The server's kvflow:step_cost_prediction_error gauge (None if it does not export it)."""
+    import httpx
+
+    try:
+        text = httpx.get(base_url + "/metrics", timeout=5.0, trust_env=False).text
+    except httpx.HTTPError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("kvflow:step_cost_prediction_error "):
+            return float(line.split()[1])
+    return None
 
 
 # ----------------------------------------------------------------------------------------------

@@ -5,7 +5,8 @@
 Runs the default model (fp32) on the input-grounded prompts of `spec_decode.py`, once plainly and
 once with prompt lookup at a fixed k, timing every model step; prints the median step time for each
 step shape (tokens computed, sequences computing more than one) and, for the speculating engine,
-its own fitted step-cost model (seconds = a + b * tokens + c * multi-token sequences + m * any).
+its own fitted step-cost model (seconds = a + b * tokens + c * multi-token sequences + m * any
++ d * context) and the model's median prediction error.
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ def timed(llm: LLM) -> list[tuple[int, int, float]]:
     runner, samples = llm.engine.runner, []
     execute = runner.execute
 
-    def wrapper(out):
+    def wrapper(out, *rest):
         t0 = time.perf_counter()
-        result = execute(out)
+        result = execute(out, *rest)
         samples.append((out.num_tokens, sum(len(s.token_ids) > 1 for s in out.seqs), time.perf_counter() - t0))
         return result
 

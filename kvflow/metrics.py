@@ -90,6 +90,8 @@ class EngineMetrics:
                                                 "Arrival to first scheduled, by request priority.", ["priority"],
                                                 buckets=_REQUEST_BUCKETS, registry=r)
         self._seen_slo: dict[str, dict[str, int]] = {"attained": {}, "missed": {}}
+        self.step_cost_error = Gauge("kvflow:step_cost_prediction_error", "Median relative error of the step-time "
+                                     "model's predictions (scheduling, speculation), over recent steps.", registry=r)
         for reason in ("stop", "length", "abort", "error"):
             self.success.labels(finished_reason=reason)  # export zeros from the start
         for reason in ("queue_full", "slo"):
@@ -160,6 +162,9 @@ class EngineMetrics:
                     counter.labels(slo=kind).inc(max(0, n - seen.get(kind, 0)))
                     seen[kind] = max(n, seen.get(kind, 0))
             self.goodput.set(slo.goodput)
+        error = getattr(stats, "step_cost_error", None)
+        if error is not None:
+            self.step_cost_error.set(error)
         spec = getattr(stats, "spec_decode", None)
         if spec is not None:
             drafts, tokens, accepted, per_pos = self._seen_spec

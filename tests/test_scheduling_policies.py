@@ -55,6 +55,11 @@ def test_cost_model_predicts_the_fake_machine():
     cost = fake_cost()
     for tokens, chunks, context in ((300, 1, 1000), (40, 0, 10000), (3000, 1, 0)):
         assert cost.predict(tokens, chunks, context) == pytest.approx(A + B * tokens, rel=0.05)
+    # its error is measured on each step before it sees it: small on the linear machine, large on
+    # a step that is not what it learned
+    assert cost.prediction_error is not None and cost.prediction_error < 0.1
+    cost.observe(100, 5 * (A + B * 100), 1, 500)
+    assert cost.errors[-1] == pytest.approx(0.8, abs=0.05)
 
 
 def test_slo_order_edf_plus_own_prefill_relegation_and_promotion():
@@ -76,8 +81,9 @@ def test_slo_order_edf_plus_own_prefill_relegation_and_promotion():
 def test_slo_budget_shrinks_as_the_tpot_deadline_nears():
     policy = SLOPolicy(fake_cost(), max_num_batched_tokens=2048, min_chunk=32)
     decoding = req("d", 8, tpot=0.100)
-    decoding.num_computed_tokens = 8  # past its prompt: decoding
-    decoding.last_token_time = 0.0
+    decoding.num_computed_tokens = 8  # past its prompt: decoding, one token out at t = -0.1
+    decoding.output_token_ids = [5, 5]
+    decoding.first_token_time = -0.1  # its third token is due by -0.1 + 2 x 0.1 = 0.1
     view = QueueView([decoding], [], 2048)
     budgets = [policy.token_budget(view, now) for now in (-0.5, 0.0, 0.03, 0.06, 0.08, 0.089, 0.095, 0.2)]
     assert budgets == sorted(budgets, reverse=True) and budgets[0] == 2048 and budgets[-1] == 1 + 32

@@ -65,7 +65,7 @@ class Request:
     client: str | None = None
     ttft_slo: float | None = None
     tpot_slo: float | None = None
-    last_token_time: float | None = None  # when the last output token came (scheduler clock)
+    first_token_time: float | None = None  # when the first output token came (scheduler clock)
 
     def token_ids_between(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of prompt + output, without concatenating the whole sequence."""

@@ -292,7 +292,8 @@ class Scheduler:
             req.num_computed_tokens += len(seq.token_ids) - len(seq.spec_token_ids) + accepted
             if tokens is None:  # a prefill chunk, or its sampling failed (the engine ends it)
                 continue
-            req.last_token_time = now
+            if req.first_token_time is None:
+                req.first_token_time = now
             if self.fairness is not None:
                 self.fairness.charge(req, 0, len(tokens))
             new = []

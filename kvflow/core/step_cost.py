@@ -31,11 +31,19 @@ class StepCostModel:
         self.prior = np.array([1.0, prior_token_ratio, prior_chunk_ratio, prior_mixed_ratio,
                                prior_context_ratio])  # / a
         self._fit: tuple[float, ...] | None = None
+        self.errors: deque[float] = deque(maxlen=window)
 
     def observe(self, tokens: int, seconds: float, chunks: int = 0, context: int = 0) -> None:
         if tokens > 0 and seconds > 0:
+            if len(self.samples) >= 8:  # how far off the model was on a step it had not seen
+                self.errors.append(abs(self.predict(tokens, chunks, context) - seconds) / seconds)
             self.samples.append((tokens, chunks, context / 1000, seconds))
             self._fit = None
+
+    @property
+    def prediction_error(self) -> float | None:
+        """Median relative error of the last predictions made before each step was seen."""
+        return float(np.median(self.errors)) if self.errors else None
 
     @property
     def coefficients(self) -> tuple[float, ...]:

@@ -51,6 +51,7 @@ class EngineStats:
     spec_decode: "SpecDecodeStats | None" = None
     structured_output: StructuredOutputStats | None = None
     slo: SLOStats | None = None
+    step_cost_error: float | None = None  # median relative error of the step-time predictions
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -415,6 +416,7 @@ class LLMEngine:
             spec_decode=None if self.speculator is None else self.speculator.stats.snapshot(),
             structured_output=None if self.structured is None else self.structured.snapshot(),
             slo=self.slo.snapshot(),
+            step_cost_error=self.step_cost.prediction_error,
         )
 
     def shutdown(self) -> None:

@@ -4,7 +4,8 @@ Every prediction comes from the engine's `StepCostModel` (fitted online from mea
 tokens, multi-token chunks, attention context):
 
 - Step size from slack (Sarathi-Serve's budget, sized each step as in Niyama): the decoding
-  requests' tightest next-token deadline (last token + TPOT SLO) leaves `slack`; the prefill chunk
+  requests' tightest next-token deadline (first token + tokens so far x TPOT SLO, since TPOT is an
+  average) leaves `slack`; the prefill chunk
   is the largest the cost model says fits in it, so a step is big while decodes have room and small
   when a TPOT deadline is near (never below `min_chunk`, so prefill still progresses).
 - Admission order: earliest TTFT deadline plus the request's own predicted prefill time (a hybrid
@@ -64,8 +65,10 @@ class SLOPolicy(SchedulingPolicy):
     # ---- the policy ------------------------------------------------------------------------------
     def token_budget(self, view: QueueView, now: float) -> int:
         decodes = _decoding(view.running)
-        deadlines = [r.last_token_time + r.tpot_slo for r in decodes
-                     if r.tpot_slo is not None and r.last_token_time is not None]
+        # TPOT is an average ((last - first) / (tokens - 1)), so the next token of a request with n
+        # tokens is due by first + n x SLO: steps that ran fast bank slack for a big chunk later.
+        deadlines = [r.first_token_time + r.num_output_tokens * r.tpot_slo for r in decodes
+                     if r.tpot_slo is not None and r.first_token_time is not None]
         if not deadlines or not self.predicts:
             return view.max_num_batched_tokens
         slack = min(deadlines) - now
