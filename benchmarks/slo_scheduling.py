@@ -301,15 +301,20 @@ def check_fits(requests: Sequence[Any], max_model_len: int | None) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-def warm_up(cfg: Any, tokenizer: Any) -> None:
-    """One short untimed request: first-call set-up (allocation, kernels) is not any policy's fault."""
+def warm_up(cfg: Any, tokenizer: Any, requests: Sequence[Any] = ()) -> None:
+    """Untimed requests first: a short one, then the workload's longest prompt (two output tokens,
+    no SLO), so first-call set-up (allocation, kernels, the first full-size prefill chunks) is not
+    charged to whichever policy or rate runs first."""
     from kvflow.bench.datasets import BenchRequest
     from kvflow.bench.serve_client import run_benchmark
 
-    res = run_benchmark([BenchRequest(prompt="the city of light", prompt_len=4, output_len=2)],
-                        replace(cfg, disable_tqdm=True), tokenizer)
-    if not res.records[0].success:
-        raise ServerError(f"the warm-up request failed: {res.records[0].error}")
+    warm = [BenchRequest(prompt="the city of light", prompt_len=4, output_len=2)]
+    if requests:
+        warm.append(replace(max(requests, key=lambda r: r.prompt_len), output_len=2, extra_body={}))
+    for req in warm:
+        res = run_benchmark([req], replace(cfg, disable_tqdm=True), tokenizer)
+        if not res.records[0].success:
+            raise ServerError(f"the warm-up request failed: {res.records[0].error}")
 
 
 def run_variant(variant: ServerVariant, args: argparse.Namespace, tokenizer: Any) -> list[Run]:
@@ -324,7 +329,7 @@ def run_variant(variant: ServerVariant, args: argparse.Namespace, tokenizer: Any
         max_len = server_max_model_len(server.base_url)
         for w in variant.workloads:
             check_fits(w.requests, max_len)
-        warm_up(cfg, tokenizer)
+        warm_up(cfg, tokenizer, [r for w in variant.workloads for r in w.requests])
         for w in variant.workloads:
             results = run_sweep(w.requests, cfg, [r * w.rate_factor for r in args.rates], tokenizer)
             server.check_alive()
