@@ -1,7 +1,7 @@
 """What structured outputs cost on the default model: grammar compile time (the compiler's
 one-time vocabulary pass, a mid-size schema's first compile, and a cached lookup), and the
 per-step mask overhead (filling the constrained rows' bitmasks + applying them to the logits) as
-a share of the step time, at batch 1 and 32.
+a share of the step time, at batch 1 and 32; and the two ways of applying a bitmask.
 
     .venv/bin/python benchmarks/structured_output.py [--batches 1,32] [--rounds 3] [--max-tokens 64]
 
@@ -106,6 +106,27 @@ def run(llm: LLM, timer: StepTimer, batch: int, max_tokens: int, constrained: bo
             "finished": sum(o.outputs[0].finish_reason == "stop" for o in outs) / len(outs)}
 
 
+def kernels(vocab: int, batch: int = 32) -> None:
+    """kvflow's bitmask application against xgrammar's CPU kernel, on rows that allow few tokens
+    (what a grammar mostly leaves), as the engine applies them."""
+    import torch
+    import xgrammar as xgr
+
+    from kvflow.structured_output.manager import GrammarBitmask, apply_bitmask
+
+    mask = torch.zeros(batch, xgr.get_bitmask_shape(1, vocab)[1], dtype=torch.int32)
+    mask[:, 5] = 0x0F0F0F0F
+    rows, logits = list(range(batch)), torch.randn(batch, vocab)
+    for name, fn in (("xgrammar apply_token_bitmask_inplace",
+                      lambda: xgr.apply_token_bitmask_inplace(logits, mask, indices=rows, vocab_size=vocab)),
+                     ("kvflow apply_bitmask", lambda: apply_bitmask(logits, GrammarBitmask(mask, rows)))):
+        fn()
+        t = time.perf_counter()
+        for _ in range(30):
+            fn()
+        print(f"{name}, {batch} x {vocab}: {1000 * (time.perf_counter() - t) / 30:.2f} ms")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", default="1,32")
@@ -133,6 +154,7 @@ def main() -> None:
         print(f"{name} ({len(json.dumps(schema))} characters): first compile {1000 * first:.1f} ms, "
               f"cached lookup {1e6 * statistics.median(cached):.0f} us")
 
+    kernels(llm.engine.model_config.vocab_size)
     timer = StepTimer(llm)
     run(llm, timer, 2, 8, True)  # warm-up
     print("batch | mode        | step ms | mask fill ms | mask apply ms | mask share of step | decode tok/s | "

@@ -55,6 +55,3 @@ class SchedulingPolicy:
 
     def check_admission(self, req: Request, view: QueueView, now: float) -> None:
         """Raise AdmissionRejected to refuse `req` at arrival."""
-
-    def observe_step(self, decode_rows: int, prefill_tokens: int, context_tokens: int, seconds: float) -> None:
-        """A step ran (for policies that learn step times)."""
