@@ -48,6 +48,9 @@ class EngineConfig:
     kv_offload_cpu_gb: float = 0.0
     kv_offload_disk_dir: str | None = None
     kv_offload_disk_gb: float = 4.0  # used only with kv_offload_disk_dir
+    # Prefill/decode disaggregation, as vLLM's dict: {"kv_connector": "tcp" | "shm", "kv_role":
+    # "kv_producer" | "kv_consumer" | "kv_both", ...} (see kvflow/kv_transfer/config.py); None = off.
+    kv_transfer_config: dict[str, Any] | None = None
     # Speculative decoding, as vLLM's dict: {"method": "ngram", "num_speculative_tokens": 4, ...}
     # (see kvflow/spec_decode/config.py); None = off.
     speculative_config: dict[str, Any] | None = None
@@ -104,6 +107,16 @@ class EngineConfig:
             self.speculative()  # validate now, with a message naming the key
         if (self.kv_offload_cpu_gb > 0 or self.kv_offload_disk_dir) and not self.enable_prefix_caching:
             raise ValueError("the KV offload tiers hold prefix-cache blocks: they need enable_prefix_caching")
+        if self.kv_transfer_config is not None:
+            from kvflow.kv_transfer.config import KVTransferConfig
+
+            KVTransferConfig.parse(self.kv_transfer_config)  # validate now, with a message naming the key
+            if not self.enable_prefix_caching:
+                raise ValueError("kv_transfer_config: transferred blocks are found by their prefix-cache hashes; "
+                                 "it needs enable_prefix_caching")
+            if self.kv_offload_cpu_gb > 0 or self.kv_offload_disk_dir:
+                raise ValueError("kv_transfer_config cannot be combined with the KV offload tiers yet "
+                                 "(kv_offload_cpu_gb / kv_offload_disk_dir): choose one")
 
     def speculative(self):
         """The typed `SpeculativeConfig`, or None when speculation is off."""

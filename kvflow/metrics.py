@@ -25,6 +25,7 @@ _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
                 20.0, 40.0, 80.0)
 _COMPILE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _MASK_BUCKETS = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1)
+_TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                     120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
@@ -92,6 +93,18 @@ class EngineMetrics:
         self._seen_slo: dict[str, dict[str, int]] = {"attained": {}, "missed": {}}
         self.step_cost_error = Gauge("kvflow:step_cost_prediction_error", "Median relative error of the step-time "
                                      "model's predictions (scheduling, speculation), over recent steps.", registry=r)
+        self.kv_transfer_bytes = Counter("kvflow:kv_transfer_bytes", "KV bytes moved to or from another engine "
+                                         "(P/D disaggregation), by direction.", ["direction"], registry=r)
+        self.kv_transfer_blocks = Counter("kvflow:kv_transfer_blocks", "KV blocks moved to or from another engine, "
+                                          "by direction.", ["direction"], registry=r)
+        self.kv_transfer_time = hist("kv_transfer_seconds", "Time to fetch one request's KV blocks from the "
+                                     "producer engine (connect, manifest, payload, checksum).", _TRANSFER_BUCKETS)
+        self.kv_transfer_failures = Counter("kvflow:kv_transfer_failures", "KV fetches that failed (then recomputed "
+                                            "or failed per kv_load_failure_policy), by reason.", ["reason"],
+                                            registry=r)
+        self.kv_leases_expired = Counter("kvflow:kv_transfer_leases_expired", "Held KV transfers freed because no "
+                                         "consumer fetched them within the lease.", registry=r)
+        self._seen_transfer: dict[str, int] = {}
         for reason in ("stop", "length", "abort", "error"):
             self.success.labels(finished_reason=reason)  # export zeros from the start
         for reason in ("queue_full", "slo"):
@@ -187,6 +200,24 @@ class EngineMetrics:
             self.grammar_compile.observe(dt)
         for dt in masks:
             self.grammar_mask.observe(dt)
+
+    def record_kv_transfer(self, stats, times: list[float]) -> None:
+        """`stats`: a KVTransferStats snapshot; `times`: fetch durations since the last call."""
+        seen = self._seen_transfer
+
+        def advance(key: str, total: int, counter) -> None:
+            counter.inc(max(0, total - seen.get(key, 0)))
+            seen[key] = max(total, seen.get(key, 0))
+
+        advance("bytes_sent", stats.bytes_sent, self.kv_transfer_bytes.labels(direction="sent"))
+        advance("bytes_received", stats.bytes_received, self.kv_transfer_bytes.labels(direction="received"))
+        advance("blocks_sent", stats.blocks_sent, self.kv_transfer_blocks.labels(direction="sent"))
+        advance("blocks_received", stats.blocks_received, self.kv_transfer_blocks.labels(direction="received"))
+        advance("leases", stats.leases_expired, self.kv_leases_expired)
+        for reason, n in stats.failures.items():
+            advance("failure:" + reason, n, self.kv_transfer_failures.labels(reason=reason))
+        for dt in times:
+            self.kv_transfer_time.observe(dt)
 
     def record_rejected(self, reason: str = "queue_full") -> None:
         self.rejected.labels(reason=reason).inc()

@@ -55,3 +55,5 @@ class RequestOutput:
     metrics: RequestMetrics
     num_cached_tokens: int = 0
     error: str | None = field(default=None)
+    # Prefill/decode disaggregation: what a producer engine returns for the decode engine
+    kv_transfer_params: dict | None = None

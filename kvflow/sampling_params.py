@@ -46,6 +46,10 @@ class SamplingParams:
     priority: int = 0
     ttft_slo_ms: float | None = None
     tpot_slo_ms: float | None = None
+    # Prefill/decode disaggregation (vLLM's field): {"do_remote_decode": true} asks a producer engine
+    # to hold the prompt's KV for a decode engine; the params it returns ({"do_remote_prefill": true,
+    # "remote_host", ...}) tell the decode engine where to fetch it. See kvflow/kv_transfer/.
+    kv_transfer_params: dict[str, Any] | None = None
     # Filled by the engine: EOS ids of the model (not a user field).
     _eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
 
@@ -114,6 +118,11 @@ class SamplingParams:
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise ValueError("structured_outputs must be a StructuredOutputsParams, got "
                              f"{type(self.structured_outputs).__name__}")
+        if self.kv_transfer_params is not None:
+            if not isinstance(self.kv_transfer_params, dict):
+                raise bad("kv_transfer_params", "a JSON object")
+            if self.n != 1:
+                raise ValueError(f"kv_transfer_params needs n=1, got n={self.n}")
 
     def _validate_logit_bias(self) -> None:
         bias = self.logit_bias

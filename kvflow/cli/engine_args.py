@@ -32,6 +32,10 @@ _HELP = {
     "speculative_config": "speculative decoding as a JSON object, e.g. '{\"method\": \"ngram\", "
                           "\"num_speculative_tokens\": 4}' (keys: method, num_speculative_tokens, "
                           "prompt_lookup_min, prompt_lookup_max, adaptive)",
+    "kv_transfer_config": "prefill/decode disaggregation as a JSON object, e.g. '{\"kv_connector\": \"tcp\", "
+                          "\"kv_role\": \"kv_producer\"}' (keys: kv_connector tcp|shm, kv_role "
+                          "kv_producer|kv_consumer|kv_both, kv_ip, kv_port, kv_lease_s, kv_transfer_timeout_s, "
+                          "kv_load_failure_policy recompute|fail, engine_id)",
 }
 
 

@@ -9,7 +9,7 @@ import logging
 import sys
 
 # module -> registers these sub-commands
-_COMMANDS = ("generate", "serve", "bench", "roofline")
+_COMMANDS = ("generate", "serve", "router", "bench", "roofline")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -10,28 +10,22 @@ from __future__ import annotations
 import hashlib
 from array import array
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from kvflow.core.block_pool import BlockHash, BlockPool
 from kvflow.core.request import Request
 
 
-class OffloadIndex(Protocol):
-    """The scheduler's view of the lower KV tiers: which hashes can be loaded (no tensors)."""
-
-    def acquire(self, block_hash: BlockHash) -> bool: ...
-
-
 @dataclass
 class ComputedBlocks:
-    """A request's cached prefix: blocks already in the pool, then blocks to load from a tier."""
+    """A request's cached prefix: blocks already in the pool, then blocks a KV connector supplies
+    (an offload tier, another engine) into fresh blocks."""
 
     blocks: list[int] = field(default_factory=list)
-    load_hashes: list[BlockHash] = field(default_factory=list)
+    num_external_blocks: int = 0
 
     @property
     def num_blocks(self) -> int:
-        return len(self.blocks) + len(self.load_hashes)
+        return len(self.blocks) + self.num_external_blocks
 
 
 def cdiv(a: int, b: int) -> int:
@@ -57,7 +51,7 @@ class PrefixCacheStats:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 extra_key: bytes = b"", offload: OffloadIndex | None = None) -> None:
+                 extra_key: bytes = b"") -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_caching)
         self.enable_caching = enable_caching
@@ -65,12 +59,6 @@ class KVCacheManager:
         self.block_tables: dict[str, list[int]] = {}
         self.num_cached_blocks: dict[str, int] = {}  # per request: leading blocks registered in the cache
         self.prefix_stats = PrefixCacheStats()
-        self.offload = offload if enable_caching else None
-        # KV transfers for the model runner, collected while scheduling a step.
-        self.pending_saves: list[tuple[int, BlockHash]] = []  # evicted cached blocks -> tiers
-        self.pending_loads: list[tuple[int, BlockHash]] = []  # tiers -> newly allocated blocks
-        if self.offload is not None:
-            self.pool.on_evict = lambda block, h: self.pending_saves.append((block, h))
 
     # ---- prefix cache ----------------------------------------------------------------------
     def _update_hashes(self, req: Request, num_tokens: int) -> None:
@@ -82,20 +70,14 @@ class KVCacheManager:
                                      req.token_ids_between(i * bs, (i + 1) * bs), self.extra_key))
 
     def get_computed_blocks(self, req: Request) -> ComputedBlocks:
-        """req's longest cached prefix: in the pool, then in the offload tiers (nothing is
-        referenced yet; see allocate_slots). At least one token is always left to compute so
-        there are logits to sample from."""
+        """req's longest cached prefix in the pool (nothing is referenced yet; see allocate_slots).
+        At least one token is always left to compute so there are logits to sample from. Also
+        brings req.block_hashes up to date, for the KV connector's lookup after this one."""
         found = ComputedBlocks()
         if not self.enable_caching:
             return found
         self._update_hashes(req, req.num_tokens)
-        wanted = req.block_hashes[: (req.num_tokens - 1) // self.block_size]
-        found.blocks = self.pool.lookup(wanted)
-        if self.offload is not None:
-            for h in wanted[len(found.blocks):]:
-                if not self.offload.acquire(h):
-                    break
-                found.load_hashes.append(h)
+        found.blocks = self.pool.lookup(req.block_hashes[: (req.num_tokens - 1) // self.block_size])
         return found
 
     def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
@@ -104,10 +86,12 @@ class KVCacheManager:
             self.prefix_stats.hits += num_hit_tokens
 
     # ---- allocation ------------------------------------------------------------------------
-    def allocate_slots(self, req: Request, num_new_tokens: int, computed: ComputedBlocks | None = None) -> bool:
+    def allocate_slots(self, req: Request, num_new_tokens: int, computed: ComputedBlocks | None = None,
+                       register: bool = True) -> bool:
         """Make room for num_new_tokens more tokens of req, after the cached prefix it reuses
-        (`computed`, for a request being admitted). Returns False, changing nothing, if the
-        pool is short."""
+        (`computed`, for a request being admitted: its external blocks are the first new ones).
+        Returns False, changing nothing, if the pool is short. `register=False`: do not enter
+        the new full blocks in the prefix cache yet (their KV arrives asynchronously)."""
         computed = computed or ComputedBlocks()
         table = self.block_tables.get(req.request_id, [])
         num_computed = req.num_computed_tokens + computed.num_blocks * self.block_size
@@ -121,10 +105,8 @@ class KVCacheManager:
         table = self.block_tables.setdefault(req.request_id, table)
         table.extend(computed.blocks)
         if needed > 0:
-            new = self.pool.allocate(needed)
-            table.extend(new)
-            self.pending_loads.extend(zip(new, computed.load_hashes))
-        if self.enable_caching:
+            table.extend(self.pool.allocate(needed))
+        if self.enable_caching and register:
             # Blocks that will be full of the sequence's own tokens once this step has run (loaded
             # ones included). Registering them now is safe: the runner loads before the forward
             # pass, and within the pass every layer writes all new K/V before any attention reads
@@ -138,11 +120,25 @@ class KVCacheManager:
             self.num_cached_blocks[req.request_id] = max(start, full)
         return True
 
-    def take_transfers(self) -> tuple[list[tuple[int, BlockHash]], list[tuple[int, BlockHash]]]:
-        """The step's (saves, loads); saves must run first (a saved block may be a load target)."""
-        saves, loads = self.pending_saves, self.pending_loads
-        self.pending_saves, self.pending_loads = [], []
-        return saves, loads
+    def register_loaded(self, req: Request) -> None:
+        """Enter req's full blocks in the prefix cache once their asynchronously loaded KV is in."""
+        table = self.block_tables.get(req.request_id, [])
+        full = min(len(table), req.num_tokens // self.block_size)
+        self._update_hashes(req, full * self.block_size)
+        for block, h in zip(table[:full], req.block_hashes):
+            self.pool.cache_block(block, h)
+
+    def hold(self, req: Request, key: str) -> None:
+        """Keep a finished request's blocks under `key` (for a KV transfer); see release_held."""
+        self.num_cached_blocks.pop(req.request_id, None)
+        table = self.block_tables.pop(req.request_id, None)
+        if table:
+            self.block_tables[key] = table
+
+    def release_held(self, key: str) -> None:
+        table = self.block_tables.pop(key, None)
+        if table:
+            self.pool.release(table)
 
     def free(self, req: Request) -> None:
         self.num_cached_blocks.pop(req.request_id, None)

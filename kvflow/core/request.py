@@ -12,6 +12,7 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"  # holds blocks while a KV connector fills them
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
@@ -66,6 +67,8 @@ class Request:
     ttft_slo: float | None = None
     tpot_slo: float | None = None
     first_token_time: float | None = None  # when the first output token came (scheduler clock)
+    # Set when it finishes on a KV producer: where a decode engine can fetch its KV (to the client).
+    kv_transfer_params: dict | None = None
 
     def token_ids_between(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of prompt + output, without concatenating the whole sequence."""

@@ -19,10 +19,11 @@ from dataclasses import dataclass, field
 
 from collections.abc import Callable
 
-from kvflow.core.kv_cache_manager import KVCacheManager, cdiv
+from kvflow.core.kv_cache_manager import ComputedBlocks, KVCacheManager, cdiv
 from kvflow.core.request import Request, RequestStatus
 from kvflow.core.sched.fairness import VirtualTokenCounter
 from kvflow.core.sched.policy import QueueView, SchedulingPolicy
+from kvflow.kv_transfer.base import KVConnectorMetadata, KVConnectorOutput, KVConnectorScheduler
 from kvflow.sampling_params import SamplingParams
 
 
@@ -47,10 +48,8 @@ class ScheduledSeq:
 class SchedulerOutput:
     seqs: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
-    # KV block transfers with the offload tiers, run by the model runner before the forward pass:
-    # (block id, content hash) pairs; saves first.
-    kv_saves: list[tuple[int, bytes]] = field(default_factory=list)
-    kv_loads: list[tuple[int, bytes]] = field(default_factory=list)
+    # The KV connector's work this step (loads, saves, transfers), for its worker side.
+    kv_connector_metadata: KVConnectorMetadata | None = None
     # Requests that waited past max_queue_time_s (removed from the scheduler; the engine fails them).
     timed_out: list[Request] = field(default_factory=list)
 
@@ -60,7 +59,8 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.seqs and not self.kv_saves and not self.kv_loads
+        meta = self.kv_connector_metadata
+        return not self.seqs and (meta is None or meta.is_empty)
 
 
 @dataclass
@@ -90,6 +90,7 @@ class Scheduler:
         fairness: VirtualTokenCounter | None = None,
         max_queue_time_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
+        connector: KVConnectorScheduler | None = None,
     ) -> None:
         self.kv_cache = kv_cache
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -98,7 +99,12 @@ class Scheduler:
         self.fairness = fairness
         self.max_queue_time_s = max_queue_time_s
         self.clock = clock
+        self.connector = connector
+        if connector is not None:
+            connector.bind(kv_cache)
         self.waiting: deque[Request] = deque()
+        # Admitted to an asynchronous KV load (a remote prefill): holding blocks, not yet runnable.
+        self.waiting_for_kv: dict[str, Request] = {}
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
@@ -126,12 +132,29 @@ class Scheduler:
                 continue
             if req.status == RequestStatus.RUNNING:
                 self.running.remove(req)
+            elif req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                del self.waiting_for_kv[rid]
             else:
                 self.waiting.remove(req)
-            req.status = status
-            self.kv_cache.free(req)
+            self._finish(req, status)
             done.append(req)
         return done
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        """Free a finished request's blocks, or hold them for a KV transfer the connector asks for."""
+        req.status = status
+        key = None
+        if self.connector is not None:
+            key, req.kv_transfer_params = self.connector.request_finished(
+                req, self.kv_cache.block_tables.get(req.request_id, []))
+        if key is None:
+            self.kv_cache.free(req)
+        else:
+            self.kv_cache.hold(req, key)
+
+    def has_work(self) -> bool:
+        """Something to compute (requests waiting for their KV to arrive are not)."""
+        return bool(self.running or self.waiting)
 
     @property
     def num_running(self) -> int:
@@ -195,10 +218,17 @@ class Scheduler:
                 if budget <= 0 or len(self.running) >= self.max_num_seqs:
                     break
                 cached = self.kv_cache.get_computed_blocks(req)
+                num_external, is_async = self._external_tokens(req, cached)
+                if is_async:
+                    if not self._start_async_load(req, cached):
+                        break
+                    continue
                 num_cached = cached.num_blocks * self.kv_cache.block_size
                 n = min(req.num_tokens - num_cached, budget)
                 if not self.kv_cache.allocate_slots(req, n, cached):
                     break
+                if num_external:
+                    self.connector.update_state_after_alloc(req, self._external_blocks(req, cached), num_external)
                 self.waiting.remove(req)
                 self.kv_cache.record_lookup(req.num_tokens, num_cached)
                 req.num_computed_tokens = num_cached
@@ -209,8 +239,69 @@ class Scheduler:
                 self.running.append(req)
                 out.seqs.append(self._scheduled(req, n))
                 budget -= n
-        out.kv_saves, out.kv_loads = self.kv_cache.take_transfers()
+        if self.connector is not None:
+            out.kv_connector_metadata = self.connector.build_connector_meta()
         return out
+
+    # ---- KV from outside the pool (connector) ------------------------------------------------
+    def _external_tokens(self, req: Request, cached: ComputedBlocks) -> tuple[int, bool]:
+        """Tokens after the pool's hits that the connector supplies (recorded in `cached`)."""
+        if self.connector is None:
+            return 0, False
+        bs = self.kv_cache.block_size
+        num, is_async = self.connector.get_num_new_matched_tokens(req, len(cached.blocks) * bs)
+        cached.num_external_blocks = num // bs
+        return num, is_async
+
+    def _external_blocks(self, req: Request, cached: ComputedBlocks) -> list[int]:
+        start = len(cached.blocks)  # an admitted request's table: pool hits, external blocks, new ones
+        return self.kv_cache.block_table(req)[start:start + cached.num_external_blocks]
+
+    def _start_async_load(self, req: Request, cached: ComputedBlocks) -> bool:
+        """Give req the blocks its remote KV will land in; it waits (no compute) until the
+        worker reports them loaded. Their hashes enter the prefix cache only then."""
+        if not self.kv_cache.allocate_slots(req, 0, cached, register=False):
+            return False
+        self.connector.update_state_after_alloc(req, self._external_blocks(req, cached),
+                                                cached.num_external_blocks * self.kv_cache.block_size)
+        self.waiting.remove(req)
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self.waiting_for_kv[req.request_id] = req
+        return True
+
+    def update_kv_transfers(self, output: KVConnectorOutput | None) -> list[tuple[Request, str]]:
+        """Act on the connector's finished transfers: free held blocks that were sent, requeue
+        requests whose KV arrived (their blocks become prefix-cache hits for the re-admission)
+        or whose load failed (recomputed, or returned as (request, why) to fail under the
+        `fail` policy)."""
+        if self.connector is None or output is None or output.is_empty:
+            return []
+        self.connector.update_connector_output(output)
+        for key in output.finished_sending:
+            self.kv_cache.release_held(key)
+        for rid in output.finished_recving:
+            req = self.waiting_for_kv.pop(rid, None)
+            if req is not None:
+                self.kv_cache.register_loaded(req)
+                self._requeue(req)
+        failed = []
+        for rid, why in output.failed_recving.items():
+            req = self.waiting_for_kv.pop(rid, None)
+            if req is None:
+                continue
+            if self.connector.load_failure_policy == "recompute":
+                self._requeue(req)
+            else:
+                del self.requests[rid]
+                req.status = RequestStatus.FINISHED_ERROR
+                self.kv_cache.free(req)
+                failed.append((req, why))
+        return failed
+
+    def _requeue(self, req: Request) -> None:
+        self.kv_cache.free(req)  # loaded blocks stay cached-free: found again at admission
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
 
     def _admission_order(self, now: float) -> list[Request]:
         order = self.policy.waiting_order(self.waiting, now)
@@ -304,8 +395,7 @@ class Scheduler:
                 if status is not None:  # a stop inside an accepted run ends the request there
                     self.requests.pop(req.request_id)
                     self.running.remove(req)
-                    req.status = status
-                    self.kv_cache.free(req)
+                    self._finish(req, status)
                     finished.append(req)
                     break
             advanced.append((req, new))

@@ -37,6 +37,8 @@ from kvflow.outputs import RequestOutput
 from kvflow.sampling_params import SamplingParams
 
 logger = logging.getLogger("kvflow")
+# How often the idle engine thread looks at KV transfers in flight (fetches landing, releases, leases).
+_KV_POLL_S = 0.005
 
 
 class EngineDeadError(RuntimeError):
@@ -345,8 +347,10 @@ class AsyncLLM:
         engine = self.engine
         while True:
             try:
-                busy = not self._engine_dead and engine.has_unfinished_requests()
-                cmds = [] if busy else [self._inbox.get()]  # idle: sleep until there is work
+                busy = not self._engine_dead and engine.scheduler.has_work()
+                # KV transfers in flight (a fetch, held blocks): poll for them; idle: sleep until there is work.
+                poll = not self._engine_dead and engine.has_pending_kv_transfers()
+                cmds = [] if busy else self._wait_inbox(_KV_POLL_S if poll else None)
                 while True:
                     try:
                         cmds.append(self._inbox.get_nowait())
@@ -356,13 +360,19 @@ class AsyncLLM:
                     self._shutdown_engine()
                     return
                 stepped = False
-                if not self._engine_dead and engine.has_unfinished_requests():
+                if not self._engine_dead and (engine.has_unfinished_requests() or poll):
                     if not busy and self._stat_logger is not None:
                         self._stat_logger.reset(engine.get_stats())
                     stepped = self._step()
                 self._record_stats(stepped)
             except Exception as e:  # a bug outside step(): treat it like a failed step
                 self._fatal(e)
+
+    def _wait_inbox(self, timeout: float | None) -> list[Any]:
+        try:
+            return [self._inbox.get(timeout=timeout)]
+        except queue.Empty:
+            return []
 
     def _handle_commands(self, cmds: list[Any]) -> bool:
         """Returns False on stop."""
@@ -455,6 +465,8 @@ class AsyncLLM:
             structured = getattr(self.engine, "structured", None)
             if structured is not None and getattr(stats, "structured_output", None) is not None:
                 self.metrics.record_structured(stats.structured_output, structured.take_timings())
+            if getattr(stats, "kv_transfer", None) is not None:
+                self.metrics.record_kv_transfer(stats.kv_transfer, self.engine.take_kv_transfer_times())
         if stepped and self._stat_logger is not None:
             self._stat_logger.maybe_log(stats)
 

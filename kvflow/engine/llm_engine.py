@@ -18,13 +18,15 @@ from kvflow.core.scheduler import KVMemoryStats, Scheduler, SchedulerOutput
 from kvflow.core.step_cost import StepCostModel
 from kvflow.engine.output_processor import OutputProcessor
 from kvflow.engine.slo_tracker import SLOStats, SLOTracker
+from kvflow.kv_transfer.base import KVConnectorScheduler
 from kvflow.outputs import RequestMetrics, RequestOutput
 from kvflow.sampling_params import SamplingParams, is_int, check_text
 from kvflow.structured_output.manager import StructuredOutputManager, StructuredOutputStats
 
 if TYPE_CHECKING:
+    from kvflow.kv_transfer.offload_store import OffloadStats
+    from kvflow.kv_transfer.pd import KVTransferStats
     from kvflow.spec_decode.speculator import SpecDecodeStats
-    from kvflow.worker.kv_offload import KVOffloadStore, OffloadStats
 
 logger = logging.getLogger("kvflow")
 
@@ -48,6 +50,7 @@ class EngineStats:
     kv_utilization_mean: float
     kv_utilization_contiguous_mean: float
     kv_offload: "OffloadStats | None" = None
+    kv_transfer: "KVTransferStats | None" = None
     spec_decode: "SpecDecodeStats | None" = None
     structured_output: StructuredOutputStats | None = None
     slo: SLOStats | None = None
@@ -86,17 +89,20 @@ class LLMEngine:
             calibration = self.tokenizer(CALIBRATION_TEXT, add_special_tokens=True)["input_ids"]
         self.runner = ModelRunner(self.model_config, config, self.max_model_len, self.num_kv_blocks, ckpt.weights,
                                   calibration_ids=calibration)
-        offload = self._offload_store(ckpt)
-        self.runner.offload = offload
-        self.kv_cache = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching,
-                                       offload=offload)
+        from kvflow.kv_transfer.factory import make_kv_connector
+
+        # What moves KV in and out of the pool (offload tiers, another engine): one connector, split
+        # into its scheduler side and the runner's worker side.
+        self.kv_connector, self.runner.kv_connector = make_kv_connector(config, self._kv_identity(ckpt), self.runner,
+                                                                        self.model_config.num_layers)
+        self.kv_cache = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         # One model of step times, learned from every step: the speculator and the slo policy predict with it.
         self.step_cost = StepCostModel()
         policy = make_policy(config.scheduling_policy, self.step_cost, config.max_num_batched_tokens,
                              config.priority_aging_s, config.slo_admission_factor)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_batched_tokens, config.max_num_seqs, policy,
                                    VirtualTokenCounter() if config.fairness == "vtc" else None,
-                                   config.max_queue_time_s)
+                                   config.max_queue_time_s, connector=self.kv_connector)
         self.output_processor = OutputProcessor(self.tokenizer)
         # Grammars for structured outputs; the compiler is built on first use (or warm_up()).
         self.structured = None if self.tokenizer is None else StructuredOutputManager(
@@ -168,21 +174,15 @@ class LLMEngine:
             )
         return num
 
-    def _offload_store(self, ckpt) -> "KVOffloadStore | None":
-        cfg = self.config
-        if cfg.kv_offload_cpu_gb <= 0 and not cfg.kv_offload_disk_dir:
-            return None
+    def _kv_identity(self, ckpt) -> bytes:
+        """What makes KV blocks interchangeable between runs and engines: the same weights, dtypes
+        and block geometry."""
         import json
 
-        from kvflow.worker.kv_offload import KVOffloadStore
-
-        # Blocks are only reusable by the same weights, dtype and block geometry.
-        identity = json.dumps([ckpt.name, ckpt.hf_config, os.path.getsize(ckpt.path) if os.path.isfile(ckpt.path)
-                               else None, cfg.dtype, cfg.kv_cache_dtype, cfg.quantization, cfg.block_size],
-                              sort_keys=True, default=str).encode()
-        return KVOffloadStore(identity, self.runner.kv_block_shape,
-                              self.runner.kv_block_dtype, int(cfg.kv_offload_cpu_gb * 2**30), cfg.kv_offload_disk_dir,
-                              int(cfg.kv_offload_disk_gb * 2**30))
+        cfg = self.config
+        return json.dumps([ckpt.name, ckpt.hf_config, os.path.getsize(ckpt.path) if os.path.isfile(ckpt.path)
+                           else None, cfg.dtype, cfg.kv_cache_dtype, cfg.quantization, cfg.block_size],
+                          sort_keys=True, default=str).encode()
 
     # ---- requests ------------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
@@ -208,6 +208,10 @@ class LLMEngine:
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         prompt_ids = self.tokenize(prompt, add_special_tokens)
         self._validate_request(prompt_ids, params)
+        if self.kv_connector is not None:
+            self.kv_connector.check_request(params.kv_transfer_params)
+        elif params.kv_transfer_params:
+            KVConnectorScheduler().check_request(params.kv_transfer_params)
         max_tokens = params.max_tokens or (self.max_model_len - len(prompt_ids))
         arrival = time.monotonic() if arrival_time is None else arrival_time
         cfg = self.config
@@ -282,7 +286,7 @@ class LLMEngine:
             out = self.output_processor.finish(rid, "abort")
             if out is not None:
                 outputs.append(out)
-        return outputs
+        return outputs + self._flush_kv_connector()
 
     def fail_all(self, error: str) -> list[RequestOutput]:
         """End every request with an error (a model step raised)."""
@@ -310,7 +314,9 @@ class LLMEngine:
             self.speculator.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         expired = self._expire(sched)
-        if sched.is_empty:
+        if not sched.seqs:  # nothing to compute; maybe KV transfers to drive
+            if not sched.is_empty or self.has_pending_kv_transfers():
+                expired += self._drive_kv_transfers(sched)
             self.slo.record(expired)
             return expired
         self._steps += 1
@@ -322,6 +328,7 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.observe(sched, result.sampled)
         advanced, finished = self.scheduler.update_from_output(sched, result.sampled)
+        kv_failed = self.scheduler.update_kv_transfers(result.kv_connector_output)
         broken: dict[str, str] = {}
         if self.structured is not None and self.structured.has_requests():
             finished += self._advance_grammars(advanced, broken)
@@ -331,6 +338,7 @@ class LLMEngine:
         outputs, stopped, failed = self.output_processor.process(advanced, finished, result.logprobs)
         if stopped:
             finished += self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        self._attach_transfer_params(outputs, finished)
         self._release([r.request_id for r in finished])
         for out in outputs:
             if out.finished:
@@ -343,9 +351,44 @@ class LLMEngine:
             for rid, error in failed.items():
                 logger.warning("request %s failed alone: %s", rid, error)
             outputs += self._fail_requests({rid: f"request failed: {e}" for rid, e in failed.items()})
-        outputs = expired + outputs
+        outputs = expired + outputs + self._fail_kv_loads(kv_failed) + self._flush_kv_connector()
         self.slo.record(outputs)
         return outputs
+
+    # ---- KV transfers (connector) ----------------------------------------------------------------
+    def has_pending_kv_transfers(self) -> bool:
+        return self.kv_connector is not None and self.kv_connector.has_pending()
+
+    def _flush_kv_connector(self) -> list[RequestOutput]:
+        """Hand the worker side what finishing or aborting requests asked for (held blocks, dropped
+        fetches) now, not at the next step: a client must never hold kv_transfer_params for a
+        transfer the producer does not know yet."""
+        if self.kv_connector is None:
+            return []
+        meta = self.kv_connector.build_connector_meta()
+        return [] if meta.is_empty else self._drive_kv_transfers(SchedulerOutput(kv_connector_metadata=meta))
+
+    def _drive_kv_transfers(self, sched: SchedulerOutput) -> list[RequestOutput]:
+        """A step without compute: the connector's worker side moves bytes and reports."""
+        result = self.runner.execute(sched)
+        return self._fail_kv_loads(self.scheduler.update_kv_transfers(result.kv_connector_output))
+
+    def _fail_kv_loads(self, failed: list[tuple[Request, str]]) -> list[RequestOutput]:
+        """Requests whose KV load failed under kv_load_failure_policy "fail" (the scheduler has
+        already dropped them)."""
+        if not failed:
+            return []
+        self._release([r.request_id for r, _ in failed])
+        return self._fail_requests({r.parent_id: f"request failed: {why}" for r, why in failed})
+
+    @staticmethod
+    def _attach_transfer_params(outputs: list[RequestOutput], finished: list[Request]) -> None:
+        """A producer's finished request says where its KV can be fetched (n is 1 with kv_transfer_params)."""
+        params = {r.parent_id: r.kv_transfer_params for r in finished if r.kv_transfer_params is not None}
+        if params:
+            for out in outputs:
+                if out.request_id in params:
+                    out.kv_transfer_params = params[out.request_id]
 
     def _expire(self, sched: SchedulerOutput) -> list[RequestOutput]:
         """End the requests that waited past max_queue_time_s (the scheduler already dropped them)."""
@@ -397,6 +440,7 @@ class LLMEngine:
         self._util_contig_sum += mem.tokens_stored / max(mem.tokens_reserved_contiguous, 1)
 
     def get_stats(self) -> EngineStats:
+        offload, transfer = self._connector_stats()
         return EngineStats(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
@@ -412,24 +456,41 @@ class LLMEngine:
             kv_memory=self.scheduler.kv_memory_stats(),
             kv_utilization_mean=self._util_sum / max(self._util_steps, 1),
             kv_utilization_contiguous_mean=self._util_contig_sum / max(self._util_steps, 1),
-            kv_offload=None if self.runner.offload is None else self.runner.offload.stats,
+            kv_offload=offload,
+            kv_transfer=transfer,
             spec_decode=None if self.speculator is None else self.speculator.stats.snapshot(),
             structured_output=None if self.structured is None else self.structured.snapshot(),
             slo=self.slo.snapshot(),
             step_cost_error=self.step_cost.prediction_error,
         )
 
+    def _connector_stats(self) -> tuple["OffloadStats | None", "KVTransferStats | None"]:
+        from kvflow.kv_transfer.offload_store import OffloadStats
+        from kvflow.kv_transfer.pd import KVTransferStats
+
+        stats = None if self.runner.kv_connector is None else self.runner.kv_connector.stats()
+        return (stats if isinstance(stats, OffloadStats) else None,
+                stats.snapshot() if isinstance(stats, KVTransferStats) else None)
+
+    def take_kv_transfer_times(self) -> list[float]:
+        """Fetch durations since the last call (for the metrics histogram)."""
+        stats = None if self.runner.kv_connector is None else self.runner.kv_connector.stats()
+        recent = getattr(stats, "recent_seconds", None)
+        if not recent:
+            return []
+        times = []
+        while recent:
+            times.append(recent.popleft())
+        return times
+
     def shutdown(self) -> None:
-        """Persist the prefix cache to the offload tiers (a disk tier then serves the next run)."""
+        """Stop the KV connector; the offload tiers first persist the prefix cache (a disk tier
+        then serves the next run)."""
         if self.structured is not None:
             self.structured.shutdown()
-        store = self.runner.offload
-        if store is None:
+        if self.kv_connector is None:
             return
-        pool = self.kv_cache.pool
-        cached = [(b, h) for b, h in enumerate(pool.block_hashes) if h is not None]
-        for i in range(0, len(cached), 64):
-            chunk = cached[i:i + 64]
-            for (_, h), data in zip(chunk, self.runner.read_blocks([b for b, _ in chunk])):
-                store.store(h, data)
-        store.persist()
+        meta = self.kv_connector.build_shutdown_meta()
+        if meta is not None:
+            self.runner.execute(SchedulerOutput(kv_connector_metadata=meta))
+        self.runner.kv_connector.shutdown()

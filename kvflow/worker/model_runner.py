@@ -21,9 +21,9 @@ from kvflow.models.llama import LlamaForCausalLM
 from kvflow.sample.rejection_sampler import RejectionSampler
 from kvflow.sample.sampler import Sampler, SamplingBatch
 from kvflow.structured_output.manager import apply_bitmask
-from kvflow.worker.kv_offload import KVOffloadStore
 
 if TYPE_CHECKING:
+    from kvflow.kv_transfer.base import KVConnectorOutput, KVConnectorWorker
     from kvflow.structured_output.manager import GrammarBitmask
 
 LogprobEntry = tuple[float, int, list[int], list[float]]
@@ -36,6 +36,7 @@ class RunnerOutput:
     logprobs: dict[str, list[LogprobEntry]] = field(default_factory=dict)  # one entry per new token
     # Requests whose own sampling raised (request id -> error); the rest of the batch went on.
     failed: dict[str, str] = field(default_factory=dict)
+    kv_connector_output: "KVConnectorOutput | None" = None  # KV transfers finished since the last step
 
 
 class ModelRunner:
@@ -61,7 +62,7 @@ class ModelRunner:
         self.kv_caches = self.attention.allocate_kv_cache(
             model_config.num_layers, num_blocks, model_config.num_kv_heads, model_config.head_dim,
             self.dtype, config.kv_cache_dtype)
-        # One block of every layer as the offload tiers store it (see read_blocks).
+        # One block of every layer as KV connectors move it (see read_blocks).
         if config.kv_cache_dtype == "int8":
             self.kv_block_shape: tuple[int, ...] = (model_config.num_layers, self._int8_block_bytes())
             self.kv_block_dtype = torch.uint8
@@ -70,18 +71,25 @@ class ModelRunner:
             self.kv_block_dtype = self.dtype
         self.sampler = Sampler(config.seed, self.device)
         self.rejection_sampler = RejectionSampler(config.seed + 1, self.device)
-        self.offload: KVOffloadStore | None = None  # set by the engine when tiers are configured
+        self.kv_connector: "KVConnectorWorker | None" = None  # set by the engine (offload tiers, P/D)
         self._generators: dict[str, torch.Generator] = {}
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, grammar: "GrammarBitmask | None" = None) -> RunnerOutput:
         """One step. An exception from here is the step's (the model pass): it fails everyone.
-        `grammar`: the allowed tokens of constrained rows (structured outputs)."""
-        if self.offload is not None:
-            self._transfer_kv(out)
+        `grammar`: the allowed tokens of constrained rows (structured outputs). The KV connector
+        loads before the forward pass (and hears of finished transfers after it)."""
+        connector = self.kv_connector
+        if connector is not None and out.kv_connector_metadata is not None:
+            connector.start_load_kv(out.kv_connector_metadata)
+        result = self._forward(out, grammar) if out.seqs else RunnerOutput()
+        if connector is not None:
+            connector.wait_for_save()
+            result.kv_connector_output = connector.get_finished()
+        return result
+
+    def _forward(self, out: SchedulerOutput, grammar: "GrammarBitmask | None") -> RunnerOutput:
         seqs = out.seqs
-        if not seqs:
-            return RunnerOutput()
         tokens = [t for s in seqs for t in s.token_ids]
         input_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         meta = self.attention.build_metadata(
@@ -180,17 +188,7 @@ class ModelRunner:
                 offset += 1 + len(s.spec_token_ids)
         return out
 
-    # ---- KV offload tiers ------------------------------------------------------------------
-    def _transfer_kv(self, out: SchedulerOutput) -> None:
-        """Save evicted blocks to the tiers, then load tier hits into their new blocks."""
-        if out.kv_saves:
-            data = self.read_blocks([b for b, _ in out.kv_saves])
-            for (_, h), block in zip(out.kv_saves, data):
-                self.offload.store(h, block)
-        if out.kv_loads:
-            self.write_blocks([b for b, _ in out.kv_loads], torch.stack([self.offload.load(h) for _, h in out.kv_loads]))
-        self.offload.end_step()
-
+    # ---- whole blocks, for KV connectors ------------------------------------------------------
     def read_blocks(self, blocks: list[int]) -> torch.Tensor:
         """KV of whole blocks, [n, *kv_block_shape] of kv_block_dtype (a copy).
 

@@ -104,6 +104,9 @@ class _SamplingFields(BaseModel):
     priority: int = 0
     ttft_slo_ms: float | None = None
     tpot_slo_ms: float | None = None
+    # prefill/decode disaggregation, vLLM's extra: {"do_remote_decode": true} to a prefill engine; what
+    # its response returned, to a decode engine. Opaque here: SamplingParams and the engine check it.
+    kv_transfer_params: dict[str, Any] | None = None
 
     def _sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         if self.stream_options is not None and not self.stream:
@@ -130,6 +133,7 @@ class _SamplingFields(BaseModel):
             priority=self.priority,
             ttft_slo_ms=self.ttft_slo_ms,
             tpot_slo_ms=self.tpot_slo_ms,
+            kv_transfer_params=self.kv_transfer_params,
         )
 
     def _logit_bias(self) -> dict[int, float] | None:
@@ -187,6 +191,9 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("suffix is not supported")
         if self.echo and self.logprobs is not None:
             raise ValueError("echo with logprobs is not supported (the engine has no prompt logprobs)")
+        if self.kv_transfer_params is not None and len(self.prompt) != 1:
+            # One transfer describes one prompt's KV: several engine requests cannot share it.
+            raise ValueError(f"kv_transfer_params needs a single prompt, got {len(self.prompt)} prompts")
         return self._sampling(self.max_tokens, self.logprobs)
 
 

@@ -23,8 +23,8 @@ from kvflow.entrypoints.openai.serving import OpenAIServing, chat_logprobs, clie
 from kvflow.entrypoints.openai.tool_parsers import (StreamingToolParser, ToolCall, ToolCallFormat,
                                                     generic_system_prompt, get_tool_format, make_tool_call_id)
 from kvflow.entrypoints.openai.utils import (SSE_DONE, APIError, OwnedStreamingResponse,
-                                             finish_unstreamed, merge_handles, parse_body, sse,
-                                             sse_error, usage, value_error)
+                                             finish_unstreamed, kv_transfer_fields, merge_handles,
+                                             parse_body, sse, sse_error, usage, value_error)
 from kvflow.outputs import CompletionOutput, RequestOutput
 from kvflow.sampling_params import SamplingParams
 from kvflow.structured_output.params import StructuredOutputsParams
@@ -100,7 +100,8 @@ class ServingChat(OpenAIServing):
                             "stop_reason": c.stop_reason})
         return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
                 "choices": choices,
-                "usage": usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))}
+                "usage": usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs)),
+                **kv_transfer_fields([out])}
 
     async def _stream(self, request_id: str, model: str, created: int, req: ChatCompletionRequest,
                       handles: list[RequestHandle], tools: ToolCallFormat | None) -> AsyncIterator[str]:
@@ -141,11 +142,13 @@ class ServingChat(OpenAIServing):
                     choice: dict[str, Any] = {"index": i, "delta": delta,
                                               "logprobs": self._logprobs(req, new_ids, new_lps),
                                               "finish_reason": reason}
+                    final: dict[str, Any] = {}
                     if c.finished:
                         choice["stop_reason"] = c.stop_reason
                         finished[i] = True
+                        final = kv_transfer_fields([out])  # on the chunk with finish_reason
                     sent_text[i], sent_tokens[i] = len(c.text), len(c.token_ids)
-                    yield sse({**base, "choices": [choice], **extra})
+                    yield sse({**base, "choices": [choice], **extra, **final})
             if req.include_usage:
                 yield sse({**base, "choices": [], "usage": usage(n_prompt, sum(sent_tokens))})
         except RequestFailedError as e:

@@ -14,8 +14,8 @@ from kvflow.engine.async_llm import RequestFailedError, RequestHandle
 from kvflow.entrypoints.openai.protocol import CompletionRequest
 from kvflow.entrypoints.openai.serving import OpenAIServing, client_of, completion_logprobs, now_s, sampling_params
 from kvflow.entrypoints.openai.utils import (SSE_DONE, OwnedStreamingResponse,
-                                             finish_unstreamed, merge_handles, parse_body, sse,
-                                             sse_error, usage)
+                                             finish_unstreamed, kv_transfer_fields, merge_handles,
+                                             parse_body, sse, sse_error, usage)
 from kvflow.outputs import RequestOutput
 
 
@@ -58,7 +58,7 @@ class ServingCompletion(OpenAIServing):
         n_prompt = sum(len(o.prompt_token_ids) for o in finals)
         n_out = sum(len(c.token_ids) for o in finals for c in o.outputs)
         return {"id": ctx.request_id, "object": "text_completion", "created": ctx.created, "model": ctx.model,
-                "choices": choices, "usage": usage(n_prompt, n_out)}
+                "choices": choices, "usage": usage(n_prompt, n_out), **kv_transfer_fields(finals)}
 
     async def _stream(self, ctx: "_Ctx", handles: list[RequestHandle]) -> AsyncIterator[str]:
         req = ctx.req
@@ -85,9 +85,10 @@ class ServingCompletion(OpenAIServing):
                     prefix = ctx.echo[pi] if first else ""
                     choice = self._choice(ctx, pi, c, prefix + delta, n_tok)
                     sent_text[idx], sent_tokens[idx] = len(c.text), len(c.token_ids)
+                    final = kv_transfer_fields([out]) if c.finished else {}  # on the chunk with finish_reason
                     if c.finished:
                         finished.add(idx)
-                    yield sse({**base, "choices": [choice], **extra})
+                    yield sse({**base, "choices": [choice], **extra, **final})
             if req.include_usage:
                 yield sse({**base, "choices": [], "usage": usage(sum(prompt_tokens.values()),
                                                                  sum(sent_tokens.values()))})

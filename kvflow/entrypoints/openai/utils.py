@@ -16,6 +16,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from kvflow.engine.async_llm import RequestFailedError, RequestHandle
+from kvflow.entrypoints.disconnect import ClientDisconnected, run_until_disconnect
 from kvflow.outputs import RequestOutput
 from kvflow.sampling_params import SamplingParams, check_text
 
@@ -50,10 +51,6 @@ _MAX_MESSAGE_CHARS = 500  # an error message never echoes a whole prompt (or a s
 
 def _cut(message: str) -> str:
     return message if len(message) <= _MAX_MESSAGE_CHARS else message[:_MAX_MESSAGE_CHARS] + "... (cut)"
-
-
-class ClientDisconnected(Exception):
-    pass
 
 
 # ---- request bodies ----------------------------------------------------------------------------------
@@ -257,26 +254,6 @@ async def merge_handles(handles: Sequence[RequestHandle]) -> AsyncIterator[tuple
 T = TypeVar("T")
 
 
-async def run_until_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """Await `work`, but cancel it (and raise ClientDisconnected) as soon as the client goes away."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.create_task(_wait_disconnect(request))
-    try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if task in done:
-            return task.result()
-        task.cancel()
-        try:
-            await task
-        except (asyncio.CancelledError, Exception):
-            pass
-        raise ClientDisconnected()
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-
-
 async def finish_unstreamed(request: Request, handles: Sequence[RequestHandle], work: Awaitable[T]) -> T | None:
     """Run a non-streamed request to its end. None if the client went away (it is aborted); an
     engine failure becomes a 500. The requests are aborted however this ends (a no-op if done)."""
@@ -290,11 +267,15 @@ async def finish_unstreamed(request: Request, handles: Sequence[RequestHandle], 
         abort_all(handles)
 
 
-async def _wait_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
+def kv_transfer_fields(outputs: Sequence[RequestOutput]) -> dict[str, Any]:
+    """P/D disaggregation: what a producer engine set on a finished output, as vLLM's top-level
+    `kv_transfer_params` of a response (or of a stream's final chunk); nothing when it set none, so
+    ordinary responses keep OpenAI's shape. A request with kv_transfer_params holds one prompt, so
+    the first output that has them is the one."""
+    for out in outputs:
+        if out.kv_transfer_params is not None:
+            return {"kv_transfer_params": out.kv_transfer_params}
+    return {}
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

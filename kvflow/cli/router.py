@@ -1,0 +1,71 @@
+"""`kvflow router`: the HTTP proxy in front of kvflow servers (prefill/decode or replicas)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    from kvflow.router.config import RouterConfig
+    from kvflow.router.policies import POLICIES
+
+    d = RouterConfig.__dataclass_fields__
+    p = subparsers.add_parser(
+        "router", help="route requests over kvflow servers (prefill/decode disaggregation, replicas)",
+        description="An OpenAI-compatible proxy in front of kvflow servers. With --prefill and --decode "
+                    "(the pd policy) each request is prefilled on a prefill engine (kv_producer), then "
+                    "generated on a decode engine (kv_consumer) that fetches the prompt's KV; with "
+                    "--backend the requests are spread over equal replicas (--policy round_robin). "
+                    "Binds 127.0.0.1 unless --host says otherwise.")
+    p.add_argument("--host", default=d["host"].default,
+                   help="address to bind; 0.0.0.0 exposes the router to the network (default: %(default)s)")
+    p.add_argument("--port", type=int, default=d["port"].default, help="TCP port (default: %(default)s)")
+    p.add_argument("--policy", choices=sorted(POLICIES), default=None,
+                   help="how requests are routed (default: pd with --prefill/--decode, else round_robin)")
+    p.add_argument("--prefill", nargs="+", default=[], metavar="URL",
+                   help="prefill engines (kv_producer), e.g. http://127.0.0.1:8100; chosen round robin")
+    p.add_argument("--decode", nargs="+", default=[], metavar="URL",
+                   help="decode engines (kv_consumer), e.g. http://127.0.0.1:8200; chosen round robin")
+    p.add_argument("--backend", nargs="+", default=[], metavar="URL",
+                   help="replicas for a data-parallel policy, e.g. http://127.0.0.1:8100")
+    p.add_argument("--timeout-s", type=float, default=d["timeout_s"].default,
+                   help="give up on an upstream silent this long: a prefill's answer, a non-streamed "
+                        "completion, the next chunk of a stream (default: %(default)s)")
+    p.add_argument("--connect-timeout-s", type=float, default=d["connect_timeout_s"].default,
+                   help="give up connecting to an upstream after this long (then: fall back or 502) "
+                        "(default: %(default)s)")
+    p.add_argument("--health-timeout-s", type=float, default=d["health_timeout_s"].default,
+                   help="per backend, for GET /health (default: %(default)s)")
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info",
+                   help="router log level (default: %(default)s)")
+    p.set_defaults(func=run_router)
+
+
+def config_from_args(args: argparse.Namespace):
+    from kvflow.router.config import RouterConfig
+
+    return RouterConfig(host=args.host, port=args.port, policy=args.policy, backends=args.backend,
+                        prefill=args.prefill, decode=args.decode, timeout_s=args.timeout_s,
+                        connect_timeout_s=args.connect_timeout_s, health_timeout_s=args.health_timeout_s)
+
+
+def run_router(args: argparse.Namespace) -> int:
+    config = config_from_args(args)  # ValueError (a wrong flag) -> `kvflow: error: ...`, exit 2
+    logging.getLogger("kvflow").setLevel(args.log_level.upper())
+
+    from kvflow.router.app import serve_router
+
+    host = "127.0.0.1" if config.host in ("0.0.0.0", "") else (f"[{config.host}]" if ":" in config.host
+                                                              else config.host)
+    url = f"http://{host}:{config.port}"
+    if config.is_pd:
+        where = f"prefill {', '.join(config.prefill)} -> decode {', '.join(config.decode)}"
+    else:
+        where = f"{config.policy} over {', '.join(config.backends)}"
+
+    def ready() -> None:
+        print(f"kvflow: router at {url} ({where}; Ctrl-C to stop)", file=sys.stderr, flush=True)
+
+    return serve_router(config, on_ready=ready)

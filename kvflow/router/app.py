@@ -1,0 +1,360 @@
+"""The router: an async HTTP proxy in front of kvflow servers (FastAPI app, httpx client).
+
+Request path for POST /v1/completions and /v1/chat/completions: the policy picks a `Route`; with a
+prefill engine on it, the router first sends that engine a prefill-only copy of the body (`pd.py`)
+and reads `kv_transfer_params` from its answer; then it sends the client's body (plus those params)
+to the target and relays its answer as it comes: status, headers that matter, JSON body, or the SSE
+stream chunk by chunk.
+
+Failures:
+- prefill engine answers 4xx: that answer goes to the client (a bad request stays one);
+- prefill engine answers 5xx, garbage, or cannot be reached: the client's body goes to the decode
+  engine unchanged (it computes the prompt itself) and `prefill_fallbacks_total` counts it;
+- target unreachable: 502 (timed out: 504), OpenAI's error body naming the backend URL;
+- target fails mid-stream: an SSE error event, then [DONE] (the status line is already sent);
+- client gone: the upstream request is closed, so the engine aborts it within a step.
+
+Only the router's own modules and the web stack are imported: no torch, no engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import httpx
+from fastapi import FastAPI
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from kvflow.entrypoints.disconnect import ClientDisconnected, run_until_disconnect
+from kvflow.router import metrics as m
+from kvflow.router.config import RouterConfig
+from kvflow.router.metrics import RouterMetrics
+from kvflow.router.pd import CHAT_PATH, COMPLETIONS_PATH, decode_body, encode_body, prefill_body
+from kvflow.router.policies import Backend, RouteRequest, RoutingPolicy, make_policy
+
+logger = logging.getLogger("kvflow.router")
+
+# Client headers the engines need; the rest (host, content-length, hop-by-hop) are the router's.
+_FORWARDED_HEADERS = ("authorization",)
+# Upstream headers a client may act on: the body's type, and when to retry an overloaded engine.
+_RELAYED_HEADERS = ("content-type", "retry-after")
+
+
+def error_body(message: str, *, code: str, status: int) -> dict[str, Any]:
+    """OpenAI's error shape, as the engines answer, so clients handle the router's errors alike."""
+    return {"error": {"message": message, "type": "server_error" if status >= 500 else "invalid_request_error",
+                      "param": None, "code": code}}
+
+
+def error_response(status: int, message: str, code: str) -> JSONResponse:
+    return JSONResponse(error_body(message, code=code, status=status), status_code=status)
+
+
+class Router:
+    """The proxy logic behind the routes. `transport` replaces httpx's network transport (tests)."""
+
+    def __init__(self, config: RouterConfig, *, policy: RoutingPolicy | None = None,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self.config = config
+        self.policy = policy if policy is not None else make_policy(config)
+        self.metrics = RouterMetrics()
+        self.client = httpx.AsyncClient(
+            # read: the longest silence between bytes (a stream's next token, a prefill's answer)
+            timeout=httpx.Timeout(config.timeout_s, connect=config.connect_timeout_s),
+            # Every in-flight request holds an upstream connection for its whole generation: the
+            # engines' admission control, not a pool limit, decides how many run.
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+            # Backends are named explicitly; an HTTP(S)_PROXY meant for the internet must not
+            # capture 127.0.0.1 traffic.
+            trust_env=False,
+            transport=transport,
+        )
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+    # ---- POST /v1/completions, /v1/chat/completions --------------------------------------------------
+    async def generate(self, request: Request, path: str) -> Response:
+        raw = await request.body()
+        headers = _forwarded(request)
+        body = _json_object(raw)
+        if body is None:
+            # Nothing a policy could read: the first backend answers with the engine's own 400,
+            # the same a client of a plain server gets.
+            return await self._relay(request, self.policy.primary(), path, raw, headers)
+        route = self.policy.route(RouteRequest(path, body))
+        content = raw
+        if route.prefill is not None:
+            try:
+                outcome = await run_until_disconnect(request, self._prefill(route.prefill, path, body, headers))
+            except ClientDisconnected:
+                return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+            if isinstance(outcome, Response):
+                return outcome
+            if outcome is not None:
+                content = decode_body(body, outcome)
+        return await self._relay(request, route.target, path, content, headers)
+
+    async def _prefill(self, backend: Backend, path: str, body: dict[str, Any],
+                       headers: dict[str, str]) -> dict[str, Any] | Response | None:
+        """The prefill step. Its kv_transfer_params; None: the decode engine computes the prompt
+        (the engine returned none, or failed: a fallback); a Response: the client's error."""
+        self._sent(backend)
+        try:
+            resp = await self.client.post(backend.url + path, content=encode_body(prefill_body(path, body)),
+                                          headers={**headers, "content-type": "application/json"})
+        except httpx.TransportError as e:
+            return self._fallback(backend, _reason(e), f"{type(e).__name__}: {e}")
+        finally:
+            backend.inflight -= 1
+        if 400 <= resp.status_code < 500:
+            return _copy(resp)  # the request itself is wrong; the decode engine would say the same
+        if resp.status_code >= 500:
+            return self._fallback(backend, m.HTTP_5XX, f"HTTP {resp.status_code}")
+        data = _json_object(resp.content) if resp.status_code == 200 else None
+        params = data.get("kv_transfer_params") if data is not None else None
+        if data is None or not (params is None or isinstance(params, dict)):
+            return self._fallback(backend, m.BAD_RESPONSE,
+                                  f"HTTP {resp.status_code}, not a completion with kv_transfer_params")
+        if params is None:
+            # A server that is not a kv_producer: nothing to fetch, the decode engine recomputes.
+            logger.debug("prefill engine %s returned no kv_transfer_params", backend.url)
+        return params
+
+    def _fallback(self, backend: Backend, reason: str, detail: str) -> None:
+        logger.warning("prefill engine %s failed (%s); the decode engine computes the prompt", backend.url, detail)
+        self.metrics.errors.labels(backend.url, reason).inc()
+        self.metrics.prefill_fallbacks.inc()
+        return None
+
+    async def _relay(self, request: Request, backend: Backend, path: str, content: bytes,
+                     headers: dict[str, str]) -> Response:
+        """Send `content` to `backend` and answer the client with whatever it answers."""
+        upstream = self.client.build_request("POST", backend.url + path, content=content,
+                                             headers={**headers, "content-type": "application/json"})
+        self._sent(backend)
+        try:
+            resp = await run_until_disconnect(request, self.client.send(upstream, stream=True))
+        except ClientDisconnected:
+            backend.inflight -= 1
+            return Response(status_code=499)
+        except httpx.TransportError as e:
+            backend.inflight -= 1
+            return self._unreachable(backend, e)
+        if resp.status_code >= 500:
+            self.metrics.errors.labels(backend.url, m.HTTP_5XX).inc()
+        if resp.status_code == 200 and resp.headers.get("content-type", "").startswith("text/event-stream"):
+            return _RelayedStream(_Upstream(resp, backend, self.metrics))
+        try:
+            data = await run_until_disconnect(request, resp.aread())
+        except ClientDisconnected:
+            return Response(status_code=499)
+        except httpx.TransportError as e:
+            return self._unreachable(backend, e)
+        finally:
+            await resp.aclose()
+            backend.inflight -= 1
+        return Response(data, status_code=resp.status_code, headers=_relayed(resp))
+
+    def _unreachable(self, backend: Backend, e: httpx.TransportError) -> JSONResponse:
+        reason = _reason(e)
+        self.metrics.errors.labels(backend.url, reason).inc()
+        if reason == m.TIMEOUT:
+            return error_response(504, f"{backend.role} backend {backend.url} did not answer within "
+                                       f"{self.config.timeout_s:g} s ({type(e).__name__})", "backend_timeout")
+        return error_response(502, f"{backend.role} backend {backend.url} is unreachable: "
+                                   f"{type(e).__name__}: {e}", "backend_unreachable")
+
+    def _sent(self, backend: Backend) -> None:
+        self.metrics.requests.labels(backend.url, backend.role).inc()
+        backend.inflight += 1
+
+    # ---- GET routes ------------------------------------------------------------------------------
+    async def models(self, request: Request) -> Response:
+        backend = self.policy.primary()
+        try:
+            resp = await self.client.get(backend.url + "/v1/models", headers=_forwarded(request))
+        except httpx.TransportError as e:
+            return self._unreachable(backend, e)
+        return _copy(resp)
+
+    async def health(self) -> Response:
+        """200 when every backend's /health is; else 503 naming those that are not."""
+        urls = list(dict.fromkeys(b.url for b in self.policy.backends()))  # a URL in two roles: once
+        states = await asyncio.gather(*(self._probe(url) for url in urls))
+        backends = dict(zip(urls, states))
+        failed = {url: s for url, s in backends.items() if s != "ok"}
+        if failed:
+            return JSONResponse({"status": "unhealthy", "failed": failed, "backends": backends}, status_code=503)
+        return JSONResponse({"status": "ok", "backends": backends})
+
+    async def _probe(self, url: str) -> str:
+        try:
+            resp = await self.client.get(url + "/health", timeout=self.config.health_timeout_s)
+        except httpx.TransportError as e:
+            return f"unreachable: {type(e).__name__}"
+        return "ok" if resp.status_code == 200 else f"HTTP {resp.status_code}"
+
+
+class _Upstream:
+    """An upstream streaming response, closed exactly once however the relay ends."""
+
+    def __init__(self, resp: httpx.Response, backend: Backend, metrics: RouterMetrics) -> None:
+        self.resp = resp
+        self.backend = backend
+        self.metrics = metrics
+        self._closed = False
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        tail = b"\n\n"
+        try:
+            async for chunk in self.resp.aiter_bytes():
+                if chunk:
+                    tail = chunk[-2:]
+                    yield chunk
+        except httpx.TransportError as e:
+            reason = m.TIMEOUT if isinstance(e, httpx.TimeoutException) else m.STREAM_BROKEN
+            self.metrics.errors.labels(self.backend.url, reason).inc()
+            logger.warning("stream from %s broke: %s: %s", self.backend.url, type(e).__name__, e)
+            # The status line is sent: say it in the stream, as an engine does when a request fails.
+            sep = b"" if tail == b"\n\n" else b"\n\n"  # our event must not join a cut one
+            err = error_body(f"{self.backend.role} backend {self.backend.url} failed mid-stream: "
+                             f"{type(e).__name__}", code="backend_stream_broken", status=502)
+            yield sep + b"data: " + json.dumps(err).encode() + b"\n\ndata: [DONE]\n\n"
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.backend.inflight -= 1
+            await self.resp.aclose()  # closes the connection mid-stream: the engine aborts the request
+
+
+class _RelayedStream(StreamingResponse):
+    """The upstream's SSE stream, relayed as it arrives. Closing the upstream is tied to the
+    response, not to the iterator: the client may leave before the iterator ever runs."""
+
+    def __init__(self, upstream: _Upstream) -> None:
+        super().__init__(upstream.chunks(), status_code=upstream.resp.status_code,
+                         media_type=upstream.resp.headers.get("content-type", "text/event-stream"),
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.upstream = upstream
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with contextlib.suppress(Exception):
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            await asyncio.shield(self.upstream.close())
+
+
+# ---- helpers -------------------------------------------------------------------------------------------
+def _json_object(raw: bytes) -> dict[str, Any] | None:
+    """A JSON object, or None. Strict as the engines are: NaN / Infinity are not JSON (and could
+    not be sent on), so such a body goes to an engine as is, to get the engine's own 400."""
+    try:
+        data = json.loads(raw, parse_constant=_no_constant)
+    except (ValueError, RecursionError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _forwarded(request: Request) -> dict[str, str]:
+    return {h: request.headers[h] for h in _FORWARDED_HEADERS if h in request.headers}
+
+
+def _relayed(resp: httpx.Response) -> dict[str, str]:
+    return {h: resp.headers[h] for h in _RELAYED_HEADERS if h in resp.headers}
+
+
+def _copy(resp: httpx.Response) -> Response:
+    """A read upstream response, as the client's."""
+    return Response(resp.content, status_code=resp.status_code, headers=_relayed(resp))
+
+
+def _reason(e: httpx.TransportError) -> str:
+    """timeout: connected, then silent for --timeout-s; unreachable: no connection, or it broke
+    before an answer (as good as none)."""
+    if isinstance(e, httpx.TimeoutException) and not isinstance(e, httpx.ConnectTimeout):
+        return m.TIMEOUT
+    return m.UNREACHABLE
+
+
+# ---- the app ---------------------------------------------------------------------------------------------
+def build_router_app(config: RouterConfig, *, transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
+    router = Router(config, transport=transport)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        try:
+            yield
+        finally:
+            await router.aclose()
+
+    # No OpenAPI document: the bodies are the engines' (their /openapi.json describes them).
+    app = FastAPI(title="kvflow router", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)
+    app.state.router = router
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        return error_response(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code)
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception) -> Response:
+        logger.exception("unhandled error in %s %s", request.method, request.url.path)
+        return error_response(500, f"router error: {type(exc).__name__}: {exc}", "internal_error")
+
+    @app.post(COMPLETIONS_PATH)
+    async def completions(request: Request) -> Response:
+        return await router.generate(request, COMPLETIONS_PATH)
+
+    @app.post(CHAT_PATH)
+    async def chat_completions(request: Request) -> Response:
+        return await router.generate(request, CHAT_PATH)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        return await router.models(request)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return await router.health()
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(router.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def serve_router(config: RouterConfig, *, on_ready: Callable[[], None] | None = None) -> int:
+    """Run the router until Ctrl-C / SIGTERM (uvicorn's handling: in-flight requests finish)."""
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets=sockets)
+            if self.started and not self.should_exit and on_ready is not None:
+                on_ready()
+
+    app = build_router_app(config)
+    server = _Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
+                                   access_log=False, timeout_graceful_shutdown=5, lifespan="on"))
+    server.run()
+    return 0 if server.started else 1

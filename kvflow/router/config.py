@@ -1,0 +1,100 @@
+"""`RouterConfig`: what `kvflow router` was asked to do, checked once at start-up.
+
+Messages name the command-line flags, because that is where a wrong value comes from; the same
+checks hold for a router built in Python (tests, embedding).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+# Policies that split a request between prefill and decode engines (--prefill/--decode); every
+# other policy spreads whole requests over equal replicas (--backend).
+PD_POLICIES = frozenset({"pd"})
+
+
+@dataclass
+class RouterConfig:
+    host: str = "127.0.0.1"  # 0.0.0.0 exposes the router to the network: opt in
+    port: int = 8000
+    policy: str | None = None  # None: pd when prefill/decode engines are given, else round_robin
+    backends: list[str] = field(default_factory=list)  # replicas, for data-parallel policies
+    prefill: list[str] = field(default_factory=list)  # kv_producer engines (pd)
+    decode: list[str] = field(default_factory=list)  # kv_consumer engines (pd)
+    # An engine may take minutes to answer a long generation; only an upstream that sends nothing
+    # for this long (or takes this long to answer a prefill) is given up on.
+    timeout_s: float = 600.0
+    # Separate and short: a dead host must fail over in seconds, not after timeout_s.
+    connect_timeout_s: float = 5.0
+    health_timeout_s: float = 5.0  # per backend, for GET /health
+
+    def __post_init__(self) -> None:
+        from kvflow.router.policies import POLICIES  # the registry decides which names exist
+
+        self.backends = _urls("--backend", self.backends)
+        self.prefill = _urls("--prefill", self.prefill)
+        self.decode = _urls("--decode", self.decode)
+        pd_given = bool(self.prefill or self.decode)
+        if self.policy is None and not pd_given and not self.backends:
+            raise ValueError("no servers to route to: give --prefill URL... --decode URL... (prefill/decode "
+                             "disaggregation) or --backend URL... (replicas)")
+        if self.backends and pd_given:
+            raise ValueError("--backend cannot be combined with --prefill/--decode: --prefill/--decode route "
+                             "by the pd policy, --backend by a data-parallel one (--policy); give one kind")
+        if self.policy is None:
+            self.policy = "pd" if pd_given else "round_robin"
+        if self.policy not in POLICIES:
+            raise ValueError(f"--policy must be one of {', '.join(sorted(POLICIES))}, got {self.policy!r}")
+        if self.policy in PD_POLICIES:
+            if self.backends:
+                raise ValueError(f"--backend is for data-parallel policies, not --policy {self.policy}: "
+                                 "give the engines as --prefill URL... --decode URL...")
+            if not self.prefill and not self.decode:
+                raise ValueError(f"--policy {self.policy} needs --prefill URL... and --decode URL...")
+            if not self.prefill:
+                raise ValueError("--prefill is required with --decode (pd): give at least one prefill "
+                                 "(kv_producer) engine URL, or use --backend URL... for a plain proxy")
+            if not self.decode:
+                raise ValueError("--decode is required with --prefill (pd): give at least one decode "
+                                 "(kv_consumer) engine URL")
+        else:
+            if pd_given:
+                flag = "--prefill" if self.prefill else "--decode"
+                raise ValueError(f"{flag} is only for --policy pd, not --policy {self.policy}: "
+                                 "drop --policy (pd is implied) or give the engines as --backend URL...")
+            if not self.backends:
+                raise ValueError(f"--backend is required for --policy {self.policy}: give at least one "
+                                 "kvflow server URL, e.g. --backend http://127.0.0.1:8100")
+        if not 0 <= self.port < 65536:  # 0: any free port (tests)
+            raise ValueError(f"--port must be in 0..65535, got {self.port}")
+        for name in ("timeout_s", "connect_timeout_s", "health_timeout_s"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0 seconds, got {value}")
+
+    @property
+    def is_pd(self) -> bool:
+        return self.policy in PD_POLICIES
+
+
+def _urls(flag: str, urls: list[str]) -> list[str]:
+    """Base URLs of kvflow servers, normalised (no trailing slash) and each given once (a
+    duplicate would skew round robin silently and merge two backends' metrics)."""
+    out: list[str] = []
+    for raw in urls:
+        url = raw.strip().rstrip("/")
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"{flag}: {raw!r} is not an http(s) URL; give a server's base URL, "
+                             "e.g. http://127.0.0.1:8100")
+        if parts.query or parts.fragment:
+            raise ValueError(f"{flag}: {raw!r} has a query or fragment; give the server's base URL only")
+        try:
+            parts.port  # noqa: B018 (raises on a bad port)
+        except ValueError:
+            raise ValueError(f"{flag}: {raw!r} has an invalid port") from None
+        if url in out:
+            raise ValueError(f"{flag} lists {url} twice; give each server once")
+        out.append(url)
+    return out
