@@ -445,3 +445,183 @@ def test_cli_unknown_policy_is_argparse_error(capsys):
     with pytest.raises(SystemExit) as e:
         kvflow_main(["router", "--policy", "random", "--backend", "http://a:1"])
     assert e.value.code == 2 and "--policy" in capsys.readouterr().err
+
+
+# ---- data-parallel replicas: retries, health, load ----------------------------------------------------------
+class ReplicaFake(FakeEngine):
+    """A FakeEngine that also serves /metrics with the load gauges a kvflow server exports, and
+    can fail a stream before its first chunk (`early_break`)."""
+
+    def __init__(self, name: str, mode: str = "decode") -> None:
+        super().__init__(name, mode)
+        self.running, self.waiting, self.kv_usage = 0, 0, 0.0
+
+        async def metrics() -> Response:
+            return Response(f"kvflow:num_requests_running {self.running}\nkvflow:num_requests_waiting "
+                            f"{self.waiting}\nkvflow:kv_cache_usage_perc {self.kv_usage}\n", media_type="text/plain")
+
+        self.server.app.add_api_route("/metrics", metrics, methods=["GET"])
+
+    def answer(self, path: str, body: dict[str, Any]) -> Response:
+        if self.mode == "early_break":
+            async def cut():
+                raise RuntimeError("died before the first token")  # uvicorn cuts the connection
+                yield b""  # noqa: unreachable (makes this an async generator)
+            return StreamingResponse(cut(), media_type="text/event-stream")
+        return super().answer(path, body)
+
+
+@pytest.fixture(scope="module")
+def replica_engines():
+    e = [ReplicaFake("r1"), ReplicaFake("r2")]
+    yield e
+    for x in e:
+        x.release.set()
+        x.server.stop()
+
+
+@pytest.fixture
+def replicas(replica_engines):
+    for x in replica_engines:
+        x.reset("decode")
+        x.running, x.waiting, x.kv_usage = 0, 0, 0.0
+    return replica_engines
+
+
+def _m(router: LiveRouter, name: str, url: str | None = None) -> float:
+    key = name if url is None else f'{name}{{backend="{url}"}}'
+    return router.metrics().get(key, 0.0)
+
+
+def test_replica_5xx_is_retried_once_on_another(replicas):
+    r1, r2 = replicas
+    r = LiveRouter(backends=[r1.url, r2.url])
+    try:
+        r1.mode = "error_500"
+        r2.release.set()  # its stream runs to the end
+        for stream in (False, True):
+            resp = r.post("/v1/completions", {"prompt": "x", "stream": stream})
+            assert resp.status_code == 200, resp.text
+        # round robin: r1, retried on r2; r1 again (the retry took r2's turn), retried on r2
+        assert len(r1.calls) == 2 and len(r2.calls) == 2
+        assert [c["body"] for c in r2.calls] == [c["body"] for c in r1.calls]  # the same body again
+        assert _m(r, "kvflow_router:retries_total") == 2
+        r2.mode = "overloaded"  # both fail: one retry only, then the client gets the last answer
+        resp = r.post("/v1/completions", {"prompt": "x"})
+        assert resp.status_code in (500, 503)
+        assert len(r1.calls) + len(r2.calls) == 6 and _m(r, "kvflow_router:retries_total") == 3
+        assert all(v == 0 for v in r.inflight().values())
+    finally:
+        r.server.stop()
+
+
+def test_unreachable_replica_is_retried_and_taken_out(replicas):
+    r1 = replicas[0]
+    doomed = FakeEngine("doomed", "decode")
+    # The first probe (at start) finds both healthy; the next one is far away.
+    r = LiveRouter(backends=[doomed.url, r1.url], health_interval_s=60)
+    try:
+        wait_for(lambda: _m(r, "kvflow_router:backend_healthy", doomed.url) == 1, 5, "no health state")
+        doomed.server.stop()  # refuses connections from now on
+        for _ in range(4):
+            assert r.post("/v1/completions", {"prompt": "x"}).json()["decoded_by"] == "r1"
+        # out of rotation at the first refused connection, long before the next probe
+        m = r.metrics()
+        sent = m[f'kvflow_router:requests_total{{backend="{doomed.url}",role="backend"}}']
+        assert 1 <= sent <= 2 and m["kvflow_router:retries_total"] == sent  # (a dead keep-alive may go first)
+        assert m[f'kvflow_router:backend_healthy{{backend="{doomed.url}"}}'] == 0
+        assert m[f'kvflow_router:backend_healthy{{backend="{r1.url}"}}'] == 1
+        assert m[f'kvflow_router:backend_unhealthy_total{{backend="{doomed.url}"}}'] == 1
+        for _ in range(4):
+            assert r.post("/v1/completions", {"prompt": "x"}).json()["decoded_by"] == "r1"
+        assert r.metrics()[f'kvflow_router:requests_total{{backend="{doomed.url}",role="backend"}}'] == sent
+    finally:
+        r.server.stop()
+
+
+def test_health_checker_takes_replicas_out_and_back(replicas):
+    r1, r2 = replicas
+    r = LiveRouter(backends=[r1.url, r2.url], health_interval_s=0.05)
+    try:
+        r1.healthy = False
+        wait_for(lambda: _m(r, "kvflow_router:backend_healthy", r1.url) == 0, 5, "r1 stayed in rotation")
+        got = [r.post("/v1/completions", {"prompt": "x"}).json()["decoded_by"] for _ in range(3)]
+        assert got == ["r2"] * 3
+        r1.healthy = True
+        wait_for(lambda: _m(r, "kvflow_router:backend_healthy", r1.url) == 1, 5, "r1 did not come back")
+        got = {r.post("/v1/completions", {"prompt": "x"}).json()["decoded_by"] for _ in range(2)}
+        assert got == {"r1", "r2"}
+        assert _m(r, "kvflow_router:backend_unhealthy_total", r1.url) == 1
+    finally:
+        r.server.stop()
+
+
+def test_stream_failing_before_its_first_chunk_is_retried(replicas):
+    r1, r2 = replicas
+    r = LiveRouter(backends=[r1.url, r2.url])
+    try:
+        r1.mode = "early_break"
+        r2.release.set()
+        with httpx.stream("POST", r.url + "/v1/completions", json={"prompt": "x", "stream": True},
+                          timeout=5) as resp:
+            assert resp.status_code == 200
+            events = [line for line in resp.iter_lines() if line]
+        assert [json.loads(e.removeprefix("data: "))["by"] for e in events[:-1]] == ["r2"] * 3
+        assert _m(r, "kvflow_router:retries_total") == 1
+        r2.mode = "early_break"  # nowhere else to go: an HTTP error, nothing was relayed yet
+        resp = r.post("/v1/completions", {"prompt": "x", "stream": True})
+        assert resp.status_code == 502 and resp.json()["error"]["code"] == "backend_unreachable"
+    finally:
+        r.server.stop()
+
+
+def test_replica_failing_mid_stream_is_not_retried(replicas):
+    r1, r2 = replicas
+    r = LiveRouter(backends=[r1.url, r2.url])
+    try:
+        r1.mode = r2.mode = "broken"
+        r1.release.set()
+        r2.release.set()
+        with httpx.stream("POST", r.url + "/v1/completions", json={"prompt": "x", "stream": True},
+                          timeout=5) as resp:
+            events = [line for line in resp.iter_lines() if line]
+        assert json.loads(events[-2].removeprefix("data: "))["error"]["code"] == "backend_stream_broken"
+        assert _m(r, "kvflow_router:retries_total") == 0
+    finally:
+        r.server.stop()
+
+
+def test_least_loaded_reads_each_replicas_metrics(replicas):
+    r1, r2 = replicas
+    r1.running, r1.waiting = 6, 4
+    r2.running = 3
+    r = LiveRouter(backends=[r1.url, r2.url], policy="least_loaded", load_poll_s=0.05)
+    try:
+        b1, b2 = r.router.policy.backends()
+        wait_for(lambda: (b1.engine_load, b2.engine_load) == (10, 3), 5, "the loads were not scraped")
+        got = [r.post("/v1/completions", {"prompt": "x"}).json()["decoded_by"] for _ in range(3)]
+        assert got == ["r2"] * 3
+        r2.waiting = 20
+        wait_for(lambda: b2.engine_load == 23, 5, "the new load was not scraped")
+        assert r.post("/v1/completions", {"prompt": "x"}).json()["decoded_by"] == "r1"
+    finally:
+        r.server.stop()
+
+
+def test_cache_aware_over_http_counts_hits_misses_and_ttfb(replicas):
+    r1, r2 = replicas
+    r = LiveRouter(backends=[r1.url, r2.url], policy="cache_aware")
+    try:
+        system = {"role": "system", "content": "You are a helpful assistant who knows a lot about trains. " * 3}
+        served = [r.post("/v1/chat/completions", {"messages": [system, {"role": "user", "content": q}]}
+                         ).json()["decoded_by"] for q in ("hi", "hello", "hey there")]
+        assert len(set(served)) == 1
+        other = r.post("/v1/completions", {"prompt": "something else entirely " * 4}).json()["decoded_by"]
+        assert other != served[0]  # a miss goes to the idle replica, not the same one every time
+        m = r.metrics()
+        assert (m["kvflow_router:cache_aware_hits_total"], m["kvflow_router:cache_aware_misses_total"]) == (2, 2)
+        assert m["kvflow_router:prefix_match_ratio_count"] == 4
+        assert m['kvflow_router:prefix_match_ratio_bucket{le="0.5"}'] == 2
+        assert m["kvflow_router:time_to_first_byte_seconds_count"] == 4
+    finally:
+        r.server.stop()

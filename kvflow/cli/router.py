@@ -17,13 +17,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="An OpenAI-compatible proxy in front of kvflow servers. With --prefill and --decode "
                     "(the pd policy) each request is prefilled on a prefill engine (kv_producer), then "
                     "generated on a decode engine (kv_consumer) that fetches the prompt's KV; with "
-                    "--backend the requests are spread over equal replicas (--policy round_robin). "
+                    "--backend the requests are spread over equal replicas (--policy round_robin, "
+                    "least_loaded or cache_aware), unhealthy ones left out. "
                     "Binds 127.0.0.1 unless --host says otherwise.")
     p.add_argument("--host", default=d["host"].default,
                    help="address to bind; 0.0.0.0 exposes the router to the network (default: %(default)s)")
     p.add_argument("--port", type=int, default=d["port"].default, help="TCP port (default: %(default)s)")
     p.add_argument("--policy", choices=sorted(POLICIES), default=None,
-                   help="how requests are routed (default: pd with --prefill/--decode, else round_robin)")
+                   help="how requests are routed: pd (--prefill/--decode); over --backend replicas: "
+                        "round_robin (each in turn), least_loaded (fewest running + waiting requests), "
+                        "cache_aware (the replica that holds most of the prompt's prefix, unless loads are "
+                        "imbalanced) (default: pd with --prefill/--decode, else round_robin)")
     p.add_argument("--prefill", nargs="+", default=[], metavar="URL",
                    help="prefill engines (kv_producer), e.g. http://127.0.0.1:8100; chosen round robin")
     p.add_argument("--decode", nargs="+", default=[], metavar="URL",
@@ -37,7 +41,28 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="give up connecting to an upstream after this long (then: fall back or 502) "
                         "(default: %(default)s)")
     p.add_argument("--health-timeout-s", type=float, default=d["health_timeout_s"].default,
-                   help="per backend, for GET /health (default: %(default)s)")
+                   help="per backend, for GET /health and the background probes and scrapes "
+                        "(default: %(default)s)")
+    g = p.add_argument_group("replicas (--backend)")
+    g.add_argument("--health-interval-s", type=float, default=d["health_interval_s"].default,
+                   help="probe each replica's /health this often; one that fails leaves the rotation "
+                        "until it passes again (default: %(default)s)")
+    g.add_argument("--load-poll-s", type=float, default=d["load_poll_s"].default,
+                   help="least_loaded, cache_aware: scrape each replica's /metrics for its load this "
+                        "often; the router's own in-flight changes count in between (default: %(default)s)")
+    g.add_argument("--cache-threshold", type=float, default=d["cache_threshold"].default,
+                   help="cache_aware: route to the replica with the longest prefix match when it covers "
+                        "at least this share of the prompt's characters, else to the least loaded "
+                        "(default: %(default)s)")
+    g.add_argument("--balance-abs-threshold", type=int, default=d["balance_abs_threshold"].default,
+                   help="cache_aware: loads are imbalanced (route to the least loaded, ignoring prefixes) "
+                        "when max - min exceeds this and max exceeds --balance-rel-threshold x min "
+                        "(default: %(default)s)")
+    g.add_argument("--balance-rel-threshold", type=float, default=d["balance_rel_threshold"].default,
+                   help="cache_aware: see --balance-abs-threshold (default: %(default)s)")
+    g.add_argument("--cache-max-chars", type=int, default=d["cache_max_chars"].default,
+                   help="cache_aware: characters of prompt text remembered per replica; the least recently "
+                        "used are forgotten beyond (default: %(default)s)")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info",
                    help="router log level (default: %(default)s)")
     p.set_defaults(func=run_router)
@@ -48,7 +73,10 @@ def config_from_args(args: argparse.Namespace):
 
     return RouterConfig(host=args.host, port=args.port, policy=args.policy, backends=args.backend,
                         prefill=args.prefill, decode=args.decode, timeout_s=args.timeout_s,
-                        connect_timeout_s=args.connect_timeout_s, health_timeout_s=args.health_timeout_s)
+                        connect_timeout_s=args.connect_timeout_s, health_timeout_s=args.health_timeout_s,
+                        health_interval_s=args.health_interval_s, load_poll_s=args.load_poll_s,
+                        cache_threshold=args.cache_threshold, balance_abs_threshold=args.balance_abs_threshold,
+                        balance_rel_threshold=args.balance_rel_threshold, cache_max_chars=args.cache_max_chars)
 
 
 def run_router(args: argparse.Namespace) -> int:

@@ -1,5 +1,6 @@
 """`kvflow router`: an HTTP proxy in front of kvflow servers, choosing a backend per request by a
-policy (`policies.py`): `pd` (prefill/decode disaggregation) or `round_robin` over replicas.
+policy (`policies.py`): `pd` (prefill/decode disaggregation), or over data-parallel replicas
+`round_robin`, `least_loaded` or `cache_aware` (prefix affinity, `prefix_tree.py`).
 
 Names are imported lazily: `kvflow --help` reads `config` and `policies` without the web stack."""
 
@@ -14,7 +15,9 @@ _EXPORTS = {
     "RouterMetrics": "metrics",
     "POLICIES": "policies", "Backend": "policies", "Route": "policies", "RouteRequest": "policies",
     "RoutingPolicy": "policies", "RoundRobinPolicy": "policies", "PrefillDecodePolicy": "policies",
+    "ReplicaPolicy": "policies", "LeastLoadedPolicy": "policies", "CacheAwarePolicy": "policies",
     "make_policy": "policies",
+    "PrefixTree": "prefix_tree", "prompt_texts": "prefix_tree",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -6,13 +6,24 @@ and reads `kv_transfer_params` from its answer; then it sends the client's body 
 to the target and relays its answer as it comes: status, headers that matter, JSON body, or the SSE
 stream chunk by chunk.
 
+A stream's status line goes to the client with the upstream's first chunk: until then nothing was
+relayed, so a failure is still the client's HTTP error (or, data-parallel, a retry).
+
 Failures:
 - prefill engine answers 4xx: that answer goes to the client (a bad request stays one);
 - prefill engine answers 5xx, garbage, or cannot be reached: the client's body goes to the decode
   engine unchanged (it computes the prompt itself) and `prefill_fallbacks_total` counts it;
-- target unreachable: 502 (timed out: 504), OpenAI's error body naming the backend URL;
+- data-parallel (--backend): a replica that cannot be reached, or answers 5xx, before any byte was
+  relayed: the request is sent once more, to another healthy replica (`retries_total`); a replica
+  that refuses connections leaves the rotation at once, until its /health passes again;
+- target unreachable (and no retry, or the retry failed too): 502 (timed out: 504), OpenAI's
+  error body naming the backend URL;
 - target fails mid-stream: an SSE error event, then [DONE] (the status line is already sent);
 - client gone: the upstream request is closed, so the engine aborts it within a step.
+
+Background tasks (data-parallel policies): every --health-interval-s each replica's /health is
+probed (a failure takes it out of rotation, a pass puts it back); with least_loaded / cache_aware,
+every --load-poll-s each healthy replica's /metrics is scraped for its load (`Backend.load`).
 
 Only the router's own modules and the web stack are imported: no torch, no engine.
 """
@@ -23,7 +34,10 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
+import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -39,7 +53,7 @@ from kvflow.router import metrics as m
 from kvflow.router.config import RouterConfig
 from kvflow.router.metrics import RouterMetrics
 from kvflow.router.pd import CHAT_PATH, COMPLETIONS_PATH, decode_body, encode_body, prefill_body
-from kvflow.router.policies import Backend, RouteRequest, RoutingPolicy, make_policy
+from kvflow.router.policies import Backend, Route, RouteRequest, RoutingPolicy, make_policy
 
 logger = logging.getLogger("kvflow.router")
 
@@ -57,6 +71,16 @@ def error_body(message: str, *, code: str, status: int) -> dict[str, Any]:
 
 def error_response(status: int, message: str, code: str) -> JSONResponse:
     return JSONResponse(error_body(message, code=code, status=status), status_code=status)
+
+
+@dataclass
+class _Attempt:
+    """One upstream request's outcome, as the client would get it."""
+
+    response: Response
+    # The backend failed before any byte was relayed (unreachable, or a 5xx): another may serve it.
+    retryable: bool = False
+    detail: str = ""  # why it failed, for the log
 
 
 class Router:
@@ -78,20 +102,42 @@ class Router:
             trust_env=False,
             transport=transport,
         )
+        self._tasks: list[asyncio.Task] = []
+        # Bumped whenever a backend's health is set: a probe that began before a request saw the
+        # backend refuse connections must not put it back with its stale answer.
+        self._health_epoch: dict[Backend, int] = {b: 0 for b in self.policy.backends()}
+
+    async def start(self) -> None:
+        """Start the background health checks and load scrapes (the app's lifespan calls this)."""
+        if self.policy.health_checked:
+            for b in self.policy.backends():
+                self.metrics.backend_healthy.labels(b.url).set(1 if b.healthy else 0)
+            self._tasks.append(asyncio.create_task(self._health_loop(), name="kvflow-router-health"))
+        if self.policy.uses_load:
+            self._tasks.append(asyncio.create_task(self._load_loop(), name="kvflow-router-load"))
 
     async def aclose(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks.clear()
         await self.client.aclose()
 
     # ---- POST /v1/completions, /v1/chat/completions --------------------------------------------------
     async def generate(self, request: Request, path: str) -> Response:
+        started = time.monotonic()
         raw = await request.body()
         headers = _forwarded(request)
         body = _json_object(raw)
         if body is None:
             # Nothing a policy could read: the first backend answers with the engine's own 400,
             # the same a client of a plain server gets.
-            return await self._relay(request, self.policy.primary(), path, raw, headers)
-        route = self.policy.route(RouteRequest(path, body))
+            return (await self._relay(request, self.policy.primary(), path, raw, headers, started)).response
+        route_request = RouteRequest(path, body)
+        route = self.policy.route(route_request)
+        self._record_route(route)
         content = raw
         if route.prefill is not None:
             try:
@@ -102,7 +148,21 @@ class Router:
                 return outcome
             if outcome is not None:
                 content = decode_body(body, outcome)
-        return await self._relay(request, route.target, path, content, headers)
+        attempt = await self._relay(request, route.target, path, content, headers, started)
+        if attempt.retryable:
+            retry = self.policy.reroute(route_request, route.target)
+            if retry is not None:
+                self.metrics.retries.inc()
+                logger.warning("backend %s failed before answering (%s); retrying on %s", route.target.url,
+                               attempt.detail, retry.target.url)
+                attempt = await self._relay(request, retry.target, path, content, headers, started)
+        return attempt.response
+
+    def _record_route(self, route: Route) -> None:
+        if route.cache_hit is not None:
+            (self.metrics.cache_hits if route.cache_hit else self.metrics.cache_misses).inc()
+        if route.match_ratio is not None:
+            self.metrics.prefix_match_ratio.observe(route.match_ratio)
 
     async def _prefill(self, backend: Backend, path: str, body: dict[str, Any],
                        headers: dict[str, str]) -> dict[str, Any] | Response | None:
@@ -137,8 +197,9 @@ class Router:
         return None
 
     async def _relay(self, request: Request, backend: Backend, path: str, content: bytes,
-                     headers: dict[str, str]) -> Response:
-        """Send `content` to `backend` and answer the client with whatever it answers."""
+                     headers: dict[str, str], started: float) -> _Attempt:
+        """Send `content` to `backend`; its answer, as the client's response. A stream is answered
+        once its first chunk arrived: a failure before it is still an HTTP error (retryable)."""
         upstream = self.client.build_request("POST", backend.url + path, content=content,
                                              headers={**headers, "content-type": "application/json"})
         self._sent(backend)
@@ -146,37 +207,116 @@ class Router:
             resp = await run_until_disconnect(request, self.client.send(upstream, stream=True))
         except ClientDisconnected:
             backend.inflight -= 1
-            return Response(status_code=499)
+            return _Attempt(Response(status_code=499))
         except httpx.TransportError as e:
             backend.inflight -= 1
-            return self._unreachable(backend, e)
+            if isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)) and self.policy.health_checked:
+                self._set_health(backend, False, f"{type(e).__name__}: {e}")  # no need to wait for a probe
+            return self._failed(backend, e)
         if resp.status_code >= 500:
             self.metrics.errors.labels(backend.url, m.HTTP_5XX).inc()
         if resp.status_code == 200 and resp.headers.get("content-type", "").startswith("text/event-stream"):
-            return _RelayedStream(_Upstream(resp, backend, self.metrics))
+            chunks = resp.aiter_bytes()
+            try:
+                first = await run_until_disconnect(request, _first_chunk(chunks))
+            except ClientDisconnected:
+                await resp.aclose()
+                backend.inflight -= 1
+                return _Attempt(Response(status_code=499))
+            except httpx.TransportError as e:
+                await resp.aclose()
+                backend.inflight -= 1
+                return self._failed(backend, e)
+            self.metrics.ttfb.observe(time.monotonic() - started)
+            return _Attempt(_RelayedStream(_Upstream(resp, backend, self.metrics, chunks, first)))
         try:
             data = await run_until_disconnect(request, resp.aread())
         except ClientDisconnected:
-            return Response(status_code=499)
+            return _Attempt(Response(status_code=499))
         except httpx.TransportError as e:
-            return self._unreachable(backend, e)
+            return self._failed(backend, e)
         finally:
             await resp.aclose()
             backend.inflight -= 1
-        return Response(data, status_code=resp.status_code, headers=_relayed(resp))
+        if resp.status_code == 200:
+            self.metrics.ttfb.observe(time.monotonic() - started)
+        return _Attempt(Response(data, status_code=resp.status_code, headers=_relayed(resp)),
+                        retryable=resp.status_code >= 500, detail=f"HTTP {resp.status_code}")
+
+    def _failed(self, backend: Backend, e: httpx.TransportError) -> _Attempt:
+        """No answer from `backend`: a 502 / 504; retryable unless it timed out (a retry would
+        wait as long again)."""
+        return _Attempt(self._unreachable(backend, e), retryable=_reason(e) == m.UNREACHABLE,
+                        detail=f"{type(e).__name__}: {e}")
 
     def _unreachable(self, backend: Backend, e: httpx.TransportError) -> JSONResponse:
         reason = _reason(e)
         self.metrics.errors.labels(backend.url, reason).inc()
         if reason == m.TIMEOUT:
-            return error_response(504, f"{backend.role} backend {backend.url} did not answer within "
+            return error_response(504, f"{_who(backend)} did not answer within "
                                        f"{self.config.timeout_s:g} s ({type(e).__name__})", "backend_timeout")
-        return error_response(502, f"{backend.role} backend {backend.url} is unreachable: "
+        return error_response(502, f"{_who(backend)} is unreachable: "
                                    f"{type(e).__name__}: {e}", "backend_unreachable")
 
     def _sent(self, backend: Backend) -> None:
         self.metrics.requests.labels(backend.url, backend.role).inc()
         backend.inflight += 1
+
+    # ---- health and load (data-parallel policies) ---------------------------------------------------
+    def _set_health(self, backend: Backend, healthy: bool, detail: str) -> None:
+        self._health_epoch[backend] = self._health_epoch.get(backend, 0) + 1
+        if backend.healthy == healthy:
+            return
+        self.policy.set_healthy(backend, healthy)
+        self.metrics.backend_healthy.labels(backend.url).set(1 if healthy else 0)
+        if healthy:
+            logger.info("backend %s is healthy again: back in rotation", backend.url)
+        else:
+            self.metrics.backend_unhealthy.labels(backend.url).inc()
+            backend.forget_scrape()
+            logger.warning("backend %s is unhealthy (%s): out of rotation", backend.url, detail)
+
+    async def check_health(self) -> None:
+        """Probe every backend's /health once, concurrently, and set their states."""
+        await asyncio.gather(*(self._check(b) for b in self.policy.backends()))
+
+    async def _check(self, backend: Backend) -> None:
+        epoch = self._health_epoch.get(backend, 0)
+        state = await self._probe(backend.url)
+        if self._health_epoch.get(backend, 0) == epoch:
+            self._set_health(backend, state == "ok", state)
+
+    async def _health_loop(self) -> None:
+        while True:
+            try:
+                await self.check_health()
+            except Exception:  # never let the checker die: a replica could then never come back
+                logger.exception("health check failed")
+            await asyncio.sleep(self.config.health_interval_s)
+
+    async def scrape_loads(self) -> None:
+        """Read every healthy backend's load from its /metrics once, concurrently."""
+        await asyncio.gather(*(self._scrape(b) for b in self.policy.backends() if b.healthy))
+
+    async def _scrape(self, backend: Backend) -> None:
+        try:
+            resp = await self.client.get(backend.url + "/metrics", timeout=self.config.health_timeout_s)
+        except httpx.TransportError:
+            backend.forget_scrape()
+            return
+        values = parse_engine_load(resp.text) if resp.status_code == 200 else None
+        if values is None:
+            backend.forget_scrape()  # not a kvflow server, or not now: the router's own count
+        else:
+            backend.record_scrape(*values)
+
+    async def _load_loop(self) -> None:
+        while True:
+            try:
+                await self.scrape_loads()
+            except Exception:
+                logger.exception("load scrape failed")
+            await asyncio.sleep(self.config.load_poll_s)
 
     # ---- GET routes ------------------------------------------------------------------------------
     async def models(self, request: Request) -> Response:
@@ -206,18 +346,25 @@ class Router:
 
 
 class _Upstream:
-    """An upstream streaming response, closed exactly once however the relay ends."""
+    """An upstream streaming response, closed exactly once however the relay ends. `chunks` is its
+    byte iterator, `first` what was already read from it (the first chunk)."""
 
-    def __init__(self, resp: httpx.Response, backend: Backend, metrics: RouterMetrics) -> None:
+    def __init__(self, resp: httpx.Response, backend: Backend, metrics: RouterMetrics,
+                 chunks: AsyncIterator[bytes] | None = None, first: bytes = b"") -> None:
         self.resp = resp
         self.backend = backend
         self.metrics = metrics
+        self._chunks = chunks if chunks is not None else resp.aiter_bytes()
+        self._first = first
         self._closed = False
 
     async def chunks(self) -> AsyncIterator[bytes]:
         tail = b"\n\n"
         try:
-            async for chunk in self.resp.aiter_bytes():
+            if self._first:
+                tail = self._first[-2:]
+                yield self._first
+            async for chunk in self._chunks:
                 if chunk:
                     tail = chunk[-2:]
                     yield chunk
@@ -227,7 +374,7 @@ class _Upstream:
             logger.warning("stream from %s broke: %s: %s", self.backend.url, type(e).__name__, e)
             # The status line is sent: say it in the stream, as an engine does when a request fails.
             sep = b"" if tail == b"\n\n" else b"\n\n"  # our event must not join a cut one
-            err = error_body(f"{self.backend.role} backend {self.backend.url} failed mid-stream: "
+            err = error_body(f"{_who(self.backend)} failed mid-stream: "
                              f"{type(e).__name__}", code="backend_stream_broken", status=502)
             yield sep + b"data: " + json.dumps(err).encode() + b"\n\ndata: [DONE]\n\n"
         finally:
@@ -260,6 +407,45 @@ class _RelayedStream(StreamingResponse):
 
 
 # ---- helpers -------------------------------------------------------------------------------------------
+def _who(backend: Backend) -> str:
+    """How messages name a backend: "decode backend URL", or "backend URL" for a replica."""
+    return f"backend {backend.url}" if backend.role == "backend" else f"{backend.role} backend {backend.url}"
+
+
+async def _first_chunk(chunks: AsyncIterator[bytes]) -> bytes:
+    """The first non-empty chunk (b"": the stream ended without one). The iterator stays open."""
+    async for chunk in chunks:
+        if chunk:
+            return chunk
+    return b""
+
+
+_LOAD_GAUGES = ("kvflow:num_requests_running", "kvflow:num_requests_waiting", "kvflow:kv_cache_usage_perc")
+_SAMPLE = re.compile(r"^(kvflow:[a-z_]+)(?:\{[^}]*\})?\s+(\S+)")
+
+
+def parse_engine_load(text: str) -> tuple[float, float, float] | None:
+    """(running, waiting, KV usage) from a kvflow server's Prometheus text (samples of one gauge
+    with labels are summed); None when running or waiting is missing (not a kvflow server)."""
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith("kvflow:"):
+            continue
+        match = _SAMPLE.match(line)
+        if match is None or match.group(1) not in _LOAD_GAUGES:
+            continue
+        try:
+            value = float(match.group(2))
+        except ValueError:
+            continue
+        if value == value:  # not NaN
+            found[match.group(1)] = found.get(match.group(1), 0.0) + value
+    running, waiting, usage = (found.get(name) for name in _LOAD_GAUGES)
+    if running is None or waiting is None:
+        return None
+    return running, waiting, usage or 0.0
+
+
 def _json_object(raw: bytes) -> dict[str, Any] | None:
     """A JSON object, or None. Strict as the engines are: NaN / Infinity are not JSON (and could
     not be sent on), so such a body goes to an engine as is, to get the engine's own 400."""
@@ -302,6 +488,7 @@ def build_router_app(config: RouterConfig, *, transport: httpx.AsyncBaseTranspor
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         try:
+            await router.start()
             yield
         finally:
             await router.aclose()

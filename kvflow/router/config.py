@@ -27,7 +27,18 @@ class RouterConfig:
     timeout_s: float = 600.0
     # Separate and short: a dead host must fail over in seconds, not after timeout_s.
     connect_timeout_s: float = 5.0
-    health_timeout_s: float = 5.0  # per backend, for GET /health
+    health_timeout_s: float = 5.0  # per backend, for GET /health (and the background probes)
+    # Data-parallel policies (--backend): replicas whose /health fails leave the rotation until
+    # it passes again; probed this often.
+    health_interval_s: float = 2.0
+    # least_loaded / cache_aware: each replica's /metrics is scraped this often for its load.
+    load_poll_s: float = 0.5
+    # cache_aware: a replica matching at least this share of the prompt's characters gets it ...
+    cache_threshold: float = 0.5
+    # ... unless the loads are imbalanced: max - min > abs AND max > rel x min (sglang-router's rule)
+    balance_abs_threshold: int = 32
+    balance_rel_threshold: float = 1.5
+    cache_max_chars: int = 1_000_000  # per replica, for its prefix tree (LRU leaves evicted beyond)
 
     def __post_init__(self) -> None:
         from kvflow.router.policies import POLICIES  # the registry decides which names exist
@@ -68,14 +79,35 @@ class RouterConfig:
                                  "kvflow server URL, e.g. --backend http://127.0.0.1:8100")
         if not 0 <= self.port < 65536:  # 0: any free port (tests)
             raise ValueError(f"--port must be in 0..65535, got {self.port}")
-        for name in ("timeout_s", "connect_timeout_s", "health_timeout_s"):
+        for name in ("timeout_s", "connect_timeout_s", "health_timeout_s", "health_interval_s", "load_poll_s"):
             value = getattr(self, name)
-            if not value > 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be > 0 seconds, got {value}")
+            periodic = name in ("health_interval_s", "load_poll_s")
+            if not value > 0 or (periodic and value == float("inf")):
+                raise ValueError(f"--{name.replace('_', '-')} must be {'finite and ' if periodic else ''}"
+                                 f"> 0 seconds, got {value}")
+        if not _is_number(self.cache_threshold) or not 0 <= self.cache_threshold <= 1:
+            raise ValueError(f"--cache-threshold must be in [0, 1] (a share of the prompt's characters), "
+                             f"got {self.cache_threshold}")
+        if not _is_int(self.balance_abs_threshold) or self.balance_abs_threshold < 0:
+            raise ValueError(f"--balance-abs-threshold must be an integer >= 0 (requests), got "
+                             f"{self.balance_abs_threshold}")
+        if not _is_number(self.balance_rel_threshold) or not 1 <= self.balance_rel_threshold < float("inf"):
+            raise ValueError(f"--balance-rel-threshold must be >= 1 (a ratio of loads), got "
+                             f"{self.balance_rel_threshold}")
+        if not _is_int(self.cache_max_chars) or self.cache_max_chars < 1:
+            raise ValueError(f"--cache-max-chars must be an integer >= 1, got {self.cache_max_chars}")
 
     @property
     def is_pd(self) -> bool:
         return self.policy in PD_POLICIES
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: object) -> bool:
+    return (isinstance(x, (int, float)) and not isinstance(x, bool)) and x == x  # NaN is not
 
 
 def _urls(flag: str, urls: list[str]) -> list[str]:

@@ -4,7 +4,7 @@ process (tests) do not collide."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 # errors_total reasons
 UNREACHABLE = "unreachable"  # could not connect
@@ -12,6 +12,9 @@ TIMEOUT = "timeout"  # connected, then nothing for --timeout-s
 HTTP_5XX = "http_5xx"  # answered with a server error
 BAD_RESPONSE = "bad_response"  # a prefill answer that is not the JSON object expected
 STREAM_BROKEN = "stream_broken"  # the connection failed in the middle of a stream
+
+_RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+_TTFB_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 class RouterMetrics:
@@ -26,6 +29,30 @@ class RouterMetrics:
             "kvflow_router:prefill_fallbacks",
             "Requests whose prefill engine failed, sent whole to a decode engine (it computed the prompt)",
             registry=self.registry)
+        # data-parallel policies (--backend)
+        self.cache_hits = Counter("kvflow_router:cache_aware_hits",
+                                  "cache_aware: requests routed to the replica matching their prefix",
+                                  registry=self.registry)
+        self.cache_misses = Counter("kvflow_router:cache_aware_misses",
+                                    "cache_aware: requests routed by load (match below --cache-threshold, "
+                                    "or loads imbalanced)", registry=self.registry)
+        self.prefix_match_ratio = Histogram(
+            "kvflow_router:prefix_match_ratio",
+            "cache_aware: longest prefix match over the candidate replicas / prompt characters",
+            buckets=_RATIO_BUCKETS, registry=self.registry)
+        self.backend_healthy = Gauge("kvflow_router:backend_healthy",
+                                     "1 while a replica is in rotation (its /health passes), else 0",
+                                     ["backend"], registry=self.registry)
+        self.backend_unhealthy = Counter("kvflow_router:backend_unhealthy",
+                                         "Times a replica was taken out of rotation", ["backend"],
+                                         registry=self.registry)
+        self.retries = Counter("kvflow_router:retries",
+                               "Requests sent again to another replica after theirs failed before answering",
+                               registry=self.registry)
+        self.ttfb = Histogram("kvflow_router:time_to_first_byte_seconds",
+                              "From a request's arrival at the router to the first byte of a 200 answer "
+                              "from its backend (a stream's first chunk; a JSON body whole)",
+                              buckets=_TTFB_BUCKETS, registry=self.registry)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

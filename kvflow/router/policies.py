@@ -1,19 +1,25 @@
 """Routing policies: which backend serves a request (and, for pd, which engine prefills it).
 
-A policy sees the request (path and parsed body) and the backends with their live in-flight counts,
-and answers a `Route`; the app does the HTTP. So a data-parallel policy is one small class:
-`least_loaded` reads `Backend.inflight`, `cache_aware` hashes the prompt from `RouteRequest.body`.
-Register it in `POLICIES` and `kvflow router --policy NAME --backend URL...` serves it.
+A policy sees the request (path and parsed body) and the backends with their live state (in-flight
+count, the load last scraped from their /metrics, health), and answers a `Route`; the app does the
+HTTP, the health checks and the scraping. Data-parallel policies (`--backend`) share
+`ReplicaPolicy`, which keeps unhealthy replicas out and answers where to retry:
+- `round_robin`: each healthy replica in turn;
+- `least_loaded`: the replica with the least `Backend.load`;
+- `cache_aware`: the replica whose prefix tree (`prefix_tree.py`) matches most of the prompt,
+  unless the loads are imbalanced; misses go to the least loaded.
+Register a policy in `POLICIES` and `kvflow router --policy NAME --backend URL...` serves it.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from kvflow.router.pd import takes_prefill_step
+from kvflow.router.prefix_tree import PrefixTree, prompt_texts
 
 if TYPE_CHECKING:
     from kvflow.router.config import RouterConfig
@@ -23,12 +29,39 @@ Role = Literal["prefill", "decode", "backend"]
 
 @dataclass(eq=False)
 class Backend:
-    """One upstream kvflow server. `inflight` is kept by the app (requests sent and not yet
-    answered, streams included) for load-aware policies."""
+    """One upstream kvflow server. The app keeps its state: `inflight` (requests sent and not yet
+    answered, streams included), `healthy` (its /health, probed in the background), and what the
+    last scrape of its /metrics said (`record_scrape`)."""
 
     url: str
     role: Role
     inflight: int = 0
+    healthy: bool = True
+    engine_load: int | None = None  # kvflow:num_requests_running + _waiting at the last scrape; None: none
+    kv_usage: float = 0.0  # kvflow:kv_cache_usage_perc at the last scrape (0..1)
+    inflight_at_scrape: int = 0  # `inflight` when that scrape arrived
+
+    def record_scrape(self, running: float, waiting: float, kv_usage: float) -> None:
+        self.engine_load = int(running + waiting)
+        self.kv_usage = float(kv_usage)
+        self.inflight_at_scrape = self.inflight
+
+    def forget_scrape(self) -> None:
+        """No (fresh) metrics: the load is the router's in-flight count alone."""
+        self.engine_load = None
+        self.kv_usage = 0.0
+
+    @property
+    def load(self) -> int:
+        """Requests on this replica: those its engine reported at the last scrape (running +
+        waiting sequences, whoever sent them), plus what the router sent since minus what it saw
+        finish since (its in-flight count now minus then), and never less than the router's own
+        in-flight count (a request just sent is not in the engine's numbers yet). So a burst
+        between two scrapes spreads instead of all landing on the replica that looked idlest.
+        Without a scrape (no /metrics, or it failed): the router's in-flight count."""
+        if self.engine_load is None:
+            return self.inflight
+        return max(self.inflight, self.engine_load + self.inflight - self.inflight_at_scrape)
 
 
 @dataclass(frozen=True)
@@ -41,6 +74,10 @@ class RouteRequest:
 class Route:
     target: Backend  # answers the client (a decode engine, or a replica)
     prefill: Backend | None = None  # computes the prompt first (pd); None: target does it all
+    # cache_aware only (None otherwise): routed by prefix match (True) or by load (False), and
+    # the best match over the candidates, as a share of the prompt's characters.
+    cache_hit: bool | None = None
+    match_ratio: float | None = None
 
 
 class RoundRobin:
@@ -60,6 +97,11 @@ class RoundRobin:
 
 class RoutingPolicy(ABC):
     name: ClassVar[str]
+    # Whether the app scrapes each backend's /metrics for `Backend.load` (every --load-poll-s).
+    uses_load: ClassVar[bool] = False
+    # Whether the app probes each backend's /health (every --health-interval-s) and calls
+    # `set_healthy` when its state changes; `reroute` is then asked where to retry.
+    health_checked: ClassVar[bool] = False
 
     @classmethod
     @abstractmethod
@@ -76,28 +118,160 @@ class RoutingPolicy(ABC):
     def primary(self) -> Backend:
         """The backend that answers what is the same everywhere (GET /v1/models)."""
 
+    def reroute(self, request: RouteRequest, failed: Backend) -> Route | None:
+        """Where to send a request again whose target failed before answering (unreachable, or
+        a 5xx); None: nowhere, the client gets that failure. No retry unless a policy says so."""
+        return None
 
-class RoundRobinPolicy(RoutingPolicy):
-    """Equal replicas, each request to the next one: the plain proxy."""
+    def set_healthy(self, backend: Backend, healthy: bool) -> None:
+        """The app's health checker changed `backend`'s state."""
+        backend.healthy = healthy
 
-    name = "round_robin"
+
+class ReplicaPolicy(RoutingPolicy):
+    """Data parallelism: equal replicas (--backend), a request goes whole to one of them. Only
+    healthy replicas are candidates; when none is healthy, all are (the client then gets a real
+    attempt's error, quickly, rather than a refusal made up by the router). A request whose
+    replica failed before answering is retried once on another healthy replica."""
+
+    health_checked = True
 
     def __init__(self, urls: Sequence[str]) -> None:
+        if not urls:
+            raise ValueError(f"--policy {self.name} needs at least one --backend URL")
         self._backends = [Backend(url, "backend") for url in urls]
-        self._rr = RoundRobin(self._backends)
+        self._tick = 0  # rotates ties, so equal candidates take turns
 
     @classmethod
-    def from_config(cls, config: RouterConfig) -> RoundRobinPolicy:
+    def from_config(cls, config: RouterConfig) -> ReplicaPolicy:
         return cls(config.backends)
 
+    @abstractmethod
+    def choose(self, request: RouteRequest, candidates: list[Backend]) -> Route:
+        """The route among `candidates` (non-empty, in the order the backends were given)."""
+
     def route(self, request: RouteRequest) -> Route:
-        return Route(self._rr.next())
+        return self.choose(request, self.candidates())
+
+    def reroute(self, request: RouteRequest, failed: Backend) -> Route | None:
+        candidates = self.candidates(exclude=failed, healthy_only=True)
+        return self.choose(request, candidates) if candidates else None
+
+    def candidates(self, exclude: Backend | None = None, healthy_only: bool = False) -> list[Backend]:
+        healthy = [b for b in self._backends if b.healthy and b is not exclude]
+        if healthy or healthy_only:
+            return healthy
+        return [b for b in self._backends if b is not exclude]
 
     def backends(self) -> list[Backend]:
         return list(self._backends)
 
     def primary(self) -> Backend:
-        return self._backends[0]
+        return next((b for b in self._backends if b.healthy), self._backends[0])
+
+    def least_loaded(self, candidates: list[Backend], key: Callable[[Backend], Any] | None = None) -> Backend:
+        """The candidate with the smallest `key` (default: `Backend.load`); ties take turns."""
+        key = key or _load
+        k = self._tick % len(candidates)
+        self._tick += 1
+        return min(candidates[k:] + candidates[:k], key=key)
+
+
+def _load(b: Backend) -> int:
+    return b.load
+
+
+class RoundRobinPolicy(ReplicaPolicy):
+    """Equal replicas, each request to the next healthy one: the plain proxy."""
+
+    name = "round_robin"
+
+    def __init__(self, urls: Sequence[str]) -> None:
+        super().__init__(urls)
+        self._next = 0
+
+    def choose(self, request: RouteRequest, candidates: list[Backend]) -> Route:
+        n = len(self._backends)
+        for step in range(n):  # the next backend in the given order that is a candidate
+            i = (self._next + step) % n
+            if self._backends[i] in candidates:
+                self._next = (i + 1) % n
+                return Route(self._backends[i])
+        raise AssertionError("no candidate among the backends")
+
+
+class LeastLoadedPolicy(ReplicaPolicy):
+    """Each request to the replica with the least `Backend.load`: its engine's running + waiting
+    requests at the last /metrics scrape (every --load-poll-s), corrected by the router's own
+    in-flight changes since (see `Backend.load`). Equal loads: the lower KV cache usage
+    (kvflow:kv_cache_usage_perc); still equal: round robin."""
+
+    name = "least_loaded"
+    uses_load = True
+
+    def choose(self, request: RouteRequest, candidates: list[Backend]) -> Route:
+        return Route(self.least_loaded(candidates, key=lambda b: (b.load, b.kv_usage)))
+
+
+class CacheAwarePolicy(ReplicaPolicy):
+    """Prefix affinity with load balancing (sglang-router's cache_aware rule).
+
+    Each replica has a `PrefixTree` of the prompt text the router sent it (bounded to
+    `max_chars` characters, least recently used leaves evicted). For a request:
+    1. If the loads (`Backend.load`) over the candidates are imbalanced, i.e.
+       max - min > `balance_abs` AND max > `balance_rel` x min, it goes to the least loaded.
+    2. Else, if the replica with the longest prefix match holds at least `threshold` of the
+       prompt's characters, it goes there (a hit; equal matches: the less loaded).
+    3. Else (a miss) it goes to the least loaded, ties taking turns: misses spread over the idle
+       replicas instead of piling onto one (sglang-router sends them to the smallest tree).
+    Whatever decided, the prompt is inserted into the chosen replica's tree. A replica taken out
+    of rotation (unhealthy) forgets its tree: it may come back restarted, its cache empty."""
+
+    name = "cache_aware"
+    uses_load = True
+
+    def __init__(self, urls: Sequence[str], *, threshold: float = 0.5, balance_abs: float = 32,
+                 balance_rel: float = 1.5, max_chars: int = 1_000_000) -> None:
+        super().__init__(urls)
+        self.threshold = threshold
+        self.balance_abs = balance_abs
+        self.balance_rel = balance_rel
+        self.trees: dict[Backend, PrefixTree] = {b: PrefixTree(max_chars) for b in self._backends}
+
+    @classmethod
+    def from_config(cls, config: RouterConfig) -> CacheAwarePolicy:
+        return cls(config.backends, threshold=config.cache_threshold, balance_abs=config.balance_abs_threshold,
+                   balance_rel=config.balance_rel_threshold, max_chars=config.cache_max_chars)
+
+    def imbalanced(self, candidates: list[Backend]) -> bool:
+        loads = [b.load for b in candidates]
+        lo, hi = min(loads), max(loads)
+        return hi - lo > self.balance_abs and hi > self.balance_rel * lo
+
+    def choose(self, request: RouteRequest, candidates: list[Backend]) -> Route:
+        texts = prompt_texts(request.path, request.body)
+        total = sum(len(t) for t in texts)
+        ratio: float | None = None
+        best: Backend | None = None
+        if total:
+            matches = {b: sum(self.trees[b].match(t) for t in texts) for b in candidates}
+            best = min(candidates, key=lambda b: (-matches[b], b.load))  # equal: the first given
+            ratio = matches[best] / total
+        if self.imbalanced(candidates):
+            target, hit = self.least_loaded(candidates), False
+        elif best is not None and ratio >= self.threshold:
+            target, hit = best, True
+        else:
+            target, hit = self.least_loaded(candidates), False
+        tree = self.trees[target]
+        for t in texts:
+            tree.insert(t)
+        return Route(target, cache_hit=hit, match_ratio=ratio)
+
+    def set_healthy(self, backend: Backend, healthy: bool) -> None:
+        super().set_healthy(backend, healthy)
+        if not healthy and backend in self.trees:
+            self.trees[backend].clear()
 
 
 class PrefillDecodePolicy(RoutingPolicy):
@@ -129,7 +303,8 @@ class PrefillDecodePolicy(RoutingPolicy):
         return self._decode[0]
 
 
-POLICIES: dict[str, type[RoutingPolicy]] = {p.name: p for p in (RoundRobinPolicy, PrefillDecodePolicy)}
+POLICIES: dict[str, type[RoutingPolicy]] = {
+    p.name: p for p in (RoundRobinPolicy, LeastLoadedPolicy, CacheAwarePolicy, PrefillDecodePolicy)}
 
 
 def make_policy(config: RouterConfig) -> RoutingPolicy:
