@@ -29,17 +29,17 @@ import math
 import os
 import shlex
 import signal
-import socket
-import subprocess
 import sys
-import tempfile
-import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 from kvflow.bench.metrics import GroupMetrics
 from kvflow.bench.report import format_table, line_plot
 from kvflow.bench.serve_client import RunResult, parse_rates
+from kvflow.bench.servers import (
+    ManagedProcess, ServerError, exit_on_sigterm, flag_value, free_port, harness_tokenizer, indented_tail,
+    parse_prometheus, scrape, server_max_model_len,
+)
 from kvflow.cli.bench import _positive_float, add_client_args, add_dataset_args
 
 POLICIES = ("fcfs", "priority", "slo")
@@ -160,29 +160,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def flag_value(argv: Sequence[str], flag: str) -> str | None:
-    """The value of `flag` in an argv list ('--flag V' or '--flag=V'), None if absent."""
-    for i, a in enumerate(argv):
-        if a == flag and i + 1 < len(argv):
-            return argv[i + 1]
-        if a.startswith(flag + "="):
-            return a.split("=", 1)[1]
-    return None
-
-
 # ----------------------------------------------------------------------------------------------
 # The server subprocess
 # ----------------------------------------------------------------------------------------------
-
-
-class ServerError(RuntimeError):
-    pass
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_failure_message(log: str, returncode: int | None) -> str:
@@ -193,96 +173,21 @@ def start_failure_message(log: str, returncode: int | None) -> str:
             return (f"kvflow serve does not accept the scheduling flags ({line.strip()}). The harness needs a server "
                     "with --scheduling-policy fcfs|priority|slo and --fairness none|vtc: the SLO-aware scheduling "
                     "work has not landed in this checkout, or this environment runs another kvflow.")
-    tail = "\n".join("    " + ln for ln in lines[-20:])
     how = f"exited with code {returncode}" if returncode is not None else "did not answer /health in time"
-    return f"kvflow serve {how}; last lines of its log:\n{tail}"
+    return f"kvflow serve {how}; last lines of its log:\n{indented_tail(log)}"
 
 
-class ManagedServer:
-    """`kvflow serve` as a child process in its own process group; always stopped on exit.
-
-    Its own group: a Ctrl-C in the terminal reaches only the harness, which then stops the server
-    in order (SIGTERM: drain, then SIGKILL to the whole group if it does not exit in time).
-    """
+class ManagedServer(ManagedProcess):
+    """`kvflow serve` (`cmd`, then `--port P`, then `flags`) on a free port, its log in a temporary
+    file; a failed start is explained by `start_failure_message`. Always stopped on exit."""
 
     def __init__(self, cmd: Sequence[str], flags: Sequence[str], startup_timeout: float, stop_timeout: float):
-        self.port = free_port()
-        self.argv = [*cmd, "--port", str(self.port), *flags]
-        self.startup_timeout, self.stop_timeout = startup_timeout, stop_timeout
-        self.proc: subprocess.Popen | None = None
-        self.log = tempfile.TemporaryFile(mode="w+", prefix="kvflow-serve-")
+        port = free_port()
+        super().__init__([*cmd, "--port", str(port), *flags], port, startup_timeout=startup_timeout,
+                         stop_timeout=stop_timeout)
 
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def __enter__(self) -> "ManagedServer":
-        print(f"starting: {shlex.join(self.argv)}", flush=True)
-        self.proc = subprocess.Popen(self.argv, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            self._wait_healthy()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
-
-    def log_text(self) -> str:
-        self.log.flush()
-        self.log.seek(0)
-        return self.log.read()
-
-    def check_alive(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            raise ServerError(start_failure_message(self.log_text(), self.proc.returncode if self.proc else None))
-
-    def _wait_healthy(self) -> None:
-        import httpx
-
-        deadline = time.monotonic() + self.startup_timeout
-        while time.monotonic() < deadline:
-            self.check_alive()
-            try:
-                if httpx.get(self.base_url + "/health", timeout=2.0, trust_env=False).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass  # not listening yet
-            time.sleep(0.5)
-        raise ServerError(start_failure_message(self.log_text(), None))
-
-    def stop(self) -> None:
-        """SIGTERM, wait, SIGKILL on timeout. Idempotent: __enter__'s failure path and __exit__ both call it."""
-        proc = self.proc
-        if proc is None:
-            return
-        if proc.poll() is None:
-            _signal_group(proc, signal.SIGTERM)
-            try:
-                proc.wait(self.stop_timeout)
-            except subprocess.TimeoutExpired:
-                print(f"server {proc.pid} still up {self.stop_timeout:g} s after SIGTERM: killing it", flush=True)
-                _signal_group(proc, signal.SIGKILL)
-                proc.wait()
-        self.log.close()
-
-
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(proc.pid, sig)  # the group we created (start_new_session): the server and its children
-    except ProcessLookupError:
-        pass
-
-
-def server_max_model_len(base_url: str) -> int | None:
-    import httpx
-
-    try:
-        data = httpx.get(base_url + "/v1/models", timeout=10.0, trust_env=False).json()["data"]
-        return int(data[0]["max_model_len"])
-    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
-        return None
+    def failure(self, returncode: int | None) -> ServerError:
+        return ServerError(start_failure_message(self.log_text() or "", returncode))
 
 
 def check_fits(requests: Sequence[Any], max_model_len: int | None) -> None:
@@ -325,8 +230,8 @@ def run_variant(variant: ServerVariant, args: argparse.Namespace, tokenizer: Any
     runs = []
     with ManagedServer(shlex.split(args.server_cmd), variant.flags + args.server_flags,
                        args.startup_timeout, args.stop_timeout) as server:
-        cfg = serve_config(args, server.base_url)
-        max_len = server_max_model_len(server.base_url)
+        cfg = serve_config(args, server.url)
+        max_len = server_max_model_len(server.url)
         for w in variant.workloads:
             check_fits(w.requests, max_len)
         warm_up(cfg, tokenizer, [r for w in variant.workloads for r in w.requests])
@@ -338,7 +243,7 @@ def run_variant(variant: ServerVariant, args: argparse.Namespace, tokenizer: Any
                 print(f"\n{variant.label}, {w.name}, rate {rate:g} req/s: {res.metrics.completed}/"
                       f"{res.metrics.num_requests} ok in {res.duration_s:.1f} s")
                 print(slo_tables(res.metrics))
-        error = step_cost_error(server.base_url)
+        error = step_cost_error(server.url)
         if error is not None:
             print(f"{variant.label}: the step-time model's median prediction error over the last steps: "
                   f"{100 * error:.1f}%")
@@ -347,16 +252,9 @@ def run_variant(variant: ServerVariant, args: argparse.Namespace, tokenizer: Any
 
 def step_cost_error(base_url: str) -> float | None:
     """The server's kvflow:step_cost_prediction_error gauge (None if it does not export it)."""
-    import httpx
-
-    try:
-        text = httpx.get(base_url + "/metrics", timeout=5.0, trust_env=False).text
-    except httpx.HTTPError:
-        return None
-    for line in text.splitlines():
-        if line.startswith("kvflow:step_cost_prediction_error "):
-            return float(line.split()[1])
-    return None
+    samples = parse_prometheus(scrape(base_url, timeout=5.0))
+    return next((v for name, labels, v in samples if name == "kvflow:step_cost_prediction_error" and not labels),
+                None)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -455,16 +353,6 @@ def plot_vtc(rows: Sequence[VtcRow], out_dir: str) -> str | None:
 # ----------------------------------------------------------------------------------------------
 
 
-def harness_tokenizer(args: argparse.Namespace) -> Any:
-    """--tokenizer, else the served model's (its --tokenizer / --model in --server-args), else the default model's."""
-    from kvflow.bench.datasets import default_model_gguf, load_tokenizer
-
-    spec = args.tokenizer or flag_value(args.server_flags, "--tokenizer") or flag_value(args.server_flags, "--model")
-    if spec is None and default_model_gguf() is not None:
-        spec = "default"
-    return load_tokenizer(spec) if spec else None
-
-
 def report(runs: Sequence[Run], args: argparse.Namespace) -> None:
     from kvflow.bench.report import dump_json
     from kvflow.cli.bench import workload_spec
@@ -488,19 +376,15 @@ def report(runs: Sequence[Run], args: argparse.Namespace) -> None:
         print(f"wrote {args.result_json}")
 
 
-def _exit_on_sigterm(signum: int, frame: Any) -> None:
-    raise SystemExit(128 + signum)  # unwinds through ManagedServer.__exit__, which stops the server
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     from spec_decode import cpu_line
 
     from kvflow.cli.bench import build_workload
 
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    signal.signal(signal.SIGTERM, exit_on_sigterm)  # unwinds through ManagedServer.__exit__
     print(cpu_line(flag_value(args.server_flags, "--quantization")))
-    tokenizer = harness_tokenizer(args)
+    tokenizer = harness_tokenizer(args.tokenizer, args.server_flags)
     requests = build_workload(args, tokenizer)
     if args.scenario == "vtc":
         variants = vtc_variants(requests)

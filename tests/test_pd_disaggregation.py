@@ -5,6 +5,7 @@ clean error), and neither engine leaks a block."""
 from __future__ import annotations
 
 import random
+import socket
 import time
 
 import pytest
@@ -220,6 +221,9 @@ def test_bad_requests_and_config(tiny_llama):
     with pytest.raises(ValueError, match="needs enable_prefix_caching"):
         LLM(tiny_llama[0], max_model_len=64, enable_prefix_caching=False,
             kv_transfer_config={"kv_connector": "tcp", "kv_role": "kv_both"})
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        with pytest.raises(ValueError, match="cannot listen on 127.0.0.1"):
+            _engine(tiny_llama[0], "kv_producer", kv_port=taken.getsockname()[1])
     for llm in (consumer, plain):
         assert_no_leaks(llm.engine)
         llm.shutdown()

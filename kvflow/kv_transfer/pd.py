@@ -466,7 +466,11 @@ class BlockServer:
     """The producer's listener: one thread accepting, one short-lived thread per fetch."""
 
     def __init__(self, host: str, port: int, handler, timeout_s: float) -> None:
-        self._sock = socket.create_server((host, port), reuse_port=False)
+        try:
+            self._sock = socket.create_server((host, port))
+        except OSError as e:
+            raise ValueError(f"kv_transfer_config: the KV producer cannot listen on {host}:{port} ({e}); "
+                             "choose another kv_port (0 = any free one) or kv_ip") from None
         self.port = self._sock.getsockname()[1]
         self._handler = handler
         self._timeout = timeout_s

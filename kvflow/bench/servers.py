@@ -1,0 +1,297 @@
+"""Managed server processes for the benchmark harnesses (benchmarks/slo_scheduling.py, benchmarks/pd_disagg.py).
+
+- Ports and flags: `free_port`, `flag_value` (a flag's value in a `kvflow serve` argv list).
+- `ManagedProcess`: a server (`kvflow serve`, `kvflow router`, ...) as a child in its own process
+  group, its stdout and stderr in a log file; started and waited for until /health answers, a
+  `ServerError` with the log's last lines when it exits or does not come up in time; stopped with
+  SIGTERM, then SIGKILL to the whole group after a timeout. `started` runs several in order.
+- `exit_on_sigterm`: a SIGTERM handler that unwinds through the `with` blocks, which stop the servers.
+- /metrics: `scrape` and the Prometheus text parser (`parse_prometheus`, `sample_sum`, `by_label`).
+- /v1/models: `server_max_model_len`; the harness tokenizer (`harness_tokenizer`).
+- Argument types the harnesses share with each other (finite numbers; kvflow.cli.bench has those
+  that accept inf).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from typing import IO, Any, Iterator, Mapping, Sequence, Self
+
+# ----------------------------------------------------------------------------------------------
+# Ports, flags, arguments
+# ----------------------------------------------------------------------------------------------
+
+
+class ServerError(RuntimeError):
+    """A server did not start, died, or failed a request the harness needs: the harness stops."""
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the OS's pick)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def flag_value(argv: Sequence[str], flag: str) -> str | None:
+    """The value of `flag` in an argv list ('--flag V' or '--flag=V'), None if absent."""
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def nonneg_int(s: str) -> int:
+    """An argparse type: an integer >= 0."""
+    v = int(s)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {s}")
+    return v
+
+
+def positive_finite_float(s: str) -> float:
+    """An argparse type: a finite number > 0 (kvflow.cli.bench's _positive_float also takes inf)."""
+    v = float(s)
+    if not v > 0 or math.isinf(v):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {s}")
+    return v
+
+
+def nonneg_finite_float(s: str) -> float:
+    """An argparse type: a finite number >= 0."""
+    v = float(s)
+    if not v >= 0 or math.isinf(v):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {s}")
+    return v
+
+
+def harness_tokenizer(tokenizer: str | None, server_flags: Sequence[str], required: bool = False) -> Any:
+    """The prompts' tokenizer: `tokenizer` (--tokenizer), else the served model's (--tokenizer /
+    --model in `server_flags`), else the default model's. Without any of them: None (prompts of
+    common words), or with `required` the error of load_tokenizer('default') (ValueError)."""
+    from kvflow.bench.datasets import default_model_gguf, load_tokenizer
+
+    spec = tokenizer or flag_value(server_flags, "--tokenizer") or flag_value(server_flags, "--model")
+    if not spec:
+        spec = "default" if required or default_model_gguf() is not None else None
+    return load_tokenizer(spec)
+
+
+# ----------------------------------------------------------------------------------------------
+# Server processes
+# ----------------------------------------------------------------------------------------------
+
+
+def signal_group(proc: subprocess.Popen, sig: int) -> None:
+    """`sig` to the process group of `proc` (start_new_session made it: the server and its children)."""
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def indented_tail(text: str, lines: int = 20) -> str:
+    """The last `lines` lines of `text`, each indented by four spaces."""
+    return "\n".join("    " + ln for ln in text.strip().splitlines()[-lines:])
+
+
+class ManagedProcess:
+    """A server as a child in its own process group, its stdout and stderr in a log file.
+
+    Its own group: a Ctrl-C in the terminal reaches only the harness, which then stops the server
+    in order (SIGTERM: drain, then SIGKILL to the whole group if it does not exit in time).
+    The log is `log_path`, or without one a temporary file removed when the server is stopped.
+    `name` labels the messages (None: "starting: ...", "server PID ..."). Use as a context
+    manager (`with ManagedProcess(...) as p:`), or `start()` and `stop()`; `stop` is idempotent.
+    Subclasses may override `failure` to explain a failed start from the log.
+    """
+
+    def __init__(self, argv: Sequence[str], port: int, *, startup_timeout: float, stop_timeout: float,
+                 name: str | None = None, env: Mapping[str, str] | None = None, log_path: str | None = None):
+        self.argv, self.port, self.name = list(argv), port, name
+        self.env = dict(env) if env is not None else None
+        self.startup_timeout, self.stop_timeout = startup_timeout, stop_timeout
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+        self._log: IO[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def _open_log(self) -> IO[bytes]:
+        if self.log_path is not None:
+            return open(self.log_path, "wb")
+        log = tempfile.NamedTemporaryFile(prefix="kvflow-serve-", suffix=".log")  # removed when closed
+        self.log_path = log.name
+        return log
+
+    def start(self) -> None:
+        """Start it and wait for /health; on any failure (Ctrl-C included) it is stopped first."""
+        label = f" {self.name}" if self.name else ""
+        print(f"starting{label}: {shlex.join(self.argv)}", flush=True)
+        try:
+            self._log = self._open_log()
+            self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
+                                         start_new_session=True)
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+
+    def log_text(self) -> str | None:
+        """Everything in the log so far, None when it cannot be read."""
+        if self.log_path is None:
+            return None
+        try:
+            with open(self.log_path, encoding="utf-8", errors="replace") as f:
+                return f.read()
+        except OSError:
+            return None
+
+    def log_tail(self, lines: int = 20) -> str:
+        text = self.log_text()
+        return "    (no log)" if text is None else indented_tail(text, lines)
+
+    def failure(self, returncode: int | None) -> ServerError:
+        """The error when it exited with `returncode`, or (None) did not answer /health in time."""
+        what = (f"exited with code {returncode}" if returncode is not None
+                else f"did not answer /health within {self.startup_timeout:g} s")
+        return ServerError(f"{self.name or 'the server'} {what}; its log is {self.log_path}, last lines:\n"
+                           f"{self.log_tail()}")
+
+    def check_alive(self) -> None:
+        """ServerError (`failure`) if it is not running."""
+        if self.proc is None or self.proc.poll() is not None:
+            raise self.failure(self.proc.returncode if self.proc is not None else None)
+
+    def _wait_healthy(self) -> None:
+        import httpx
+
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            self.check_alive()
+            try:
+                if httpx.get(self.url + "/health", timeout=2.0, trust_env=False).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass  # not listening yet
+            time.sleep(0.5)
+        raise self.failure(None)
+
+    def stop(self) -> None:
+        """SIGTERM to the group, wait, SIGKILL on timeout; then the log is closed. Idempotent."""
+        proc = self.proc
+        if proc is not None and proc.poll() is None:
+            signal_group(proc, signal.SIGTERM)
+            try:
+                proc.wait(self.stop_timeout)
+            except subprocess.TimeoutExpired:
+                who = f"{self.name} (pid {proc.pid})" if self.name else f"server {proc.pid}"
+                print(f"{who} still up {self.stop_timeout:g} s after SIGTERM: killing it", flush=True)
+                signal_group(proc, signal.SIGKILL)
+                proc.wait()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+
+@contextlib.contextmanager
+def started(procs: Sequence[ManagedProcess]) -> Iterator[list[ManagedProcess]]:
+    """Start every process in order (each healthy before the next); stop them in reverse order,
+    a failed start included."""
+    with contextlib.ExitStack() as stack:
+        for p in procs:
+            stack.callback(p.stop)  # registered first: a failed start is stopped too
+            p.start()
+        yield list(procs)
+
+
+def exit_on_sigterm(signum: int, frame: Any) -> None:
+    """A SIGTERM handler (`signal.signal(signal.SIGTERM, exit_on_sigterm)`): SystemExit(128 + signum)
+    unwinds through the `with` blocks of the managed processes, which stop them."""
+    raise SystemExit(128 + signum)
+
+
+# ----------------------------------------------------------------------------------------------
+# Asking a server: /v1/models, /metrics
+# ----------------------------------------------------------------------------------------------
+
+
+def server_max_model_len(base_url: str, timeout: float = 10.0) -> int | None:
+    """max_model_len of the first model in GET /v1/models (None if it cannot be read)."""
+    import httpx
+
+    try:
+        data = httpx.get(base_url + "/v1/models", timeout=timeout, trust_env=False).json()["data"]
+        return int(data[0]["max_model_len"])
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+        return None
+
+
+def scrape(base_url: str, timeout: float = 10.0) -> str:
+    """The text of GET /metrics ('' when it cannot be reached)."""
+    import httpx
+
+    try:
+        return httpx.get(base_url + "/metrics", timeout=timeout, trust_env=False).text
+    except httpx.HTTPError:
+        return ""
+
+
+Sample = tuple[str, dict[str, str], float]
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def parse_prometheus(text: str) -> list[Sample]:
+    """(name, labels, value) of every sample line (comments and unparsable lines skipped)."""
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        m = _SAMPLE.match(line)
+        if m is None:
+            continue
+        try:
+            value = float(m.group(3))
+        except ValueError:
+            continue
+        labels = {k: v.replace('\\"', '"').replace("\\\\", "\\") for k, v in _LABEL.findall(m.group(2) or "")}
+        out.append((m.group(1), labels, value))
+    return out
+
+
+def sample_sum(samples: Sequence[Sample], name: str, **labels: str) -> float:
+    """Sum of the samples called `name` whose labels include `labels` (0 when none)."""
+    return sum(v for n, lab, v in samples if n == name and all(lab.get(k) == x for k, x in labels.items()))
+
+
+def by_label(samples: Sequence[Sample], name: str, label: str) -> dict[str, float]:
+    """The samples called `name`, summed by the value of their label `label` (those without it left out)."""
+    out: dict[str, float] = {}
+    for n, lab, v in samples:
+        if n == name and label in lab:
+            out[lab[label]] = out.get(lab[label], 0.0) + v
+    return out
