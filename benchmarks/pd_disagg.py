@@ -52,10 +52,8 @@ import asyncio
 import contextlib
 import math
 import os
-import shlex
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -63,10 +61,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Iterator, Sequence
 
 from kvflow.bench.servers import (
-    ManagedProcess, ServerError, by_label, exit_on_sigterm, flag_value, free_port, harness_tokenizer,
+    ManagedProcess, ServerError, add_harness_args, by_label, exit_on_sigterm, flag_value, free_port,
+    harness_tokenizer, parse_server_flags,
     nonneg_finite_float, nonneg_int, parse_prometheus, positive_finite_float, sample_sum, scrape,
     server_max_model_len, started,
 )
+from kvflow.bench.report import cpu_line  # noqa: F401 (used below; tests read it here)
 from kvflow.cli.bench import _positive_int
 
 SETUPS = ("agg", "pd")
@@ -110,32 +110,16 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--doc-min-len", type=_positive_int, default=2048, help="shortest document prompt (default 2048)")
     ap.add_argument("--doc-max-len", type=_positive_int, default=4096, help="longest document prompt (default 4096)")
     ap.add_argument("--doc-output-len", type=_positive_int, default=32, help="document max_tokens (default 32)")
-    ap.add_argument("--seed", type=int, default=0, help="workload seed, the same for every setup (default 0)")
-    ap.add_argument("--server-args", default="",
-                    help="more `kvflow serve` flags for every engine, one string (e.g. \"--model DIR\")")
-    ap.add_argument("--tokenizer", default=None,
-                    help="tokenizer for the prompts (default: the --tokenizer/--model of --server-args, "
-                         "else the default model's)")
-    ap.add_argument("--request-timeout", type=positive_finite_float, default=600.0,
-                    help="seconds per request (default 600)")
     ap.add_argument("--drain-timeout-s", type=positive_finite_float, default=600.0,
                     help="after --duration-s, seconds to wait for requests in flight (default 600)")
-    ap.add_argument("--startup-timeout", type=positive_finite_float, default=600.0,
-                    help="seconds to wait for each server's /health (default 600)")
-    ap.add_argument("--stop-timeout", type=positive_finite_float, default=30.0,
-                    help="seconds after SIGTERM before a server is killed (default 30)")
-    ap.add_argument("--result-json", default=None, help="write config, machine info and every figure here")
+    add_harness_args(ap, stop_timeout_s=30.0)
     return ap
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap = build_parser()
     args = ap.parse_args(argv)
-    args.server_flags = shlex.split(args.server_args)
-    own = [f for f in OWN_FLAGS if flag_value(args.server_flags, f) is not None or f in args.server_flags]
-    if own:
-        ap.error(f"the harness sets {', '.join(own)} itself: drop it from --server-args "
-                 "(--chunk-size sets --max-num-batched-tokens)")
+    parse_server_flags(ap, args, OWN_FLAGS, "--chunk-size sets --max-num-batched-tokens")
     if args.doc_min_len > args.doc_max_len:
         ap.error("--doc-min-len must be <= --doc-max-len")
     if args.chat_users == 0 and args.doc_rate == 0:
@@ -476,22 +460,6 @@ def comparison_rows(agg: LoadSummary, pd: LoadSummary) -> list[list[Any]]:
         a, p = getattr(agg, key), getattr(pd, key)
         rows.append([label, a, p, ratio(p, a)])
     return rows
-
-
-def cpu_line(lscpu: str | None = None) -> str:
-    """`CPU: <lscpu Model name>; avx2 yes, avx512f no, ...` (amx: any amx_* flag)."""
-    if lscpu is None:
-        try:
-            lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-        except OSError:
-            lscpu = ""
-    model = next((ln.split(":", 1)[1].strip() for ln in lscpu.splitlines() if ln.strip().startswith("Model name")),
-                 "unknown")
-    flags_line = next((ln.split(":", 1)[1] for ln in lscpu.splitlines() if ln.strip().startswith("Flags")), "")
-    flags = set(flags_line.split())
-    have = {"avx2": "avx2" in flags, "avx512f": "avx512f" in flags, "avx512_vnni": "avx512_vnni" in flags,
-            "amx": any(f.startswith("amx") for f in flags)}
-    return f"CPU: {model}; " + ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in have.items())
 
 
 # ----------------------------------------------------------------------------------------------

@@ -51,6 +51,11 @@ class EngineConfig:
     # Prefill/decode disaggregation, as vLLM's dict: {"kv_connector": "tcp" | "shm", "kv_role":
     # "kv_producer" | "kv_consumer" | "kv_both", ...} (see kvflow/kv_transfer/config.py); None = off.
     kv_transfer_config: dict[str, Any] | None = None
+    # Tensor parallelism: each layer split over this many ranks (worker processes on this machine,
+    # gloo all-reduces); "mp" is the only executor for more than one rank so far.
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None  # None: "uni" for one rank, "mp" for more
+    cpu_threads_per_rank: int | None = None  # None: this process's CPUs split evenly between the ranks
     # Speculative decoding, as vLLM's dict: {"method": "ngram", "num_speculative_tokens": 4, ...}
     # (see kvflow/spec_decode/config.py); None = off.
     speculative_config: dict[str, Any] | None = None
@@ -107,6 +112,7 @@ class EngineConfig:
             self.speculative()  # validate now, with a message naming the key
         if (self.kv_offload_cpu_gb > 0 or self.kv_offload_disk_dir) and not self.enable_prefix_caching:
             raise ValueError("the KV offload tiers hold prefix-cache blocks: they need enable_prefix_caching")
+        self._check_parallel()
         if self.kv_transfer_config is not None:
             from kvflow.kv_transfer.config import KVTransferConfig
 
@@ -117,6 +123,34 @@ class EngineConfig:
             if self.kv_offload_cpu_gb > 0 or self.kv_offload_disk_dir:
                 raise ValueError("kv_transfer_config cannot be combined with the KV offload tiers yet "
                                  "(kv_offload_cpu_gb / kv_offload_disk_dir): choose one")
+
+    def _check_parallel(self) -> None:
+        _positive("tensor_parallel_size", self.tensor_parallel_size)
+        if self.cpu_threads_per_rank is not None:
+            _positive("cpu_threads_per_rank", self.cpu_threads_per_rank)
+        backends = (None, "uni", "mp", "ray")
+        if self.distributed_executor_backend not in backends:
+            raise ValueError(f"distributed_executor_backend must be one of uni, mp, ray, got "
+                             f"{self.distributed_executor_backend!r}")
+        if self.distributed_executor_backend == "ray":
+            raise ValueError("distributed_executor_backend='ray' is not available yet; use 'mp' (one machine)")
+        tp = self.tensor_parallel_size
+        if tp == 1:
+            return
+        if self.distributed_executor_backend == "uni":
+            raise ValueError(f"tensor_parallel_size={tp} needs worker processes: distributed_executor_backend "
+                             "'mp' (or unset)")
+        if self.device != "cpu":
+            raise ValueError(f"tensor parallelism runs over gloo on CPU so far; device is {self.device!r}")
+        unsupported = [name for name, on in (
+            ("quantization='int8'", self.quantization is not None),
+            ("kv_offload_cpu_gb / kv_offload_disk_dir", self.kv_offload_cpu_gb > 0 or bool(self.kv_offload_disk_dir)),
+            ("kv_transfer_config", self.kv_transfer_config is not None),
+            ("a draft-model speculative_config", bool(self.speculative_config)
+             and (self.speculative_config or {}).get("method") == "draft_model"),
+        ) if on]
+        if unsupported:
+            raise ValueError(f"tensor_parallel_size={tp} does not work with {', '.join(unsupported)} yet")
 
     def speculative(self):
         """The typed `SpeculativeConfig`, or None when speculation is off."""
@@ -255,10 +289,20 @@ class ServerConfig:
     # How chat templates write tool calls: auto (from the template) | hermes | llama3_json | mistral |
     # generic (kvflow's JSON protocol, for templates without tool support)
     tool_call_parser: str = "auto"
+    # Data parallelism: this many engine replicas (one process each, pinned to an even share of
+    # the CPUs) behind one router on --host/--port, routed by router_policy (kvflow/router/).
+    data_parallel_size: int = 1
+    router_policy: str = "cache_aware"  # round_robin | least_loaded | cache_aware
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
+        _positive("data_parallel_size", self.data_parallel_size)
+        from kvflow.router.policies import DATA_PARALLEL_POLICIES
+
+        if self.router_policy not in DATA_PARALLEL_POLICIES:
+            raise ValueError(f"router_policy must be one of {', '.join(DATA_PARALLEL_POLICIES)}, got "
+                             f"{self.router_policy!r}")
         _positive("max_waiting_requests", self.max_waiting_requests)
         _positive("max_request_body_bytes", self.max_request_body_bytes)
         from kvflow.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS

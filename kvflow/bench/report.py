@@ -181,6 +181,24 @@ def _cpu_model() -> str | None:
     return platform.processor() or None
 
 
+def cpu_line(lscpu: str | None = None) -> str:
+    """`CPU: <lscpu Model name>; avx2 yes, avx512f no, ...` (amx: any amx_* flag)."""
+    if lscpu is None:
+        try:
+            import subprocess
+
+            lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+        except OSError:
+            lscpu = ""
+    model = next((ln.split(":", 1)[1].strip() for ln in lscpu.splitlines() if ln.strip().startswith("Model name")),
+                 "unknown")
+    flags_line = next((ln.split(":", 1)[1] for ln in lscpu.splitlines() if ln.strip().startswith("Flags")), "")
+    flags = set(flags_line.split())
+    have = {"avx2": "avx2" in flags, "avx512f": "avx512f" in flags, "avx512_vnni": "avx512_vnni" in flags,
+            "amx": any(f.startswith("amx") for f in flags)}
+    return f"CPU: {model}; " + ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in have.items())
+
+
 def machine_info() -> dict:
     """CPU model, cores, memory, python/torch versions, platform and the date (UTC, ISO 8601)."""
     info: dict[str, Any] = {

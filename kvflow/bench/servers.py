@@ -1,10 +1,12 @@
-"""Managed server processes for the benchmark harnesses (benchmarks/slo_scheduling.py, benchmarks/pd_disagg.py).
+"""Managed server processes for the benchmark harnesses (benchmarks/slo_scheduling.py, benchmarks/pd_disagg.py,
+benchmarks/dp_router.py) and for the replicas of `kvflow serve --data-parallel-size N` (kvflow/router/replicas.py).
 
 - Ports and flags: `free_port`, `flag_value` (a flag's value in a `kvflow serve` argv list).
 - `ManagedProcess`: a server (`kvflow serve`, `kvflow router`, ...) as a child in its own process
   group, its stdout and stderr in a log file; started and waited for until /health answers, a
   `ServerError` with the log's last lines when it exits or does not come up in time; stopped with
-  SIGTERM, then SIGKILL to the whole group after a timeout. `started` runs several in order.
+  SIGTERM, then SIGKILL to the whole group after a timeout. `started` runs several in order;
+  `launch` / `poll_healthy` / `terminate` let a caller start or stop several at once.
 - `exit_on_sigterm`: a SIGTERM handler that unwinds through the `with` blocks, which stop the servers.
 - /metrics: `scrape` and the Prometheus text parser (`parse_prometheus`, `sample_sum`, `by_label`).
 - /v1/models: `server_max_model_len`; the harness tokenizer (`harness_tokenizer`).
@@ -116,16 +118,22 @@ class ManagedProcess:
     `name` labels the messages (None: "starting: ...", "server PID ..."). Use as a context
     manager (`with ManagedProcess(...) as p:`), or `start()` and `stop()`; `stop` is idempotent.
     Subclasses may override `failure` to explain a failed start from the log.
+    `echo` False: no "starting ..." line on stdout. `die_with_parent` (Linux): the child gets SIGTERM
+    when this process dies, even by SIGKILL (PR_SET_PDEATHSIG; start it from the main thread).
     """
 
     def __init__(self, argv: Sequence[str], port: int, *, startup_timeout: float, stop_timeout: float,
-                 name: str | None = None, env: Mapping[str, str] | None = None, log_path: str | None = None):
+                 name: str | None = None, env: Mapping[str, str] | None = None, log_path: str | None = None,
+                 echo: bool = True, die_with_parent: bool = False):
         self.argv, self.port, self.name = list(argv), port, name
         self.env = dict(env) if env is not None else None
         self.startup_timeout, self.stop_timeout = startup_timeout, stop_timeout
         self.log_path = log_path
+        self.echo, self.die_with_parent = echo, die_with_parent
         self.proc: subprocess.Popen | None = None
         self._log: IO[bytes] | None = None
+        self._terminated_at: float | None = None  # when SIGTERM was sent (once: a second one forces an exit)
+        self._stopped = False
 
     @property
     def url(self) -> str:
@@ -147,16 +155,22 @@ class ManagedProcess:
 
     def start(self) -> None:
         """Start it and wait for /health; on any failure (Ctrl-C included) it is stopped first."""
-        label = f" {self.name}" if self.name else ""
-        print(f"starting{label}: {shlex.join(self.argv)}", flush=True)
         try:
-            self._log = self._open_log()
-            self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
-                                         start_new_session=True)
+            self.launch()
             self._wait_healthy()
         except BaseException:
             self.stop()
             raise
+
+    def launch(self) -> None:
+        """Start the process (its own session and process group, output to the log); no waiting."""
+        if self.echo:
+            label = f" {self.name}" if self.name else ""
+            print(f"starting{label}: {shlex.join(self.argv)}", flush=True)
+        self._log = self._open_log()
+        self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
+                                     start_new_session=True,
+                                     preexec_fn=_die_with_parent if self.die_with_parent else None)
 
     def log_text(self) -> str | None:
         """Everything in the log so far, None when it cannot be read."""
@@ -184,35 +198,62 @@ class ManagedProcess:
         if self.proc is None or self.proc.poll() is not None:
             raise self.failure(self.proc.returncode if self.proc is not None else None)
 
-    def _wait_healthy(self) -> None:
+    def poll_healthy(self) -> bool:
+        """One /health probe: True when it answers 200; ServerError (`failure`) when it exited."""
         import httpx
 
+        self.check_alive()
+        try:
+            return httpx.get(self.url + "/health", timeout=2.0, trust_env=False).status_code == 200
+        except httpx.HTTPError:
+            return False  # not listening yet
+
+    def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
-            self.check_alive()
-            try:
-                if httpx.get(self.url + "/health", timeout=2.0, trust_env=False).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass  # not listening yet
+            if self.poll_healthy():
+                return
             time.sleep(0.5)
         raise self.failure(None)
 
-    def stop(self) -> None:
-        """SIGTERM to the group, wait, SIGKILL on timeout; then the log is closed. Idempotent."""
+    def terminate(self) -> None:
+        """SIGTERM to the group, once (the server drains); `stop` then waits for it."""
         proc = self.proc
-        if proc is not None and proc.poll() is None:
+        if proc is not None and proc.poll() is None and self._terminated_at is None:
             signal_group(proc, signal.SIGTERM)
-            try:
-                proc.wait(self.stop_timeout)
-            except subprocess.TimeoutExpired:
-                who = f"{self.name} (pid {proc.pid})" if self.name else f"server {proc.pid}"
-                print(f"{who} still up {self.stop_timeout:g} s after SIGTERM: killing it", flush=True)
-                signal_group(proc, signal.SIGKILL)
-                proc.wait()
+            self._terminated_at = time.monotonic()
+
+    def stop(self) -> None:
+        """SIGTERM to the group (unless `terminate` sent it), wait up to `stop_timeout` since then,
+        SIGKILL on timeout; then SIGKILL to whatever it left in its group (its own children), and
+        the log is closed. Idempotent."""
+        proc = self.proc
+        if proc is not None and not self._stopped:
+            if proc.poll() is None:
+                self.terminate()
+                assert self._terminated_at is not None
+                try:
+                    proc.wait(max(0.0, self._terminated_at + self.stop_timeout - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    who = f"{self.name} (pid {proc.pid})" if self.name else f"server {proc.pid}"
+                    print(f"{who} still up {self.stop_timeout:g} s after SIGTERM: killing it", flush=True)
+                    signal_group(proc, signal.SIGKILL)
+                    proc.wait()
+            signal_group(proc, signal.SIGKILL)  # no member left: nothing happens
+            self._stopped = True
         if self._log is not None:
             self._log.close()
             self._log = None
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the parent dies (Linux prctl PR_SET_PDEATHSIG)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: the parent's own stop() is what ends the child
 
 
 @contextlib.contextmanager
@@ -295,3 +336,32 @@ def by_label(samples: Sequence[Sample], name: str, label: str) -> dict[str, floa
         if n == name and label in lab:
             out[lab[label]] = out.get(lab[label], 0.0) + v
     return out
+
+
+def add_harness_args(ap, stop_timeout_s: float = 30.0) -> None:
+    """The flags every server-starting benchmark takes: seed, server flags, tokenizer, timeouts,
+    the result file."""
+    ap.add_argument("--seed", type=int, default=0, help="workload seed, the same for every setup (default 0)")
+    ap.add_argument("--server-args", default="",
+                    help="more `kvflow serve` flags for every server, one string (e.g. \"--model DIR\")")
+    ap.add_argument("--tokenizer", default=None,
+                    help="tokenizer for the prompts (default: the --tokenizer/--model of --server-args, "
+                         "else the default model's)")
+    ap.add_argument("--request-timeout", type=positive_finite_float, default=600.0,
+                    help="seconds per request (default 600)")
+    ap.add_argument("--startup-timeout", type=positive_finite_float, default=600.0,
+                    help="seconds to wait for each server's /health (default 600)")
+    ap.add_argument("--stop-timeout", type=positive_finite_float, default=stop_timeout_s,
+                    help=f"seconds after SIGTERM before a server is killed (default {stop_timeout_s:g})")
+    ap.add_argument("--result-json", default=None, help="write config, machine info and every figure here")
+
+
+def parse_server_flags(ap, args, own_flags: Sequence[str], hint: str) -> None:
+    """args.server_flags from --server-args; refuse the flags the harness sets itself."""
+    import shlex
+
+    args.server_flags = shlex.split(args.server_args)
+    own = [f for f in own_flags if flag_value(args.server_flags, f) is not None or f in args.server_flags]
+    if own:
+        ap.error(f"the harness sets {', '.join(own)} itself: drop it from --server-args ({hint})")
+

@@ -1,5 +1,6 @@
 """Every `EngineConfig` field as a `--dashed-flag`, so the CLI and `LLM(...)` never drift apart.
-`add_dataclass_args` does the same for any config dataclass (e.g. `ServerConfig`)."""
+`add_dataclass_args` does the same for any config dataclass (e.g. `ServerConfig`); `dataclass_flags`
+goes back from parsed flags to a command line (the replicas of `kvflow serve --data-parallel-size`)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,11 @@ _HELP = {
     "speculative_config": "speculative decoding as a JSON object, e.g. '{\"method\": \"ngram\", "
                           "\"num_speculative_tokens\": 4}' (keys: method, num_speculative_tokens, "
                           "prompt_lookup_min, prompt_lookup_max, adaptive)",
+    "tensor_parallel_size": "split every layer over this many ranks (worker processes on this machine, "
+                            "all-reduce over shared memory or gloo, whichever measures faster)",
+    "distributed_executor_backend": "uni (one rank) or mp (a process per rank); ray is not available yet",
+    "cpu_threads_per_rank": "torch threads (and pinned CPUs) per tensor-parallel rank (default: the CPUs "
+                            "split evenly)",
     "kv_transfer_config": "prefill/decode disaggregation as a JSON object, e.g. '{\"kv_connector\": \"tcp\", "
                           "\"kv_role\": \"kv_producer\"}' (keys: kv_connector tcp|shm, kv_role "
                           "kv_producer|kv_consumer|kv_both, kv_ip, kv_port, kv_lease_s, kv_transfer_timeout_s, "
@@ -76,6 +82,32 @@ def dataclass_kwargs(cls: type, args: argparse.Namespace) -> dict[str, typing.An
 
 def dataclass_from_args(cls: type, args: argparse.Namespace):
     return cls(**dataclass_kwargs(cls, args))
+
+
+def dataclass_flags(cls: type, args: argparse.Namespace, exclude: tuple[str, ...] = ()) -> list[str]:
+    """The `--flags` that give another `kvflow` command the same fields of `cls` as `args` holds:
+    every field whose value differs from the flag's default (those in `exclude`, or absent from
+    `args`, left out), in the syntax `add_dataclass_args` parses."""
+    hints = typing.get_type_hints(cls)
+    out: list[str] = []
+    for f in dataclasses.fields(cls):
+        if f.name.startswith("_") or f.name in exclude or not hasattr(args, f.name):
+            continue
+        value = getattr(args, f.name)
+        default = f.default if f.default is not dataclasses.MISSING else None
+        if value is None or value == default:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        kind = _base_type(hints[f.name])
+        if kind is bool:
+            out.append(flag if value else "--no-" + flag[2:])
+        elif typing.get_origin(kind) is list:
+            out += [flag, ",".join(str(x) for x in value)]
+        elif typing.get_origin(kind) is dict:
+            out += [flag, json.dumps(value)]
+        else:
+            out += [flag, str(value)]
+    return out
 
 
 def _json_object(value: str) -> dict:

@@ -7,7 +7,8 @@ import logging
 import os
 import sys
 
-from kvflow.cli.engine_args import add_dataclass_args, add_engine_args, dataclass_from_args, engine_config_from_args
+from kvflow.cli.engine_args import (add_dataclass_args, add_engine_args, dataclass_flags, dataclass_from_args,
+                                    engine_config_from_args)
 
 _SERVER_HELP = {
     "host": "address to bind; 0.0.0.0 exposes the server to the network",
@@ -21,7 +22,17 @@ _SERVER_HELP = {
     "shutdown_grace_s": "on SIGTERM, seconds in-flight requests get to finish before they are aborted",
     "allowed_origins": "CORS: origins that browsers may call the API from (comma-separated; "
                        "'*' for any); without it no CORS headers are sent",
+    "data_parallel_size": "data parallelism: start this many engine replicas (processes on 127.0.0.1 ports, "
+                          "each pinned with taskset to an even share of this process's CPUs, OMP_NUM_THREADS "
+                          "= that share) behind one router on --host/--port; every other flag applies to "
+                          "each replica. GET /replicas lists them (see docs/router.md)",
+    "router_policy": "with --data-parallel-size > 1: how requests are spread over the replicas: round_robin, "
+                     "least_loaded (fewest running + waiting requests) or cache_aware (the replica that holds "
+                     "most of the prompt's prefix, unless loads are imbalanced)",
 }
+# ServerConfig fields the data-parallel front end keeps to itself: the replicas listen on their
+# own 127.0.0.1 ports and get the API key in their environment.
+_FRONT_END_FIELDS = ("host", "port", "api_key", "data_parallel_size", "router_policy")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -32,7 +43,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Serve the model over an OpenAI-compatible HTTP API (/v1/completions, "
                     "/v1/chat/completions, /v1/models, /health, /metrics, /tokenize, /detokenize). "
                     "Binds 127.0.0.1 unless --host says otherwise. SIGTERM drains and exits 0; a failed "
-                    "engine step exits 1.")
+                    "engine step exits 1. --data-parallel-size N serves N engine replicas behind one "
+                    "router (--router-policy).")
     add_dataclass_args(p, ServerConfig, "server options", _SERVER_HELP)
     add_engine_args(p)
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info",
@@ -48,6 +60,14 @@ def run_serve(args: argparse.Namespace) -> int:
         args.api_key = os.environ["KVFLOW_API_KEY"]
     server_config = dataclass_from_args(ServerConfig, args)  # validate before loading the model
     engine_config = engine_config_from_args(args)
+    if server_config.data_parallel_size > 1:
+        from kvflow.config import EngineConfig
+        from kvflow.router.replicas import serve_data_parallel
+
+        flags = [*dataclass_flags(ServerConfig, args, exclude=_FRONT_END_FIELDS),
+                 *dataclass_flags(EngineConfig, args, exclude=("kv_offload_disk_dir",)),  # one dir per replica
+                 "--log-level", args.log_level]
+        return serve_data_parallel(server_config, engine_config, flags)
 
     from kvflow.engine.llm_engine import LLMEngine
     from kvflow.entrypoints.openai.api_server import serve

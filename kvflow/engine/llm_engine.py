@@ -18,6 +18,7 @@ from kvflow.core.scheduler import KVMemoryStats, Scheduler, SchedulerOutput
 from kvflow.core.step_cost import StepCostModel
 from kvflow.engine.output_processor import OutputProcessor
 from kvflow.engine.slo_tracker import SLOStats, SLOTracker
+from kvflow.executor import Executor
 from kvflow.kv_transfer.base import KVConnectorScheduler
 from kvflow.outputs import RequestMetrics, RequestOutput
 from kvflow.sampling_params import SamplingParams, is_int, check_text
@@ -78,7 +79,10 @@ class LLMEngine:
         self.max_model_len = self._resolve_max_model_len()
         self.eos_token_ids = self._eos_ids(ckpt.generation_config)
 
-        mc = self.model_config
+        from kvflow.distributed.parallel import local_config
+
+        # Under tensor parallelism each rank holds its share of the heads (and so of the KV cache).
+        mc = local_config(self.model_config, config.tensor_parallel_size)
         self.kv_bytes_per_token = kv_cache_bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim,
                                                            getattr(torch, config.dtype), config.kv_cache_dtype)
         self.num_kv_blocks = self._num_blocks()
@@ -87,8 +91,20 @@ class LLMEngine:
             from kvflow.layers.quant import CALIBRATION_TEXT
 
             calibration = self.tokenizer(CALIBRATION_TEXT, add_special_tokens=True)["input_ids"]
-        self.runner = ModelRunner(self.model_config, config, self.max_model_len, self.num_kv_blocks, ckpt.weights,
-                                  calibration_ids=calibration)
+        workers = tp = None
+        if config.tensor_parallel_size > 1:
+            from kvflow.executor.mp import TPWorkers
+
+            workers = TPWorkers(config, self.max_model_len, self.num_kv_blocks, mc.hidden_size)
+            tp = workers.group
+        try:
+            self.runner = ModelRunner(mc, config, self.max_model_len, self.num_kv_blocks, ckpt.weights,
+                                      calibration_ids=calibration, tp=tp)
+        except BaseException:
+            if workers is not None:
+                workers.shutdown()
+            raise
+        self.executor = Executor(self.runner, workers)
         from kvflow.kv_transfer.factory import make_kv_connector
 
         # What moves KV in and out of the pool (offload tiers, another engine): one connector, split
@@ -156,7 +172,9 @@ class LLMEngine:
         block_bytes = cfg.block_size * self.kv_bytes_per_token
         num = cfg.num_kv_blocks or int(cfg.kv_cache_memory_gb * 2**30 // block_bytes)
         needed = cdiv(self.max_model_len, cfg.block_size)
-        mc = self.model_config
+        from kvflow.distributed.parallel import local_config
+
+        mc = local_config(self.model_config, cfg.tensor_parallel_size)  # one rank's share
         per_value = "1 byte + a 4-byte scale per head" if cfg.kv_cache_dtype == "int8" else \
             f"{self.kv_bytes_per_token // (2 * mc.num_layers * mc.num_kv_heads * mc.head_dim)} bytes"
         logger.info(
@@ -323,7 +341,7 @@ class LLMEngine:
         self._peak_usage = max(self._peak_usage, self.kv_cache.usage)
         t0 = time.perf_counter()
         grammar = None if self.structured is None else self.structured.bitmask(sched.seqs)
-        result = self.runner.execute(sched, grammar)  # raises only for a fault of the step itself
+        result = self.executor.execute(sched, grammar)  # raises only for a fault of the step itself
         self._observe_step_time(sched, time.perf_counter() - t0)
         if self.speculator is not None:
             self.speculator.observe(sched, result.sampled)
@@ -370,7 +388,7 @@ class LLMEngine:
 
     def _drive_kv_transfers(self, sched: SchedulerOutput) -> list[RequestOutput]:
         """A step without compute: the connector's worker side moves bytes and reports."""
-        result = self.runner.execute(sched)
+        result = self.executor.execute(sched)
         return self._fail_kv_loads(self.scheduler.update_kv_transfers(result.kv_connector_output))
 
     def _fail_kv_loads(self, failed: list[tuple[Request, str]]) -> list[RequestOutput]:
@@ -488,9 +506,10 @@ class LLMEngine:
         then serves the next run)."""
         if self.structured is not None:
             self.structured.shutdown()
+        self.executor.shutdown()
         if self.kv_connector is None:
             return
         meta = self.kv_connector.build_shutdown_meta()
         if meta is not None:
-            self.runner.execute(SchedulerOutput(kv_connector_metadata=meta))
+            self.executor.execute(SchedulerOutput(kv_connector_metadata=meta))
         self.runner.kv_connector.shutdown()

@@ -301,6 +301,24 @@ def _nbytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
 
+class RowParallelKernel:
+    """A row-parallel projection (tensor parallelism): this rank multiplies its slice of the input
+    features; the ranks' partial outputs are summed by one all-reduce. The residual is added by the
+    first rank only, so the sum carries it once."""
+
+    def __init__(self, kernel: LinearKernel, all_reduce, first: bool) -> None:
+        self.inner, self.all_reduce, self.first = kernel, all_reduce, first
+        self.backend = kernel.backend
+        self.in_features, self.out_features = kernel.in_features, kernel.out_features
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+        return self.all_reduce(self.inner(x, residual if self.first else None, **kwargs))
+
+    @property
+    def nbytes(self) -> int:
+        return self.inner.nbytes
+
+
 class Linear(torch.nn.Module):
     """Holds the checkpoint weight until `prepare(backend)`; then runs the chosen kernel.
 

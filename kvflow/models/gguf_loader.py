@@ -458,8 +458,9 @@ def _build_tokenizer(path: str, meta: dict[str, Any]):
 # --------------------------------------------------------------------------------------------------
 
 
-def load_gguf(path: str | os.PathLike) -> GGUFCheckpoint:
-    """Load a llama GGUF: HF-style config, float32 weights under HF names, and its tokenizer."""
+def load_gguf(path: str | os.PathLike, with_tokenizer: bool = True) -> GGUFCheckpoint:
+    """Load a llama GGUF: HF-style config, float32 weights under HF names, and its tokenizer
+    (None without `with_tokenizer`: a tensor-parallel worker needs only its weights)."""
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file not found: {path}")
@@ -502,7 +503,7 @@ def load_gguf(path: str | os.PathLike) -> GGUFCheckpoint:
     if missing:
         raise ValueError(f"{path}: GGUF lacks tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
 
-    tokenizer = _build_tokenizer(path, meta)
+    tokenizer = _build_tokenizer(path, meta) if with_tokenizer else None
 
     n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     tensors: dict[str, torch.Tensor] = {}

@@ -12,10 +12,11 @@ import torch
 import torch.nn.functional as F
 
 from kvflow.config import ModelConfig
+from kvflow.distributed.parallel import TPGroup, shard_weight
 from kvflow.layers.attention import AttentionBackend, AttentionMetadata, LayerKVCache
 from kvflow.layers.cpu_attention import rotary_ as native_rotary_
 from kvflow.layers.cpu_attention import rotary_available
-from kvflow.layers.linear import Linear, LinearKernel, make_linear_kernel
+from kvflow.layers.linear import Linear, LinearKernel, RowParallelKernel, make_linear_kernel
 from kvflow.layers.norm import RMSNorm
 from kvflow.layers.quant import SMOOTH_ALPHA, smoothing_scales
 from kvflow.layers.rotary import RotaryEmbedding, apply_rotary_
@@ -77,9 +78,11 @@ class DecoderLayer(torch.nn.Module):
 
 class LlamaForCausalLM(torch.nn.Module):
     def __init__(self, cfg: ModelConfig, attention: AttentionBackend, max_positions: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, tp: TPGroup | None = None) -> None:
+        """`cfg`: this rank's share of the architecture under tensor parallelism (`tp`)."""
         super().__init__()
         self.cfg = cfg
+        self.tp = tp or TPGroup()
         self.attention = attention
         self.embed_tokens = torch.nn.Parameter(
             torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False
@@ -91,12 +94,21 @@ class LlamaForCausalLM(torch.nn.Module):
         # The logits projection; set by `prepare` (tied models: a kernel over embed_tokens).
         self.logits_kernel: LinearKernel | None = None
         self.linear_backend = "dense"
+        self._vocab_widths: list[int] = []  # tensor parallel: each rank's slice of the vocabulary
         self._lm_head_smoothing: torch.Tensor | None = None  # tied + smoothed: columns of the lm_head copy
         # int8 + native kernels: decode-only steps run all layers in one call (set by `prepare`).
         self.native_decode: NativeDecode | None = None
 
     def prepare(self, backend: str) -> None:
         """Move every projection, and the lm_head, to the linear backend `backend` (after load_weights)."""
+        if self.tp.size > 1 and self.logits_kernel is None:
+            # Vocab-parallel logits: each rank projects onto its slice of the vocabulary; the
+            # slices are gathered on the first rank (compute_logits). The embedding stays whole.
+            head = self.lm_head.weight if self.lm_head is not None else self.embed_tokens
+            slices = head.data.chunk(self.tp.size)
+            self._vocab_widths = [w.shape[0] for w in slices]
+            self.logits_kernel = make_linear_kernel(backend, slices[self.tp.rank].contiguous())
+            self.lm_head = None  # the full copy is not needed any more
         for m in self.modules():
             if isinstance(m, Linear):
                 m.prepare(backend)
@@ -104,7 +116,9 @@ class LlamaForCausalLM(torch.nn.Module):
             layer.fused_int8 = backend == "int8"
             layer.native_rotary = (backend == "int8" and not self.cfg.qk_norm
                                    and rotary_available(self.rotary.cos.dtype, self.cfg.head_dim))
-        if self.lm_head is not None:
+        if self.tp.size > 1:
+            pass  # the logits kernel is this rank's vocabulary slice (above)
+        elif self.lm_head is not None:
             self.logits_kernel = self.lm_head.kernel
         else:
             # Tied: `dense` reads embed_tokens itself; other backends keep their own copy (the
@@ -114,6 +128,13 @@ class LlamaForCausalLM(torch.nn.Module):
                 w = w * self._lm_head_smoothing
             self.logits_kernel = make_linear_kernel(backend, w)
         self.linear_backend = backend
+        if self.tp.size > 1:
+            # Row-parallel o and down: partial sums over this rank's heads / FFN slice, one
+            # all-reduce each; the residual is added by the first rank only.
+            for layer in self.layers:
+                for lin in (layer.o_proj, layer.down_proj):
+                    if not isinstance(lin.kernel, RowParallelKernel):
+                        lin.kernel = RowParallelKernel(lin.kernel, self.tp.all_reduce, self.tp.is_first)
         self.native_decode = NativeDecode(self) if native_decode_unsupported(self) is None else None
 
     def linear_inputs(self) -> dict[str, torch.nn.Module]:
@@ -174,10 +195,13 @@ class LlamaForCausalLM(torch.nn.Module):
                 x = layer(x, cos, sin_signed, kv, meta)
         return self.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Logits [rows, vocab] in float32. Under tensor parallelism every rank calls it with the
+        same rows; the first rank gets the logits, the others None."""
         if self.logits_kernel is None:
             self.prepare(self.linear_backend)
-        return self.logits_kernel(hidden).float()
+        logits = self.logits_kernel(hidden).float()
+        return self.tp.gather_first(logits, self._vocab_widths) if self.tp.size > 1 else logits
 
     # ---- weights ---------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -196,6 +220,8 @@ class LlamaForCausalLM(torch.nn.Module):
             name = name.replace("embed_tokens.weight", "embed_tokens")
             name = name.replace("self_attn.", "").replace("mlp.", "")
             parts = name.split(".")
+            if len(parts) == 4:  # layers.{i}.{proj}.{weight|bias}: this rank's slice
+                tensor = shard_weight(parts[2], tensor, self.tp)
             # layers.{i}.{proj}.{weight|bias}
             if len(parts) == 4 and parts[2] in fused:
                 target, slot = fused[parts[2]]

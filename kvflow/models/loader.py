@@ -42,21 +42,22 @@ def resolve_model_path(model: str | None) -> str:
     return str(path)
 
 
-def load_checkpoint(model: str | None, tokenizer: str | None = None) -> Checkpoint:
+def load_checkpoint(model: str | None, tokenizer: str | None = None, with_tokenizer: bool = True) -> Checkpoint:
+    """`with_tokenizer=False`: weights and configuration only (a tensor-parallel worker)."""
     path = resolve_model_path(model)
     if path.endswith(".gguf"):
         from kvflow.models.gguf_loader import load_gguf
 
-        g = load_gguf(path)
+        g = load_gguf(path, with_tokenizer)
         # The file's own name ("SmolLM2-135M-Instruct.Q4_1"), not general.name: it is what users
         # typed and what the server reports as the model id.
         return Checkpoint(path=path, name=Path(path).stem, hf_config=g.hf_config,
                           model_config=ModelConfig.from_hf_config(g.hf_config), weights=iter(g.tensors.items()),
                           tokenizer=g.tokenizer, generation_config={})
-    return _load_hf_folder(Path(path), tokenizer)
+    return _load_hf_folder(Path(path), tokenizer, with_tokenizer)
 
 
-def _load_hf_folder(path: Path, tokenizer_path: str | None) -> Checkpoint:
+def _load_hf_folder(path: Path, tokenizer_path: str | None, with_tokenizer: bool = True) -> Checkpoint:
     if not path.is_dir():
         raise ValueError(f"{str(path)!r} is neither a folder nor a .gguf file")
     config_file = path / "config.json"
@@ -72,7 +73,7 @@ def _load_hf_folder(path: Path, tokenizer_path: str | None) -> Checkpoint:
         hf_config=hf_config,
         model_config=model_config,
         weights=_safetensors_weights(path),
-        tokenizer=_load_tokenizer(Path(tokenizer_path) if tokenizer_path else path),
+        tokenizer=_load_tokenizer(Path(tokenizer_path) if tokenizer_path else path) if with_tokenizer else None,
         generation_config=generation_config,
     )
 

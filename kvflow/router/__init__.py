@@ -16,7 +16,7 @@ _EXPORTS = {
     "POLICIES": "policies", "Backend": "policies", "Route": "policies", "RouteRequest": "policies",
     "RoutingPolicy": "policies", "RoundRobinPolicy": "policies", "PrefillDecodePolicy": "policies",
     "ReplicaPolicy": "policies", "LeastLoadedPolicy": "policies", "CacheAwarePolicy": "policies",
-    "make_policy": "policies",
+    "make_policy": "policies", "DATA_PARALLEL_POLICIES": "policies",
     "PrefixTree": "prefix_tree", "prompt_texts": "prefix_tree",
 }
 __all__ = sorted(_EXPORTS)

@@ -318,11 +318,20 @@ class Router:
                 logger.exception("load scrape failed")
             await asyncio.sleep(self.config.load_poll_s)
 
-    # ---- GET routes ------------------------------------------------------------------------------
+    # ---- routes that every engine answers alike ------------------------------------------------------
     async def models(self, request: Request) -> Response:
+        return await self.passthrough(request, "/v1/models")
+
+    async def passthrough(self, request: Request, path: str) -> Response:
+        """The request as sent (method, body, Authorization), to the primary backend (GET
+        /v1/models, POST /tokenize: what is the same on every engine); its answer, relayed."""
         backend = self.policy.primary()
+        headers = _forwarded(request)
+        content = await request.body() if request.method == "POST" else None
+        if content is not None:
+            headers["content-type"] = request.headers.get("content-type", "application/json")
         try:
-            resp = await self.client.get(backend.url + "/v1/models", headers=_forwarded(request))
+            resp = await self.client.request(request.method, backend.url + path, content=content, headers=headers)
         except httpx.TransportError as e:
             return self._unreachable(backend, e)
         return _copy(resp)
@@ -519,6 +528,18 @@ def build_router_app(config: RouterConfig, *, transport: httpx.AsyncBaseTranspor
     async def models(request: Request) -> Response:
         return await router.models(request)
 
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str) -> Response:
+        return await router.passthrough(request, request.url.path)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await router.passthrough(request, "/tokenize")
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await router.passthrough(request, "/detokenize")
+
     @app.get("/health")
     async def health() -> Response:
         return await router.health()
@@ -530,8 +551,10 @@ def build_router_app(config: RouterConfig, *, transport: httpx.AsyncBaseTranspor
     return app
 
 
-def serve_router(config: RouterConfig, *, on_ready: Callable[[], None] | None = None) -> int:
-    """Run the router until Ctrl-C / SIGTERM (uvicorn's handling: in-flight requests finish)."""
+def serve_router(config: RouterConfig, *, on_ready: Callable[[], None] | None = None,
+                 app: FastAPI | None = None, graceful_shutdown_s: float = 5.0) -> int:
+    """Run the router until Ctrl-C / SIGTERM (uvicorn's handling: in-flight requests get
+    `graceful_shutdown_s` to finish). `app`: one `build_router_app(config)` made (with more routes)."""
     import uvicorn
 
     class _Server(uvicorn.Server):
@@ -540,8 +563,10 @@ def serve_router(config: RouterConfig, *, on_ready: Callable[[], None] | None = 
             if self.started and not self.should_exit and on_ready is not None:
                 on_ready()
 
-    app = build_router_app(config)
+    if app is None:
+        app = build_router_app(config)
     server = _Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
-                                   access_log=False, timeout_graceful_shutdown=5, lifespan="on"))
+                                   access_log=False, timeout_graceful_shutdown=graceful_shutdown_s,
+                                   lifespan="on"))
     server.run()
     return 0 if server.started else 1

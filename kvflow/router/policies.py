@@ -310,3 +310,8 @@ POLICIES: dict[str, type[RoutingPolicy]] = {
 def make_policy(config: RouterConfig) -> RoutingPolicy:
     assert config.policy is not None  # RouterConfig resolved it
     return POLICIES[config.policy].from_config(config)
+
+# The policies that spread whole requests over equal replicas (`kvflow router --backend`,
+# `kvflow serve --data-parallel-size N --router-policy NAME`), in the order help texts list them.
+DATA_PARALLEL_POLICIES: tuple[str, ...] = tuple(
+    name for name, p in POLICIES.items() if issubclass(p, ReplicaPolicy))

@@ -23,6 +23,7 @@ from kvflow.sample.sampler import Sampler, SamplingBatch
 from kvflow.structured_output.manager import apply_bitmask
 
 if TYPE_CHECKING:
+    from kvflow.distributed.parallel import TPGroup
     from kvflow.kv_transfer.base import KVConnectorOutput, KVConnectorWorker
     from kvflow.structured_output.manager import GrammarBitmask
 
@@ -42,13 +43,14 @@ class RunnerOutput:
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, config: EngineConfig, max_model_len: int,
                  num_blocks: int, weights: Iterable[tuple[str, torch.Tensor]],
-                 calibration_ids: list[int] | None = None) -> None:
+                 calibration_ids: list[int] | None = None, tp: "TPGroup | None" = None) -> None:
+        """`model_config`: this rank's share of the model under tensor parallelism (`tp`)."""
         self.device = torch.device(config.device)
         self.dtype = getattr(torch, config.dtype)
         self.attention = make_attention_backend(
             config.attention_backend, config.block_size, model_config.sliding_window, self.device, self.dtype,
             model_config.num_heads, model_config.num_kv_heads, model_config.head_dim)
-        self.model = LlamaForCausalLM(model_config, self.attention, max_model_len, self.dtype, self.device)
+        self.model = LlamaForCausalLM(model_config, self.attention, max_model_len, self.dtype, self.device, tp)
         self.model.load_weights(weights)
         self.model.eval()
         self.linear_backend = select_linear_backend(self.device, self.dtype, config.quantization)
@@ -90,22 +92,32 @@ class ModelRunner:
 
     def _forward(self, out: SchedulerOutput, grammar: "GrammarBitmask | None") -> RunnerOutput:
         seqs = out.seqs
-        tokens = [t for s in seqs for t in s.token_ids]
-        input_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
-        meta = self.attention.build_metadata(
-            [SeqLayout(s.start_pos, len(s.token_ids), s.block_table) for s in seqs]
-        )
-        hidden = self.model(input_ids, meta.positions, self.kv_caches, meta)
+        hidden = self.run_model([s.token_ids for s in seqs], [s.start_pos for s in seqs],
+                                [s.block_table for s in seqs])
 
         sampling = [s for s in seqs if s.sample]
         if not sampling:
             return RunnerOutput()
-        # Logits rows: each sampling sequence's last position, or with drafts its last 1 + k.
-        ends = torch.cumsum(torch.tensor([len(s.token_ids) for s in seqs]), 0).tolist()
-        rows = [r for s, end in zip(seqs, ends) if s.sample
-                for r in range(end - 1 - len(s.spec_token_ids), end)]
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        logits = self.model.compute_logits(hidden[torch.tensor(logits_rows(seqs), device=self.device)])
         return self._sample(self._constrain(logits, sampling, grammar), sampling)
+
+    @torch.inference_mode()
+    def run_model(self, token_ids: list[list[int]], start_pos: list[int], block_tables: list[list[int]]) -> torch.Tensor:
+        """The forward pass over these sequences' new tokens (writes their KV): hidden states [T, hidden].
+        Under tensor parallelism every rank runs it on the same step, each over its own shard."""
+        input_ids = torch.tensor([t for ids in token_ids for t in ids], dtype=torch.long, device=self.device)
+        meta = self.attention.build_metadata(
+            [SeqLayout(p, len(ids), table) for ids, p, table in zip(token_ids, start_pos, block_tables)])
+        return self.model(input_ids, meta.positions, self.kv_caches, meta)
+
+    @torch.inference_mode()
+    def run_shard(self, token_ids: list[list[int]], start_pos: list[int], block_tables: list[list[int]],
+                  rows: list[int]) -> None:
+        """A tensor-parallel rank > 0's step: the same forward pass and logits rows as the first
+        rank, over this rank's shard (its logits slice goes to the first rank, which samples)."""
+        hidden = self.run_model(token_ids, start_pos, block_tables)
+        if rows:
+            self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
 
     def _constrain(self, logits: torch.Tensor, seqs: list[ScheduledSeq], grammar: "GrammarBitmask | None") -> torch.Tensor:
         """logit_bias, then the grammar's mask (disallowed tokens get -inf), on every row a
@@ -278,6 +290,17 @@ def _seed32(seed: int) -> int:
     stay as they are."""
     u = seed % 2**64
     return ((u & 0xFFFFFFFF) + (u >> 32) * 0x9E3779B1) & 0xFFFFFFFF
+
+
+def logits_rows(seqs: list[ScheduledSeq]) -> list[int]:
+    """Rows of the step's hidden states that get logits: each sampling sequence's last position,
+    or with drafts its last 1 + k."""
+    rows, end = [], 0
+    for s in seqs:
+        end += len(s.token_ids)
+        if s.sample:
+            rows.extend(range(end - 1 - len(s.spec_token_ids), end))
+    return rows
 
 
 def _describe(e: BaseException) -> str:

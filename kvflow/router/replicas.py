@@ -1,0 +1,374 @@
+"""`kvflow serve --data-parallel-size N`: N engine replicas behind the router, in one command.
+
+The process that runs `kvflow serve` starts N replica `kvflow serve` processes (the same engine and
+server flags, each on a free 127.0.0.1 port), pins each one with `taskset` to its share of the CPUs
+this process may use (`os.sched_getaffinity`, split evenly: 2 CPUs / 2 replicas = one each) with
+OMP_NUM_THREADS / MKL_NUM_THREADS set to that share, waits until every replica's /health answers,
+then serves the router app (`app.py`, policy `--router-policy`) on the public --host / --port.
+
+- A replica that exits before it is healthy, or is not healthy within `STARTUP_TIMEOUT_S`, stops
+  everything with an error naming it and its log (`ReplicaStartError`); so does SIGTERM / SIGINT
+  during the start.
+- SIGTERM / SIGINT once serving: the router stops accepting, gives in-flight requests
+  --shutdown-grace-s, then every replica gets SIGTERM (SIGKILL to its process group after the
+  grace). Each replica runs in its own process group (its children included) and gets SIGTERM
+  from the kernel if this process dies without cleaning up (PR_SET_PDEATHSIG, Linux).
+- A replica that dies later is left to the router's health checks: it leaves the rotation and
+  GET /health turns 503 naming it (a supervisor watching /health restarts the whole server); it
+  is not restarted. When every replica is gone, the server exits with status 1.
+- GET /replicas lists the replicas (URL, pid, CPUs, threads, log, running, healthy): their own
+  /metrics carry the engine metrics; the public /metrics is the router's.
+
+Processes are `kvflow.bench.servers.ManagedProcess` (a log file each, process groups, stop with
+SIGTERM then SIGKILL), shared with the benchmark harnesses. No torch here: the replicas load the model.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvflow.bench.servers import ManagedProcess, ServerError
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from kvflow.config import EngineConfig, ServerConfig
+
+logger = logging.getLogger("kvflow.router.replicas")
+
+# A replica loading a large model on a slow disk may take minutes; one that neither exits nor
+# answers /health by then is a failed start, not a reason to wait forever.
+STARTUP_TIMEOUT_S = 900.0
+REPLICA_CMD = (sys.executable, "-m", "kvflow.cli.main", "serve")
+
+
+class ReplicaStartError(ServerError):
+    """A replica did not come up (it exited, or did not answer /health in time)."""
+
+
+def split_cpus(cpus: Sequence[int], n: int) -> list[list[int]]:
+    """`n` shares of `cpus` (sorted): contiguous, sizes differing by at most one (2 CPUs / 2 replicas:
+    one each; 5 / 2: three and two). With fewer CPUs than replicas, one CPU each, taken in turn
+    (replicas then share CPUs)."""
+    if n < 1:
+        raise ValueError(f"need at least one share, got {n}")
+    cpus = sorted(cpus)
+    if not cpus:
+        raise ValueError("no CPUs to split")
+    if len(cpus) < n:
+        return [[cpus[k % len(cpus)]] for k in range(n)]
+    return [cpus[k * len(cpus) // n:(k + 1) * len(cpus) // n] for k in range(n)]
+
+
+def usable_cpus() -> list[int] | None:
+    """The CPUs this process may run on (None where the OS does not say)."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return None
+
+
+@dataclass
+class ReplicaSpec:
+    """One replica to start: its command line (taskset included), environment, port, CPUs, log."""
+
+    index: int
+    port: int
+    argv: list[str]
+    env: dict[str, str]
+    cpus: list[int] | None  # None: not pinned (no taskset, or the CPUs are unknown)
+    threads: int  # OMP_NUM_THREADS / MKL_NUM_THREADS
+    log_path: str
+
+    @property
+    def name(self) -> str:
+        return f"replica {self.index}"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def replica_specs(n: int, flags: Sequence[str], log_dir: str, *, api_key: str | None = None,
+                  offload_disk_dir: str | None = None, cpus: Sequence[int] | None = None,
+                  pin: bool | None = None, ports: Sequence[int] | None = None,
+                  base_env: dict[str, str] | None = None) -> list[ReplicaSpec]:
+    """The replicas of `kvflow serve --data-parallel-size n`: `flags` are the engine and server flags
+    every replica gets (no --host / --port / --api-key / --kv-offload-disk-dir); the API key goes in
+    the environment ($KVFLOW_API_KEY: not on a command line `ps` shows), the disk tier of replica k
+    is `offload_disk_dir/replica-k` (two engines must not evict each other's files). `cpus`
+    (default: this process's) are split by `split_cpus`; `pin` (default: taskset is installed)
+    runs each replica under `taskset -c SHARE`."""
+    cpus = list(cpus) if cpus is not None else usable_cpus()
+    ports = list(ports) if ports is not None else free_ports(n)
+    pin = shutil.which("taskset") is not None if pin is None else pin
+    shares: list[list[int] | None] = list(split_cpus(cpus, n)) if cpus else [None] * n
+    env0 = dict(os.environ if base_env is None else base_env)
+    env0.pop("KVFLOW_API_KEY", None)
+    env0.setdefault("TOKENIZERS_PARALLELISM", "false")
+    specs = []
+    for k, share in enumerate(shares):
+        threads = len(share) if share else max(1, (os.cpu_count() or n) // n)
+        if share and cpus and len(cpus) < n:
+            threads = 1
+        port = ports[k]
+        argv = [*REPLICA_CMD, "--host", "127.0.0.1", "--port", str(port), *flags]
+        if offload_disk_dir:
+            argv += ["--kv-offload-disk-dir", os.path.join(offload_disk_dir, f"replica-{k}")]
+        pinned_to = share if (pin and share) else None
+        if pinned_to is not None:
+            argv = ["taskset", "-c", ",".join(map(str, pinned_to)), *argv]
+        env = {**env0, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+        if api_key:
+            env["KVFLOW_API_KEY"] = api_key
+        specs.append(ReplicaSpec(k, port, argv, env, pinned_to, threads, os.path.join(log_dir, f"replica-{k}.log")))
+    return specs
+
+
+class _Replica(ManagedProcess):
+    def __init__(self, spec: ReplicaSpec, stop_timeout: float, startup_timeout: float) -> None:
+        super().__init__(spec.argv, spec.port, name=spec.name, env=spec.env, log_path=spec.log_path,
+                         startup_timeout=startup_timeout, stop_timeout=stop_timeout, echo=False,
+                         die_with_parent=True)
+        self.spec = spec
+
+    def failure(self, returncode: int | None) -> ReplicaStartError:
+        what = (f"exited with code {returncode}" if returncode is not None
+                else f"did not answer /health within {self.startup_timeout:g} s")
+        return ReplicaStartError(f"data-parallel {self.name} ({self.url}) {what}; its log is {self.log_path}, "
+                                 f"last lines:\n{self.log_tail()}")
+
+
+class ReplicaSet:
+    """The replica processes: started together, waited for together, stopped together."""
+
+    def __init__(self, specs: Sequence[ReplicaSpec], *, stop_timeout: float,
+                 startup_timeout: float = STARTUP_TIMEOUT_S) -> None:
+        self.specs = list(specs)
+        self.procs = [_Replica(s, stop_timeout, startup_timeout) for s in self.specs]
+        self.startup_timeout = startup_timeout
+        self._stopping = threading.Event()
+        self._watcher: threading.Thread | None = None
+
+    @property
+    def urls(self) -> list[str]:
+        return [p.url for p in self.procs]
+
+    def launch(self) -> None:
+        """Start every replica (no waiting); from the main thread (PR_SET_PDEATHSIG is per thread)."""
+        for p in self.procs:
+            p.launch()
+
+    def wait_healthy(self, cancelled: Callable[[], bool] = lambda: False, interval_s: float = 0.25) -> bool:
+        """Until every replica answers /health: True; False when `cancelled()` turned true first.
+        ReplicaStartError as soon as one exits, or when one is not healthy in time."""
+        deadline = time.monotonic() + self.startup_timeout
+        pending = list(self.procs)
+        while pending:
+            if cancelled():
+                return False
+            pending = [p for p in pending if not p.poll_healthy()]  # raises when one exited
+            if pending and time.monotonic() > deadline:
+                raise pending[0].failure(None)
+            if pending:
+                time.sleep(interval_s)
+        return True
+
+    def running(self) -> list[bool]:
+        return [p.proc is not None and p.proc.poll() is None for p in self.procs]
+
+    def watch(self, on_all_gone: Callable[[], None], interval_s: float = 0.5) -> None:
+        """In a daemon thread: log each replica that exits (the router's health checks keep it out),
+        and call `on_all_gone()` once none is left."""
+        def loop() -> None:
+            reported: set[int] = set()
+            while not self._stopping.wait(interval_s):
+                for p in self.procs:
+                    code = p.proc.poll() if p.proc is not None else None
+                    if code is not None and p.spec.index not in reported and not self._stopping.is_set():
+                        reported.add(p.spec.index)
+                        logger.error("data-parallel %s (pid %d, %s) exited with code %s: out of rotation, not "
+                                     "restarted (GET /health is 503 until the server restarts); its log is %s",
+                                     p.name, p.proc.pid, p.url, code, p.log_path)
+                if len(reported) == len(self.procs) and not self._stopping.is_set():
+                    logger.error("every data-parallel replica has exited: stopping")
+                    on_all_gone()
+                    return
+
+        self._watcher = threading.Thread(target=loop, name="kvflow-dp-watch", daemon=True)
+        self._watcher.start()
+
+    def stop(self) -> None:
+        """SIGTERM to every replica at once, then wait for each (SIGKILL to its group after the
+        stop timeout). Idempotent."""
+        self._stopping.set()
+        for p in self.procs:
+            p.terminate()
+        for p in self.procs:
+            p.stop()
+        if self._watcher is not None and self._watcher is not threading.current_thread():
+            self._watcher.join(5)
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` distinct TCP ports free on 127.0.0.1 now (held together while the OS picks them)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            socks.append(s)
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def check_bindable(host: str, port: int) -> None:
+    """ValueError naming --port when host:port cannot be bound now (before any replica starts)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise ValueError(f"--host {host} --port {port}: cannot listen there ({e.strerror or e})") from None
+
+
+def add_replica_routes(app: FastAPI, replicas: ReplicaSet, policy: str) -> None:
+    """GET /replicas: each replica's URL, pid, CPUs, threads, log, and whether it runs and is healthy
+    (the router's view: its last /health probe)."""
+    from starlette.responses import JSONResponse
+
+    router = app.state.router
+
+    @app.get("/replicas")
+    async def list_replicas() -> JSONResponse:
+        healthy = {b.url: b.healthy for b in router.policy.backends()}
+        out = []
+        for p, running in zip(replicas.procs, replicas.running()):
+            s = p.spec
+            out.append({"index": s.index, "url": s.url, "pid": p.proc.pid if p.proc is not None else None,
+                        "cpus": s.cpus, "threads": s.threads, "log": s.log_path, "running": running,
+                        "healthy": running and healthy.get(s.url, False), "metrics": s.url + "/metrics"})
+        return JSONResponse({"policy": policy, "replicas": out})
+
+
+def _served_name(url: str, api_key: str | None) -> str | None:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        return str(httpx.get(url + "/v1/models", headers=headers, timeout=10, trust_env=False).json()["data"][0]["id"])
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+        return None
+
+
+def _url_host(host: str) -> str:
+    if host in ("0.0.0.0", "", "::"):
+        return "127.0.0.1"
+    return f"[{host}]" if ":" in host else host
+
+
+def serve_data_parallel(server_config: ServerConfig, engine_config: EngineConfig, flags: Sequence[str], *,
+                        log_dir: str | None = None) -> int:
+    """Run `kvflow serve --data-parallel-size N` until SIGTERM / SIGINT (0), a failed start (1) or
+    the loss of every replica (1). `flags`: every replica's engine and server flags (see
+    `replica_specs`). ValueError for a combination that cannot work (the CLI's exit status 2)."""
+    from kvflow.router.app import build_router_app, serve_router
+    from kvflow.router.config import RouterConfig
+
+    n = server_config.data_parallel_size
+    if engine_config.kv_transfer_config is not None:
+        raise ValueError("--data-parallel-size > 1 cannot be combined with --kv-transfer-config (every replica "
+                         "would be a P/D engine on the same kv_port): run the engines yourself behind "
+                         "`kvflow router --prefill ... --decode ...`")
+    # Checked first: a bad policy or a taken port must not cost N model loads.
+    ports = free_ports(n)
+    router_config = RouterConfig(host=server_config.host, port=server_config.port,
+                                 policy=server_config.router_policy,
+                                 backends=[f"http://127.0.0.1:{p}" for p in ports])
+    check_bindable(server_config.host, server_config.port)
+    log_dir = log_dir or tempfile.mkdtemp(prefix="kvflow-dp-")
+    specs = replica_specs(n, flags, log_dir, api_key=server_config.api_key,
+                          offload_disk_dir=engine_config.kv_offload_disk_dir, ports=ports)
+    replicas = ReplicaSet(specs, stop_timeout=server_config.shutdown_grace_s + 10.0)
+
+    signals: list[int] = []
+    all_gone = threading.Event()
+
+    def on_signal(sig: int, frame: Any) -> None:  # only a flag: never an exception mid-cleanup
+        signals.append(sig)
+
+    main = threading.current_thread() is threading.main_thread()
+    handled = (signal.SIGINT, signal.SIGTERM)
+    original = {s: signal.signal(s, on_signal) for s in handled} if main else {}
+    try:
+        print(f"kvflow: starting {n} data-parallel replicas (logs in {log_dir})", file=sys.stderr, flush=True)
+        if not all(s.cpus for s in specs):
+            print("kvflow: warning: replicas are not pinned to CPUs (taskset missing or the CPUs unknown)",
+                  file=sys.stderr, flush=True)
+        elif len({c for s in specs for c in s.cpus or ()}) < n:
+            print(f"kvflow: warning: {n} replicas but fewer CPUs: they share CPUs", file=sys.stderr, flush=True)
+        replicas.launch()
+        for s, p in zip(specs, replicas.procs):
+            where = f"taskset -c {','.join(map(str, s.cpus))}" if s.cpus else "not pinned"
+            print(f"  {s.name}: {s.url} (pid {p.proc.pid if p.proc else '?'}, {where}, OMP_NUM_THREADS={s.threads}; "
+                  f"engine metrics {s.url}/metrics; log {s.log_path})", file=sys.stderr, flush=True)
+        try:
+            if not replicas.wait_healthy(cancelled=lambda: bool(signals)):
+                print("kvflow: stopped before the replicas were ready", file=sys.stderr, flush=True)
+                return 128 + signals[0]
+        except ReplicaStartError as e:
+            print(f"kvflow: error: {e}", file=sys.stderr, flush=True)
+            return 1
+
+        name = server_config.served_model_name or _served_name(specs[0].url, server_config.api_key) or "the model"
+        app = build_router_app(router_config)
+        add_replica_routes(app, replicas, server_config.router_policy)
+        if server_config.allowed_origins:  # as a single server's (api_server.build_app)
+            from starlette.middleware.cors import CORSMiddleware
+
+            app.add_middleware(CORSMiddleware, allow_origins=server_config.allowed_origins,
+                               allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type"])
+        url = f"http://{_url_host(server_config.host)}:{server_config.port}"
+
+        def ready() -> None:
+            print(f"kvflow: serving {name} at {url} (OpenAI API under {url}/v1; {n} data-parallel replicas, "
+                  f"router policy {server_config.router_policy}; Ctrl-C or SIGTERM to stop)", flush=True)
+            auth = " -H 'Authorization: Bearer <your key>'" if server_config.api_key else ""
+            print(f"  try: curl {url}/v1/completions -H 'Content-Type: application/json'{auth} "
+                  f"-d '{{\"model\": \"{name}\", \"prompt\": \"The capital of France is\", \"max_tokens\": 16}}'",
+                  file=sys.stderr, flush=True)
+            print(f"  replicas: GET {url}/replicas; {url}/metrics is the router's, each replica's engine "
+                  "metrics are on its own /metrics (above)", file=sys.stderr, flush=True)
+            # uvicorn's signal handlers are in place now: start watching, and pass on a signal
+            # that came while they were not.
+            replicas.watch(stop_serving)
+            if signals:
+                os.kill(os.getpid(), signals[-1])
+
+        def stop_serving() -> None:  # from the watcher thread, through uvicorn's own SIGTERM path
+            all_gone.set()
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        if signals:
+            return 128 + signals[0]
+        code = serve_router(router_config, on_ready=ready, app=app,
+                            graceful_shutdown_s=server_config.shutdown_grace_s)
+        return 1 if all_gone.is_set() else code
+    finally:
+        replicas.stop()  # signals meanwhile only land in `signals` (uvicorn restored on_signal)
+        for s, h in original.items():
+            signal.signal(s, h)

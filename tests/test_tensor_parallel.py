@@ -1,0 +1,101 @@
+"""Tensor parallelism (mp executor, gloo on CPU): TP = 2 gives TP = 1's greedy tokens and logprobs,
+through chunked prefill, prefix caching and preemption; a rank that dies ends the engine with an
+error naming it, and no worker process outlives the engine."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+
+import pytest
+
+from conftest import assert_no_leaks
+from kvflow import LLM, SamplingParams
+
+PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3)
+
+
+def _prompts(n: int = 5) -> list[list[int]]:
+    rng = random.Random(3)
+    shared = [rng.randrange(2, 500) for _ in range(10)]
+    return [shared + [rng.randrange(2, 500) for _ in range(rng.randrange(3, 30))] for _ in range(n)]
+
+
+def _run(path: str, tp: int, **opts):
+    llm = LLM(path, max_model_len=64, block_size=4, tensor_parallel_size=tp, **opts)
+    try:
+        outs = llm.generate(_prompts(), PARAMS, use_tqdm=False)
+        assert_no_leaks(llm.engine)
+        workers = llm.engine.executor.workers
+        return [o.outputs[0] for o in outs], llm.get_stats(), None if workers is None else workers.all_reduce
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("arch,all_reduce", [("llama", "shm"), ("llama", "gloo"), ("qwen2", "auto")])
+def test_tp2_equals_tp1(model_factory, monkeypatch, arch, all_reduce):
+    monkeypatch.setenv("KVFLOW_TP_ALL_REDUCE", all_reduce)  # the workers inherit it
+    path = model_factory(arch)[0]
+    # A small batch budget (chunked prefill) and a small pool (preemption), prefix caching on.
+    opts = dict(max_num_batched_tokens=16, num_kv_blocks=24)
+    ref, _, _ = _run(path, 1, **opts)
+    got, stats, used = _run(path, 2, **opts)
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    assert all_reduce == "auto" or used == all_reduce
+    for a, b in zip(got, ref):
+        assert a.token_ids == b.token_ids
+        for x, y in zip(a.logprobs, b.logprobs):
+            assert x.keys() == y.keys()
+            for t in x:
+                assert x[t].logprob == pytest.approx(y[t].logprob, abs=1e-4)
+
+
+def test_dead_rank_fails_the_engine(tiny_llama):
+    llm = LLM(tiny_llama[0], max_model_len=64, block_size=4, num_kv_blocks=64, tensor_parallel_size=2)
+    workers = llm.engine.executor.workers
+    pid = workers.procs[0].pid
+    os.kill(pid, signal.SIGKILL)
+    workers.procs[0].wait(10)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="tensor-parallel rank 1 exited"):
+        llm.generate([[5, 6, 7]], PARAMS, use_tqdm=False)
+    assert time.monotonic() - t0 < 30
+    llm.shutdown()
+    assert all(p.poll() is not None for p in workers.procs) if workers.procs else True
+
+
+def test_shutdown_leaves_no_worker(tiny_llama):
+    llm = LLM(tiny_llama[0], max_model_len=64, block_size=4, num_kv_blocks=64, tensor_parallel_size=2)
+    procs = list(llm.engine.executor.workers.procs)
+    llm.generate([[5, 6, 7]], PARAMS, use_tqdm=False)
+    llm.shutdown()
+    assert all(p.poll() is not None for p in procs)
+
+
+def test_config_errors(tiny_llama):
+    with pytest.raises(ValueError, match="must divide the model's attention heads"):
+        LLM(tiny_llama[0], max_model_len=128, tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="does not work with quantization='int8'"):
+        LLM(tiny_llama[0], max_model_len=128, tensor_parallel_size=2, quantization="int8")
+    with pytest.raises(ValueError, match="'ray' is not available yet"):
+        LLM(tiny_llama[0], max_model_len=128, tensor_parallel_size=2, distributed_executor_backend="ray")
+
+
+@pytest.mark.slow
+def test_default_model_tp3_greedy_is_tp1_greedy():
+    """The embedded SmolLM2-135M (9 heads, 3 KV heads: TP must divide 3) split over 3 ranks."""
+    chats = [[{"role": "user", "content": q}] for q in ("What is the capital of France?", "Write a haiku about autumn.")]
+    sp = SamplingParams(temperature=0, max_tokens=24, logprobs=2)
+    outs = {}
+    for tp in (1, 3):
+        llm = LLM(max_model_len=512, num_kv_blocks=128, tensor_parallel_size=tp, cpu_threads_per_rank=1)
+        outs[tp] = [o.outputs[0] for o in llm.chat(chats, sp, use_tqdm=False)]
+        llm.shutdown()
+    for a, b in zip(outs[3], outs[1]):
+        assert a.token_ids == b.token_ids
+        for x, y in zip(a.logprobs, b.logprobs):
+            assert x.keys() == y.keys()
+            for t in x:
+                assert x[t].logprob == pytest.approx(y[t].logprob, abs=1e-4)
