@@ -52,7 +52,7 @@ class EngineConfig:
     # "kv_producer" | "kv_consumer" | "kv_both", ...} (see kvflow/kv_transfer/config.py); None = off.
     kv_transfer_config: dict[str, Any] | None = None
     # Tensor parallelism: each layer split over this many ranks (worker processes on this machine,
-    # gloo all-reduces); "mp" is the only executor for more than one rank so far.
+    # shared-memory or gloo all-reduces); "mp" (processes on this machine) or "ray" (Ray actors).
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None  # None: "uni" for one rank, "mp" for more
     cpu_threads_per_rank: int | None = None  # None: this process's CPUs split evenly between the ranks
@@ -132,8 +132,6 @@ class EngineConfig:
         if self.distributed_executor_backend not in backends:
             raise ValueError(f"distributed_executor_backend must be one of uni, mp, ray, got "
                              f"{self.distributed_executor_backend!r}")
-        if self.distributed_executor_backend == "ray":
-            raise ValueError("distributed_executor_backend='ray' is not available yet; use 'mp' (one machine)")
         tp = self.tensor_parallel_size
         if tp == 1:
             return

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import threading
 import time
 
 import pytest
@@ -52,18 +53,24 @@ def test_tp2_equals_tp1(model_factory, monkeypatch, arch, all_reduce):
                 assert x[t].logprob == pytest.approx(y[t].logprob, abs=1e-4)
 
 
-def test_dead_rank_fails_the_engine(tiny_llama):
-    llm = LLM(tiny_llama[0], max_model_len=64, block_size=4, num_kv_blocks=64, tensor_parallel_size=2)
-    workers = llm.engine.executor.workers
-    pid = workers.procs[0].pid
-    os.kill(pid, signal.SIGKILL)
-    workers.procs[0].wait(10)
+@pytest.mark.parametrize("when", ["between steps", "mid-run"])
+def test_dead_rank_fails_the_engine(tiny_llama, when):
+    """A rank killed between steps, or while rank 0 waits for it in an all-reduce: the engine
+    raises an error naming the rank within seconds (never a hang)."""
+    llm = LLM(tiny_llama[0], max_model_len=512, block_size=4, num_kv_blocks=512, tensor_parallel_size=2)
+    proc = llm.engine.executor.workers.procs[0]
+    if when == "between steps":
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+    else:
+        threading.Timer(0.5, os.kill, (proc.pid, signal.SIGKILL)).start()
     t0 = time.monotonic()
+    long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
     with pytest.raises(RuntimeError, match="tensor-parallel rank 1 exited"):
-        llm.generate([[5, 6, 7]], PARAMS, use_tqdm=False)
+        llm.generate([[5, 6, 7]] * 4, long, use_tqdm=False)
     assert time.monotonic() - t0 < 30
     llm.shutdown()
-    assert all(p.poll() is not None for p in workers.procs) if workers.procs else True
+    assert proc.poll() is not None
 
 
 def test_shutdown_leaves_no_worker(tiny_llama):
@@ -79,8 +86,8 @@ def test_config_errors(tiny_llama):
         LLM(tiny_llama[0], max_model_len=128, tensor_parallel_size=3)
     with pytest.raises(ValueError, match="does not work with quantization='int8'"):
         LLM(tiny_llama[0], max_model_len=128, tensor_parallel_size=2, quantization="int8")
-    with pytest.raises(ValueError, match="'ray' is not available yet"):
-        LLM(tiny_llama[0], max_model_len=128, tensor_parallel_size=2, distributed_executor_backend="ray")
+    with pytest.raises(ValueError, match="distributed_executor_backend must be one of"):
+        LLM(tiny_llama[0], max_model_len=128, tensor_parallel_size=2, distributed_executor_backend="threads")
 
 
 @pytest.mark.slow
@@ -97,5 +104,34 @@ def test_default_model_tp3_greedy_is_tp1_greedy():
         assert a.token_ids == b.token_ids
         for x, y in zip(a.logprobs, b.logprobs):
             assert x.keys() == y.keys()
+            for t in x:
+                assert x[t].logprob == pytest.approx(y[t].logprob, abs=1e-4)
+
+
+def test_ray_tp2_equals_tp1_and_a_dead_actor_fails_the_engine(tiny_llama):
+    """The same split, with rank 1 a Ray actor in a placement group on a local Ray (2 CPUs); then
+    that actor killed mid-run: an error naming the rank, not a hang."""
+    import ray
+
+    path = tiny_llama[0]
+    ref, _, _ = _run(path, 1)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        got, _, used = _run(path, 2, distributed_executor_backend="ray")
+        llm = LLM(path, max_model_len=512, block_size=4, num_kv_blocks=512, tensor_parallel_size=2,
+                  distributed_executor_backend="ray")
+        threading.Timer(0.5, ray.kill, (llm.engine.executor.workers.actors[0],)).start()
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="tensor-parallel rank 1 .*exited"):
+            llm.generate([[5, 6, 7]] * 4, SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True),
+                         use_tqdm=False)
+        assert time.monotonic() - t0 < 30
+        llm.shutdown()
+    finally:
+        ray.shutdown()
+    assert used in ("shm", "gloo")
+    for a, b in zip(got, ref):
+        assert a.token_ids == b.token_ids
+        for x, y in zip(a.logprobs, b.logprobs):
             for t in x:
                 assert x[t].logprob == pytest.approx(y[t].logprob, abs=1e-4)

@@ -35,7 +35,8 @@ _HELP = {
                           "prompt_lookup_min, prompt_lookup_max, adaptive)",
     "tensor_parallel_size": "split every layer over this many ranks (worker processes on this machine, "
                             "all-reduce over shared memory or gloo, whichever measures faster)",
-    "distributed_executor_backend": "uni (one rank) or mp (a process per rank); ray is not available yet",
+    "distributed_executor_backend": "uni (one rank), mp (a process per rank, default for TP > 1) or ray (Ray "
+                                    "actors in a placement group; RAY_ADDRESS joins a cluster)",
     "cpu_threads_per_rank": "torch threads (and pinned CPUs) per tensor-parallel rank (default: the CPUs "
                             "split evenly)",
     "kv_transfer_config": "prefill/decode disaggregation as a JSON object, e.g. '{\"kv_connector\": \"tcp\", "

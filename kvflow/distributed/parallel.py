@@ -60,11 +60,17 @@ class TPGroup:
             self.shm = None
 
 
-def select_all_reduce(tp: TPGroup, shm_path: str, slot_bytes: int, hidden_size: int, rounds: int = 30) -> str:
+def select_all_reduce(tp: TPGroup, shm_path: str, slot_bytes: int, hidden_size: int, rounds: int = 30,
+                      check_peers=None, timeout_s: float = 120.0, force: str | None = None) -> str:
     """Every rank calls this at the same point: time gloo and the shared-memory all-reduce on a
     decode-sized tensor, keep the faster (rank 0 decides, so all ranks agree). KVFLOW_TP_ALL_REDUCE
-    = gloo | shm forces one."""
-    shm = ShmAllReduce(shm_path, tp.rank, tp.size, slot_bytes, create=False)
+    = gloo | shm (or `force`, the same on every rank) forces one."""
+    if force == "gloo":  # ranks on several hosts: there is no shared segment to open
+        if tp.is_first:
+            logger.info("tensor parallel all-reduce: gloo (ranks on more than one host)")
+        return "gloo"
+    shm = ShmAllReduce(shm_path, tp.rank, tp.size, slot_bytes, create=False, timeout_s=timeout_s)
+    shm.check_peers = check_peers
     sample = torch.ones(32, hidden_size)
 
     def timed(fn) -> float:
@@ -74,7 +80,7 @@ def select_all_reduce(tp: TPGroup, shm_path: str, slot_bytes: int, hidden_size: 
             fn(sample.clone())
         return time.perf_counter() - t0
 
-    forced = os.environ.get("KVFLOW_TP_ALL_REDUCE", "auto")
+    forced = force or os.environ.get("KVFLOW_TP_ALL_REDUCE", "auto")
     if forced not in ALL_REDUCE_IMPLS:
         raise ValueError(f"KVFLOW_TP_ALL_REDUCE must be one of {', '.join(ALL_REDUCE_IMPLS)}, got {forced!r}")
     t_gloo = timed(lambda x: torch.distributed.all_reduce(x, group=tp.group))

@@ -16,17 +16,23 @@ import mmap
 import os
 import tempfile
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
 _LINE = 64  # one counter per cache line
 _SPIN = 2000  # polls before yielding the core
+_CHECK_EVERY_S = 0.5  # while waiting: how often to ask whether the other ranks are still alive
 
 
 class ShmAllReduce:
-    def __init__(self, path: str, rank: int, size: int, slot_bytes: int, create: bool) -> None:
+    def __init__(self, path: str, rank: int, size: int, slot_bytes: int, create: bool,
+                 timeout_s: float = 120.0) -> None:
         self.rank, self.size, self.slot_bytes = rank, size, slot_bytes
+        self.timeout_s = timeout_s
+        # Raises when a peer is known dead (set by the executor): a wait never outlives its peers.
+        self.check_peers: Callable[[], None] | None = None
         self.path = path
         total = size * _LINE + 2 * size * slot_bytes
         if create:
@@ -59,10 +65,22 @@ class ShmAllReduce:
 
     def _wait_all(self, r: int) -> None:
         spins = 0
+        start = last_check = None
         while int(self._counters.min()) < r:
             spins += 1
             if spins > _SPIN:
                 time.sleep(0)
+                now = time.monotonic()
+                if start is None:
+                    start = last_check = now
+                elif now - last_check > _CHECK_EVERY_S:
+                    last_check = now
+                    if self.check_peers is not None:
+                        self.check_peers()
+                    if now - start > self.timeout_s:
+                        late = [i for i in range(self.size) if int(self._counters[i]) < r]
+                        raise RuntimeError(f"tensor-parallel all-reduce: rank(s) {late} did not arrive within "
+                                           f"{self.timeout_s:g} s")
 
     def gather(self, t: torch.Tensor, widths: list[int], is_first: bool) -> list[torch.Tensor] | None:
         """Every rank's 2-D `t` (the same rows; rank i's has widths[i] columns) to the first rank,

@@ -93,9 +93,11 @@ class LLMEngine:
             calibration = self.tokenizer(CALIBRATION_TEXT, add_special_tokens=True)["input_ids"]
         workers = tp = None
         if config.tensor_parallel_size > 1:
-            from kvflow.executor.mp import TPWorkers
-
-            workers = TPWorkers(config, self.max_model_len, self.num_kv_blocks, mc.hidden_size)
+            if config.distributed_executor_backend == "ray":
+                from kvflow.executor.ray_executor import RayTPWorkers as Workers
+            else:
+                from kvflow.executor.mp import TPWorkers as Workers
+            workers = Workers(config, self.max_model_len, self.num_kv_blocks, mc.hidden_size)
             tp = workers.group
         try:
             self.runner = ModelRunner(mc, config, self.max_model_len, self.num_kv_blocks, ckpt.weights,

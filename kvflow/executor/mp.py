@@ -55,40 +55,64 @@ def rank_cpus(size: int, threads_per_rank: int | None) -> tuple[list[list[int]],
     return [cpus[(r * per) % len(cpus):][:per] or cpus[:per] for r in range(size)], per
 
 
+class RankPlan:
+    """What every rank is told: the group's address, its CPUs and threads, the shared segment."""
+
+    def __init__(self, config: "EngineConfig", max_model_len: int, num_blocks: int, hidden_size: int,
+                 host: str = "127.0.0.1") -> None:
+        self.size = config.tensor_parallel_size
+        self.cpus, self.threads = rank_cpus(self.size, config.cpu_threads_per_rank)
+        self.init_method = f"tcp://{host}:{_free_port()}"
+        self.hidden_size = hidden_size
+        # The shared-memory all-reduce's segment: slots big enough for a full step's hidden states.
+        self.shm_path = ShmAllReduce.new_path()
+        self.slot_bytes = config.max_num_batched_tokens * hidden_size * 8
+        ShmAllReduce(self.shm_path, 0, self.size, self.slot_bytes, create=True).close()
+        self._common = {"size": self.size, "init_method": self.init_method, "threads": self.threads,
+                        "max_model_len": max_model_len, "num_blocks": num_blocks, "config": asdict(config),
+                        "collective_timeout_s": COLLECTIVE_TIMEOUT_S, "shm_path": self.shm_path,
+                        "slot_bytes": self.slot_bytes, "hidden_size": hidden_size}
+
+    def args(self, rank: int, **extra) -> dict:
+        return {**self._common, "rank": rank, "cpus": self.cpus[rank], **extra}
+
+    def join_as_rank0(self, check_peers, force: str | None = None) -> tuple[TPGroup, str]:
+        """This process becomes rank 0 (its threads on its own cores, like every worker's)."""
+        os.sched_setaffinity(0, self.cpus[0])
+        torch.set_num_threads(self.threads)
+        group = init_tp_group(0, self.size, self.init_method, COLLECTIVE_TIMEOUT_S)
+        return group, select_all_reduce(group, self.shm_path, self.slot_bytes, self.hidden_size,
+                                        check_peers=check_peers, timeout_s=COLLECTIVE_TIMEOUT_S, force=force)
+
+
+def step_message(seqs: list["ScheduledSeq"]) -> dict:
+    """One step as the other ranks get it: tokens, positions, block tables, logits rows."""
+    from kvflow.worker.model_runner import logits_rows
+
+    return {"op": "step", "t": [s.token_ids for s in seqs], "p": [s.start_pos for s in seqs],
+            "b": [s.block_table for s in seqs], "rows": logits_rows(seqs)}
+
+
 class TPWorkers:
     """The worker processes of ranks 1..N-1, and rank 0's membership of the group."""
 
     def __init__(self, config: "EngineConfig", max_model_len: int, num_blocks: int, hidden_size: int) -> None:
-        size = config.tensor_parallel_size
-        cpus, threads = rank_cpus(size, config.cpu_threads_per_rank)
-        port = _free_port()
-        init = f"tcp://127.0.0.1:{port}"
+        plan = RankPlan(config, max_model_len, num_blocks, hidden_size)
         self._threads_before = torch.get_num_threads()
         self._affinity_before = os.sched_getaffinity(0)
-        # The shared-memory all-reduce's segment: slots big enough for a full step's hidden states.
-        shm_path = ShmAllReduce.new_path()
-        slot_bytes = config.max_num_batched_tokens * hidden_size * 8
-        ShmAllReduce(shm_path, 0, size, slot_bytes, create=True).close()
         self.procs: list[subprocess.Popen] = []
         self.logs: list[str] = []
-        for rank in range(1, size):
+        for rank in range(1, plan.size):
             log = tempfile.NamedTemporaryFile(prefix=f"kvflow-tp-rank{rank}-", suffix=".log", delete=False)
             self.logs.append(log.name)
-            args = {"rank": rank, "size": size, "init_method": init, "cpus": cpus[rank], "threads": threads,
-                    "max_model_len": max_model_len, "num_blocks": num_blocks,
-                    "config": asdict(config), "collective_timeout_s": COLLECTIVE_TIMEOUT_S,
-                    "shm_path": shm_path, "slot_bytes": slot_bytes, "hidden_size": hidden_size}
-            env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+            args = plan.args(rank)
+            env = {**os.environ, "OMP_NUM_THREADS": str(plan.threads)}
             self.procs.append(subprocess.Popen([sys.executable, "-m", "kvflow.executor.tp_worker", json.dumps(args)],
                                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
                                                env=env, start_new_session=True))
             log.close()
         try:
-            # Rank 0 is this process: its torch threads on its own cores, like every worker's.
-            os.sched_setaffinity(0, cpus[0])
-            torch.set_num_threads(threads)
-            self.group: TPGroup = init_tp_group(0, size, init, COLLECTIVE_TIMEOUT_S)
-            self.all_reduce = select_all_reduce(self.group, shm_path, slot_bytes, hidden_size)
+            self.group, self.all_reduce = plan.join_as_rank0(self.check_alive)
             self._wait_ready()
         except BaseException:
             self.shutdown()
@@ -120,11 +144,13 @@ class TPWorkers:
             raise RuntimeError(f"tensor-parallel rank {rank} exited with code {code}; its log "
                                f"{self.logs[rank - 1]} ends: {_tail(self.logs[rank - 1])}")
 
-    def step(self, seqs: list["ScheduledSeq"]) -> None:
-        from kvflow.worker.model_runner import logits_rows
+    def check_alive(self) -> None:
+        """Raises if a worker has exited (called while rank 0 waits in a collective)."""
+        for rank, proc in enumerate(self.procs, 1):
+            self._check(rank, proc)
 
-        message = {"op": "step", "t": [s.token_ids for s in seqs], "p": [s.start_pos for s in seqs],
-                   "b": [s.block_table for s in seqs], "rows": logits_rows(seqs)}
+    def step(self, seqs: list["ScheduledSeq"]) -> None:
+        message = step_message(seqs)
         for rank, proc in enumerate(self.procs, 1):
             self._check(rank, proc)
             try:
