@@ -102,6 +102,17 @@ def assert_no_leaks(engine) -> None:
     assert not engine.kv_cache.block_tables
 
 
+def assert_same_completions(outs, reference, abs_tol: float = 1e-5) -> None:
+    """CompletionOutputs with the same tokens and, where logprobs were asked for, the same top-N
+    ids with logprobs within abs_tol."""
+    for o, r in zip(outs, reference, strict=True):
+        assert o.token_ids == r.token_ids
+        for a, b in zip(o.logprobs or [], r.logprobs or []):
+            assert a.keys() == b.keys()
+            for t in a:
+                assert a[t].logprob == pytest.approx(b[t].logprob, abs=abs_tol)
+
+
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """HF's greedy continuation, never stopping early (the engine side uses ignore_eos)."""
     import copy

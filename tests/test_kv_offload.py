@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from conftest import assert_no_leaks
+from conftest import assert_no_leaks, assert_same_completions
 from kvflow import LLM, SamplingParams
 
 BS = 4
@@ -38,14 +38,6 @@ def _ask(llm, prompts):
     return [llm.generate([p], PARAMS, use_tqdm=False)[0].outputs[0] for p in prompts]
 
 
-def _assert_same(outs, reference):
-    for o, r in zip(outs, reference):
-        assert o.token_ids == r.token_ids
-        for a, b in zip(o.logprobs, r.logprobs):
-            assert a.keys() == b.keys()
-            for t in a:
-                assert a[t].logprob == pytest.approx(b[t].logprob, abs=1e-5)
-
 
 def test_cpu_tier_reloads_evicted_blocks(tiny_llama, reference):
     llm = _engine(tiny_llama[0], kv_offload_cpu_gb=0.01)
@@ -55,7 +47,7 @@ def test_cpu_tier_reloads_evicted_blocks(tiny_llama, reference):
     assert stats.cpu.stored > 0
     out = _ask(llm, QUESTIONS[1:])
     assert stats.cpu.hits >= len(DOC) // BS - 1 and stats.loaded > 0
-    _assert_same(out, reference[1:])
+    assert_same_completions(out, reference[1:])
     assert_no_leaks(llm.engine)
 
 
@@ -65,7 +57,7 @@ def test_disk_tier_and_restart(tiny_llama, reference, tmp_path):
     _ask(llm, QUESTIONS[:1])
     _ask(llm, FILLER)
     assert llm.get_stats().kv_offload.disk.stored > 0
-    _assert_same(_ask(llm, QUESTIONS[1:]), reference[1:])
+    assert_same_completions(_ask(llm, QUESTIONS[1:]), reference[1:])
     assert llm.get_stats().kv_offload.disk.hits > 0
     llm.shutdown()
     del llm
@@ -74,7 +66,7 @@ def test_disk_tier_and_restart(tiny_llama, reference, tmp_path):
     again = _engine(tiny_llama[0], kv_offload_disk_dir=str(disk))
     outs = again.generate([QUESTIONS[0]], PARAMS, use_tqdm=False)
     assert outs[0].num_cached_tokens >= len(DOC) - BS
-    _assert_same([outs[0].outputs[0]], reference[:1])
+    assert_same_completions([outs[0].outputs[0]], reference[:1])
     assert again.get_stats().kv_offload.disk.hits > 0
 
 
@@ -95,7 +87,7 @@ def test_damaged_files_are_rejected(tiny_llama, reference, tmp_path, damage, cap
         f.write_bytes(bytes(raw))
     again = _engine(tiny_llama[0], kv_offload_disk_dir=str(disk))
     outs = again.generate([QUESTIONS[0]], PARAMS, use_tqdm=False)
-    _assert_same([outs[0].outputs[0]], reference[:1])  # recomputed, still right
+    assert_same_completions([outs[0].outputs[0]], reference[:1])  # recomputed, still right
     stats = again.get_stats().kv_offload
     assert stats.disk.rejected > 0 and stats.loaded == 0
     assert "ignoring" in caplog.text

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import assert_no_leaks
+from conftest import assert_no_leaks, assert_same_completions
 from kvflow import LLM, SamplingParams
 from kvflow.kv_transfer import pd
 from kvflow.kv_transfer.config import KVTransferConfig
@@ -54,12 +54,7 @@ def _drain(llm: LLM, timeout: float = 10.0) -> None:
 
 
 def _assert_same(out, ref) -> None:
-    a, b = out.outputs[0], ref.outputs[0]
-    assert a.token_ids == b.token_ids
-    for x, y in zip(a.logprobs, b.logprobs):
-        assert x.keys() == y.keys()
-        for t in x:
-            assert x[t].logprob == pytest.approx(y[t].logprob, abs=1e-5)
+    assert_same_completions(out.outputs, ref.outputs)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import assert_no_leaks
+from conftest import assert_no_leaks, assert_same_completions
 from kvflow import LLM, SamplingParams
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3)
@@ -45,12 +45,7 @@ def test_tp2_equals_tp1(model_factory, monkeypatch, arch, all_reduce):
     got, stats, used = _run(path, 2, **opts)
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
     assert all_reduce == "auto" or used == all_reduce
-    for a, b in zip(got, ref):
-        assert a.token_ids == b.token_ids
-        for x, y in zip(a.logprobs, b.logprobs):
-            assert x.keys() == y.keys()
-            for t in x:
-                assert x[t].logprob == pytest.approx(y[t].logprob, abs=1e-4)
+    assert_same_completions(got, ref, abs_tol=1e-4)
 
 
 @pytest.mark.parametrize("when", ["between steps", "mid-run"])
@@ -100,12 +95,7 @@ def test_default_model_tp3_greedy_is_tp1_greedy():
         llm = LLM(max_model_len=512, num_kv_blocks=128, tensor_parallel_size=tp, cpu_threads_per_rank=1)
         outs[tp] = [o.outputs[0] for o in llm.chat(chats, sp, use_tqdm=False)]
         llm.shutdown()
-    for a, b in zip(outs[3], outs[1]):
-        assert a.token_ids == b.token_ids
-        for x, y in zip(a.logprobs, b.logprobs):
-            assert x.keys() == y.keys()
-            for t in x:
-                assert x[t].logprob == pytest.approx(y[t].logprob, abs=1e-4)
+    assert_same_completions(outs[3], outs[1], abs_tol=1e-4)
 
 
 def test_ray_tp2_equals_tp1_and_a_dead_actor_fails_the_engine(tiny_llama):
@@ -130,8 +120,4 @@ def test_ray_tp2_equals_tp1_and_a_dead_actor_fails_the_engine(tiny_llama):
     finally:
         ray.shutdown()
     assert used in ("shm", "gloo")
-    for a, b in zip(got, ref):
-        assert a.token_ids == b.token_ids
-        for x, y in zip(a.logprobs, b.logprobs):
-            for t in x:
-                assert x[t].logprob == pytest.approx(y[t].logprob, abs=1e-4)
+    assert_same_completions(got, ref, abs_tol=1e-4)
