@@ -56,7 +56,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from kvflow.bench.report import cpu_line
+from kvflow.bench.report import cpu_line, percent, ratio
+from kvflow.bench.report import fmt_num as _f
 from kvflow.bench.servers import (
     ManagedProcess, ServerError, add_harness_args, by_label, exit_on_sigterm, free_port, harness_tokenizer,
     parse_prometheus, parse_server_flags, sample_sum, scrape, server_max_model_len,
@@ -443,24 +444,6 @@ def run_setup(part: str, spec: ServerSpec, label: str, requests: Sequence[Any], 
 # ----------------------------------------------------------------------------------------------
 
 
-def _f(x: float | None, digits: int = 2) -> str:
-    from kvflow.bench.report import fmt_num
-
-    return fmt_num(x, digits)
-
-
-def _pct(x: float | None) -> float | None:
-    return None if x is None else 100.0 * x
-
-
-def ratio(a: float | None, b: float | None) -> float | None:
-    """a / b (None when either is missing or b is 0)."""
-    if a is None or b is None or b == 0 or (isinstance(a, float) and math.isnan(a)) or \
-            (isinstance(b, float) and math.isnan(b)):
-        return None
-    return a / b
-
-
 def setup_report(r: SetupResult) -> str:
     from kvflow.bench.report import failure_summary, format_kv
 
@@ -476,12 +459,12 @@ def setup_report(r: SetupResult) -> str:
     ]
     c = r.cache
     if c is not None and r.part == "prefix":
-        pairs += [("prefix-cache hit rate (%)", _f(_pct(c.hit_rate), 1)),
+        pairs += [("prefix-cache hit rate (%)", _f(percent(c.hit_rate), 1)),
                   ("prompt tokens looked up / hit", f"{c.queries:,.0f} / {c.hits:,.0f}"),
                   ("prompt tokens computed", f"{c.computed:,.0f}")]
     if c is not None and r.split is not None:
         for url, (q, h) in c.per_replica.items():
-            hits = f", prefix-cache hit rate {_f(_pct(h / q) if q else None, 1)} %" if r.part == "prefix" else ""
+            hits = f", prefix-cache hit rate {_f(percent(h / q) if q else None, 1)} %" if r.part == "prefix" else ""
             pairs.append((f"  replica {url}", f"{r.split.get(url, 0):,.0f} requests{hits}"))
     if r.router_hits_misses is not None:
         pairs.append(("router cache_aware hits / misses", f"{r.router_hits_misses[0]:g} / {r.router_hits_misses[1]:g}"))
@@ -491,7 +474,7 @@ def setup_report(r: SetupResult) -> str:
     return text + ("\n" + fails if fails else "")
 
 
-PREFIX_ROWS = (("prefix-cache hit rate (%)", lambda r: _pct(r.cache.hit_rate) if r.cache else None),
+PREFIX_ROWS = (("prefix-cache hit rate (%)", lambda r: percent(r.cache.hit_rate) if r.cache else None),
                ("prompt tokens computed", lambda r: r.cache.computed if r.cache else None),
                ("TTFT p50 (ms)", lambda r: r.m.ttft_ms.get("p50")),
                ("TTFT p99 (ms)", lambda r: r.m.ttft_ms.get("p99")),

@@ -66,7 +66,8 @@ from kvflow.bench.servers import (
     nonneg_finite_float, nonneg_int, parse_prometheus, positive_finite_float, sample_sum, scrape,
     server_max_model_len, started,
 )
-from kvflow.bench.report import cpu_line  # noqa: F401 (used below; tests read it here)
+from kvflow.bench.report import cpu_line, percent, ratio  # tests read cpu_line and ratio here too
+from kvflow.bench.report import fmt_num as _f
 from kvflow.cli.bench import _positive_int
 
 SETUPS = ("agg", "pd")
@@ -383,7 +384,7 @@ class LoadSummary:
     output_throughput: float | None  # tokens/s, every finished request
 
 
-def _pct(values: Sequence[float], q: float, scale: float = 1.0) -> float | None:
+def _percentile(values: Sequence[float], q: float, scale: float = 1.0) -> float | None:
     from kvflow.bench.metrics import percentile
 
     return percentile(values, q) * scale if values else None
@@ -402,10 +403,10 @@ def summarize_load(records: Sequence[Any], duration_s: float) -> LoadSummary:
     out_tokens = sum(r.output_tokens for r in records if r.success)
     return LoadSummary(
         chats_finished=len(ok_chats), chats_failed=len(chats) - len(ok_chats),
-        chat_itl_ms_p50=_pct(gaps, 50, 1e3), chat_itl_ms_p99=_pct(gaps, 99, 1e3),
-        chat_tpot_ms_p50=_pct(tpots, 50, 1e3), chat_tpot_ms_p99=_pct(tpots, 99, 1e3),
+        chat_itl_ms_p50=_percentile(gaps, 50, 1e3), chat_itl_ms_p99=_percentile(gaps, 99, 1e3),
+        chat_tpot_ms_p50=_percentile(tpots, 50, 1e3), chat_tpot_ms_p99=_percentile(tpots, 99, 1e3),
         docs_finished=len(ok_docs), docs_failed=len(docs) - len(ok_docs),
-        doc_ttft_s_p50=_pct(ttfts, 50), doc_ttft_s_p99=_pct(ttfts, 99),
+        doc_ttft_s_p50=_percentile(ttfts, 50), doc_ttft_s_p99=_percentile(ttfts, 99),
         doc_ttft_s_mean=sum(ttfts) / len(ttfts) if ttfts else None,
         output_tokens=out_tokens, duration_s=duration_s,
         output_throughput=out_tokens / duration_s if duration_s > 0 else None)
@@ -442,12 +443,6 @@ def doc_transfer(stats: TransferStats, records: Sequence[Any], doc_ttft_mean_s: 
     high = stats.seconds * share / len(docs)
     low = min(stats.seconds / stats.fetches, high)
     return DocTransfer(share, low, high, ratio(low, doc_ttft_mean_s), ratio(high, doc_ttft_mean_s))
-
-
-def ratio(num: float | None, den: float | None) -> float | None:
-    if num is None or den is None or den == 0 or math.isnan(num) or math.isnan(den):
-        return None
-    return num / den
 
 
 COMPARED = (("chat ITL p99 (ms)", "chat_itl_ms_p99"), ("chat TPOT p99 (ms)", "chat_tpot_ms_p99"),
@@ -657,10 +652,6 @@ def _ms(x: float | None) -> float | None:
     return None if x is None else 1e3 * x
 
 
-def _percent(x: float | None) -> float | None:
-    return None if x is None else 100.0 * x
-
-
 def setup_report(r: SetupResult) -> str:
     from kvflow.bench.report import failure_summary, format_kv
 
@@ -690,22 +681,16 @@ def setup_report(r: SetupResult) -> str:
         ]
     if d is not None:
         pairs += [
-            ("doc share of moved blocks (%)", _f(_percent(d.block_share), 1)),
+            ("doc share of moved blocks (%)", _f(percent(d.block_share), 1)),
             ("KV transfer per doc (ms)", f"{_f(_ms(d.per_doc_s_low))} - {_f(_ms(d.per_doc_s_high))} "
                                          "(mean fetch - by blocks)"),
-            ("  share of doc mean TTFT (%)", f"{_f(_percent(d.share_of_ttft_low), 1)} - "
-                                             f"{_f(_percent(d.share_of_ttft_high), 1)}"),
+            ("  share of doc mean TTFT (%)", f"{_f(percent(d.share_of_ttft_low), 1)} - "
+                                             f"{_f(percent(d.share_of_ttft_high), 1)}"),
         ]
     pin = "" if r.pinned else " (NOT pinned: taskset missing or < 2 CPUs)"
     text = format_kv(pairs, title=f"{SETUP_LABELS[r.setup]}{pin}")
     fails = failure_summary(r.records)
     return text + ("\n" + fails if fails else "")
-
-
-def _f(x: float | None, digits: int = 2) -> str:
-    from kvflow.bench.report import fmt_num
-
-    return fmt_num(x, digits)
 
 
 def comparison_table(results: dict[str, SetupResult]) -> str | None:

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 from kvflow.bench.metrics import GroupMetrics
-from kvflow.bench.report import format_table, line_plot
+from kvflow.bench.report import format_table, line_plot, percent
 from kvflow.bench.serve_client import RunResult, parse_rates
 from kvflow.bench.servers import (
     ManagedProcess, ServerError, exit_on_sigterm, flag_value, free_port, harness_tokenizer, indented_tail,
@@ -274,10 +274,6 @@ class PolicyRow:
     batch_finished: float | None  # batch requests that succeeded / sent
 
 
-def _share(x: float | None) -> float | None:
-    return None if x is None else 100.0 * x
-
-
 def policy_row(run: Run) -> PolicyRow:
     m = run.result.metrics
     overall, inter, batch = m.per_request_slo, m.classes.get("interactive"), m.classes.get("batch")
@@ -296,8 +292,8 @@ def policy_table(rows: Sequence[PolicyRow]) -> str:
     return format_table(
         ["policy", "rate", "goodput", "attain %", "interactive %", "batch %", "interactive TTFT p99 ms",
          "batch finished %"],
-        [[r.policy, f"{r.rate:g}", r.goodput, _share(r.attainment), _share(r.interactive), _share(r.batch),
-          r.interactive_ttft_p99_ms, _share(r.batch_finished)] for r in rows],
+        [[r.policy, f"{r.rate:g}", r.goodput, percent(r.attainment), percent(r.interactive), percent(r.batch),
+          r.interactive_ttft_p99_ms, percent(r.batch_finished)] for r in rows],
         title="SLO-aware scheduling: mixed workload, each request against its own SLO (goodput in req/s)")
 
 

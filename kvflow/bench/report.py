@@ -86,7 +86,7 @@ def metrics_summary(m: BenchmarkMetrics, title: str = "Serving benchmark") -> st
         pairs.append((f"Goodput (req/s) [{slo}]", m.goodput))
     if m.per_request_slo is not None:
         pairs.append(("Goodput, own SLOs (req/s)", m.per_request_slo.goodput))
-        pairs.append(("SLO attainment, own SLOs (%)", _pct(m.per_request_slo.attainment)))
+        pairs.append(("SLO attainment, own SLOs (%)", percent(m.per_request_slo.attainment)))
     text = [format_kv(pairs, title=title)]
     stat_names = [k for k in m.ttft_ms if k not in ("count", "std", "min", "max", "p50")]
     rows = []
@@ -97,8 +97,16 @@ def metrics_summary(m: BenchmarkMetrics, title: str = "Serving benchmark") -> st
     return "\n".join(text)
 
 
-def _pct(x: float | None) -> float | None:
+def percent(x: float | None) -> float | None:
+    """A share in [0, 1] as a percentage (None stays None)."""
     return None if x is None else 100.0 * x
+
+
+def ratio(num: float | None, den: float | None) -> float | None:
+    """num / den, None when either is missing or NaN or den is 0 (for comparison columns)."""
+    if num is None or den is None or den == 0 or math.isnan(num) or math.isnan(den):
+        return None
+    return num / den
 
 
 def group_table(groups: dict[str, GroupMetrics], overall: GroupMetrics | None = None, label: str = "class",
@@ -108,7 +116,7 @@ def group_table(groups: dict[str, GroupMetrics], overall: GroupMetrics | None = 
     named = list(groups.items()) + ([("all", overall)] if overall is not None else [])
     for name, g in named:
         slo = g.slo or {}
-        rows.append([name, g.sent, g.completed, g.met_slo, _pct(g.attainment), slo.get("ttft_ms"), slo.get("tpot_ms"),
+        rows.append([name, g.sent, g.completed, g.met_slo, percent(g.attainment), slo.get("ttft_ms"), slo.get("tpot_ms"),
                      g.ttft_ms.get("median"), g.ttft_ms.get("p99"), g.tpot_ms.get("median"), g.tpot_ms.get("p99"),
                      g.goodput])
     return format_table([label, "sent", "ok", "met SLO", "attain %", "TTFT SLO", "TPOT SLO", "TTFT p50", "TTFT p99",
