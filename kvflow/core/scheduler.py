@@ -293,8 +293,7 @@ class Scheduler:
                 self._requeue(req)
             else:
                 del self.requests[rid]
-                req.status = RequestStatus.FINISHED_ERROR
-                self.kv_cache.free(req)
+                self._finish(req, RequestStatus.FINISHED_ERROR)
                 failed.append((req, why))
         return failed
 

@@ -228,10 +228,8 @@ class LLMEngine:
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         prompt_ids = self.tokenize(prompt, add_special_tokens)
         self._validate_request(prompt_ids, params)
-        if self.kv_connector is not None:
-            self.kv_connector.check_request(params.kv_transfer_params)
-        elif params.kv_transfer_params:
-            KVConnectorScheduler().check_request(params.kv_transfer_params)
+        # Without a connector, the base class's check refuses any transfer the params ask for.
+        (self.kv_connector or KVConnectorScheduler()).check_request(params.kv_transfer_params)
         max_tokens = params.max_tokens or (self.max_model_len - len(prompt_ids))
         arrival = time.monotonic() if arrival_time is None else arrival_time
         cfg = self.config
@@ -490,18 +488,11 @@ class LLMEngine:
 
         stats = None if self.runner.kv_connector is None else self.runner.kv_connector.stats()
         return (stats if isinstance(stats, OffloadStats) else None,
-                stats.snapshot() if isinstance(stats, KVTransferStats) else None)
+                stats if isinstance(stats, KVTransferStats) else None)
 
     def take_kv_transfer_times(self) -> list[float]:
         """Fetch durations since the last call (for the metrics histogram)."""
-        stats = None if self.runner.kv_connector is None else self.runner.kv_connector.stats()
-        recent = getattr(stats, "recent_seconds", None)
-        if not recent:
-            return []
-        times = []
-        while recent:
-            times.append(recent.popleft())
-        return times
+        return [] if self.runner.kv_connector is None else self.runner.kv_connector.take_transfer_times()
 
     def shutdown(self) -> None:
         """Stop the KV connector; the offload tiers first persist the prefix cache (a disk tier

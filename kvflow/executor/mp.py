@@ -21,6 +21,7 @@ import torch
 
 from kvflow.distributed.parallel import TPGroup, init_tp_group, select_all_reduce
 from kvflow.distributed.shm_all_reduce import ShmAllReduce
+from kvflow.worker.model_runner import logits_rows
 
 if TYPE_CHECKING:
     from kvflow.config import EngineConfig
@@ -64,6 +65,9 @@ class RankPlan:
         self.cpus, self.threads = rank_cpus(self.size, config.cpu_threads_per_rank)
         self.init_method = f"tcp://{host}:{_free_port()}"
         self.hidden_size = hidden_size
+        # What join_as_rank0 changes in this process, for leave() to put back.
+        self._threads_before = torch.get_num_threads()
+        self._affinity_before = os.sched_getaffinity(0)
         # The shared-memory all-reduce's segment: slots big enough for a full step's hidden states.
         self.shm_path = ShmAllReduce.new_path()
         self.slot_bytes = config.max_num_batched_tokens * hidden_size * 8
@@ -84,11 +88,18 @@ class RankPlan:
         return group, select_all_reduce(group, self.shm_path, self.slot_bytes, self.hidden_size,
                                         check_peers=check_peers, timeout_s=COLLECTIVE_TIMEOUT_S, force=force)
 
+    def leave(self, group: TPGroup | None) -> None:
+        """Rank 0 leaves the group (its shared segment removed) and gets its threads and CPUs back."""
+        if group is not None:
+            group.close()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        torch.set_num_threads(self._threads_before)
+        os.sched_setaffinity(0, self._affinity_before)
+
 
 def step_message(seqs: list["ScheduledSeq"]) -> dict:
     """One step as the other ranks get it: tokens, positions, block tables, logits rows."""
-    from kvflow.worker.model_runner import logits_rows
-
     return {"op": "step", "t": [s.token_ids for s in seqs], "p": [s.start_pos for s in seqs],
             "b": [s.block_table for s in seqs], "rows": logits_rows(seqs)}
 
@@ -97,9 +108,8 @@ class TPWorkers:
     """The worker processes of ranks 1..N-1, and rank 0's membership of the group."""
 
     def __init__(self, config: "EngineConfig", max_model_len: int, num_blocks: int, hidden_size: int) -> None:
-        plan = RankPlan(config, max_model_len, num_blocks, hidden_size)
-        self._threads_before = torch.get_num_threads()
-        self._affinity_before = os.sched_getaffinity(0)
+        self.plan = plan = RankPlan(config, max_model_len, num_blocks, hidden_size)
+        self.group: TPGroup | None = None
         self.procs: list[subprocess.Popen] = []
         self.logs: list[str] = []
         for rank in range(1, plan.size):
@@ -174,12 +184,8 @@ class TPWorkers:
                 proc.kill()
                 proc.wait()
         self.procs = []
-        if getattr(self, "group", None) is not None:
-            self.group.close()
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-        torch.set_num_threads(self._threads_before)
-        os.sched_setaffinity(0, self._affinity_before)
+        self.plan.leave(self.group)
+        self.group = None
 
 
 def _free_port() -> int:

@@ -11,8 +11,6 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-import torch
-
 from kvflow.executor.mp import START_TIMEOUT_S, RankPlan, step_message
 
 if TYPE_CHECKING:
@@ -31,18 +29,16 @@ def _ray():
 class RayTPWorkers:
     def __init__(self, config: "EngineConfig", max_model_len: int, num_blocks: int, hidden_size: int) -> None:
         ray = _ray()
-        from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+        from ray.util.placement_group import placement_group, placement_group_table
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        self._remove_pg = remove_placement_group
         self._started_ray = False
         if not ray.is_initialized():
             ray.init(address=os.environ.get("RAY_ADDRESS") or None, include_dashboard=False, log_to_driver=False)
             self._started_ray = True
-        self._threads_before = torch.get_num_threads()
-        self._affinity_before = os.sched_getaffinity(0)
-        here = ray.util.get_node_ip_address()
-        plan = RankPlan(config, max_model_len, num_blocks, hidden_size, host=here)
+        self.plan = plan = RankPlan(config, max_model_len, num_blocks, hidden_size,
+                                    host=ray.util.get_node_ip_address())
+        self.group = None
         self.pg = placement_group([{"CPU": plan.threads}] * (plan.size - 1), strategy="PACK")
         self.actors: list = []
         self._inflight: list = []
@@ -88,6 +84,8 @@ class RayTPWorkers:
 
     def shutdown(self) -> None:
         ray = _ray()
+        from ray.util.placement_group import remove_placement_group
+
         for a in self.actors:
             try:
                 ray.kill(a)
@@ -95,16 +93,11 @@ class RayTPWorkers:
                 pass
         self.actors, self._inflight = [], []
         try:
-            self._remove_pg(self.pg)
+            remove_placement_group(self.pg)
         except Exception:
             pass
-        if getattr(self, "group", None) is not None:
-            self.group.close()
-            self.group = None
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-        torch.set_num_threads(self._threads_before)
-        os.sched_setaffinity(0, self._affinity_before)
+        self.plan.leave(self.group)
+        self.group = None
         if self._started_ray:
             ray.shutdown()
             self._started_ray = False

@@ -119,4 +119,9 @@ class KVConnectorWorker:
         pass
 
     def stats(self) -> Any:
+        """A snapshot of this connector's counters (None: it keeps none)."""
         return None
+
+    def take_transfer_times(self) -> list[float]:
+        """Transfer durations (s) since the last call, for the metrics histogram."""
+        return []

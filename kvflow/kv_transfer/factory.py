@@ -21,7 +21,7 @@ def make_kv_connector(config: "EngineConfig", identity: bytes, io: BlockIO,
         kv = KVTransferConfig.parse(config.kv_transfer_config)
         worker = PDConnectorWorker(kv, hashlib.sha256(identity).hexdigest(), config.kv_cache_dtype, num_layers)
         worker.register_kv_caches(io)
-        return PDConnectorScheduler(kv, config.block_size, worker), worker
+        return PDConnectorScheduler(kv, config.block_size, worker.address if kv.is_producer else None), worker
     if config.kv_offload_cpu_gb > 0 or config.kv_offload_disk_dir:
         from kvflow.kv_transfer.offload import OffloadConnectorScheduler, OffloadConnectorWorker
         from kvflow.kv_transfer.offload_store import KVOffloadStore

@@ -128,11 +128,13 @@ def check_transfer_params(params: dict[str, Any], config: KVTransferConfig | Non
 
 
 class PDConnectorScheduler(KVConnectorScheduler):
-    def __init__(self, config: KVTransferConfig, block_size: int, worker: "PDConnectorWorker") -> None:
+    def __init__(self, config: KVTransferConfig, block_size: int, address: tuple[str, int] | None) -> None:
+        """`address`: where this producer's block server listens (None on a pure consumer); it goes
+        into the kv_transfer_params a finished request returns."""
         self.config = config
         self.block_size = block_size
         self.load_failure_policy = config.kv_load_failure_policy
-        self._address = worker  # its bound (host, port) goes into the params a producer returns
+        self._address = address
         self._engine_id = config.engine_id or uuid.uuid4().hex[:12]
         self._ids = itertools.count()
         self._loads: list[RemoteLoad] = []
@@ -198,7 +200,7 @@ class PDConnectorScheduler(KVConnectorScheduler):
         key = f"{self._engine_id}-{next(self._ids)}"
         self._holds.append(HeldTransfer(key, block_ids[:n], [h.hex() for h in req.block_hashes[:n]]))
         self._held.add(key)
-        host, port = self._address.address
+        host, port = self._address
         return key, {
             "do_remote_prefill": True,
             "remote_engine_id": self._engine_id,
@@ -299,7 +301,14 @@ class PDConnectorWorker(KVConnectorWorker):
         return out
 
     def stats(self) -> KVTransferStats:
-        return self._stats
+        with self._lock:  # fetch and server threads update it under the lock
+            return self._stats.snapshot()
+
+    def take_transfer_times(self) -> list[float]:
+        recent, times = self._stats.recent_seconds, []
+        while recent:  # appended by fetch threads; deque appends and pops are thread-safe
+            times.append(recent.popleft())
+        return times
 
     def shutdown(self) -> None:
         if self._server is not None:

@@ -116,17 +116,16 @@ class LlamaForCausalLM(torch.nn.Module):
             layer.fused_int8 = backend == "int8"
             layer.native_rotary = (backend == "int8" and not self.cfg.qk_norm
                                    and rotary_available(self.rotary.cos.dtype, self.cfg.head_dim))
-        if self.tp.size > 1:
-            pass  # the logits kernel is this rank's vocabulary slice (above)
-        elif self.lm_head is not None:
-            self.logits_kernel = self.lm_head.kernel
-        else:
-            # Tied: `dense` reads embed_tokens itself; other backends keep their own copy (the
-            # embedding lookup still needs the float rows).
-            w = self.embed_tokens.data
-            if self._lm_head_smoothing is not None:
-                w = w * self._lm_head_smoothing
-            self.logits_kernel = make_linear_kernel(backend, w)
+        if self.tp.size == 1:  # (under TP the logits kernel is this rank's vocabulary slice, above)
+            if self.lm_head is not None:
+                self.logits_kernel = self.lm_head.kernel
+            else:
+                # Tied: `dense` reads embed_tokens itself; other backends keep their own copy (the
+                # embedding lookup still needs the float rows).
+                w = self.embed_tokens.data
+                if self._lm_head_smoothing is not None:
+                    w = w * self._lm_head_smoothing
+                self.logits_kernel = make_linear_kernel(backend, w)
         self.linear_backend = backend
         if self.tp.size > 1:
             # Row-parallel o and down: partial sums over this rank's heads / FFN slice, one
