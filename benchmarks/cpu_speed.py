@@ -19,9 +19,9 @@ of a shared machine falls on every mode alike:
   or gather + SDPA), other model ops (norms, rotary, residuals, activation, embedding), attention
   metadata, sampling, the rest of the runner and the engine outside it (scheduler, outputs,
   detokenize). Measured by timing wrappers around those pieces (~0.5 us each), not the profiler.
-  An int8 engine's decode steps run all decoder layers in one native call (kvflow.models.native_decode),
-  timed as one piece and, inside it, per phase by the native code (omp_get_wtime); its table is
-  followed by one of the same engine on the per-layer path.
+  An int8 engine's decode steps run all decoder layers in one native call
+  (kvflow.kernels.cpu.int8_decode), timed as one piece and, inside it, per phase by the native code
+  (omp_get_wtime); its table is followed by one of the same engine on the per-layer path.
 
 The machine is shared: the script prints the load average and, per mode, the CPU time other
 processes used while it was measured ("foreign", in cores); figures with foreign > 0.1 are suspect.
@@ -200,8 +200,8 @@ def breakdown(llm, prompts: Prompts, batch: int, steps: int = 24,
     per_layer: an int8 engine's decode steps take the per-layer path instead of the one-call native
     pass (whose layers cannot be timed piece by piece from Python)."""
     from kvflow import SamplingParams
+    from kvflow.kernels.cpu.int8_decode import PHASES
     from kvflow.layers.linear import Linear
-    from kvflow.models.native_decode import PHASES
 
     eng, runner = llm.engine, llm.engine.runner
     model = runner.model

@@ -15,7 +15,7 @@ import time
 import torch
 
 from kvflow.layers.attention import SeqLayout
-from kvflow.layers.cpu_attention import CpuPagedAttention
+from kvflow.kernels.cpu.paged_attention import CpuPagedAttention
 
 HEADS, KV_HEADS, HEAD_DIM, LAYERS = 9, 3, 64, 30  # SmolLM2-135M
 

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from kvflow.layers.linear import Int8Kernel, activation_qparams, fbgemm_prepack
+from kvflow.kernels.cpu.int8_linear import Int8Kernel, activation_qparams, fbgemm_prepack
 from kvflow.layers.quant import quantize_weight_per_channel
 
 HIDDEN, INTER, Q, KV, LAYERS = 576, 1536, 576, 192, 30  # SmolLM2-135M

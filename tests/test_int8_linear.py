@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvflow.layers.cpu_attention import rotary_, rotary_available
-from kvflow.layers.linear import Int8Kernel, activation_qparams
+from kvflow.kernels.cpu.int8_linear import Int8Kernel, activation_qparams
+from kvflow.kernels.cpu.paged_attention import rotary_, rotary_available
 from kvflow.layers.norm import RMSNorm
 from kvflow.layers.rotary import apply_rotary_
 

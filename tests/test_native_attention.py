@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from kvflow import LLM, SamplingParams
-from kvflow.layers.attention import LayerKVCache, SeqLayout, TorchPagedAttention, partition_groups
+from kvflow.layers.attention import (LayerKVCache, SeqLayout, TorchPagedAttention, make_attention_backend,
+                                     partition_groups)
 from conftest import assert_no_leaks
-from kvflow.layers.cpu_attention import CpuPagedAttention, make_attention_backend, native_unsupported
+from kvflow.kernels.cpu.paged_attention import CpuPagedAttention, native_unsupported
 
 CPU = torch.device("cpu")
 pytestmark = pytest.mark.skipif(native_unsupported(CPU, torch.float32, 4, 2, 16) is not None,

@@ -1,4 +1,4 @@
-"""The int8 decode pass in one native call (kvflow.models.native_decode) against the per-layer path
+"""The int8 decode pass in one native call (kvflow.kernels.cpu.int8_decode) against the per-layer path
 it replaces: same hidden states and same cache contents, bit for bit, on decode rows of different
 context lengths; and the engine uses it without changing outputs or leaking blocks."""
 

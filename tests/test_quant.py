@@ -13,8 +13,9 @@ import torch
 
 from conftest import assert_no_leaks
 from kvflow import LLM, SamplingParams
+from kvflow.kernels.cpu.int8_linear import Int8Kernel, activation_qparams
 from kvflow.layers.attention import LayerKVCache, SeqLayout, kv_cache_bytes_per_token
-from kvflow.layers.linear import Int8Kernel, Linear, activation_qparams, make_linear_kernel
+from kvflow.layers.linear import Linear, make_linear_kernel
 from kvflow.layers.quant import dequantize_symmetric, quantize_kv, quantize_symmetric, quantize_weight_per_channel
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)

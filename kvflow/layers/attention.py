@@ -21,8 +21,9 @@ offload) moves `data[b]` and `scale[b]` together.
 `scaled_dot_product_attention` (with a mask only where one is needed). Decodes form one group and
 prefill chunks are split into groups of similar size (`partition_groups`), so a long chunk pads
 neither the decodes nor the short chunks to its length. `CpuPagedAttention`
-(kvflow/layers/cpu_attention.py) replaces the decode group with a native kernel that reads the
-paged cache in place; a GPU kernel can replace it behind the same methods.
+(kvflow/kernels/cpu/paged_attention.py) replaces the decode group with a native kernel that reads
+the paged cache in place; a GPU kernel can replace it behind the same methods.
+`make_attention_backend` picks the backend.
 """
 
 from __future__ import annotations
@@ -33,10 +34,11 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 import torch.nn.functional as F
 
+from kvflow.config import ATTENTION_BACKENDS
 from kvflow.layers.quant import quantize_kv
 
 if TYPE_CHECKING:
-    from kvflow.layers.cpu_attention import NativeGroup
+    from kvflow.kernels.cpu.paged_attention import NativeGroup
 
 KV_CACHE_DTYPES = ("auto", "int8")
 
@@ -226,6 +228,11 @@ class TorchPagedAttention:
         """The native decode rows of a decode-only step (see CpuPagedAttention); none here."""
         return None
 
+    def decode_pass(self, model: torch.nn.Module) -> DecodePass | None:
+        """A fused pass running all of `model`'s decoder layers on a decode-only step (see
+        CpuPagedAttention); none here."""
+        return None
+
     def _write_kv(self, kv: torch.Tensor, kv_cache: LayerKVCache, meta: AttentionMetadata) -> None:
         slots, slot_scales = kv_cache.slots, kv_cache.slot_scales
         if slot_scales is None:
@@ -278,3 +285,34 @@ class AttentionBackend(Protocol):
                 scale: float) -> torch.Tensor: ...
 
     def decode_group(self, meta: AttentionMetadata) -> NativeGroup | None: ...
+
+    def decode_pass(self, model: torch.nn.Module) -> DecodePass | None: ...
+
+
+class DecodePass(Protocol):
+    """All decoder layers of a decode-only step in one call, from the attention backend
+    (`decode_pass`): runs on x [rows, hidden] in place, row r being the step's token r, with the
+    rows that backend's `decode_group` returned for the step."""
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, kv_caches: list[LayerKVCache],
+                 slot_mapping: torch.Tensor, group: NativeGroup) -> None: ...
+
+
+def make_attention_backend(name: str, block_size: int, sliding_window: int | None, device: torch.device,
+                           dtype: torch.dtype, num_heads: int, num_kv_heads: int,
+                           head_dim: int) -> TorchPagedAttention:
+    """`attention_backend`: "torch" (the portable reference), "native" (the CPU kernel; an error if
+    it cannot run here) or "auto" (native when it can run, else torch)."""
+    # Imported here: the CPU backend is built on this module's TorchPagedAttention.
+    from kvflow.kernels.cpu.paged_attention import CpuPagedAttention, native_unsupported
+
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
+    if name == "torch":
+        return TorchPagedAttention(block_size, sliding_window, device)
+    why = native_unsupported(device, dtype, num_heads, num_kv_heads, head_dim)
+    if why is None:
+        return CpuPagedAttention(block_size, sliding_window, device)
+    if name == "native":
+        raise ValueError(f"attention_backend='native' is not available: {why}")
+    return TorchPagedAttention(block_size, sliding_window, device)

@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
 from kvflow.config import RopeConfig
+from kvflow.kernels.cpu import paged_attention as cpu_kernels
+
+# Rotary in place on x [T, heads, head_dim]: f(x, cos, sin_signed), cos and sin_signed as
+# `RotaryEmbedding.lookup` returns them.
+RotaryFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], object]
 
 
 def inverse_frequencies(head_dim: int, rope: RopeConfig) -> torch.Tensor:
@@ -56,3 +62,14 @@ def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
     """
     rolled = x.roll(x.shape[-1] // 2, dims=-1)
     return torch.addcmul(x * cos, rolled, sin_signed, out=x if out is None else out)
+
+
+def select_rotary(device: torch.device, dtype: torch.dtype, head_dim: int, native: bool) -> RotaryFn:
+    """The in-place rotary to run on x [T, heads, head_dim] (heads contiguous, any row stride).
+
+    `native`: the CPU's native kernel (kvflow.kernels.cpu.paged_attention.rotary_, the code the native
+    int8 decode pass runs, so a token's keys do not depend on which path computed them) where it can
+    run for this device, dtype and head_dim. Otherwise, or with `native` False: `apply_rotary_`."""
+    if native and device.type == "cpu" and cpu_kernels.rotary_available(dtype, head_dim):
+        return cpu_kernels.rotary_
+    return apply_rotary_

@@ -13,14 +13,11 @@ import torch.nn.functional as F
 
 from kvflow.config import ModelConfig
 from kvflow.distributed.parallel import TPGroup, shard_weight
-from kvflow.layers.attention import AttentionBackend, AttentionMetadata, LayerKVCache
-from kvflow.layers.cpu_attention import rotary_ as native_rotary_
-from kvflow.layers.cpu_attention import rotary_available
+from kvflow.layers.attention import AttentionBackend, AttentionMetadata, DecodePass, LayerKVCache
 from kvflow.layers.linear import Linear, LinearKernel, RowParallelKernel, make_linear_kernel
 from kvflow.layers.norm import RMSNorm
 from kvflow.layers.quant import SMOOTH_ALPHA, smoothing_scales
-from kvflow.layers.rotary import RotaryEmbedding, apply_rotary_
-from kvflow.models.native_decode import NativeDecode, native_decode_unsupported
+from kvflow.layers.rotary import RotaryEmbedding, RotaryFn, apply_rotary_, select_rotary
 
 
 class DecoderLayer(torch.nn.Module):
@@ -41,9 +38,9 @@ class DecoderLayer(torch.nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, False, dtype, device)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, dtype, device)
         # int8 path (set by LlamaForCausalLM.prepare): the int8 kernels apply the norms and the
-        # activation themselves; rotary runs natively where it can (the same code as NativeDecode).
+        # activation themselves; rotary runs natively where it can (the same code as the decode pass).
         self.fused_int8 = False
-        self.native_rotary = False
+        self.apply_rotary: RotaryFn = apply_rotary_
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, kv_cache: LayerKVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -60,10 +57,8 @@ class DecoderLayer(torch.nn.Module):
             normed = torch.cat((self.q_norm.forward(qk[:, : self.num_heads]),
                                 self.k_norm.forward(qk[:, self.num_heads:])), dim=1)
             apply_rotary_(normed, cos, sin_signed, out=qk)
-        elif self.native_rotary:
-            native_rotary_(qk, cos, sin_signed)
         else:
-            apply_rotary_(qk, cos, sin_signed)  # q and k rotated together, in place in qkv
+            self.apply_rotary(qk, cos, sin_signed)  # q and k rotated together, in place in qkv
         q = qk[:, : self.num_heads]
         kv = qkv[:, self.q_size:].view(t, 2, self.num_kv_heads, self.head_dim)
         attn = self.attention.forward(q, kv, kv_cache, meta, self.scale)
@@ -96,8 +91,9 @@ class LlamaForCausalLM(torch.nn.Module):
         self.linear_backend = "dense"
         self._vocab_widths: list[int] = []  # tensor parallel: each rank's slice of the vocabulary
         self._lm_head_smoothing: torch.Tensor | None = None  # tied + smoothed: columns of the lm_head copy
-        # int8 + native kernels: decode-only steps run all layers in one call (set by `prepare`).
-        self.native_decode: NativeDecode | None = None
+        # int8 + native kernels: decode-only steps run all layers in one call, a pass the attention
+        # backend hands in where it has one (set by `prepare`).
+        self.native_decode: DecodePass | None = None
 
     def prepare(self, backend: str) -> None:
         """Move every projection, and the lm_head, to the linear backend `backend` (after load_weights)."""
@@ -112,10 +108,12 @@ class LlamaForCausalLM(torch.nn.Module):
         for m in self.modules():
             if isinstance(m, Linear):
                 m.prepare(backend)
+        # (q/k-normed layers rotate the norms' output with apply_rotary_ instead: see forward.)
+        rotary = select_rotary(self.rotary.cos.device, self.rotary.cos.dtype, self.cfg.head_dim,
+                               native=backend == "int8" and not self.cfg.qk_norm)
         for layer in self.layers:
             layer.fused_int8 = backend == "int8"
-            layer.native_rotary = (backend == "int8" and not self.cfg.qk_norm
-                                   and rotary_available(self.rotary.cos.dtype, self.cfg.head_dim))
+            layer.apply_rotary = rotary
         if self.tp.size == 1:  # (under TP the logits kernel is this rank's vocabulary slice, above)
             if self.lm_head is not None:
                 self.logits_kernel = self.lm_head.kernel
@@ -134,7 +132,7 @@ class LlamaForCausalLM(torch.nn.Module):
                 for lin in (layer.o_proj, layer.down_proj):
                     if not isinstance(lin.kernel, RowParallelKernel):
                         lin.kernel = RowParallelKernel(lin.kernel, self.tp.all_reduce, self.tp.is_first)
-        self.native_decode = NativeDecode(self) if native_decode_unsupported(self) is None else None
+        self.native_decode = self.attention.decode_pass(self)
 
     def linear_inputs(self) -> dict[str, torch.nn.Module]:
         """The modules whose inputs `apply_smoothing` takes statistics of: every Linear by its

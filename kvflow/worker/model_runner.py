@@ -14,8 +14,7 @@ import torch
 
 from kvflow.config import EngineConfig, ModelConfig
 from kvflow.core.scheduler import ScheduledSeq, SchedulerOutput
-from kvflow.layers.attention import SeqLayout
-from kvflow.layers.cpu_attention import make_attention_backend
+from kvflow.layers.attention import SeqLayout, make_attention_backend
 from kvflow.layers.linear import select_linear_backend
 from kvflow.models.llama import LlamaForCausalLM
 from kvflow.sample.rejection_sampler import RejectionSampler

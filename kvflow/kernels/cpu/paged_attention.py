@@ -7,7 +7,8 @@ they lie. A step then reads each sequence's real context once -- the torch path 
 the batch to its longest context -- and blocks that several sequences share stay in the CPU's
 cache instead of being copied once per sequence. Prefill chunks keep the torch path (SDPA is
 compute-bound there and already good). The cache write of every step, and the rotary the int8 path
-uses, run in the same library with the same code as the int8 decode pass (csrc/attention.h).
+uses, run in the same library with the same code as the int8 decode pass (csrc/attention.h),
+which the backend hands to an int8 model that can take it (`decode_pass`).
 """
 
 from __future__ import annotations
@@ -15,12 +16,15 @@ from __future__ import annotations
 import ctypes
 import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from kvflow.config import ATTENTION_BACKENDS
-from kvflow.layers import native
+from kvflow.kernels.cpu import native
 from kvflow.layers.attention import AttentionGroup, AttentionMetadata, LayerKVCache, TorchPagedAttention
+
+if TYPE_CHECKING:
+    from kvflow.kernels.cpu.int8_decode import NativeDecode
 
 MAX_HEAD_DIM = 256  # the kernel's limits (csrc/paged_attention.c)
 MAX_GROUP = 32
@@ -55,9 +59,9 @@ def rotary_available(dtype: torch.dtype, head_dim: int) -> bool:
 
 def rotary_(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> None:
     """Rotary in place on x [T, heads, head_dim] (heads contiguous, any row stride), by the same code
-    as the native decode pass (kvflow.models.native_decode); cos, sin_signed: [T, 1, head_dim] as
-    `RotaryEmbedding.lookup` returns them (contiguous). The int8 path uses it for every step, so a
-    token's keys do not depend on which path computed them."""
+    as the native decode pass (kvflow.kernels.cpu.int8_decode); cos, sin_signed: [T, 1, head_dim] as
+    `RotaryEmbedding.lookup` returns them (contiguous). The int8 path uses it for every step
+    (kvflow.layers.rotary.select_rotary), so a token's keys do not depend on which path computed them."""
     t, heads, head_dim = x.shape
     if x.dtype != torch.float32 or x.stride(2) != 1 or x.stride(1) != head_dim or head_dim > MAX_HEAD_DIM:
         raise ValueError(f"rotary_ takes float32 [T, heads, head_dim <= {MAX_HEAD_DIM}] with contiguous heads")
@@ -115,6 +119,13 @@ class CpuPagedAttention(TorchPagedAttention):
         g = meta.groups[0]
         return g if len(meta.groups) == 1 and isinstance(g, NativeGroup) else None
 
+    def decode_pass(self, model: torch.nn.Module) -> NativeDecode | None:
+        """`model`'s decode-only steps in one native call (kvflow.kernels.cpu.int8_decode), or None
+        when it cannot take them (see `native_decode_unsupported`)."""
+        from kvflow.kernels.cpu.int8_decode import NativeDecode, native_decode_unsupported
+
+        return NativeDecode(model) if native_decode_unsupported(model) is None else None
+
     def _attend(self, q: torch.Tensor, kv_cache: LayerKVCache, g: AttentionGroup | NativeGroup, scale: float,
                 out: torch.Tensor | None) -> torch.Tensor:
         if not isinstance(g, NativeGroup):
@@ -132,20 +143,3 @@ class CpuPagedAttention(TorchPagedAttention):
         if rc != 0:
             raise RuntimeError(f"native paged attention refused head_dim={head_dim}, heads={num_heads}/{data.shape[3]}")
         return out
-
-
-def make_attention_backend(name: str, block_size: int, sliding_window: int | None, device: torch.device,
-                           dtype: torch.dtype, num_heads: int, num_kv_heads: int,
-                           head_dim: int) -> TorchPagedAttention:
-    """`attention_backend`: "torch" (the portable reference), "native" (the CPU kernel; an error if
-    it cannot run here) or "auto" (native when it can run, else torch)."""
-    if name not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
-    if name == "torch":
-        return TorchPagedAttention(block_size, sliding_window, device)
-    why = native_unsupported(device, dtype, num_heads, num_kv_heads, head_dim)
-    if why is None:
-        return CpuPagedAttention(block_size, sliding_window, device)
-    if name == "native":
-        raise ValueError(f"attention_backend='native' is not available: {why}")
-    return TorchPagedAttention(block_size, sliding_window, device)

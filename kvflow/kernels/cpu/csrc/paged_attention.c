@@ -1,6 +1,6 @@
 /* Paged attention for query rows that each attend to their sequence's cached keys, read in place.
  *
- * Built at first use by kvflow/layers/native.py (gcc -O3 -march=native -fopenmp) and called through
+ * Built at first use by kvflow/kernels/cpu/native.py (gcc -O3 -march=native -fopenmp) and called through
  * ctypes. The torch path gathers (copies) every sequence's KV and pads a batch to its longest
  * context before scaled_dot_product_attention; this kernel walks each sequence's block table and
  * reads K/V where they lie, once, with an online softmax -- so a step costs the KV that is really

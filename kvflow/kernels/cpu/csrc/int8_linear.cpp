@@ -1,4 +1,4 @@
-/* W8A8 linear through FBGEMM, one call per projection (kvflow/layers/linear.py, Int8Kernel).
+/* W8A8 linear through FBGEMM, one call per projection (kvflow/kernels/cpu/int8_linear.py, Int8Kernel).
  *
  * out = residual + (W_q . quant(pre(x))) * row_scale * w_scale + bias, where
  *   pre(x) is x, rmsnorm(x) * norm_w, or silu(x[:, :k]) * x[:, k:] (the op that feeds the projection),

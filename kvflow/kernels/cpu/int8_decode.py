@@ -5,7 +5,8 @@ At batch 1 the int8 matmuls take ~half of a step; most of the rest was the Pytho
 Here the layers loop in C++ over the same kernels in the same order as the per-layer path
 (`Int8Kernel` with its fused norm / activation, the native rotary, cache write and paged
 attention), so a token's hidden state is bit for bit the same whichever path ran it. Steps with
-prefill chunks take the per-layer path.
+prefill chunks take the per-layer path. The model gets it from its attention backend
+(`CpuPagedAttention.decode_pass`), as a `kvflow.layers.attention.DecodePass`.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ import ctypes
 
 import torch
 
+from kvflow.kernels.cpu.int8_linear import Int8Kernel, int8_library
+from kvflow.kernels.cpu.paged_attention import CpuPagedAttention, NativeGroup, rotary_available
 from kvflow.layers.attention import LayerKVCache
-from kvflow.layers.cpu_attention import CpuPagedAttention, NativeGroup, rotary_available
-from kvflow.layers.linear import Int8Kernel, int8_library
 
 _I, _F, _P = ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 

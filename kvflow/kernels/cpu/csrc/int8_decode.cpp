@@ -1,5 +1,5 @@
 /* The decoder layers of an int8 Llama-family model for a decode-only step, in one call
- * (kvflow/models/native_decode.py). Per layer:
+ * (kvflow/kernels/cpu/int8_decode.py). Per layer:
  *
  *   qkv = W_qkv . rmsnorm(x) + b          int8_linear, RMSNORM prologue
  *   attn = attention(rotary(q), cache <- rotary(k), v)   decode_attention (attention.h)
@@ -21,7 +21,7 @@
 
 namespace {
 
-/* Mirrors kvflow/models/native_decode.py (ctypes.Structure): keep the field order in step. */
+/* Mirrors kvflow/kernels/cpu/int8_decode.py (ctypes.Structure): keep the field order in step. */
 struct DecoderShape {
   int num_layers, hidden, intermediate, num_heads, num_kv_heads, head_dim, block_size, window, kv_quant;
   float eps, scale;

@@ -1,4 +1,4 @@
-"""Native CPU kernels (kvflow/layers/csrc/*.c, *.cpp), compiled at first use and called through ctypes.
+"""Native CPU kernels (kvflow/kernels/cpu/csrc/*.c, *.cpp), compiled at first use and called through ctypes.
 
 Small C / C++ libraries with OpenMP and no torch headers: the C attention library builds in about
 half a second with the gcc every supported machine has. The C++ int8 library includes the FBGEMM

@@ -1,0 +1,2 @@
+"""Device-specific kernels, one package per kind of device: `cpu/` (C/C++ sources compiled at first
+use, called through ctypes). The layers (kvflow.layers) reach them only through these packages."""
