@@ -7,8 +7,8 @@
 `--scenario policies` (default): for each policy, start `kvflow serve --scheduling-policy P
 <--server-args>` on a free port, wait for /health, send one untimed warm-up request, run the
 `mixed` workload of `kvflow bench serve` (interactive and batch requests in one Poisson stream,
-each request carrying its own priority, ttft_slo_ms and tpot_slo_ms) at each rate, then stop the
-server. Every policy gets the same requests and arrivals (same --seed). Prints one table (policy x
+each request carrying its own priority, ttft_slo_ms and tpot_slo_ms) at one rate, then stop the
+server; a fresh server for every rate. Every policy gets the same requests and arrivals (same --seed). Prints one table (policy x
 rate: goodput against each request's own SLO, attainment overall / interactive / batch,
 interactive TTFT p99, share of batch requests that finished) and plots goodput vs rate.
 
@@ -207,15 +207,18 @@ def check_fits(requests: Sequence[Any], max_model_len: int | None) -> None:
 
 
 def warm_up(cfg: Any, tokenizer: Any, requests: Sequence[Any] = ()) -> None:
-    """Untimed requests first: a short one, then the workload's longest prompt (two output tokens,
-    no SLO), so first-call set-up (allocation, kernels, the first full-size prefill chunks) is not
+    """Untimed requests first: a short one, then one as long as the workload's longest prompt (two
+    output tokens, no SLO), so first-call set-up (allocation, kernels, the first full-size prefill chunks) is not
     charged to whichever policy or rate runs first."""
     from kvflow.bench.datasets import BenchRequest
     from kvflow.bench.serve_client import run_benchmark
 
     warm = [BenchRequest(prompt="the city of light", prompt_len=4, output_len=2)]
     if requests:
-        warm.append(replace(max(requests, key=lambda r: r.prompt_len), output_len=2, extra_body={}))
+        longest = max(requests, key=lambda r: r.prompt_len)
+        # Its words reversed: as long, but no prefix-cache hit for the measured request.
+        prompt = longest.prompt[::-1] if isinstance(longest.prompt, list) else " ".join(longest.prompt.split()[::-1])
+        warm.append(replace(longest, prompt=prompt, output_len=2, extra_body={}))
     for req in warm:
         res = run_benchmark([req], replace(cfg, disable_tqdm=True), tokenizer)
         if not res.records[0].success:
@@ -223,30 +226,30 @@ def warm_up(cfg: Any, tokenizer: Any, requests: Sequence[Any] = ()) -> None:
 
 
 def run_variant(variant: ServerVariant, args: argparse.Namespace, tokenizer: Any) -> list[Run]:
+    """Each workload at each rate on a fresh server: nothing one run leaves behind (prefix-cache
+    hits on the same prompts, VTC counters, a fitted cost model) helps or hurts the next."""
     from kvflow.bench.report import slo_tables
-    from kvflow.bench.serve_client import run_sweep
+    from kvflow.bench.serve_client import run_benchmark
     from kvflow.cli.bench import serve_config
 
     runs = []
-    with ManagedServer(shlex.split(args.server_cmd), variant.flags + args.server_flags,
-                       args.startup_timeout, args.stop_timeout) as server:
-        cfg = serve_config(args, server.url)
-        max_len = server_max_model_len(server.url)
-        for w in variant.workloads:
-            check_fits(w.requests, max_len)
-        warm_up(cfg, tokenizer, [r for w in variant.workloads for r in w.requests])
-        for w in variant.workloads:
-            results = run_sweep(w.requests, cfg, [r * w.rate_factor for r in args.rates], tokenizer)
-            server.check_alive()
-            for rate, res in zip(args.rates, results):
-                runs.append(Run(variant.label, w.name, rate, res))
-                print(f"\n{variant.label}, {w.name}, rate {rate:g} req/s: {res.metrics.completed}/"
-                      f"{res.metrics.num_requests} ok in {res.duration_s:.1f} s")
-                print(slo_tables(res.metrics))
-        error = step_cost_error(server.url)
-        if error is not None:
-            print(f"{variant.label}: the step-time model's median prediction error over the last steps: "
-                  f"{100 * error:.1f}%")
+    for w in variant.workloads:
+        for rate in args.rates:
+            with ManagedServer(shlex.split(args.server_cmd), variant.flags + args.server_flags,
+                               args.startup_timeout, args.stop_timeout) as server:
+                cfg = serve_config(args, server.url)
+                check_fits(w.requests, server_max_model_len(server.url))
+                warm_up(cfg, tokenizer, w.requests)
+                res = run_benchmark(w.requests, replace(cfg, request_rate=rate * w.rate_factor), tokenizer)
+                server.check_alive()
+                error = step_cost_error(server.url)
+            runs.append(Run(variant.label, w.name, rate, res))
+            print(f"\n{variant.label}, {w.name}, rate {rate:g} req/s: {res.metrics.completed}/"
+                  f"{res.metrics.num_requests} ok in {res.duration_s:.1f} s")
+            print(slo_tables(res.metrics))
+            if error is not None:
+                print(f"{variant.label}: the step-time model's median prediction error over the last steps: "
+                      f"{100 * error:.1f}%")
     return runs
 
 

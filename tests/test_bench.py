@@ -745,3 +745,47 @@ def test_harness_server_never_left_behind(harness):
     with pytest.raises(harness.ServerError, match="has not landed"):
         server.__enter__()
     assert server.proc.returncode == 2
+
+
+def test_harness_fresh_server_per_run_and_no_warm_up_hit(harness, monkeypatch):
+    """Every (workload, rate) gets its own server, so a later run never finds an earlier run's
+    prompts in the prefix cache; the warm-up is as long as the longest prompt but not the same."""
+    import kvflow.bench.serve_client as client
+
+    started, sent = [], []
+
+    class FakeServer:
+        def __init__(self, cmd, flags, *_):
+            started.append(list(flags))
+            self.url = f"http://127.0.0.1:{len(started)}"
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def check_alive(self):
+            pass
+
+    def fake_benchmark(requests, cfg, tokenizer=None):
+        sent.append((cfg.base_url, cfg.request_rate, [r.prompt for r in requests]))
+        recs = [_slo_rec("interactive", 0.1, 0.01, 4, SLO(ttft_ms=1000, tpot_ms=150)) for _ in requests]
+        return client.RunResult(cfg.request_rate, 1.0, None, "m", 1.0, recs, compute_metrics(recs, 1.0))
+
+    monkeypatch.setattr(harness, "ManagedServer", FakeServer)
+    monkeypatch.setattr(harness, "server_max_model_len", lambda url: None)
+    monkeypatch.setattr(harness, "step_cost_error", lambda url: None)
+    monkeypatch.setattr(client, "run_benchmark", fake_benchmark)
+    args = harness.parse_args(["--rates", "0.5,1", "--num-prompts", "6"])
+    reqs = ds.generate_requests(ds.WorkloadSpec("mixed", num_prompts=6))
+    (variant,) = harness.policy_variants(["slo"], reqs)
+    runs = harness.run_variant(variant, args, None)
+    assert [r.rate for r in runs] == [0.5, 1.0] and len(started) == 2
+    assert all(flags[:2] == ["--scheduling-policy", "slo"] for flags in started)
+    measured = [s for s in sent if len(s[2]) == len(reqs)]
+    assert [(url, rate) for url, rate, _ in measured] == [("http://127.0.0.1:1", 0.5), ("http://127.0.0.1:2", 1.0)]
+    warm = [p for url, _, prompts in sent if len(prompts) == 1 for p in prompts]
+    longest = max(reqs, key=lambda r: r.prompt_len).prompt
+    assert len(warm) == 4 and all(p not in [r.prompt for r in reqs] for p in warm)
+    assert any(len(p.split()) == len(longest.split()) for p in warm)

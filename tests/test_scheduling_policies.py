@@ -17,9 +17,13 @@ from kvflow.core.sched.policy import QueueView
 from kvflow.core.sched.priority import PriorityPolicy
 from kvflow.core.sched.slo import SLOPolicy
 from kvflow.core.scheduler import Scheduler
-from kvflow.core.step_cost import StepCostModel
+from kvflow.core.step_cost import StepCostModel, chunk_pairs
 
-A, B = 0.010, 0.0001  # the fake machine: 10 ms a step, 0.1 ms a token
+A, B, P = 0.010, 0.0001, 0.01  # the fake machine: 10 ms a step, 0.1 ms a token, 10 ms per 1M chunk pairs
+
+
+def machine(tokens: int, pairs: int = 0) -> float:
+    return A + B * tokens + P * pairs / 1e6
 
 
 class Clock:
@@ -32,9 +36,12 @@ class Clock:
 
 def fake_cost() -> StepCostModel:
     cost = StepCostModel()
-    for tokens, chunks, context in ((1, 0, 100), (64, 1, 900), (512, 1, 3000), (8, 0, 4000), (256, 1, 200),
-                                    (32, 1, 1500), (2048, 1, 6000), (16, 0, 50), (1024, 2, 2500), (128, 0, 800)):
-        cost.observe(tokens, A + B * tokens, chunks, context)
+    steps = ((1, 0, 100, 0), (64, 1, 900, 800), (512, 1, 3000, 2000), (8, 0, 4000, 0), (256, 1, 200, 0),
+             (32, 1, 1500, 1400), (2048, 1, 6000, 3000), (16, 0, 50, 0), (1024, 2, 2500, 500), (128, 0, 800, 0),
+             (700, 1, 700, 0), (300, 1, 5300, 5000))
+    for tokens, chunks, context, start in steps * 2:
+        pairs = chunk_pairs(start, tokens) if chunks else 0
+        cost.observe(tokens, machine(tokens, pairs), chunks, context, pairs)
     return cost
 
 
@@ -42,6 +49,15 @@ def req(rid: str, prompt: int = 8, *, arrival: float = 0.0, priority: int = 0, t
         tpot: float | None = None, client: str | None = None, max_tokens: int = 4) -> Request:
     return Request(rid, rid, 0, list(range(1, prompt + 1)), SamplingParams(max_tokens=max_tokens, ignore_eos=True),
                    max_tokens, arrival, priority=priority, client=client, ttft_slo=ttft, tpot_slo=tpot)
+
+
+def decoding(rid: str, *, tpot: float, first_token_time: float, outputs: int = 2) -> Request:
+    """A request past its 8-token prompt with `outputs` tokens out, the first at first_token_time."""
+    r = req(rid, 8, tpot=tpot, max_tokens=100)
+    r.output_token_ids = [5] * outputs
+    r.num_computed_tokens = r.num_tokens - 1
+    r.first_token_time = first_token_time
+    return r
 
 
 def step(s: Scheduler) -> list[str]:
@@ -53,12 +69,13 @@ def step(s: Scheduler) -> list[str]:
 
 def test_cost_model_predicts_the_fake_machine():
     cost = fake_cost()
-    for tokens, chunks, context in ((300, 1, 1000), (40, 0, 10000), (3000, 1, 0)):
-        assert cost.predict(tokens, chunks, context) == pytest.approx(A + B * tokens, rel=0.05)
+    for tokens, chunks, context, start in ((300, 1, 1000, 700), (40, 0, 10000, 0), (3000, 1, 3000, 0)):
+        pairs = chunk_pairs(start, tokens) if chunks else 0
+        assert cost.predict(tokens, chunks, context, pairs) == pytest.approx(machine(tokens, pairs), rel=0.05)
     # its error is measured on each step before it sees it: small on the linear machine, large on
     # a step that is not what it learned
     assert cost.prediction_error is not None and cost.prediction_error < 0.1
-    cost.observe(100, 5 * (A + B * 100), 1, 500)
+    cost.observe(100, 5 * machine(100), 1, 500)
     assert cost.errors[-1] == pytest.approx(0.8, abs=0.05)
 
 
@@ -78,25 +95,63 @@ def test_slo_order_edf_plus_own_prefill_relegation_and_promotion():
     assert order[0] == "late"
 
 
+def test_slo_started_prompt_yields_to_an_urgent_arrival():
+    """A long batch prompt part-way through its chunks: an interactive request arriving behind it
+    gets the next step's prefill tokens first under slo; under fcfs the started prompt keeps them."""
+    for policy, first in ((SLOPolicy(fake_cost(), 64, admission_factor=None), "inter"), (None, "batch")):
+        s, clock = make_scheduler(policy, budget=64)
+        s.add_request(req("batch", 400, ttft=30.0, max_tokens=4))
+        step(s)  # its first chunk
+        clock.t = 0.1
+        s.add_request(req("inter", 16, arrival=0.1, ttft=1.0, max_tokens=4))
+        out = s.schedule()
+        assert out.seqs[0].request_id == first
+        if first == "inter":  # its whole prompt, the started one gets the rest
+            assert [(q.request_id, len(q.token_ids)) for q in out.seqs] == [("inter", 16), ("batch", 48)]
+
+
 def test_slo_budget_shrinks_as_the_tpot_deadline_nears():
     policy = SLOPolicy(fake_cost(), max_num_batched_tokens=2048, min_chunk=32)
-    decoding = req("d", 8, tpot=0.100)
-    decoding.num_computed_tokens = 8  # past its prompt: decoding, one token out at t = -0.1
-    decoding.output_token_ids = [5, 5]
-    decoding.first_token_time = -0.1  # its third token is due by -0.1 + 2 x 0.1 = 0.1
-    view = QueueView([decoding], [], 2048)
-    budgets = [policy.token_budget(view, now) for now in (-0.5, 0.0, 0.03, 0.06, 0.08, 0.089, 0.095, 0.2)]
+    d = decoding("d", tpot=0.100, first_token_time=-0.1)  # its third token is due by -0.1 + 2 x 0.1 = 0.1
+    prompt = req("p", 4000)  # no SLO of its own: the decode's deadline sizes its chunks
+    view = QueueView([d], [prompt], 2048)
+    times = (-0.5, 0.0, 0.03, 0.06, 0.08, 0.089, 0.095, 0.2)
+    budgets = [policy.token_budget(view, now) for now in times]
     assert budgets == sorted(budgets, reverse=True) and budgets[0] == 2048 and budgets[-1] == 1 + 32
-    # in between, the chunk is what fits: (slack - step overhead) / per-token time
-    for now, budget in zip((0.0, 0.03, 0.06), budgets[1:4]):
-        assert budget == pytest.approx(1 + (0.100 - now - A) / B, abs=4)
-    # no decode with a TPOT SLO: the full budget
-    assert policy.token_budget(QueueView([req("p", 8)], [], 2048), 0.0) == 2048
+    # in between, the chunk is the largest that fits the slack on the (learned) fake machine
+    for now, budget in zip(times[1:4], budgets[1:4]):
+        chunk = budget - 1
+        assert machine(1 + chunk, chunk_pairs(0, chunk)) <= 0.1 - now + 0.002
+        assert machine(1 + chunk + 32, chunk_pairs(0, chunk + 32)) > 0.1 - now - 0.002
+    # no decode with a TPOT SLO and no TTFT SLO seen: the full budget
+    assert SLOPolicy(fake_cost(), 2048).token_budget(QueueView([req("r", 8)], [prompt], 2048), 0.0) == 2048
+
+
+def test_slo_arrival_reserve_caps_the_step_and_keeps_an_urgent_prompt_whole():
+    """With no decodes, a step may last `arrival_share` x the tightest TTFT SLO seen lately (a
+    request arriving just after it starts waits for all of it), but the first prompt in the
+    prefill order is not cut when finishing it now makes its TTFT."""
+    policy = SLOPolicy(fake_cost(), 4096, arrival_share=0.4, slo_memory_s=60.0)
+    batch = req("batch", 4000, ttft=30.0)
+    assert policy.token_budget(QueueView([], [batch], 4096), 0.0) == 4096  # no tight SLO seen yet
+    policy.check_admission(req("seen", 8, ttft=0.25), QueueView([], [], 4096), 0.0)  # a 250 ms TTFT arrives
+    chunk = policy.token_budget(QueueView([], [batch], 4096), 1.0)
+    assert machine(chunk, chunk_pairs(0, chunk)) <= 0.1 + 0.002 < machine(chunk + 32, chunk_pairs(0, chunk + 32))
+    # ~0.17 s in one step (over the 0.1 s reserve, inside twice it): kept whole, its first token
+    # within its 0.25 s TTFT instead of a step later
+    urgent = req("urgent", 1500, arrival=1.0, ttft=0.25)
+    assert policy.token_budget(QueueView([], [batch, urgent], 4096), 1.0) == 1500
+    # not when the whole prompt would miss its TTFT anyway, nor for a step past twice the reserve
+    assert policy.token_budget(QueueView([], [batch, req("u2", 1500, arrival=0.9, ttft=0.25)], 4096), 1.0) < 1500
+    assert policy.token_budget(QueueView([], [batch, req("u3", 3000, arrival=1.0, ttft=1.0)], 4096), 1.0) < 3000
+    # a minute later the tight SLO is forgotten: full steps again
+    assert policy.token_budget(QueueView([], [batch], 4096), 62.0) == 4096
 
 
 def test_slo_admission_rejects_what_is_already_late():
     policy = SLOPolicy(fake_cost(), 512, admission_factor=2.0)
-    queued = [req(f"q{i}", 2000, arrival=0.0, ttft=1.0) for i in range(10)]  # 20k tokens: 40 chunks, ~2.5 s
+    # 20k tokens due before the newcomer: 40 chunks, ~2.5 s
+    queued = [req(f"q{i}", 2000, arrival=-0.5, ttft=1.0) for i in range(10)]
     view = QueueView([], queued, 512)
     newcomer = req("new", 100, arrival=0.0, ttft=1.0)
     with pytest.raises(AdmissionRejected) as e:
@@ -105,6 +160,9 @@ def test_slo_admission_rejects_what_is_already_late():
     assert "predicted TTFT" in str(e.value)
     policy.check_admission(req("loose", 100, ttft=60.0), view, now=0.0)  # a loose SLO is admitted
     policy.check_admission(newcomer, QueueView([], queued[:1], 512), now=0.0)  # a short queue is fine
+    # work ordered after the newcomer (a later deadline) does not count against it
+    later = [req(f"l{i}", 2000, arrival=0.0, ttft=5.0) for i in range(10)]
+    policy.check_admission(newcomer, QueueView([], later, 512), now=0.0)
 
 
 def make_scheduler(policy=None, fairness=None, *, max_num_seqs: int = 256, blocks: int = 256,

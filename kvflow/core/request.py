@@ -84,6 +84,11 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def prefilling(self) -> bool:
+        """More than its next token left to compute: a prompt (or a preempted request's recompute)."""
+        return self.num_tokens - self.num_computed_tokens > 1
+
+    @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 

@@ -1,8 +1,9 @@
 """Iteration-level scheduler: which requests run this step, and how many tokens each.
 
-Every step has a token budget. Running requests are served first (a decode costs one token, an
-unfinished prefill takes what is left), then waiting requests are admitted with prefill chunks
-that fill the rest of the budget (Sarathi-style stall-free chunked prefill). When the pool runs out
+Every step has a token budget. Decoding requests are served first (a token each, plus drafts),
+then prompts get prefill chunks that fill the rest of the budget (Sarathi-style stall-free
+chunked prefill): running requests part-way through their prompt and waiting ones, in the
+policy's prefill order (fcfs: the started prompts first). When the pool runs out
 of blocks, the last running request (in the policy's order) is preempted: its blocks are freed and
 it is recomputed later from its prompt plus the tokens it had already generated.
 
@@ -191,57 +192,94 @@ class Scheduler:
         self.running = self.policy.running_order(self.running, now)
         self._displace(out, now)
         budget = self.policy.token_budget(self._view(), now)
+        scheduled: set[str] = set()
 
+        # Decodes first (a token each; drafts ride along as extra tokens inside the same budget).
         pressure = False  # blocks ran out for the running requests
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            # Draft tokens ride along as extra tokens of the request, inside the same budget.
-            n = min(req.num_tokens - req.num_computed_tokens + len(req.spec_token_ids), budget)
-            while not self.kv_cache.allocate_slots(req, n):
-                pressure = True
-                victim = self.running.pop()
-                self._preempt(victim)
-                out.preempted.append(victim.request_id)
-                if victim is req:
-                    break
-            else:
-                out.seqs.append(self._scheduled(req, n))
-                budget -= n
-                i += 1
+        for req in [r for r in self.running if not r.prefilling]:
+            if budget <= 0:
+                break
+            if req.status != RequestStatus.RUNNING:  # preempted for an earlier one
                 continue
-            break  # req preempted itself: nothing later in `running` is left either
+            n = min(req.num_tokens - req.num_computed_tokens + len(req.spec_token_ids), budget)
+            fits, squeezed = self._allocate_running(req, n, scheduled, out)
+            pressure |= squeezed
+            if fits:
+                budget -= self._schedule(out, scheduled, req, n)
 
-        # Admit new work only when the running requests did not run out of blocks this step.
-        if not pressure and budget > 0:
-            for req in self._admission_order(now):
-                if budget <= 0 or len(self.running) >= self.max_num_seqs:
-                    break
-                cached = self.kv_cache.get_computed_blocks(req)
-                num_external, is_async = self._external_tokens(req, cached)
-                if is_async:
-                    if not self._start_async_load(req, cached):
-                        break
+        # Then prefill chunks, running ones and new admissions in the policy's order (fcfs: the
+        # running ones first). New work is admitted only when the running requests did not run
+        # out of blocks this step.
+        partial = [r for r in self.running if r.prefilling and r.request_id not in scheduled]
+        partial_ids = {r.request_id for r in partial}
+        admitting = not pressure
+        for req in self.policy.prefill_order(partial, self._admission_order(now), now):
+            if budget <= 0:
+                break
+            if req.request_id in partial_ids:
+                if req.status != RequestStatus.RUNNING:  # preempted for an earlier one
                     continue
-                num_cached = cached.num_blocks * self.kv_cache.block_size
-                n = min(req.num_tokens - num_cached, budget)
-                if not self.kv_cache.allocate_slots(req, n, cached):
-                    break
-                if num_external:
-                    self.connector.update_state_after_alloc(req, self._external_blocks(req, cached), num_external)
-                self.waiting.remove(req)
-                self.kv_cache.record_lookup(req.num_tokens, num_cached)
-                req.num_computed_tokens = num_cached
-                req.status = RequestStatus.RUNNING
-                if req.first_scheduled_time is None:
-                    req.first_scheduled_time = now
-                    req.num_cached_tokens = num_cached
-                self.running.append(req)
-                out.seqs.append(self._scheduled(req, n))
-                budget -= n
+                n = min(req.num_tokens - req.num_computed_tokens, budget)
+                fits, squeezed = self._allocate_running(req, n, scheduled, out)
+                admitting &= not squeezed
+                if fits:
+                    budget -= self._schedule(out, scheduled, req, n)
+            elif admitting and req.status != RequestStatus.RUNNING:
+                if len(self.running) >= self.max_num_seqs:
+                    admitting = False
+                    continue
+                n = self._admit(req, budget, now)
+                if n is None:
+                    admitting = False
+                elif n:
+                    budget -= self._schedule(out, scheduled, req, n)
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta()
         return out
+
+    def _schedule(self, out: SchedulerOutput, scheduled: set[str], req: Request, n: int) -> int:
+        out.seqs.append(self._scheduled(req, n))
+        scheduled.add(req.request_id)
+        return n
+
+    def _allocate_running(self, req: Request, n: int, scheduled: set[str],
+                          out: SchedulerOutput) -> tuple[bool, bool]:
+        """Slots for n more tokens of a running request, preempting the last running request not
+        yet scheduled this step (in the policy's order) while blocks run out. Returns (req got
+        them, something was preempted or req itself was)."""
+        squeezed = False
+        while not self.kv_cache.allocate_slots(req, n):
+            squeezed = True
+            victim = next(r for r in reversed(self.running) if r.request_id not in scheduled)
+            self.running.remove(victim)
+            self._preempt(victim)
+            out.preempted.append(victim.request_id)
+            if victim is req:
+                return False, True
+        return True, squeezed
+
+    def _admit(self, req: Request, budget: int, now: float) -> int | None:
+        """Admit a waiting request with a first chunk of at most `budget` tokens: the chunk's size,
+        0 when it went to wait for its KV from outside (no compute), None when it did not fit."""
+        cached = self.kv_cache.get_computed_blocks(req)
+        num_external, is_async = self._external_tokens(req, cached)
+        if is_async:
+            return 0 if self._start_async_load(req, cached) else None
+        num_cached = cached.num_blocks * self.kv_cache.block_size
+        n = min(req.num_tokens - num_cached, budget)
+        if not self.kv_cache.allocate_slots(req, n, cached):
+            return None
+        if num_external:
+            self.connector.update_state_after_alloc(req, self._external_blocks(req, cached), num_external)
+        self.waiting.remove(req)
+        self.kv_cache.record_lookup(req.num_tokens, num_cached)
+        req.num_computed_tokens = num_cached
+        req.status = RequestStatus.RUNNING
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = now
+            req.num_cached_tokens = num_cached
+        self.running.append(req)
+        return n
 
     # ---- KV from outside the pool (connector) ------------------------------------------------
     def _external_tokens(self, req: Request, cached: ComputedBlocks) -> tuple[int, bool]:
@@ -412,3 +450,4 @@ class Scheduler:
         if req.num_output_tokens >= req.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None
+

@@ -1,18 +1,20 @@
 """How long an engine step takes, learned from the steps that ran:
 
-    seconds = a + b * tokens + c * chunks + m * (chunks > 0) + d * context / 1000
+    seconds = a + b * tokens + c * chunks + m * (chunks > 0) + d * context / 1000 + p * pairs / 1e6
 
 `tokens` are all tokens computed in the step, `chunks` the sequences computing more than one
 (prefill chunks, draft verification), `context` the KV positions attention reads (each
-sequence's length after the step, summed). On a CPU a step reads every weight once whatever it
+sequence's length after the step, summed) and `pairs` the query-key pairs of the multi-token
+chunks (a chunk of n tokens after s cached ones: n x (s + (n + 1) / 2)), the attention work that
+grows with the square of a long prompt. On a CPU a step reads every weight once whatever it
 computes, so `a` (the pass) dominates, `b` (one more token) is small until the batch is large, `c`
 is what a multi-token sequence costs beyond its tokens (its attention runs apart from the batched
-decode kernel), `m` what a step pays once for having any (the mixed path) and `d` attention's
-share, which grows with the contexts. That is what makes verifying drafts cheap at batch 1 and not
+decode kernel), `m` what a step pays once for having any (the mixed path), `d` the decode rows'
+attention, which grows with their contexts, and `p` the chunks' attention. That is what makes verifying drafts cheap at batch 1 and not
 at batch 32, and what the `slo` scheduling policy predicts TTFT and TPOT with.
 
 Refitted by least squares over a window of recent steps, pulled gently toward prior ratios (b, c
-and m as fractions of a step) so that a coefficient the steps have not varied enough to show stays
+m, d and p as fractions of a step) so that a coefficient the steps have not varied enough to show stays
 sensible. No tensors here: the scheduler side uses it (one model per engine, shared by the
 speculator and the scheduling policy).
 """
@@ -26,18 +28,19 @@ import numpy as np
 
 class StepCostModel:
     def __init__(self, window: int = 256, prior_token_ratio: float = 0.01, prior_chunk_ratio: float = 0.02,
-                 prior_mixed_ratio: float = 0.05, prior_context_ratio: float = 0.005) -> None:
-        self.samples: deque[tuple[int, int, float, float]] = deque(maxlen=window)
+                 prior_mixed_ratio: float = 0.05, prior_context_ratio: float = 0.005,
+                 prior_pairs_ratio: float = 10.0) -> None:
+        self.samples: deque[tuple[int, int, float, float, float]] = deque(maxlen=window)
         self.prior = np.array([1.0, prior_token_ratio, prior_chunk_ratio, prior_mixed_ratio,
-                               prior_context_ratio])  # / a
+                               prior_context_ratio, prior_pairs_ratio])  # / a
         self._fit: tuple[float, ...] | None = None
         self.errors: deque[float] = deque(maxlen=window)
 
-    def observe(self, tokens: int, seconds: float, chunks: int = 0, context: int = 0) -> None:
+    def observe(self, tokens: int, seconds: float, chunks: int = 0, context: int = 0, pairs: int = 0) -> None:
         if tokens > 0 and seconds > 0:
             if len(self.samples) >= 8:  # how far off the model was on a step it had not seen
-                self.errors.append(abs(self.predict(tokens, chunks, context) - seconds) / seconds)
-            self.samples.append((tokens, chunks, context / 1000, seconds))
+                self.errors.append(abs(self.predict(tokens, chunks, context, pairs) - seconds) / seconds)
+            self.samples.append((tokens, chunks, context / 1000, pairs / 1e6, seconds))
             self._fit = None
 
     @property
@@ -47,29 +50,37 @@ class StepCostModel:
 
     @property
     def coefficients(self) -> tuple[float, ...]:
-        """(a, b, c, m, d): seconds per step, per token, per multi-token sequence, per step having
-        any, per 1,000 context positions. With no data only the ratios are known: (1, prior b, ...)."""
+        """(a, b, c, m, d, p): seconds per step, per token, per multi-token sequence, per step having
+        any, per 1,000 context positions, per million chunk query-key pairs. With no data only the ratios are known: (1, prior b, ...)."""
         if self._fit is None:
             self._fit = self._solve()
         return self._fit
 
-    def predict(self, tokens: int, chunks: int = 0, context: int = 0) -> float:
-        a, b, c, m, d = self.coefficients
-        return a + b * tokens + c * chunks + m * (chunks > 0) + d * context / 1000
+    def predict(self, tokens: int, chunks: int = 0, context: int = 0, pairs: int = 0) -> float:
+        a, b, c, m, d, p = self.coefficients
+        return a + b * tokens + c * chunks + m * (chunks > 0) + d * context / 1000 + p * pairs / 1e6
 
     def _solve(self) -> tuple[float, ...]:
         if not self.samples:
             return tuple(self.prior.tolist())
         data = np.array(self.samples, dtype=np.float64)
-        x = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1], data[:, 1] > 0, data[:, 2]])
-        y = data[:, 3]
-        # The prior, scaled to the measured step time, as pseudo-observations of b, c and m: a
-        # ridge toward it that the data outweighs once the steps have varied.
+        x = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1], data[:, 1] > 0, data[:, 2], data[:, 3]])
+        y = data[:, 4]
+        # Relative errors are what the predictions are judged by (a 100 ms decode step matters as
+        # much as a 2 s prefill step), so each step is weighted by 1 / its time. The prior, scaled
+        # to the measured step time, enters as pseudo-observations of b..p: a ridge toward it that
+        # the data outweighs once the steps have varied.
         scale = float(y.mean()) / float(self.prior @ x.mean(axis=0))
-        weight = np.sqrt(len(data)) * (x.std(axis=0) + 1.0) * 0.1
+        weight = np.sqrt(len(data)) * (x.std(axis=0) + 1.0) * 0.03 / float(y.mean())
         weight[0] = 0.0
-        coef, *_ = np.linalg.lstsq(np.vstack([x, np.diag(weight)[1:]]),
-                                   np.concatenate([y, weight[1:] * self.prior[1:] * scale]), rcond=None)
+        coef, *_ = np.linalg.lstsq(np.vstack([x / y[:, None], np.diag(weight)[1:]]),
+                                   np.concatenate([np.ones_like(y), weight[1:] * self.prior[1:] * scale]),
+                                   rcond=None)
         floor = 1e-3 * scale  # never free: noise must not make tokens or chunks cost nothing
         lows = np.concatenate([[floor], self.prior[1:] * floor])
         return tuple(np.maximum(coef, lows).tolist())
+
+
+def chunk_pairs(start: int, n: int) -> int:
+    """Query-key pairs causal attention computes for n new tokens after `start` cached ones."""
+    return n * start + n * (n + 1) // 2

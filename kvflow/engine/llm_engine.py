@@ -15,7 +15,7 @@ from kvflow.core.kv_cache_manager import KVCacheManager, cdiv
 from kvflow.core.request import Request, RequestStatus
 from kvflow.core.sched import VirtualTokenCounter, make_policy
 from kvflow.core.scheduler import KVMemoryStats, Scheduler, SchedulerOutput
-from kvflow.core.step_cost import StepCostModel
+from kvflow.core.step_cost import StepCostModel, chunk_pairs
 from kvflow.engine.output_processor import OutputProcessor
 from kvflow.engine.slo_tracker import SLOStats, SLOTracker
 from kvflow.executor import Executor
@@ -420,9 +420,10 @@ class LLMEngine:
         return self._fail_requests(errors)
 
     def _observe_step_time(self, sched: SchedulerOutput, seconds: float) -> None:
-        chunks = sum(1 for s in sched.seqs if len(s.token_ids) > 1)
+        multi = [s for s in sched.seqs if len(s.token_ids) > 1]
         context = sum(s.start_pos + len(s.token_ids) for s in sched.seqs)
-        self.step_cost.observe(sched.num_tokens, seconds, chunks, context)
+        pairs = sum(chunk_pairs(s.start_pos, len(s.token_ids)) for s in multi)
+        self.step_cost.observe(sched.num_tokens, seconds, len(multi), context, pairs)
 
     def _advance_grammars(self, advanced: list[tuple[Request, list[int]]], broken: dict[str, str]) -> list[Request]:
         """Move each constrained sequence's matcher past its new tokens; end those whose grammar

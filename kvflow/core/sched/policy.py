@@ -1,14 +1,15 @@
 """Scheduling policies: the scheduler asks its policy, every step, in what order to serve running
-requests (the last is preempted first), in what order to admit waiting ones, whether a waiting
-request may displace a running one, how many tokens the step may compute, and whether a new
-request is admitted at all. The scheduler keeps the mechanics (blocks, chunks, preemption); a
+requests (the last is preempted first), in what order to admit waiting ones, which prompts get the
+step's prefill tokens (started ones or new ones), whether a waiting request may displace a running
+one, how many tokens the step may compute, and whether a new request is admitted at all. The scheduler keeps the mechanics (blocks, chunks, preemption); a
 policy only orders and sizes. No tensors, no wall clock: `now` is passed in, so every policy runs
 under a fake clock in the tests.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 from dataclasses import dataclass
 
 from kvflow.core.request import Request
@@ -46,6 +47,12 @@ class SchedulingPolicy:
     def waiting_order(self, waiting: Sequence[Request], now: float) -> list[Request]:
         return list(waiting)
 
+    def prefill_order(self, partial: Sequence[Request], waiting: Sequence[Request], now: float) -> list[Request]:
+        """Who gets the step's prefill tokens (after the decodes): running requests part-way
+        through their prompt (in running order) and waiting ones (in admission order). Here the
+        running ones first, so a started prompt finishes before the next begins."""
+        return [*partial, *waiting]
+
     def may_displace(self, candidate: Request, victim: Request, now: float) -> bool:
         """Whether a waiting request may preempt a running one to take its place."""
         return False
@@ -55,3 +62,17 @@ class SchedulingPolicy:
 
     def check_admission(self, req: Request, view: QueueView, now: float) -> None:
         """Raise AdmissionRejected to refuse `req` at arrival."""
+
+
+def merge_started(partial: Sequence[Request], waiting: Sequence[Request], key: Callable[[Request], Any]) -> list[Request]:
+    """Started prompts (sorted by `key`) merged into the admission order by the same key, the
+    admission order itself kept (fairness may have interleaved it by client)."""
+    started = sorted(partial, key=key)
+    out, i = [], 0
+    for w in waiting:
+        k = key(w)
+        while i < len(started) and key(started[i]) <= k:
+            out.append(started[i])
+            i += 1
+        out.append(w)
+    return out + started[i:]
