@@ -58,7 +58,7 @@ def main() -> None:
                     print(f"  {tokens:4d} tokens, {chunks:3d} multi-token sequences: "
                           f"{1000 * statistics.median(times):7.1f} ms ({len(times)} steps)")
             if spec is not None:
-                a, b_, c, m, _ = llm.engine.speculator.cost.coefficients
+                a, b_, c, m, *_ = llm.engine.speculator.cost.coefficients
                 print(f"  fitted step-cost model: a {1000 * a:.1f} ms, b {1000 * b_:.2f} ms/token, "
                       f"c {1000 * c:.2f} ms/multi-token sequence, m {1000 * m:.2f} ms")
 

@@ -181,7 +181,7 @@ def test_plan_switches_off_at_large_batch():
     cost = StepCostModel()
     for tokens, chunks in ((1, 0), (2, 1), (8, 2), (16, 0), (32, 4), (64, 1), (4, 3), (40, 0), (20, 2), (9, 1)):
         cost.observe(tokens, 0.010 + 0.0005 * tokens + 0.002 * chunks, chunks)
-    a, b, c, m, _ = cost.coefficients
+    a, b, c, m, *_ = cost.coefficients
     assert a == pytest.approx(0.010, rel=0.05) and b == pytest.approx(0.0005, rel=0.05)
     assert c + m == pytest.approx(0.002, rel=0.2)  # (one multi-token sequence: c + m)
     spec = Speculator(SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 5}), cost=cost)
