@@ -48,7 +48,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import shutil
 import signal
 import sys
 import tempfile
@@ -60,7 +59,8 @@ from kvflow.bench.report import cpu_line, percent, ratio
 from kvflow.bench.report import fmt_num as _f
 from kvflow.bench.servers import (
     ManagedProcess, ServerError, add_harness_args, by_label, exit_on_sigterm, free_port, harness_tokenizer,
-    parse_prometheus, parse_server_flags, sample_sum, scrape, server_max_model_len,
+    parse_prometheus, parse_server_flags, pinned, pinning_cpus, sample_sum, scrape, served_model,
+    server_max_model_len, thread_env,
 )
 from kvflow.cli.bench import _positive_float, _positive_int
 
@@ -203,24 +203,6 @@ def _seed(seed: int, stream: int) -> int:
 # ----------------------------------------------------------------------------------------------
 
 
-def pinning_cpus(spec: Sequence[int] | None) -> list[int] | None:
-    """The CPUs to pin to: --cpus, else the first two usable ones; None when taskset is missing or
-    fewer than two are usable."""
-    if shutil.which("taskset") is None:
-        return None
-    try:
-        usable = sorted(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return None
-    if spec is not None:
-        missing = [c for c in spec if c not in usable]
-        if missing:
-            raise ValueError(f"--cpus {','.join(map(str, spec))}: CPU {missing[0]} is not usable here "
-                             f"(usable: {','.join(map(str, usable))})")
-        return list(spec)
-    return usable[:2] if len(usable) >= 2 else None
-
-
 @dataclass
 class ServerSpec:
     """One server to start: its label (and log name), argv, environment, port."""
@@ -243,13 +225,9 @@ def server_spec(name: str, cpus: Sequence[int] | None, server_flags: Sequence[st
     if data_parallel_size > 1:
         argv += ["--data-parallel-size", str(data_parallel_size), "--router-policy", policy or "cache_aware"]
     argv += list(server_flags)
-    if cpus is not None:
-        argv = ["taskset", "-c", ",".join(map(str, cpus)), *argv]
     threads = len(cpus) if cpus is not None else (os.cpu_count() or 1)
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-    if data_parallel_size == 1:  # a DP server sets its replicas' threads itself
-        env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-    return ServerSpec(name, argv, env, port, data_parallel_size > 1)
+    env = thread_env(threads if data_parallel_size == 1 else None)  # a DP server sets its replicas' threads
+    return ServerSpec(name, pinned(argv, cpus), env, port, data_parallel_size > 1)
 
 
 def replica_urls(base_url: str) -> list[str]:
@@ -262,23 +240,6 @@ def replica_urls(base_url: str) -> list[str]:
     except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
         raise ServerError(f"GET {base_url}/replicas failed ({type(e).__name__}: {e}): not a data-parallel "
                           "kvflow server?") from None
-
-
-def served_model(base_url: str) -> str:
-    import asyncio
-
-    import httpx
-
-    from kvflow.bench.serve_client import fetch_model_id
-
-    async def model_id() -> str:
-        async with httpx.AsyncClient(timeout=30, trust_env=False) as client:
-            return await fetch_model_id(client, base_url)
-
-    try:
-        return asyncio.run(model_id())
-    except ValueError as e:
-        raise ServerError(str(e)) from None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -445,7 +406,7 @@ def run_setup(part: str, spec: ServerSpec, label: str, requests: Sequence[Any], 
 
 
 def setup_report(r: SetupResult) -> str:
-    from kvflow.bench.report import failure_summary, format_kv
+    from kvflow.bench.report import setup_block
 
     m = r.m
     pairs: list[tuple[str, Any]] = [
@@ -469,9 +430,7 @@ def setup_report(r: SetupResult) -> str:
     if r.router_hits_misses is not None:
         pairs.append(("router cache_aware hits / misses", f"{r.router_hits_misses[0]:g} / {r.router_hits_misses[1]:g}"))
     pin = "" if r.pinned else " (NOT pinned)"
-    text = format_kv(pairs, title=f"{r.part}: {r.label}{pin}")
-    fails = failure_summary(r.run.records)
-    return text + ("\n" + fails if fails else "")
+    return setup_block(pairs, f"{r.part}: {r.label}{pin}", r.run.records)
 
 
 PREFIX_ROWS = (("prefix-cache hit rate (%)", lambda r: percent(r.cache.hit_rate) if r.cache else None),

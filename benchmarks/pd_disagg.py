@@ -52,7 +52,6 @@ import asyncio
 import contextlib
 import math
 import os
-import shutil
 import signal
 import sys
 import tempfile
@@ -64,7 +63,7 @@ from kvflow.bench.servers import (
     ManagedProcess, ServerError, add_harness_args, by_label, exit_on_sigterm, flag_value, free_port,
     harness_tokenizer, parse_server_flags,
     nonneg_finite_float, nonneg_int, parse_prometheus, positive_finite_float, sample_sum, scrape,
-    server_max_model_len, started,
+    server_max_model_len, served_model, started, pinned, pinning_cpus, thread_env,
 )
 from kvflow.bench.report import cpu_line, percent, ratio  # tests read cpu_line and ratio here too
 from kvflow.bench.report import fmt_num as _f
@@ -224,30 +223,6 @@ def build_workload(args: argparse.Namespace, tokenizer: Any) -> Workload:
 # ----------------------------------------------------------------------------------------------
 # Processes: servers and the router
 # ----------------------------------------------------------------------------------------------
-
-
-def pinning_cpus(need: int = 2) -> list[int] | None:
-    """The first `need` CPUs this process may run on, None when taskset or the CPUs are missing."""
-    if shutil.which("taskset") is None:
-        return None
-    try:
-        cpus = sorted(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return None
-    return cpus[:need] if len(cpus) >= need else None
-
-
-def pinned(argv: Sequence[str], cpus: Sequence[int] | None) -> list[str]:
-    """argv run under `taskset -c CPUS` (unchanged when cpus is None)."""
-    if cpus is None:
-        return list(argv)
-    return ["taskset", "-c", ",".join(str(c) for c in cpus), *argv]
-
-
-def thread_env(threads: int) -> dict[str, str]:
-    """The environment of an engine with `threads` torch / OpenMP threads."""
-    return {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
-            "TOKENIZERS_PARALLELISM": "false"}
 
 
 @dataclass
@@ -568,18 +543,6 @@ async def warm_up(base_url: str, model: str, w: Workload, args: argparse.Namespa
                 raise ServerError(f"the warm-up {req.request_class} request failed: {rec.error}")
 
 
-def served_model(base_url: str) -> tuple[str, int | None]:
-    """The first model id of /v1/models (ValueError when there is none) and its max_model_len (None if
-    not listed)."""
-    from kvflow.bench.serve_client import fetch_model_id
-
-    async def model_id() -> str:
-        async with _client(1, 30.0) as client:
-            return await fetch_model_id(client, base_url)
-
-    return asyncio.run(model_id()), server_max_model_len(base_url, timeout=30.0)
-
-
 def transfer_snapshot(decode_url: str, router_url: str) -> TransferStats:
     stats = transfer_counters(scrape(decode_url))
     stats.prefill_fallbacks = router_fallbacks(scrape(router_url))
@@ -619,10 +582,7 @@ def run_setup(setup: str, w: Workload, args: argparse.Namespace, tokenizer: Any,
     print(f"\n=== {SETUP_LABELS[setup]} ===", flush=True)
     with running(specs, log_dir, args) as procs:
         url = specs[-1].url
-        try:
-            model, max_len = served_model(url)
-        except ValueError as e:
-            raise ServerError(str(e)) from None
+        model, max_len = served_model(url), server_max_model_len(url, timeout=30.0)
         need = w.longest_request() + 1  # +1: a BOS the server may add
         if max_len is not None and need > max_len:
             raise ServerError(f"the longest request needs {need} tokens but max_model_len is {max_len}: lower "
@@ -653,7 +613,7 @@ def _ms(x: float | None) -> float | None:
 
 
 def setup_report(r: SetupResult) -> str:
-    from kvflow.bench.report import failure_summary, format_kv
+    from kvflow.bench.report import setup_block
 
     s = r.summary
     pairs: list[tuple[str, Any]] = [
@@ -688,9 +648,7 @@ def setup_report(r: SetupResult) -> str:
                                              f"{_f(percent(d.share_of_ttft_high), 1)}"),
         ]
     pin = "" if r.pinned else " (NOT pinned: taskset missing or < 2 CPUs)"
-    text = format_kv(pairs, title=f"{SETUP_LABELS[r.setup]}{pin}")
-    fails = failure_summary(r.records)
-    return text + ("\n" + fails if fails else "")
+    return setup_block(pairs, f"{SETUP_LABELS[r.setup]}{pin}", r.records)
 
 
 def comparison_table(results: dict[str, SetupResult]) -> str | None:
@@ -741,7 +699,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, exit_on_sigterm)  # unwinds through running(), which stops the servers
     cpu = cpu_line()
-    cpus = pinning_cpus(2)
+    cpus = pinning_cpus()
     pinning = (f"pinning: agg taskset -c {cpus[0]},{cpus[1]} (2 threads); pd prefill -c {cpus[0]}, "
                f"decode -c {cpus[1]} (1 thread each); router and client unpinned" if cpus is not None else
                "pinning: NONE (taskset missing or fewer than 2 usable CPUs): servers run unpinned")

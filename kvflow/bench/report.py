@@ -160,6 +160,12 @@ def run_report(r: Any, title: str | None = None) -> str:
     return "\n".join(p for p in parts if p)
 
 
+def setup_block(pairs: Sequence[tuple[str, Any]], title: str, records: Sequence[RequestRecord]) -> str:
+    """One setup's figures (`format_kv`), then its failed requests' errors when there are any."""
+    fails = failure_summary(records)
+    return format_kv(pairs, title=title) + ("\n" + fails if fails else "")
+
+
 def failure_summary(records: Sequence[RequestRecord], limit: int = 5) -> str:
     """The most common error texts of failed requests, with counts ('' if none failed)."""
     from collections import Counter

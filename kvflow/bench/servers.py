@@ -1,7 +1,7 @@
 """Managed server processes for the benchmark harnesses (benchmarks/slo_scheduling.py, benchmarks/pd_disagg.py,
 benchmarks/dp_router.py) and for the replicas of `kvflow serve --data-parallel-size N` (kvflow/router/replicas.py).
 
-- Ports and flags: `free_port`, `flag_value` (a flag's value in a `kvflow serve` argv list).
+- Ports and flags: `free_port(s)`, `flag_value` (a flag's value in a `kvflow serve` argv list).
 - `ManagedProcess`: a server (`kvflow serve`, `kvflow router`, ...) as a child in its own process
   group, its stdout and stderr in a log file; started and waited for until /health answers, a
   `ServerError` with the log's last lines when it exits or does not come up in time; stopped with
@@ -9,7 +9,8 @@ benchmarks/dp_router.py) and for the replicas of `kvflow serve --data-parallel-s
   `launch` / `poll_healthy` / `terminate` let a caller start or stop several at once.
 - `exit_on_sigterm`: a SIGTERM handler that unwinds through the `with` blocks, which stop the servers.
 - /metrics: `scrape` and the Prometheus text parser (`parse_prometheus`, `sample_sum`, `by_label`).
-- /v1/models: `server_max_model_len`; the harness tokenizer (`harness_tokenizer`).
+- /v1/models: `served_model`, `server_max_model_len`; the harness tokenizer (`harness_tokenizer`).
+- CPU pinning: `usable_cpus`, `pinning_cpus`, `pinned` (an argv under `taskset -c`), `thread_env`.
 - Argument types the harnesses share with each other (finite numbers; kvflow.cli.bench has those
   that accept inf).
 """
@@ -22,6 +23,7 @@ import math
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -38,11 +40,23 @@ class ServerError(RuntimeError):
     """A server did not start, died, or failed a request the harness needs: the harness stops."""
 
 
+def free_ports(n: int) -> list[int]:
+    """`n` distinct TCP ports free on 127.0.0.1 now (held together while the OS picks them)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            socks.append(s)
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 now (the OS's pick)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 def flag_value(argv: Sequence[str], flag: str) -> str | None:
@@ -278,6 +292,24 @@ def exit_on_sigterm(signum: int, frame: Any) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
+def served_model(base_url: str, timeout: float = 30.0) -> str:
+    """The first model id of GET /v1/models; ServerError when there is none."""
+    import asyncio
+
+    import httpx
+
+    from kvflow.bench.serve_client import fetch_model_id
+
+    async def model_id() -> str:
+        async with httpx.AsyncClient(timeout=timeout, trust_env=False) as client:
+            return await fetch_model_id(client, base_url)
+
+    try:
+        return asyncio.run(model_id())
+    except ValueError as e:
+        raise ServerError(str(e)) from None
+
+
 def server_max_model_len(base_url: str, timeout: float = 10.0) -> int | None:
     """max_model_len of the first model in GET /v1/models (None if it cannot be read)."""
     import httpx
@@ -336,6 +368,49 @@ def by_label(samples: Sequence[Sample], name: str, label: str) -> dict[str, floa
         if n == name and label in lab:
             out[lab[label]] = out.get(lab[label], 0.0) + v
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU pinning
+# ----------------------------------------------------------------------------------------------
+
+
+def usable_cpus() -> list[int] | None:
+    """The CPUs this process may run on (None where the OS does not say)."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return None
+
+
+def pinning_cpus(spec: Sequence[int] | None = None, need: int = 2) -> list[int] | None:
+    """The CPUs to pin servers to: `spec` (each must be usable here), else the first `need` usable
+    ones; None when taskset is missing or fewer than `need` CPUs are usable."""
+    usable = usable_cpus()
+    if shutil.which("taskset") is None or usable is None:
+        return None
+    if spec is not None:
+        missing = [c for c in spec if c not in usable]
+        if missing:
+            raise ValueError(f"--cpus {','.join(map(str, spec))}: CPU {missing[0]} is not usable here "
+                             f"(usable: {','.join(map(str, usable))})")
+        return list(spec)
+    return usable[:need] if len(usable) >= need else None
+
+
+def pinned(argv: Sequence[str], cpus: Sequence[int] | None) -> list[str]:
+    """argv run under `taskset -c CPUS` (unchanged when cpus is None)."""
+    if cpus is None:
+        return list(argv)
+    return ["taskset", "-c", ",".join(str(c) for c in cpus), *argv]
+
+
+def thread_env(threads: int | None) -> dict[str, str]:
+    """The environment of a server: `threads` torch / OpenMP threads (None: its own choice)."""
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    if threads is not None:
+        env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    return env
 
 
 def add_harness_args(ap, stop_timeout_s: float = 30.0) -> None:

@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvflow.bench.servers import ManagedProcess, ServerError
+from kvflow.bench.servers import ManagedProcess, ServerError, free_ports, pinned, usable_cpus
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -70,13 +70,6 @@ def split_cpus(cpus: Sequence[int], n: int) -> list[list[int]]:
         return [[cpus[k % len(cpus)]] for k in range(n)]
     return [cpus[k * len(cpus) // n:(k + 1) * len(cpus) // n] for k in range(n)]
 
-
-def usable_cpus() -> list[int] | None:
-    """The CPUs this process may run on (None where the OS does not say)."""
-    try:
-        return sorted(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return None
 
 
 @dataclass
@@ -127,8 +120,7 @@ def replica_specs(n: int, flags: Sequence[str], log_dir: str, *, api_key: str | 
         if offload_disk_dir:
             argv += ["--kv-offload-disk-dir", os.path.join(offload_disk_dir, f"replica-{k}")]
         pinned_to = share if (pin and share) else None
-        if pinned_to is not None:
-            argv = ["taskset", "-c", ",".join(map(str, pinned_to)), *argv]
+        argv = pinned(argv, pinned_to)
         env = {**env0, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
         if api_key:
             env["KVFLOW_API_KEY"] = api_key
@@ -219,20 +211,6 @@ class ReplicaSet:
             p.stop()
         if self._watcher is not None and self._watcher is not threading.current_thread():
             self._watcher.join(5)
-
-
-def free_ports(n: int) -> list[int]:
-    """`n` distinct TCP ports free on 127.0.0.1 now (held together while the OS picks them)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            socks.append(s)
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def check_bindable(host: str, port: int) -> None:

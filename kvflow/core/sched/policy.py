@@ -66,13 +66,14 @@ class SchedulingPolicy:
 
 def merge_started(partial: Sequence[Request], waiting: Sequence[Request], key: Callable[[Request], Any]) -> list[Request]:
     """Started prompts (sorted by `key`) merged into the admission order by the same key, the
-    admission order itself kept (fairness may have interleaved it by client)."""
-    started = sorted(partial, key=key)
+    admission order itself kept (fairness may have interleaved it by client). Each key is
+    computed once."""
+    started = sorted(((key(r), r) for r in partial), key=lambda kr: kr[0])
     out, i = [], 0
     for w in waiting:
         k = key(w)
-        while i < len(started) and key(started[i]) <= k:
-            out.append(started[i])
+        while i < len(started) and started[i][0] <= k:
+            out.append(started[i][1])
             i += 1
         out.append(w)
-    return out + started[i:]
+    return out + [r for _, r in started[i:]]
