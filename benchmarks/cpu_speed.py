@@ -1,10 +1,12 @@
 """CPU speed of the default model through each linear backend / KV dtype, side by side.
 
-    python benchmarks/cpu_speed.py                  # all four modes, ~6 min on 2 cores
+    python benchmarks/cpu_speed.py                  # all six modes, ~9 min on 2 cores
     python benchmarks/cpu_speed.py --modes int8,int8+kv8 --skip-throughput --breakdown-batches 1
 
-Modes: fp32-mkl (plain F.linear, i.e. MKL sgemm), fp32-onednn (the default fp32 path), int8 (W8A8
-through FBGEMM), int8+kv8 (int8 weights and int8 KV cache). All four engines are loaded at once
+Modes: fp32 (the default: per shape and row count the path the kernel autotune chose), fp32-mkl
+(plain F.linear, i.e. MKL sgemm), fp32-onednn (oneDNN's blocked layout), fp32-native (the native
+GEMV and its fused decode pass at every row count), int8 (W8A8 through FBGEMM), int8+kv8 (int8
+weights and int8 KV cache). All the engines are loaded at once
 and the short measurements go round-robin over them (`--rounds`, median reported), so the drift
 of a shared machine falls on every mode alike:
 
@@ -19,8 +21,9 @@ of a shared machine falls on every mode alike:
   or gather + SDPA), other model ops (norms, rotary, residuals, activation, embedding), attention
   metadata, sampling, the rest of the runner and the engine outside it (scheduler, outputs,
   detokenize). Measured by timing wrappers around those pieces (~0.5 us each), not the profiler.
-  An int8 engine's decode steps run all decoder layers in one native call
-  (kvflow.kernels.cpu.int8_decode), timed as one piece and, inside it, per phase by the native code
+  Where the native kernels serve them (int8; fp32 up to the autotune's row limit) decode steps run
+  all decoder layers in one native call
+  (kvflow.kernels.cpu.decode_pass), timed as one piece and, inside it, per phase by the native code
   (omp_get_wtime); its table is followed by one of the same engine on the per-layer path.
 
 The machine is shared: the script prints the load average and, per mode, the CPU time other
@@ -46,8 +49,10 @@ import numpy as np
 import torch
 
 MODES = {
+    "fp32": ({}, None),
     "fp32-mkl": ({}, "dense"),
     "fp32-onednn": ({}, "onednn"),
+    "fp32-native": ({}, "native"),
     "int8": ({"quantization": "int8"}, None),
     "int8+kv8": ({"quantization": "int8", "kv_cache_dtype": "int8"}, None),
 }
@@ -194,13 +199,21 @@ class _TimedKernel:
         return self._timed(x, residual, **fused)
 
 
+class _TimedPass:
+    def __init__(self, native, timed) -> None:
+        self._timed, self.max_rows = timed, native.max_rows
+
+    def __call__(self, *a):
+        return self._timed(*a)
+
+
 def breakdown(llm, prompts: Prompts, batch: int, steps: int = 24,
               per_layer: bool = False) -> tuple[dict[str, float], float, float]:
     """ms per decode step by component, at `batch` concurrent decodes (context ~100-130 tokens).
     per_layer: an int8 engine's decode steps take the per-layer path instead of the one-call native
     pass (whose layers cannot be timed piece by piece from Python)."""
     from kvflow import SamplingParams
-    from kvflow.kernels.cpu.int8_decode import PHASES
+    from kvflow.kernels.cpu.decode_pass import PHASES
     from kvflow.layers.linear import Linear
 
     eng, runner = llm.engine, llm.engine.runner
@@ -223,7 +236,7 @@ def breakdown(llm, prompts: Prompts, batch: int, steps: int = 24,
     if per_layer:
         model.native_decode = None
     elif native is not None:
-        patch(model, "native_decode", "native layers")
+        model.native_decode = _TimedPass(native, timers.wrap("native layers", native))
     patch(runner.attention, "build_metadata", "metadata")
     patch(model, "forward", "model forward")
     patch(runner, "sampler", "sampling")

@@ -44,6 +44,9 @@ class EngineConfig:
     # Decode attention: "native" (C kernel reading the paged cache in place, CPU float32), "torch"
     # (gather + SDPA, any device), "auto" (native where it runs, else torch).
     attention_backend: str = "auto"
+    # Linear kernels (CPU float32 / bfloat16): "on" times the candidate paths on this CPU at the first
+    # start and caches the choice (kvflow/kernels/cpu/autotune.py); "off" uses the documented default.
+    kernel_autotune: str = "on"
     # Lower KV tiers for evicted prefix-cache blocks ("prefill once"); 0 / None = off.
     kv_offload_cpu_gb: float = 0.0
     kv_offload_disk_dir: str | None = None
@@ -81,6 +84,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be one of {_KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.kernel_autotune not in ("on", "off"):
+            raise ValueError(f"kernel_autotune must be 'on' or 'off', got {self.kernel_autotune!r}")
         _positive("block_size", self.block_size)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("max_num_seqs", self.max_num_seqs)

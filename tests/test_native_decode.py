@@ -1,6 +1,7 @@
-"""The int8 decode pass in one native call (kvflow.kernels.cpu.int8_decode) against the per-layer path
-it replaces: same hidden states and same cache contents, bit for bit, on decode rows of different
-context lengths; and the engine uses it without changing outputs or leaking blocks."""
+"""The decode pass in one native call (kvflow.kernels.cpu.decode_pass), over int8 weights and over
+fp32 ones (the native GEMV), against the per-layer path it replaces: same hidden states and same
+cache contents, bit for bit, on decode rows of different context lengths; and the engine uses it
+without changing outputs or leaking blocks."""
 
 from __future__ import annotations
 
@@ -12,11 +13,14 @@ from kvflow import LLM, SamplingParams
 from kvflow.layers.attention import LayerKVCache, SeqLayout
 
 
-def _int8_llm(path: str, kv_dtype: str) -> LLM:
-    llm = LLM(model=path, quantization="int8", kv_cache_dtype=kv_dtype, num_kv_blocks=48, max_model_len=128,
-              block_size=4)
+def _native_llm(path: str, kv_dtype: str, weights: str, monkeypatch) -> LLM:
+    """weights "int8": W8A8; "fp32": float32 through the native GEMV at every row count."""
+    if weights == "fp32":
+        monkeypatch.setenv("KVFLOW_LINEAR_BACKEND", "native")
+    llm = LLM(model=path, quantization="int8" if weights == "int8" else None, kv_cache_dtype=kv_dtype,
+              num_kv_blocks=48, max_model_len=128, block_size=4)
     if llm.engine.runner.model.native_decode is None:
-        pytest.skip("no C++ compiler: the native int8 kernels cannot be built")
+        pytest.skip("no C++ compiler: the native kernels cannot be built")
     return llm
 
 
@@ -24,11 +28,12 @@ def _clone(caches: list[LayerKVCache]) -> list[LayerKVCache]:
     return [LayerKVCache(c.data.clone(), None if c.scale is None else c.scale.clone()) for c in caches]
 
 
+@pytest.mark.parametrize("weights", ["int8", "fp32"])
 @pytest.mark.parametrize("arch,kv_dtype", [("llama", "auto"), ("llama", "int8"), ("qwen2", "auto"),
                                            ("mistral", "int8")])
-def test_native_decode_equals_per_layer_path(model_factory, arch, kv_dtype):
+def test_native_decode_equals_per_layer_path(model_factory, arch, kv_dtype, weights, monkeypatch):
     path, _ = model_factory(arch, **({"sliding_window": 6} if arch == "mistral" else {}))
-    llm = _int8_llm(path, kv_dtype)
+    llm = _native_llm(path, kv_dtype, weights, monkeypatch)
     runner, model = llm.engine.runner, llm.engine.runner.model
     attn = runner.attention
     g = torch.Generator().manual_seed(0)
@@ -55,16 +60,19 @@ def test_native_decode_equals_per_layer_path(model_factory, arch, kv_dtype):
         assert a.scale is None or torch.equal(a.scale, b.scale)
 
 
-def test_engine_outputs_with_and_without_native_decode(tiny_llama):
+@pytest.mark.parametrize("weights", ["int8", "fp32"])
+def test_engine_outputs_with_and_without_native_decode(tiny_llama, weights, monkeypatch):
     """Batched decodes with preemption: the greedy tokens are the same when every step takes the
     per-layer path, and no block leaks."""
     path, _ = tiny_llama
+    if weights == "fp32":
+        monkeypatch.setenv("KVFLOW_LINEAR_BACKEND", "native")
     prompts = [[(5 * i + j) % 190 + 3 for j in range(4 + 7 * i)] for i in range(6)]
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     results = []
     for native in (True, False):
-        llm = LLM(model=path, quantization="int8", num_kv_blocks=36, max_model_len=128, block_size=4,
-                  max_num_batched_tokens=32)
+        llm = LLM(model=path, quantization="int8" if weights == "int8" else None, num_kv_blocks=36,
+                  max_model_len=128, block_size=4, max_num_batched_tokens=32)
         if not native:
             llm.engine.runner.model.native_decode = None
         elif llm.engine.runner.model.native_decode is None:

@@ -27,6 +27,8 @@ _HELP = {
     "quantization": "weight quantization: int8 (W8A8, per-channel weights, per-token activations, FBGEMM) or none",
     "kv_cache_dtype": "KV cache dtype: auto (= --dtype) or int8",
     "attention_backend": "decode attention: native (C kernel, CPU float32), torch (gather + SDPA), or auto",
+    "kernel_autotune": "on: time the linear kernel paths on this CPU at the first start and cache the "
+                       "choice (a few seconds, once); off: the documented default choice",
     "kv_offload_cpu_gb": "CPU-memory tier for evicted prefix-cache blocks, GiB (0 = off)",
     "kv_offload_disk_dir": "directory of the disk tier for evicted prefix-cache blocks (kept across runs)",
     "kv_offload_disk_gb": "size limit of the disk tier, GiB",

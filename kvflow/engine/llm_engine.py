@@ -56,6 +56,7 @@ class EngineStats:
     structured_output: StructuredOutputStats | None = None
     slo: SLOStats | None = None
     step_cost_error: float | None = None  # median relative error of the step-time predictions
+    linear_kernels: str = ""  # the linear paths in use (the kernel autotune's choices)
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -481,6 +482,7 @@ class LLMEngine:
             structured_output=None if self.structured is None else self.structured.snapshot(),
             slo=self.slo.snapshot(),
             step_cost_error=self.step_cost.prediction_error,
+            linear_kernels=self.runner.kernel_summary(),
         )
 
     def _connector_stats(self) -> tuple["OffloadStats | None", "KVTransferStats | None"]:

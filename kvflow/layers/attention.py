@@ -292,7 +292,9 @@ class AttentionBackend(Protocol):
 class DecodePass(Protocol):
     """All decoder layers of a decode-only step in one call, from the attention backend
     (`decode_pass`): runs on x [rows, hidden] in place, row r being the step's token r, with the
-    rows that backend's `decode_group` returned for the step."""
+    rows that backend's `decode_group` returned for the step, for steps of up to `max_rows` rows."""
+
+    max_rows: int
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, kv_caches: list[LayerKVCache],
                  slot_mapping: torch.Tensor, group: NativeGroup) -> None: ...

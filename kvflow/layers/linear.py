@@ -3,30 +3,40 @@
 
 Backends (`LINEAR_BACKENDS`):
 
+* ``auto``   -- CPU float32 / bfloat16: per projection shape and row count, the path the autotune
+  measured fastest on this CPU (`TunedKernel`, kvflow.kernels.cpu.autotune): one of
+* ``native`` -- fp32 through the native tiled GEMV, the weight read in place, norm / activation and
+  residual in the same call (`NativeF32Kernel` in kvflow.kernels.cpu.f32_linear); few rows.
 * ``dense``  -- `F.linear` (MKL sgemm on CPU). Any device, any dtype. The reference path.
-* ``onednn`` -- fp32 on CPU through oneDNN, the weight reordered once into oneDNN's blocked layout
-  (`torch.ops.mkldnn._reorder_linear_weight` + `torch.ops.mkldnn._linear_pointwise`), and MKL for
-  1-2 rows, where it is faster (see `OneDNNKernel`). Same maths as `dense` up to float32 summation
-  order (~1e-6 relative).
+* ``onednn`` -- oneDNN, the weight reordered once into its blocked layout
+  (`torch.ops.mkldnn._reorder_linear_weight` + `torch.ops.mkldnn._linear_pointwise`).
 * ``int8``   -- W8A8 through FBGEMM: weights int8 with one scale per output channel, packed once;
   activations quantized per token on the fly (see `Int8Kernel` in kvflow.kernels.cpu.int8_linear);
   int32 accumulation, float output. CPU only.
 
+The float paths compute the same maths up to float32 summation order (~1e-6 relative).
 `select_linear_backend` picks one from (device, dtype, quantization); the environment variable
-`KVFLOW_LINEAR_BACKEND=dense|onednn` overrides the unquantized choice (benchmarks, debugging).
+`KVFLOW_LINEAR_BACKEND=dense|onednn|native` forces one path for every call (benchmarks, debugging).
 """
 
 from __future__ import annotations
 
 import os
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
 
+from kvflow.kernels.cpu.f32_linear import NativeF32Kernel
 from kvflow.kernels.cpu.int8_linear import Int8Kernel
 
-LINEAR_BACKENDS = ("dense", "onednn", "int8")
+if TYPE_CHECKING:
+    from kvflow.kernels.cpu.autotune import KernelPlan
+
+LINEAR_BACKENDS = ("auto", "dense", "onednn", "native", "int8")
+FORCED_PATHS = ("dense", "onednn", "native")
+# Backends whose kernels take `norm=` / `silu_mul=` (the op feeding the projection, in the same call).
+FUSED_PROLOGUE = ("auto", "native", "int8")
 
 # Batch size oneDNN's weight layout is chosen for (measured: 8 and 32 are equally good, 1-1024).
 ONEDNN_BATCH_HINT = 32
@@ -49,10 +59,6 @@ class LinearKernel(Protocol):
         ...
 
 
-def onednn_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-
-
 def int8_available() -> bool:
     return "fbgemm" in torch.backends.quantized.supported_engines
 
@@ -68,13 +74,16 @@ def select_linear_backend(device: torch.device, dtype: torch.dtype, quantization
         raise ValueError(f"unknown quantization {quantization!r}")
     override = os.environ.get("KVFLOW_LINEAR_BACKEND")
     if override:
-        if override not in ("dense", "onednn"):
-            raise ValueError(f"KVFLOW_LINEAR_BACKEND must be 'dense' or 'onednn', got {override!r}")
-        if override == "onednn" and not (device.type == "cpu" and dtype == torch.float32 and onednn_available()):
-            raise ValueError("KVFLOW_LINEAR_BACKEND=onednn needs device='cpu', dtype='float32' and oneDNN")
+        from kvflow.kernels.cpu.autotune import candidates
+
+        if override not in FORCED_PATHS:
+            raise ValueError(f"KVFLOW_LINEAR_BACKEND must be one of {FORCED_PATHS}, got {override!r}")
+        if override != "dense" and not (device.type == "cpu" and override in candidates(dtype)):
+            raise ValueError(f"KVFLOW_LINEAR_BACKEND={override} cannot run here ({device.type}, {dtype}); "
+                             f"available: {', '.join(candidates(dtype)) if device.type == 'cpu' else 'dense'}")
         return override
-    if device.type == "cpu" and dtype == torch.float32 and onednn_available():
-        return "onednn"
+    if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
+        return "auto"
     return "dense"
 
 
@@ -95,51 +104,105 @@ class DenseKernel:
 
 
 class OneDNNKernel:
-    """fp32 through the faster of MKL and oneDNN for the batch: measured on this CPU, MKL's sgemv is
-    1.5-3x faster than oneDNN at 1-2 rows for the attention and down projections (equal for
-    gate_up, a little slower for the lm_head), oneDNN 1.2-2x faster from 4 rows up. So the kernel
-    keeps the dense weight for rows <= SMALL_BATCH and a oneDNN-reordered copy for the rest (twice
-    the fp32 weight memory). Inputs and outputs stay ordinary dense tensors."""
+    """oneDNN's matmul with the weight reordered once into its blocked layout (float32 or bfloat16,
+    CPU). Inputs and outputs stay ordinary dense tensors."""
 
     backend = "onednn"
-    SMALL_BATCH = 2
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        if weight.dtype != torch.float32 or weight.device.type != "cpu":
-            raise ValueError("the onednn linear backend takes float32 CPU weights")
+        if weight.dtype not in (torch.float32, torch.bfloat16) or weight.device.type != "cpu":
+            raise ValueError("the onednn linear backend takes float32 or bfloat16 CPU weights")
         self.out_features, self.in_features = weight.shape
-        self.dense = weight.detach().contiguous()
+        self.dtype = weight.dtype
         reorder = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
-        self.weight = reorder(self.dense, ONEDNN_BATCH_HINT) if reorder is not None else self.dense.to_mkldnn()
+        w = weight.detach().contiguous()
+        self.weight = reorder(w, ONEDNN_BATCH_HINT) if reorder is not None else w.to_mkldnn()
         self.bias = None if bias is None else bias.detach().contiguous().clone()
         self._op = torch.ops.mkldnn._linear_pointwise
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        if x.dim() == 2 and x.shape[0] <= self.SMALL_BATCH:
-            if residual is not None and self.bias is None:
-                return torch.addmm(residual, x, self.dense.t())
-            y = F.linear(x, self.dense, self.bias)
-            return y if residual is None else residual + y
         if residual is None:
             return self._op(x, self.weight, self.bias, "none", [], "")
         return self._op.binary(x, residual, self.weight, self.bias, "add")
 
     @property
     def nbytes(self) -> int:
-        return self.out_features * self.in_features * 4 + _nbytes(self.bias)
+        return self.out_features * self.in_features * self.dtype.itemsize + _nbytes(self.bias)
 
 
-_KERNELS = {"dense": DenseKernel, "onednn": OneDNNKernel, "int8": Int8Kernel}
+class TunedKernel:
+    """The ``auto`` backend: each call runs the path `choice` names for its row count (row bucket
+    -> path, from the autotune's `KernelPlan`; a call with m rows takes the first bucket >= m, the
+    last bucket beyond). Only the paths the choice uses are built, so a shape that one path wins
+    everywhere holds one copy of its weight. Takes `norm=` / `silu_mul=` as the native kernel does,
+    applying them in torch for the other paths."""
+
+    backend = "auto"
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, choice: dict[int, str],
+                 with_native: bool = False) -> None:
+        """`with_native`: build the native path even where `choice` does not use it (the fused
+        decode pass runs it; it reads the same weight tensor, no copy)."""
+        self.out_features, self.in_features = weight.shape
+        paths = [*choice.values(), *(["native"] if with_native else [])]
+        self.paths: dict[str, LinearKernel] = {p: make_path_kernel(p, weight, bias) for p in dict.fromkeys(paths)}
+        buckets = sorted(choice)
+        self._max_rows = buckets[-1]
+        # rows (1..max bucket) -> kernel; index 0 unused
+        self._by_rows: list[LinearKernel] = [self.paths[choice[buckets[-1]]]]
+        for m in range(1, self._max_rows + 1):
+            self._by_rows.append(self.paths[choice[next(b for b in buckets if b >= m)]])
+        self.native: NativeF32Kernel | None = next(
+            (k for k in self.paths.values() if isinstance(k, NativeF32Kernel)), None)
+        self.bias = bias
+
+    def kernel_for(self, rows: int) -> LinearKernel:
+        return self._by_rows[min(rows, self._max_rows)]
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None, *,
+                 norm=None, silu_mul: bool = False) -> torch.Tensor:
+        kernel = self.kernel_for(x.shape[0] if x.dim() == 2 else x.numel() // x.shape[-1])
+        if kernel is self.native:
+            return kernel(x, residual, norm=norm, silu_mul=silu_mul)
+        if norm is not None:
+            x = norm.forward(x)
+        if silu_mul:
+            gate, up = x.chunk(2, dim=-1)
+            x = F.silu(gate) * up
+        return kernel(x, residual)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes one call reads (one path's weight), not the memory every path holds."""
+        return max(k.nbytes for k in self.paths.values())
 
 
-def make_linear_kernel(backend: str, weight: torch.Tensor, bias: torch.Tensor | None = None) -> LinearKernel:
-    """A kernel computing x @ weight.T + bias. `dense` keeps a reference to `weight`; the others copy
-    it into their own layout (the caller may then free the original)."""
-    try:
-        cls = _KERNELS[backend]
-    except KeyError:
-        raise ValueError(f"unknown linear backend {backend!r}; choose from {LINEAR_BACKENDS}") from None
-    return cls(weight, bias)
+_PATHS = {"dense": DenseKernel, "onednn": OneDNNKernel, "native": NativeF32Kernel}
+
+
+def make_path_kernel(path: str, weight: torch.Tensor, bias: torch.Tensor | None = None) -> LinearKernel:
+    """One float path (`FORCED_PATHS`) over `weight`."""
+    return _PATHS[path](weight, bias)
+
+
+def make_linear_kernel(backend: str, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                       plan: KernelPlan | None = None) -> LinearKernel:
+    """A kernel computing x @ weight.T + bias. `dense` and `native` keep a reference to `weight`;
+    the others copy it into their own layout (the caller may then free the original). `auto` takes
+    the choice for this shape from `plan` (None: the documented default of the autotune)."""
+    if backend == "auto":
+        from kvflow.kernels.cpu.autotune import default_choice
+
+        shape = tuple(weight.shape)
+        dtype = str(weight.dtype).removeprefix("torch.")
+        if plan is None:
+            return TunedKernel(weight, bias, default_choice(dtype))
+        return TunedKernel(weight, bias, plan.choice(shape), with_native=plan.decode_pass_rows > 0)
+    if backend == "int8":
+        return Int8Kernel(weight, bias)
+    if backend not in _PATHS:
+        raise ValueError(f"unknown linear backend {backend!r}; choose from {LINEAR_BACKENDS}")
+    return make_path_kernel(backend, weight, bias)
 
 
 def _nbytes(t: torch.Tensor | None) -> int:
@@ -186,13 +249,13 @@ class Linear(torch.nn.Module):
         )
         self.kernel: LinearKernel = DenseKernel(self.weight, self.bias)
 
-    def prepare(self, backend: str) -> None:
+    def prepare(self, backend: str, plan: KernelPlan | None = None) -> None:
         if self.kernel.backend == backend:
             return
         if self.weight is None:
             raise RuntimeError(f"Linear already prepared for {self.kernel.backend!r}; cannot switch to {backend!r}")
         bias = None if self.bias is None else self.bias.data
-        self.kernel = make_linear_kernel(backend, self.weight.data, bias)
+        self.kernel = make_linear_kernel(backend, self.weight.data, bias, plan)
         if backend != "dense":
             self.weight = None
             self.bias = None

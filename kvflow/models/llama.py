@@ -7,6 +7,7 @@ gate/up are fused into single projections at load time (fewer, larger matmuls pe
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -14,10 +15,13 @@ import torch.nn.functional as F
 from kvflow.config import ModelConfig
 from kvflow.distributed.parallel import TPGroup, shard_weight
 from kvflow.layers.attention import AttentionBackend, AttentionMetadata, DecodePass, LayerKVCache
-from kvflow.layers.linear import Linear, LinearKernel, RowParallelKernel, make_linear_kernel
+from kvflow.layers.linear import FUSED_PROLOGUE, Linear, LinearKernel, RowParallelKernel, make_linear_kernel
 from kvflow.layers.norm import RMSNorm
 from kvflow.layers.quant import SMOOTH_ALPHA, smoothing_scales
 from kvflow.layers.rotary import RotaryEmbedding, RotaryFn, apply_rotary_, select_rotary
+
+if TYPE_CHECKING:
+    from kvflow.kernels.cpu.autotune import KernelPlan
 
 
 class DecoderLayer(torch.nn.Module):
@@ -37,9 +41,9 @@ class DecoderLayer(torch.nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, False, dtype, device)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, dtype, device)
-        # int8 path (set by LlamaForCausalLM.prepare): the int8 kernels apply the norms and the
-        # activation themselves; rotary runs natively where it can (the same code as the decode pass).
-        self.fused_int8 = False
+        # Set by LlamaForCausalLM.prepare: kernels that apply the norms and the activation themselves
+        # (int8, native fp32); rotary runs natively where it can (the same code as the decode pass).
+        self.fused_prologue = False
         self.apply_rotary: RotaryFn = apply_rotary_
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, kv_cache: LayerKVCache,
@@ -47,7 +51,7 @@ class DecoderLayer(torch.nn.Module):
         # Kernels and norms are called directly, not through nn.Module.__call__: ~7 calls per layer
         # per step on the decode path, where per-call overhead is what a step costs (no hooks here).
         t = x.shape[0]
-        if self.fused_int8:
+        if self.fused_prologue:
             qkv = self.qkv_proj.kernel(x, norm=self.input_layernorm)
         else:
             qkv = self.qkv_proj.kernel(self.input_layernorm.forward(x))  # [T, q | k | v]
@@ -63,7 +67,7 @@ class DecoderLayer(torch.nn.Module):
         kv = qkv[:, self.q_size:].view(t, 2, self.num_kv_heads, self.head_dim)
         attn = self.attention.forward(q, kv, kv_cache, meta, self.scale)
         x = self.o_proj.kernel(attn, x)  # x + o_proj(attn)
-        if self.fused_int8:
+        if self.fused_prologue:
             gate_up = self.gate_up_proj.kernel(x, norm=self.post_attention_layernorm)
             return self.down_proj.kernel(gate_up, x, silu_mul=True)
         gate_up = self.gate_up_proj.kernel(self.post_attention_layernorm.forward(x))
@@ -89,30 +93,32 @@ class LlamaForCausalLM(torch.nn.Module):
         # The logits projection; set by `prepare` (tied models: a kernel over embed_tokens).
         self.logits_kernel: LinearKernel | None = None
         self.linear_backend = "dense"
+        self.kernel_plan: KernelPlan | None = None
         self._vocab_widths: list[int] = []  # tensor parallel: each rank's slice of the vocabulary
         self._lm_head_smoothing: torch.Tensor | None = None  # tied + smoothed: columns of the lm_head copy
-        # int8 + native kernels: decode-only steps run all layers in one call, a pass the attention
-        # backend hands in where it has one (set by `prepare`).
+        # Native kernels (int8, fp32): decode-only steps run all layers in one call, a pass the
+        # attention backend hands in where it has one (set by `prepare`).
         self.native_decode: DecodePass | None = None
 
-    def prepare(self, backend: str) -> None:
-        """Move every projection, and the lm_head, to the linear backend `backend` (after load_weights)."""
+    def prepare(self, backend: str, plan: "KernelPlan | None" = None) -> None:
+        """Move every projection, and the lm_head, to the linear backend `backend` (after
+        load_weights); `plan`: the autotune's choices for the ``auto`` backend."""
         if self.tp.size > 1 and self.logits_kernel is None:
             # Vocab-parallel logits: each rank projects onto its slice of the vocabulary; the
             # slices are gathered on the first rank (compute_logits). The embedding stays whole.
             head = self.lm_head.weight if self.lm_head is not None else self.embed_tokens
             slices = head.data.chunk(self.tp.size)
             self._vocab_widths = [w.shape[0] for w in slices]
-            self.logits_kernel = make_linear_kernel(backend, slices[self.tp.rank].contiguous())
+            self.logits_kernel = make_linear_kernel(backend, slices[self.tp.rank].contiguous(), plan=plan)
             self.lm_head = None  # the full copy is not needed any more
         for m in self.modules():
             if isinstance(m, Linear):
-                m.prepare(backend)
+                m.prepare(backend, plan)
         # (q/k-normed layers rotate the norms' output with apply_rotary_ instead: see forward.)
         rotary = select_rotary(self.rotary.cos.device, self.rotary.cos.dtype, self.cfg.head_dim,
-                               native=backend == "int8" and not self.cfg.qk_norm)
+                               native=backend in FUSED_PROLOGUE and not self.cfg.qk_norm)
         for layer in self.layers:
-            layer.fused_int8 = backend == "int8"
+            layer.fused_prologue = backend in FUSED_PROLOGUE
             layer.apply_rotary = rotary
         if self.tp.size == 1:  # (under TP the logits kernel is this rank's vocabulary slice, above)
             if self.lm_head is not None:
@@ -123,8 +129,8 @@ class LlamaForCausalLM(torch.nn.Module):
                 w = self.embed_tokens.data
                 if self._lm_head_smoothing is not None:
                     w = w * self._lm_head_smoothing
-                self.logits_kernel = make_linear_kernel(backend, w)
-        self.linear_backend = backend
+                self.logits_kernel = make_linear_kernel(backend, w, plan=plan)
+        self.linear_backend, self.kernel_plan = backend, plan
         if self.tp.size > 1:
             # Row-parallel o and down: partial sums over this rank's heads / FFN slice, one
             # all-reduce each; the residual is added by the first rank only.
@@ -133,6 +139,18 @@ class LlamaForCausalLM(torch.nn.Module):
                     if not isinstance(lin.kernel, RowParallelKernel):
                         lin.kernel = RowParallelKernel(lin.kernel, self.tp.all_reduce, self.tp.is_first)
         self.native_decode = self.attention.decode_pass(self)
+
+    def projection_shapes(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """((out, in) of every projection and the logits, those of one decoder layer's qkv, o,
+        gate_up and down): what the kernel autotune times (before `prepare`)."""
+        layer = self.layers[0]
+        per_layer = [tuple(lin.weight.shape) for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj,
+                                                         layer.down_proj)]
+        # The logits kernel: this rank's slice of the vocabulary under TP (as `prepare` cuts it).
+        vocab = torch.empty(self.cfg.vocab_size, 0).chunk(self.tp.size)[self.tp.rank].shape[0]
+        head = (vocab, self.cfg.hidden_size)
+        shapes = list(dict.fromkeys(tuple(m.weight.shape) for m in self.modules() if isinstance(m, Linear)))
+        return list(dict.fromkeys([*shapes, head])), per_layer
 
     def linear_inputs(self) -> dict[str, torch.nn.Module]:
         """The modules whose inputs `apply_smoothing` takes statistics of: every Linear by its
@@ -184,7 +202,8 @@ class LlamaForCausalLM(torch.nn.Module):
         """input_ids, positions: [T] -> final hidden states [T, hidden]."""
         x = F.embedding(input_ids, self.embed_tokens)
         cos, sin_signed = self.rotary.lookup(positions)
-        group = self.attention.decode_group(meta) if self.native_decode is not None else None
+        fused = self.native_decode
+        group = self.attention.decode_group(meta) if fused is not None and x.shape[0] <= fused.max_rows else None
         if group is not None:
             self.native_decode(x, cos, sin_signed, kv_caches, meta.slot_mapping, group)
         else:
@@ -196,7 +215,7 @@ class LlamaForCausalLM(torch.nn.Module):
         """Logits [rows, vocab] in float32. Under tensor parallelism every rank calls it with the
         same rows; the first rank gets the logits, the others None."""
         if self.logits_kernel is None:
-            self.prepare(self.linear_backend)
+            self.prepare(self.linear_backend, self.kernel_plan)
         logits = self.logits_kernel(hidden).float()
         return self.tp.gather_first(logits, self._vocab_widths) if self.tp.size > 1 else logits
 

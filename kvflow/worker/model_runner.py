@@ -6,6 +6,7 @@ generators. Knows sequences only as (tokens, start position, block table, sampli
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -25,6 +26,8 @@ if TYPE_CHECKING:
     from kvflow.distributed.parallel import TPGroup
     from kvflow.kv_transfer.base import KVConnectorOutput, KVConnectorWorker
     from kvflow.structured_output.manager import GrammarBitmask
+
+logger = logging.getLogger("kvflow")
 
 LogprobEntry = tuple[float, int, list[int], list[float]]
 
@@ -58,7 +61,13 @@ class ModelRunner:
             # fixed text: `calibration_ids`, or seeded random tokens for a model without a tokenizer).
             ids = calibration_ids or _random_ids(model_config.vocab_size, 256)
             self.model.apply_smoothing(self._activation_amax(ids[: min(len(ids), max_model_len)]))
-        self.model.prepare(self.linear_backend)
+        self.kernel_plan = None
+        if self.linear_backend == "auto":
+            from kvflow.kernels.cpu.autotune import plan_kernels
+
+            self.kernel_plan = plan_kernels(*self.model.projection_shapes(), self.dtype, config.kernel_autotune)
+        self.model.prepare(self.linear_backend, self.kernel_plan)
+        logger.info("%s", self.kernel_summary())
         self.kv_cache_dtype = config.kv_cache_dtype
         self.kv_caches = self.attention.allocate_kv_cache(
             model_config.num_layers, num_blocks, model_config.num_kv_heads, model_config.head_dim,
@@ -74,6 +83,12 @@ class ModelRunner:
         self.rejection_sampler = RejectionSampler(config.seed + 1, self.device)
         self.kv_connector: "KVConnectorWorker | None" = None  # set by the engine (offload tiers, P/D)
         self._generators: dict[str, torch.Generator] = {}
+
+    def kernel_summary(self) -> str:
+        """The linear paths in use: the autotune's choices per shape and row count, or the backend."""
+        if self.kernel_plan is not None:
+            return self.kernel_plan.describe()
+        return f"linear kernels: {self.linear_backend}"
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, grammar: "GrammarBitmask | None" = None) -> RunnerOutput:

@@ -4,6 +4,9 @@
 * `paged_attention` -- csrc/paged_attention.c: `CpuPagedAttention` (decodes read from the paged
   cache in place), the cache write and the native rotary (`rotary_`).
 * `int8_linear`     -- csrc/int8_linear.cpp: `Int8Kernel`, the W8A8 linear through FBGEMM.
-* `int8_decode`     -- csrc/int8_decode.cpp: `NativeDecode`, an int8 model's decode-only step in one
-  call (handed to the model by `CpuPagedAttention.decode_pass`).
+* `f32_linear`      -- csrc/f32_linear.cpp: `NativeF32Kernel`, the fp32 tiled GEMV for few rows.
+* `decode_pass`     -- csrc/decode_pass.cpp: `NativeDecode`, a decode-only step's layers in one call,
+  int8 or fp32 (handed to the model by `CpuPagedAttention.decode_pass`).
+* `autotune`        -- which fp32 / bf16 path runs each projection shape at each row count, and the
+  decode pass's row limit, measured at the first start on a CPU and cached (`KernelPlan`).
 """

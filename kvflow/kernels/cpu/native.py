@@ -47,21 +47,28 @@ def cache_dir() -> Path:
     return Path(os.environ.get("KVFLOW_CACHE_DIR") or Path.home() / ".cache" / "kvflow") / "kernels"
 
 
-def _cpu_id() -> str:
+def cpu_id() -> str:
+    """The CPU as /proc/cpuinfo names it: its model and its feature flags (what -march=native and
+    the autotune's measurements depend on)."""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return line
+                name, _, value = line.partition(":")
+                fields.setdefault(name.strip(), value.strip())
+                if "model name" in fields and "flags" in fields:
+                    break
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    if "flags" not in fields:
+        return platform.processor() or platform.machine()
+    return f"{fields.get('model name', platform.machine())} | {fields['flags']}"
 
 
 # Library -> its sources (one language per library). Headers (csrc/*.h) are shared.
 LIBRARIES = {
     "paged_attention": ("paged_attention.c",),
-    "int8": ("int8_linear.cpp", "int8_decode.cpp"),
+    "linear": ("int8_linear.cpp", "f32_linear.cpp", "decode_pass.cpp"),
 }
 
 
@@ -76,7 +83,7 @@ def _build(name: str, sources: list[Path], cc: str) -> Path:
     texts = [p.read_bytes() for p in (*sources, *sorted(CSRC.glob("*.h")))]
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(b"\0".join([*texts, " ".join(compile_flags + link_flags).encode(), version.encode(),
-                                     torch.__version__.encode(), _cpu_id().encode()])).hexdigest()[:16]
+                                     torch.__version__.encode(), cpu_id().encode()])).hexdigest()[:16]
     out = cache_dir() / f"{name}-{key}.so"
     if out.exists():
         return out

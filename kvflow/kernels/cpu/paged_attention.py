@@ -6,9 +6,9 @@ token per sequence) is not gathered and padded for scaled_dot_product_attention;
 they lie. A step then reads each sequence's real context once -- the torch path copies it and pads
 the batch to its longest context -- and blocks that several sequences share stay in the CPU's
 cache instead of being copied once per sequence. Prefill chunks keep the torch path (SDPA is
-compute-bound there and already good). The cache write of every step, and the rotary the int8 path
-uses, run in the same library with the same code as the int8 decode pass (csrc/attention.h),
-which the backend hands to an int8 model that can take it (`decode_pass`).
+compute-bound there and already good). The cache write of every step, and the rotary the native
+linear paths use, run in the same library with the same code as the native decode pass
+(csrc/attention.h), which the backend hands to a model that can take it (`decode_pass`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from kvflow.kernels.cpu import native
 from kvflow.layers.attention import AttentionGroup, AttentionMetadata, LayerKVCache, TorchPagedAttention
 
 if TYPE_CHECKING:
-    from kvflow.kernels.cpu.int8_decode import NativeDecode
+    from kvflow.kernels.cpu.decode_pass import NativeDecode
 
 MAX_HEAD_DIM = 256  # the kernel's limits (csrc/paged_attention.c)
 MAX_GROUP = 32
@@ -59,7 +59,7 @@ def rotary_available(dtype: torch.dtype, head_dim: int) -> bool:
 
 def rotary_(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> None:
     """Rotary in place on x [T, heads, head_dim] (heads contiguous, any row stride), by the same code
-    as the native decode pass (kvflow.kernels.cpu.int8_decode); cos, sin_signed: [T, 1, head_dim] as
+    as the native decode pass (kvflow.kernels.cpu.decode_pass); cos, sin_signed: [T, 1, head_dim] as
     `RotaryEmbedding.lookup` returns them (contiguous). The int8 path uses it for every step
     (kvflow.layers.rotary.select_rotary), so a token's keys do not depend on which path computed them."""
     t, heads, head_dim = x.shape
@@ -120,9 +120,9 @@ class CpuPagedAttention(TorchPagedAttention):
         return g if len(meta.groups) == 1 and isinstance(g, NativeGroup) else None
 
     def decode_pass(self, model: torch.nn.Module) -> NativeDecode | None:
-        """`model`'s decode-only steps in one native call (kvflow.kernels.cpu.int8_decode), or None
+        """`model`'s decode-only steps in one native call (kvflow.kernels.cpu.decode_pass), or None
         when it cannot take them (see `native_decode_unsupported`)."""
-        from kvflow.kernels.cpu.int8_decode import NativeDecode, native_decode_unsupported
+        from kvflow.kernels.cpu.decode_pass import NativeDecode, native_decode_unsupported
 
         return NativeDecode(model) if native_decode_unsupported(model) is None else None
 

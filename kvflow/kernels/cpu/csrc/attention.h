@@ -1,5 +1,5 @@
 /* Attention kernels shared by the C library (paged_attention.c) and the C++ int8 decode pass
- * (int8_decode.cpp): static inline, compiled into each, so both compute bit for bit the same.
+ * (decode_pass.cpp): static inline, compiled into each, so both compute bit for bit the same.
  * See paged_attention.c for the cache layout. Valid C11 and C++17.
  */
 #ifndef KVFLOW_ATTENTION_H

@@ -22,7 +22,6 @@
 namespace kvflow {
 namespace {
 
-constexpr int LANES = 16;
 constexpr float MIN_SCALE = 1e-30f;
 
 using Dequantize = fbgemm::ReQuantizeForFloat<false, fbgemm::QuantizationGranularity::OUT_CHANNEL>;
@@ -36,35 +35,6 @@ inline float absmax(const float* __restrict v, int n) {
   float r = MIN_SCALE;
   for (int j = 0; j < LANES; j++) r = std::max(r, m[j]);
   return r;
-}
-
-/* pre(x) of one row into v[k]. */
-inline void prologue(int kind, const float* __restrict x, int k, const float* __restrict norm_w, float eps,
-                     float* __restrict v) {
-  if (kind == RMSNORM) {
-    float acc[LANES] = {0};
-    int i = 0;
-    for (; i + LANES <= k; i += LANES)
-      for (int j = 0; j < LANES; j++) acc[j] += x[i + j] * x[i + j];
-    for (int j = 0; i + j < k; j++) acc[j] += x[i + j] * x[i + j];
-    float ss = 0.f;
-    for (int j = 0; j < LANES; j++) ss += acc[j];
-    const float inv = 1.f / std::sqrt(ss / (float)k + eps);
-    for (int c = 0; c < k; c++) v[c] = x[c] * inv * norm_w[c];
-  } else if (kind == SILU_MUL) {
-    const float* __restrict up = x + k;
-    for (int i = 0; i < k; i += LANES) {
-      float e[LANES];
-      const int n = std::min(LANES, k - i);
-      // exp(80) is finite in float: built with -ffast-math, an inf here would not divide to 0.
-      for (int j = 0; j < LANES; j++) e[j] = j < n ? std::min(-x[i + j], 80.f) : 0.f;
-#pragma omp simd
-      for (int j = 0; j < LANES; j++) e[j] = expf(e[j]);
-      for (int j = 0; j < n; j++) v[i + j] = x[i + j] / (1.f + e[j]) * up[i + j];
-    }
-  } else {
-    for (int c = 0; c < k; c++) v[c] = x[c];
-  }
 }
 
 /* One row: pre-op, row scale, quantization to levels + 1 +- levels. */

@@ -1,16 +1,16 @@
-/* The int8 linear's C++ interface inside the "int8" library (int8_linear.cpp, int8_decode.cpp). */
+/* The int8 linear's C++ interface inside the "linear" library (int8_linear.cpp, decode_pass.cpp). */
 #ifndef KVFLOW_INT8_LINEAR_H
 #define KVFLOW_INT8_LINEAR_H
 
 #include <fbgemm/Fbgemm.h>
+
+#include "prologue.h"
 
 #include <cstdint>
 #include <memory>
 #include <vector>
 
 namespace kvflow {
-
-enum Prologue { NONE = 0, RMSNORM = 1, SILU_MUL = 2 };
 
 struct PackedWeight {
   std::unique_ptr<fbgemm::PackBMatrix<int8_t>> packed;

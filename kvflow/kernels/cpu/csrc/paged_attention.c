@@ -13,7 +13,7 @@
  * together, so each K/V row is loaded once for all of them.
  *
  * Also here: rotary (kvflow_rotary) and the cache write (kvflow_write_kv, int8 caches quantized
- * there), by the same code (attention.h) as the int8 decode pass (int8_decode.cpp), so a token's
+ * there), by the same code (attention.h) as the native decode pass (decode_pass.cpp), so a token's
  * cached K/V are bit for bit the same whichever path computed them.
  */
 #include "attention.h"

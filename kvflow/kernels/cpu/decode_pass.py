@@ -1,12 +1,15 @@
-"""A decode-only step's decoder layers of an int8 model in one native call (csrc/int8_decode.cpp).
+"""A decode-only step's decoder layers in one native call (csrc/decode_pass.cpp), over int8 weights
+(`Int8Kernel`) or float32 ones (the native GEMV, `NativeF32Kernel`, under the ``native`` or
+``auto`` backend).
 
-At batch 1 the int8 matmuls take ~half of a step; most of the rest was the Python around them:
+At small batch the matmuls take about half of a step; most of the rest was the Python around them:
 ~10 calls per layer (five native kernels, views, the attention backend's dispatch) x 30 layers.
-Here the layers loop in C++ over the same kernels in the same order as the per-layer path
-(`Int8Kernel` with its fused norm / activation, the native rotary, cache write and paged
-attention), so a token's hidden state is bit for bit the same whichever path ran it. Steps with
-prefill chunks take the per-layer path. The model gets it from its attention backend
-(`CpuPagedAttention.decode_pass`), as a `kvflow.layers.attention.DecodePass`.
+Here the layers loop in C++ over the same kernels in the same order as the per-layer path (the
+linear with its fused norm / activation, the native rotary, cache write and paged attention), so a
+token's hidden state is bit for bit the same whichever path ran it. Steps with prefill chunks take
+the per-layer path; so do fp32 steps with more rows than the autotune found the native GEMV worth
+running (`max_rows`, from `KernelPlan.decode_pass_rows`). The model gets it from its attention
+backend (`CpuPagedAttention.decode_pass`), as a `kvflow.layers.attention.DecodePass`.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import ctypes
 
 import torch
 
+from kvflow.kernels.cpu.f32_linear import NativeF32Kernel
 from kvflow.kernels.cpu.int8_linear import Int8Kernel, int8_library
 from kvflow.kernels.cpu.paged_attention import CpuPagedAttention, NativeGroup, rotary_available
 from kvflow.layers.attention import LayerKVCache
@@ -22,35 +26,56 @@ from kvflow.layers.attention import LayerKVCache
 _I, _F, _P = ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 
 
-class _Shape(ctypes.Structure):  # DecoderShape in csrc/int8_decode.cpp
+class _Shape(ctypes.Structure):  # DecoderShape in csrc/decode_pass.cpp
     _fields_ = [(n, _I) for n in ("num_layers", "hidden", "intermediate", "num_heads", "num_kv_heads", "head_dim",
                                   "block_size", "window", "kv_quant")] + [("eps", _F), ("scale", _F)]
 
 
-class _Layer(ctypes.Structure):  # DecoderLayer in csrc/int8_decode.cpp
+class _Layer(ctypes.Structure):  # DecoderLayer in csrc/decode_pass.cpp
     _fields_ = [(n, _P) for n in ("qkv", "o", "gate_up", "down", "qkv_bias", "input_norm", "post_norm", "kv_cache",
                                   "kv_scales")]
 
 
-_SIGNATURES = {"kvflow_int8_decode": ([ctypes.POINTER(_Shape), ctypes.POINTER(_Layer), _P, _I, _P, _P, _P, _P,
-                                       ctypes.c_long, _P, _P, _P, _I], _I)}
+_ARGS = [ctypes.POINTER(_Shape), ctypes.POINTER(_Layer), _P, _I, _P, _P, _P, _P, ctypes.c_long, _P, _P, _P, _I]
+_SIGNATURES = {"kvflow_int8_decode": (_ARGS, _I), "kvflow_f32_decode": (_ARGS, _I)}
 PHASES = ("qkv projection (+ RMSNorm)", "rotary + cache write + attention", "o projection (+ residual)",
           "gate_up projection (+ RMSNorm)", "down projection (+ silu*mul, residual)")
+UNLIMITED = 1 << 30
+
+
+def _native_kernel(kernel) -> Int8Kernel | NativeF32Kernel | None:
+    """The native kernel a projection runs for decode rows (None: it has none)."""
+    if isinstance(kernel, Int8Kernel):
+        return kernel if kernel.native else None
+    if isinstance(kernel, NativeF32Kernel):
+        return kernel
+    return getattr(kernel, "native", None)  # TunedKernel: its native path, if the plan uses one
+
+
+def max_rows(model: torch.nn.Module) -> int:
+    """Up to how many rows a decode-only step runs as the pass: any for int8 and a forced native
+    backend, the autotune's `decode_pass_rows` under ``auto``."""
+    if model.linear_backend == "auto":
+        plan = model.kernel_plan
+        return plan.decode_pass_rows if plan is not None else 0
+    return UNLIMITED
 
 
 def native_decode_unsupported(model: torch.nn.Module) -> str | None:
     """Why `model` (a prepared LlamaForCausalLM) cannot use the native decode pass, or None."""
     cfg = model.cfg
-    if model.linear_backend != "int8":
-        return "it serves the int8 linear backend only"
+    if model.linear_backend not in ("int8", "native", "auto"):
+        return "it serves the int8 and native fp32 linear backends only"
     if not isinstance(model.attention, CpuPagedAttention):
         return "it needs the native attention backend"
     if cfg.qk_norm or not rotary_available(model.rotary.cos.dtype, cfg.head_dim):
         return "q/k norms, or rotary not available natively for this dtype / head_dim"
-    kernels = [lin.kernel for layer in model.layers
+    if max_rows(model) == 0:
+        return "the autotune found the native GEMV slower at one row"
+    kernels = [_native_kernel(lin.kernel) for layer in model.layers
                for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
-    if not all(isinstance(k, Int8Kernel) and k.native for k in kernels):
-        return "the native int8 linear could not be built"
+    if not all(kernels):
+        return "a projection has no native kernel (the library could not be built, or the plan uses none)"
     if any(k.bias is not None for layer in model.layers for k in (layer.o_proj.kernel, layer.gate_up_proj.kernel,
                                                                  layer.down_proj.kernel)):
         return "o / gate_up / down projections with a bias"
@@ -61,16 +86,19 @@ class NativeDecode:
     def __init__(self, model: torch.nn.Module) -> None:
         cfg = model.cfg
         attention: CpuPagedAttention = model.attention
-        self._fn = int8_library(_SIGNATURES).kvflow_int8_decode
+        fn = "kvflow_int8_decode" if model.linear_backend == "int8" else "kvflow_f32_decode"
+        self._fn = getattr(int8_library(_SIGNATURES), fn)
+        self.max_rows = max_rows(model)
         self.shape = _Shape(num_layers=cfg.num_layers, hidden=cfg.hidden_size, intermediate=cfg.intermediate_size,
                             num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                             block_size=attention.block_size, window=attention.sliding_window or 0, kv_quant=0,
                             eps=cfg.rms_norm_eps, scale=cfg.head_dim ** -0.5)
         self.layers = (_Layer * cfg.num_layers)()
         for dst, layer in zip(self.layers, model.layers):
-            qkv = layer.qkv_proj.kernel
-            dst.qkv, dst.o = qkv.native_handle, layer.o_proj.kernel.native_handle
-            dst.gate_up, dst.down = layer.gate_up_proj.kernel.native_handle, layer.down_proj.kernel.native_handle
+            qkv = _native_kernel(layer.qkv_proj.kernel)
+            dst.qkv, dst.o = qkv.native_handle, _native_kernel(layer.o_proj.kernel).native_handle
+            dst.gate_up = _native_kernel(layer.gate_up_proj.kernel).native_handle
+            dst.down = _native_kernel(layer.down_proj.kernel).native_handle
             dst.qkv_bias = None if qkv.bias is None else qkv.bias.data_ptr()
             dst.input_norm = layer.input_layernorm.weight.data_ptr()
             dst.post_norm = layer.post_attention_layernorm.weight.data_ptr()

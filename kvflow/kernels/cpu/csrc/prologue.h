@@ -1,0 +1,49 @@
+/* The op that produces a projection's input, applied row by row inside the native linears
+ * (int8_linear.cpp, f32_linear.cpp) so a projection and its neighbours are one call. Shared, so
+ * both backends (and their decode passes) compute the same prologue with the same rounding. */
+#ifndef KVFLOW_PROLOGUE_H
+#define KVFLOW_PROLOGUE_H
+
+#include <algorithm>
+#include <cmath>
+
+namespace kvflow {
+
+enum Prologue { NONE = 0, RMSNORM = 1, SILU_MUL = 2 };
+
+// Reductions use LANES fixed partial sums, and exp one LANES-wide path for every element, so a
+// row's result does not depend on how many rows a call holds.
+constexpr int LANES = 16;
+
+/* pre(x) of one row into v[k]. */
+inline void prologue(int kind, const float* __restrict x, int k, const float* __restrict norm_w, float eps,
+                     float* __restrict v) {
+  if (kind == RMSNORM) {
+    float acc[LANES] = {0};
+    int i = 0;
+    for (; i + LANES <= k; i += LANES)
+      for (int j = 0; j < LANES; j++) acc[j] += x[i + j] * x[i + j];
+    for (int j = 0; i + j < k; j++) acc[j] += x[i + j] * x[i + j];
+    float ss = 0.f;
+    for (int j = 0; j < LANES; j++) ss += acc[j];
+    const float inv = 1.f / std::sqrt(ss / (float)k + eps);
+    for (int c = 0; c < k; c++) v[c] = x[c] * inv * norm_w[c];
+  } else if (kind == SILU_MUL) {
+    const float* __restrict up = x + k;
+    for (int i = 0; i < k; i += LANES) {
+      float e[LANES];
+      const int n = std::min(LANES, k - i);
+      // exp(80) is finite in float: built with -ffast-math, an inf here would not divide to 0.
+      for (int j = 0; j < LANES; j++) e[j] = j < n ? std::min(-x[i + j], 80.f) : 0.f;
+#pragma omp simd
+      for (int j = 0; j < LANES; j++) e[j] = expf(e[j]);
+      for (int j = 0; j < n; j++) v[i + j] = x[i + j] / (1.f + e[j]) * up[i + j];
+    }
+  } else {
+    for (int c = 0; c < k; c++) v[c] = x[c];
+  }
+}
+
+}  // namespace kvflow
+
+#endif

@@ -1,0 +1,191 @@
+"""The fp32 linear paths the kernel autotune chooses between, and the autotune's cache.
+
+Every path (the native GEMV with its fused prologues, F.linear, oneDNN, and `TunedKernel` mixing
+them by row count) is checked against a float64 recomputation; the native GEMV also for batch
+invariance (a row's result is the same bit for bit whatever else the call holds). The cache: a
+second plan reads the stored times without measuring, a different CPU measures again, and a torn
+file is measured again rather than trusted.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvflow.kernels.cpu import autotune, native
+from kvflow.layers.linear import TunedKernel, make_linear_kernel, make_path_kernel
+from kvflow.layers.norm import RMSNorm
+
+pytestmark = pytest.mark.skipif(not autotune.native_available(torch.float32),
+                                reason="no C++ compiler: the native fp32 linear cannot be built")
+
+# Odd shapes: channels not a multiple of the 4-channel quad, features not a multiple of 8.
+SHAPES = [(1, 8), (5, 13), (37, 64), (64, 77), (130, 200)]
+
+
+def _ref(w, x, bias=None, residual=None):
+    y = x.double() @ w.double().T
+    if bias is not None:
+        y = y + bias.double()
+    return y if residual is None else y + residual.double()
+
+
+def _close(got, expect, k):
+    # fp32 summation over k products: error grows ~ sqrt(k) * eps * |terms|
+    tol = 1e-6 * (k ** 0.5 + 4) * (1 + expect.abs().max().item())
+    assert (got.double() - expect).abs().max().item() <= tol
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 17, 64])
+def test_native_gemv_matches_float64(n, k, rows):
+    g = torch.Generator().manual_seed(n * 1000 + k + rows)
+    w, x = torch.randn(n, k, generator=g), torch.randn(rows, k, generator=g)
+    bias, res = torch.randn(n, generator=g), torch.randn(rows, n, generator=g)
+    kern = make_path_kernel("native", w, bias)
+    assert torch.equal(kern.dequantized_weight(), w)  # packing loses nothing
+    _close(kern(x), _ref(w, x, bias), k)
+    _close(kern(x, res), _ref(w, x, bias, res), k)
+    # strided input (a view into a wider tensor) takes the same result
+    wide = torch.randn(rows, k + 3, generator=g)
+    wide[:, :k] = x
+    _close(kern(wide[:, :k]), _ref(w, x, bias), k)
+
+
+@pytest.mark.parametrize("n,k", [(37, 64), (64, 77)])
+def test_native_gemv_fused_prologues(n, k):
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(n, k, generator=g)
+    norm = RMSNorm(k, 1e-5, torch.float32, torch.device("cpu"))
+    norm.weight.data = torch.rand(k, generator=g) + 0.5
+    x = torch.randn(6, k, generator=g) * 3
+    kern = make_path_kernel("native", w, None)
+    xd = x.double()
+    normed = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight.double()
+    _close(kern(x, norm=norm), _ref(w, normed), k)
+    gate_up = torch.randn(6, 2 * k, generator=g)
+    act = F.silu(gate_up[:, :k].double()) * gate_up[:, k:].double()
+    _close(kern(gate_up, silu_mul=True), _ref(w, act), k)
+    with pytest.raises(ValueError, match="silu_mul takes gate and up"):
+        kern(x, silu_mul=True)
+
+
+def test_native_gemv_is_batch_invariant():
+    g = torch.Generator().manual_seed(3)
+    w, x = torch.randn(130, 200, generator=g), torch.randn(7, 200, generator=g)
+    kern = make_path_kernel("native", w, None)
+    together = kern(x)
+    for r in range(7):
+        assert torch.equal(kern(x[r:r + 1]), together[r:r + 1])
+    assert torch.equal(kern(x[2:5]), together[2:5])
+
+
+@pytest.mark.parametrize("path", autotune.candidates(torch.float32))
+def test_every_candidate_path_matches_float64(path):
+    g = torch.Generator().manual_seed(11)
+    w, bias = torch.randn(96, 72, generator=g), torch.randn(96, generator=g)
+    for rows in (1, 4, 33):
+        x, res = torch.randn(rows, 72, generator=g), torch.randn(rows, 96, generator=g)
+        kern = make_path_kernel(path, w, bias)
+        _close(kern(x), _ref(w, x, bias), 72)
+        _close(kern(x, res), _ref(w, x, bias, res), 72)
+
+
+def test_tuned_kernel_dispatches_by_rows():
+    """A mixed choice runs the named path per row count (first bucket >= rows; the last beyond)."""
+    paths = autotune.candidates(torch.float32)
+    choice = {b: paths[i % len(paths)] for i, b in enumerate(autotune.ROW_BUCKETS)}
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(40, 24, generator=g)
+    kern = TunedKernel(w, None, choice)
+    buckets = sorted(choice)
+    for rows in (1, 2, 3, 4, 5, 9, 16, 40, 64, 100):
+        want = choice[next((b for b in buckets if b >= rows), buckets[-1])]
+        assert kern.kernel_for(rows) is kern.paths[want]
+        x = torch.randn(rows, 24, generator=g)
+        _close(kern(x), _ref(w, x), 24)
+    assert set(kern.paths) == set(choice.values())
+
+
+def _plan(shapes, monkeypatch, tmp_path, cpu="cpu A"):
+    monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(native, "cpu_id", lambda: cpu)
+    return autotune.plan_kernels(shapes, shapes, torch.float32)
+
+
+def test_autotune_cache_is_read_back_and_keyed_by_cpu(monkeypatch, tmp_path):
+    shapes = [(24, 16), (16, 24)]
+    calls = []
+    real = autotune.time_shape
+    monkeypatch.setattr(autotune, "time_shape", lambda s, d: calls.append(s) or real(s, d))
+    first = _plan(shapes, monkeypatch, tmp_path)
+    assert first.source == "measured" and sorted(calls) == sorted(shapes)
+    for s in shapes:
+        assert set(first.choices[s]) == set(autotune.ROW_BUCKETS)
+        assert all(first.choices[s][b] in autotune.candidates(torch.float32) for b in autotune.ROW_BUCKETS)
+    second = _plan(shapes, monkeypatch, tmp_path)
+    assert second.source == "cache" and len(calls) == 2  # nothing measured again
+    assert second.choices == first.choices and second.decode_pass_rows == first.decode_pass_rows
+    # one new shape: only it is measured, the others come from the file
+    third = _plan([*shapes, (8, 8)], monkeypatch, tmp_path)
+    assert third.source == "measured" and calls[2:] == [(8, 8)]
+    # another CPU: a different file, everything measured
+    other = _plan(shapes, monkeypatch, tmp_path, cpu="cpu B")
+    assert other.source == "measured" and len(calls) == 5
+    assert len(list(tmp_path.glob("kernels/autotune-*.json"))) == 2
+
+
+def test_autotune_ignores_a_torn_cache_file(monkeypatch, tmp_path):
+    shapes = [(24, 16)]
+    _plan(shapes, monkeypatch, tmp_path)
+    path = autotune.cache_path("float32")
+    path.write_text(path.read_text()[:20])
+    again = _plan(shapes, monkeypatch, tmp_path)
+    assert again.source == "measured"
+    json.loads(path.read_text())  # rewritten whole
+
+
+def test_decode_pass_rows_from_times():
+    """The pass runs up to the last bucket (from 1, without a gap) where native is within the saved
+    calls of the fastest path over a layer's projections."""
+    layer = [(8, 8), (9, 9)]
+    fast = {b: {"native": 1e-5, "onednn": 2e-5} for b in autotune.ROW_BUCKETS}
+    times = {s: {b: dict(t) for b, t in fast.items()} for s in layer}
+    assert autotune.decode_pass_rows(times, layer, 1e-6) == autotune.ROW_BUCKETS[-1]
+    for s in layer:  # native far slower from 8 rows on
+        for b in (8, 16, 32, 64):
+            times[s][b]["native"] = 1.0
+    assert autotune.decode_pass_rows(times, layer, 1e-6) == 4
+    times[layer[0]][1]["native"] = 1.0  # slower at one row: never
+    assert autotune.decode_pass_rows(times, layer, 1e-6) == 0
+
+
+def test_autotune_off_uses_the_documented_default():
+    plan = autotune.plan_kernels([(24, 16)], [(24, 16)], torch.float32, mode="off")
+    assert plan.source == "default"
+    assert plan.choices[(24, 16)] == autotune.default_choice("float32")
+    with pytest.raises(ValueError, match="kernel_autotune must be one of"):
+        autotune.plan_kernels([(24, 16)], [(24, 16)], torch.float32, mode="fast")
+
+
+def test_engine_reports_the_choice_and_config_validates(tiny_llama):
+    from kvflow import LLM
+    from kvflow.config import EngineConfig
+
+    path, _ = tiny_llama
+    llm = LLM(model=path, num_kv_blocks=16, max_model_len=64, kernel_autotune="off")
+    stats = llm.engine.get_stats()
+    assert stats.linear_kernels.startswith("linear kernels (default, float32)")
+    assert "decode pass: up to 4 rows" in stats.linear_kernels
+    with pytest.raises(ValueError, match="kernel_autotune must be 'on' or 'off'"):
+        EngineConfig(kernel_autotune="maybe")
+
+
+def test_make_linear_kernel_auto_without_plan_uses_default():
+    w = torch.randn(12, 8)
+    kern = make_linear_kernel("auto", w)
+    assert isinstance(kern, TunedKernel)
+    assert set(kern.paths) == set(autotune.default_choice("float32").values())
