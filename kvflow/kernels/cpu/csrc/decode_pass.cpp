@@ -14,6 +14,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <utility>
 #include <vector>
 
 #include "attention.h"
@@ -38,8 +39,44 @@ struct DecoderLayer {
 
 thread_local std::vector<float> t_qkv, t_attn, t_mid, t_gate_up;
 
-template <class Weight, class Linear>
-int decode(Linear linear, const DecoderShape* s, const DecoderLayer* layers, float* x, int rows, const float* cos_t,
+/* The int8 and fp32 linears, each with its workspace sized for every projection of a layer. */
+struct Int8 {
+  using Weight = kvflow::PackedWeight;
+  kvflow::Int8Workspace work;
+  void reserve(const DecoderShape* s, int rows, int nth, int qkv_cols) {
+    for (const auto& [k, n] : {std::pair{s->hidden, qkv_cols}, {s->num_heads * s->head_dim, s->hidden},
+                               {s->hidden, 2 * s->intermediate}, {s->intermediate, s->hidden}})
+      work.reserve(rows, k, n, nth);
+  }
+  void operator()(const void* w, const float* x, long ldx, int m, int kind, const float* norm_w, float eps,
+                  const float* bias, const float* residual, long ld_res, float* out) {
+    kvflow::int8_linear_team(*static_cast<const Weight*>(w), x, ldx, m, kind, norm_w, eps, bias, residual, ld_res,
+                             out, work);
+  }
+};
+
+struct F32 {
+  using Weight = kvflow::F32Weight;
+  kvflow::F32Workspace work;
+  void reserve(const DecoderShape* s, int rows, int, int) {
+    const int widest = std::max({s->hidden, s->num_heads * s->head_dim, s->intermediate});
+    work.reserve(rows, (widest + kvflow::BLOCK - 1) / kvflow::BLOCK * kvflow::BLOCK);
+  }
+  void operator()(const void* w, const float* x, long ldx, int m, int kind, const float* norm_w, float eps,
+                  const float* bias, const float* residual, long ld_res, float* out) {
+    kvflow::f32_linear_team(*static_cast<const Weight*>(w), x, ldx, m, kind, norm_w, eps, bias, residual, ld_res,
+                            out, work);
+  }
+};
+
+thread_local Int8 t_int8;
+thread_local F32 t_f32;
+
+/* The whole pass is one parallel region: every linear and the attention are team functions that
+ * end with a barrier, so the threads stay hot from one projection to the next instead of being
+ * forked and joined ~150 times a step. */
+template <class Linear>
+int decode(Linear& linear, const DecoderShape* s, const DecoderLayer* layers, float* x, int rows, const float* cos_t,
            const float* sin_t, const int64_t* slots, const int32_t* tables, long table_stride,
            const int32_t* context_lens, const int32_t* tokens, double* phase_seconds, int num_threads) {
   using kvflow::NONE;
@@ -52,32 +89,32 @@ int decode(Linear linear, const DecoderShape* s, const DecoderLayer* layers, flo
   t_attn.resize((size_t)rows * q_cols);
   t_mid.resize((size_t)rows * s->hidden);
   t_gate_up.resize((size_t)rows * 2 * s->intermediate);
+  linear.reserve(s, rows, num_threads, qkv_cols);
   float *qkv = t_qkv.data(), *attn = t_attn.data(), *mid = t_mid.data(), *gate_up = t_gate_up.data();
-  // phase_seconds (or null): wall time added per phase -- qkv, attention, o, gate_up, down.
+  // phase_seconds (or null): wall time added per phase -- qkv, attention, o, gate_up, down -- by
+  // the first thread, after the barrier that ends each phase.
   double t = phase_seconds ? omp_get_wtime() : 0.0;
   auto phase = [&](int i) {
-    if (!phase_seconds) return;
+    if (!phase_seconds || omp_get_thread_num() != 0) return;
     const double now = omp_get_wtime();
     phase_seconds[i] += now - t;
     t = now;
   };
+#pragma omp parallel num_threads(num_threads)
   for (int l = 0; l < s->num_layers; l++) {
     const DecoderLayer& L = layers[l];
-    const auto& w = [](const void* p) -> const Weight& { return *static_cast<const Weight*>(p); };
-    linear(w(L.qkv), x, s->hidden, rows, RMSNORM, L.input_norm, s->eps, L.qkv_bias, nullptr, 0, qkv, num_threads);
+    linear(L.qkv, x, s->hidden, rows, RMSNORM, L.input_norm, s->eps, L.qkv_bias, nullptr, 0, qkv);
     phase(0);
-#pragma omp parallel num_threads(num_threads)
     decode_attention(qkv, qkv_cols, cos_t, sin_t, L.kv_cache, L.kv_scales, s->kv_quant, slots, tables,
                      table_stride, context_lens, tokens, rows, s->num_heads, s->num_kv_heads, s->head_dim,
                      s->block_size, s->window, s->scale, attn);
+#pragma omp barrier
     phase(1);
-    linear(w(L.o), attn, q_cols, rows, NONE, nullptr, 0.f, nullptr, x, s->hidden, mid, num_threads);
+    linear(L.o, attn, q_cols, rows, NONE, nullptr, 0.f, nullptr, x, s->hidden, mid);
     phase(2);
-    linear(w(L.gate_up), mid, s->hidden, rows, RMSNORM, L.post_norm, s->eps, nullptr, nullptr, 0, gate_up,
-           num_threads);
+    linear(L.gate_up, mid, s->hidden, rows, RMSNORM, L.post_norm, s->eps, nullptr, nullptr, 0, gate_up);
     phase(3);
-    linear(w(L.down), gate_up, 2L * s->intermediate, rows, SILU_MUL, nullptr, 0.f, nullptr, mid, s->hidden, x,
-           num_threads);
+    linear(L.down, gate_up, 2L * s->intermediate, rows, SILU_MUL, nullptr, 0.f, nullptr, mid, s->hidden, x);
     phase(4);
   }
   return 0;
@@ -96,16 +133,16 @@ int kvflow_int8_decode(const DecoderShape* s, const DecoderLayer* layers, float*
                        const float* sin_t, const int64_t* slots, const int32_t* tables, long table_stride,
                        const int32_t* context_lens, const int32_t* tokens, double* phase_seconds,
                        int num_threads) {
-  return decode<kvflow::PackedWeight>(kvflow::int8_linear, s, layers, x, rows, cos_t, sin_t, slots, tables,
-                                      table_stride, context_lens, tokens, phase_seconds, num_threads);
+  return decode(t_int8, s, layers, x, rows, cos_t, sin_t, slots, tables, table_stride, context_lens, tokens,
+                phase_seconds, num_threads);
 }
 
 /* The same over float32 weights (layers hold kvflow::F32Weight handles). */
 int kvflow_f32_decode(const DecoderShape* s, const DecoderLayer* layers, float* x, int rows, const float* cos_t,
                       const float* sin_t, const int64_t* slots, const int32_t* tables, long table_stride,
                       const int32_t* context_lens, const int32_t* tokens, double* phase_seconds, int num_threads) {
-  return decode<kvflow::F32Weight>(kvflow::f32_linear, s, layers, x, rows, cos_t, sin_t, slots, tables,
-                                   table_stride, context_lens, tokens, phase_seconds, num_threads);
+  return decode(t_f32, s, layers, x, rows, cos_t, sin_t, slots, tables, table_stride, context_lens, tokens,
+                phase_seconds, num_threads);
 }
 
 }  // extern "C"

@@ -17,8 +17,8 @@
 
 #include <omp.h>
 
+#include <algorithm>
 #include <cstdlib>
-#include <vector>
 
 namespace kvflow {
 namespace {
@@ -76,7 +76,7 @@ inline void quads(const F32Weight& p, const float* v, int m, int q0, int q1, flo
   }
 }
 
-thread_local std::vector<float> t_v;  // the prologue's rows (zero-padded to kp), per calling thread
+thread_local F32Workspace t_work;  // per calling thread (the engine's), reused across calls
 
 }  // namespace
 
@@ -99,35 +99,49 @@ void f32_free(F32Weight* p) {
   delete p;
 }
 
-void f32_linear(const F32Weight& p, const float* x, long ldx, int m, int kind, const float* norm_w, float eps,
-                const float* bias, const float* residual, long ld_res, float* out, int num_threads) {
+void F32Workspace::reserve(int m, int kp) { v.resize(std::max(v.size(), (size_t)m * kp)); }
+
+void f32_linear_team(const F32Weight& p, const float* x, long ldx, int m, int kind, const float* norm_w, float eps,
+                     const float* bias, const float* residual, long ld_res, float* out, F32Workspace& w) {
   const int n = p.n, k = p.k, kp = p.kp;
-  if (m <= 0) return;
   const float* v = x;  // the rows the tiles read, kp apart
   if (kind != NONE || ldx != kp || k != kp) {
-    t_v.assign((size_t)m * kp, 0.f);
-    for (int i = 0; i < m; i++) prologue(kind, x + i * ldx, k, norm_w, eps, t_v.data() + (long)i * kp);
-    v = t_v.data();
-  }
-#pragma omp parallel num_threads(num_threads)
-  {
-    const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
-    // Contiguous ranges of quads, one per thread.
-    const int nq = (n + QUAD - 1) / QUAD, per = (nq + nth - 1) / nth;
-    const int q0 = std::min(nq, tid * per), q1 = std::min(nq, q0 + per);
-    quads(p, v, m, q0, q1, out);
-    const int j0 = std::min(n, q0 * QUAD), j1 = std::min(n, q1 * QUAD);
+    float* rows = w.v.data();
+#pragma omp for schedule(static)
     for (int i = 0; i < m; i++) {
-      float* y = out + (long)i * n;
-      const float* res = residual ? residual + i * ld_res : nullptr;
-      for (int j = j0; j < j1; j++) {
-        float o = y[j];
-        if (bias) o += bias[j];
-        if (res) o = res[j] + o;
-        y[j] = o;
-      }
+      float* vi = rows + (long)i * kp;
+      prologue(kind, x + i * ldx, k, norm_w, eps, vi);
+      std::fill(vi + k, vi + kp, 0.f);
+    }
+    v = rows;
+  }
+  const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
+  // Contiguous ranges of quads, one per thread.
+  const int nq = (n + QUAD - 1) / QUAD, per = (nq + nth - 1) / nth;
+  const int q0 = std::min(nq, tid * per), q1 = std::min(nq, q0 + per);
+  quads(p, v, m, q0, q1, out);
+  const int j0 = std::min(n, q0 * QUAD), j1 = std::min(n, q1 * QUAD);
+  for (int i = 0; i < m; i++) {
+    float* y = out + (long)i * n;
+    const float* res = residual ? residual + i * ld_res : nullptr;
+    for (int j = j0; j < j1; j++) {
+      float o = y[j];
+      if (bias) o += bias[j];
+      if (res) o = res[j] + o;
+      y[j] = o;
     }
   }
+#pragma omp barrier
+}
+
+void f32_linear(const F32Weight& p, const float* x, long ldx, int m, int kind, const float* norm_w, float eps,
+                const float* bias, const float* residual, long ld_res, float* out, int num_threads) {
+  if (m <= 0) return;
+  // The calling thread's workspace, named before the region: inside it `t_work` is each thread's own.
+  F32Workspace& work = t_work;
+  work.reserve(m, p.kp);
+#pragma omp parallel num_threads(num_threads)
+  f32_linear_team(p, x, ldx, m, kind, norm_w, eps, bias, residual, ld_res, out, work);
 }
 
 }  // namespace kvflow

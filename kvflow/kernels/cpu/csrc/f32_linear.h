@@ -2,6 +2,8 @@
 #ifndef KVFLOW_F32_LINEAR_H
 #define KVFLOW_F32_LINEAR_H
 
+#include <vector>
+
 #include "prologue.h"
 
 namespace kvflow {
@@ -21,7 +23,19 @@ struct F32Weight {
 F32Weight* f32_pack(const float* w, int n, int k);
 void f32_free(F32Weight* p);
 
-/* out[m, n] = residual + W . pre(x) + bias: see f32_linear.cpp. Opens its own parallel region. */
+/* The prologue's rows (zero-padded to kp) of a call, shared by its team; `reserve` before the
+ * parallel region. */
+struct F32Workspace {
+  std::vector<float> v;
+  void reserve(int m, int kp);
+};
+
+/* out[m, n] = residual + W . pre(x) + bias: see f32_linear.cpp. Called by every thread of a
+ * parallel region (`w` reserved for it beforehand); ends with a barrier. */
+void f32_linear_team(const F32Weight& p, const float* x, long ldx, int m, int kind, const float* norm_w, float eps,
+                     const float* bias, const float* residual, long ld_res, float* out, F32Workspace& w);
+
+/* The same in a parallel region of its own. */
 void f32_linear(const F32Weight& p, const float* x, long ldx, int m, int kind, const float* norm_w, float eps,
                 const float* bias, const float* residual, long ld_res, float* out, int num_threads);
 

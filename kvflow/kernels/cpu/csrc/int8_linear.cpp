@@ -57,47 +57,55 @@ inline void epilogue(float* __restrict y, int j0, int j1, float r, const float* 
   }
 }
 
-// Per calling thread (the engine's), reused across calls: the quantized rows, their scales, the
-// int32 accumulators. Large prefill buffers would otherwise be mapped and faulted in on every call.
-thread_local std::vector<uint8_t> t_q;
-thread_local std::vector<float> t_v, t_r;
-thread_local std::vector<int32_t> t_acc;
+// Per calling thread (the engine's), reused across calls: large prefill buffers would otherwise be
+// mapped and faulted in on every call.
+thread_local Int8Workspace t_work;
 
 }  // namespace
 
-void int8_linear(const PackedWeight& p, const float* x, long ldx, int m, int kind, const float* norm_w, float eps,
-                 const float* bias, const float* residual, long ld_res, float* out, int num_threads) {
+void Int8Workspace::reserve(int m, int k, int n, int num_threads) {
+  q.resize(std::max(q.size(), (size_t)m * k));
+  v.resize(std::max(v.size(), (size_t)num_threads * k));
+  r.resize(std::max(r.size(), (size_t)m));
+  acc.resize(std::max(acc.size(), (size_t)m * n));
+}
+
+void int8_linear_team(const PackedWeight& p, const float* x, long ldx, int m, int kind, const float* norm_w,
+                      float eps, const float* bias, const float* residual, long ld_res, float* out,
+                      Int8Workspace& w) {
   const int n = p.n, k = p.k;
-  if (m <= 0) return;
-  t_q.resize((size_t)m * k);
-  t_v.resize((size_t)num_threads * k);
-  t_r.resize(m);
-  t_acc.resize((size_t)m * n);
-  uint8_t* q = t_q.data();
-  float* v = t_v.data();
-  float* r = t_r.data();
-  int32_t* acc = t_acc.data();
+  const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
+  uint8_t* q = w.q.data();
+  float* r = w.r.data();
   fbgemm::DoNothing<float, float> done;
-  Dequantize dequantize(done, 1.f / (float)p.levels, p.scale.data(), p.levels + 1, nullptr, nullptr, p.col_offsets.data(), nullptr, n);
-#pragma omp parallel num_threads(num_threads)
-  {
-    const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
+  Dequantize dequantize(done, 1.f / (float)p.levels, p.scale.data(), p.levels + 1, nullptr, nullptr,
+                        p.col_offsets.data(), nullptr, n);
+#pragma omp for schedule(static)
+  for (int i = 0; i < m; i++)
+    r[i] = quantize_row(kind, x + i * ldx, k, norm_w, eps, p.levels, w.v.data() + (long)tid * k, q + (long)i * k);
+  fbgemm::PackAWithRowOffset<uint8_t> a(fbgemm::matrix_op_t::NoTranspose, m, k, q, k, nullptr, 1);
+  fbgemm::fbgemmPacked(a, *p.packed, out, w.acc.data(), n, dequantize, tid, nth);
+#pragma omp barrier
+  if (m >= nth) {
 #pragma omp for schedule(static)
     for (int i = 0; i < m; i++)
-      r[i] = quantize_row(kind, x + i * ldx, k, norm_w, eps, p.levels, v + (long)tid * k, q + (long)i * k);
-    fbgemm::PackAWithRowOffset<uint8_t> a(fbgemm::matrix_op_t::NoTranspose, m, k, q, k, nullptr, 1);
-    fbgemm::fbgemmPacked(a, *p.packed, out, acc, n, dequantize, tid, nth);
+      epilogue(out + (long)i * n, 0, n, r[i], bias, residual ? residual + i * ld_res : nullptr);
+  } else {  // few rows: split the columns
+    const int chunk = (n + nth - 1) / nth, j0 = std::min(n, tid * chunk), j1 = std::min(n, j0 + chunk);
+    for (int i = 0; i < m; i++)
+      epilogue(out + (long)i * n, j0, j1, r[i], bias, residual ? residual + i * ld_res : nullptr);
 #pragma omp barrier
-    if (m >= nth) {
-#pragma omp for schedule(static)
-      for (int i = 0; i < m; i++)
-        epilogue(out + (long)i * n, 0, n, r[i], bias, residual ? residual + i * ld_res : nullptr);
-    } else {  // few rows: split the columns
-      const int chunk = (n + nth - 1) / nth, j0 = std::min(n, tid * chunk), j1 = std::min(n, j0 + chunk);
-      for (int i = 0; i < m; i++)
-        epilogue(out + (long)i * n, j0, j1, r[i], bias, residual ? residual + i * ld_res : nullptr);
-    }
   }
+}
+
+void int8_linear(const PackedWeight& p, const float* x, long ldx, int m, int kind, const float* norm_w, float eps,
+                 const float* bias, const float* residual, long ld_res, float* out, int num_threads) {
+  if (m <= 0) return;
+  // The calling thread's workspace, named before the region: inside it `t_work` is each thread's own.
+  Int8Workspace& work = t_work;
+  work.reserve(m, p.k, p.n, num_threads);
+#pragma omp parallel num_threads(num_threads)
+  int8_linear_team(p, x, ldx, m, kind, norm_w, eps, bias, residual, ld_res, out, work);
 }
 
 

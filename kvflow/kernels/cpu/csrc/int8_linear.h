@@ -20,7 +20,23 @@ struct PackedWeight {
   std::vector<int32_t> col_offsets; // sum of each output channel's int8 weights
 };
 
-/* out[m, n] = residual + W . pre(x) + bias: see int8_linear.cpp. Opens its own parallel region. */
+/* The buffers of a call, shared by the threads of its team: the quantized rows, each thread's
+ * prologue row, the row scales, the int32 accumulators. `reserve` (before the parallel region)
+ * grows them to what a call of m rows of W [n, k] needs. */
+struct Int8Workspace {
+  std::vector<uint8_t> q;
+  std::vector<float> v, r;
+  std::vector<int32_t> acc;
+  void reserve(int m, int k, int n, int num_threads);
+};
+
+/* out[m, n] = residual + W . pre(x) + bias: see int8_linear.cpp. Called by every thread of a
+ * parallel region (`w` reserved for it beforehand); ends with a barrier. */
+void int8_linear_team(const PackedWeight& p, const float* x, long ldx, int m, int kind, const float* norm_w,
+                      float eps, const float* bias, const float* residual, long ld_res, float* out,
+                      Int8Workspace& w);
+
+/* The same in a parallel region of its own. */
 void int8_linear(const PackedWeight& p, const float* x, long ldx, int m, int kind, const float* norm_w, float eps,
                  const float* bias, const float* residual, long ld_res, float* out, int num_threads);
 
