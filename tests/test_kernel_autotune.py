@@ -189,3 +189,45 @@ def test_make_linear_kernel_auto_without_plan_uses_default():
     kern = make_linear_kernel("auto", w)
     assert isinstance(kern, TunedKernel)
     assert set(kern.paths) == set(autotune.default_choice("float32").values())
+
+
+@pytest.mark.parametrize("path_env", [None, "dense", "onednn"])
+def test_bf16_engine_tracks_fp32_reference(model_factory, monkeypatch, path_env):
+    """bf16 weights and KV through whichever bf16 path (the autotune's, or forced): each greedy
+    token's logprob is within bf16 rounding of HF's float32 logprob for the same sequence, and
+    each chosen token is near-optimal under float32 (exactness is promised for fp32 only; on a CPU
+    without bf16 math this is the slow fallback, checked for correctness here)."""
+    from kvflow import LLM, SamplingParams
+
+    if path_env == "onednn" and "onednn" not in autotune.candidates(torch.bfloat16):
+        pytest.skip("torch without oneDNN")
+    if path_env is not None:
+        monkeypatch.setenv("KVFLOW_LINEAR_BACKEND", path_env)
+    path, hf = model_factory("llama")
+    llm = LLM(path, dtype="bfloat16", num_kv_blocks=32, max_model_len=128)
+    prompt = [5, 17, 33, 2, 90, 41, 7, 12]
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=1),
+                       use_tqdm=False)[0].outputs[0]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompt + out.token_ids])).logits[0].double(), -1)
+    for i, (tok, lp) in enumerate(zip(out.token_ids, out.logprobs)):
+        row = ref[len(prompt) - 1 + i]
+        assert abs(lp[tok].logprob - row[tok].item()) < 0.1
+        assert row.max().item() - row[tok].item() < 0.1
+
+
+@pytest.mark.parametrize("path_env", ["dense", "onednn", "native"])
+def test_every_fp32_path_keeps_hf_greedy_equivalence(model_factory, monkeypatch, path_env):
+    """Whichever path the autotune picks, fp32 greedy output equals HF transformers'."""
+    from conftest import hf_greedy
+    from kvflow import LLM, SamplingParams
+
+    if path_env not in autotune.candidates(torch.float32):
+        pytest.skip(f"{path_env} not available here")
+    monkeypatch.setenv("KVFLOW_LINEAR_BACKEND", path_env)
+    path, hf = model_factory("qwen2")
+    llm = LLM(path, num_kv_blocks=64, max_model_len=256)
+    prompts = [[(7 * i + 3 * j) % 400 + 2 for j in range(5 + 9 * i)] for i in range(4)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == hf_greedy(hf, p, 20)

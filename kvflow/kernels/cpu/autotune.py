@@ -19,6 +19,7 @@ engine's (one per core it may use); it is part of the key, not a candidate.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -84,9 +85,18 @@ def native_available(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 and f32_library() is not None
 
 
+@functools.cache
 def onednn_available(dtype: torch.dtype) -> bool:
-    return (dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+    """oneDNN's blocked-weight linear for `dtype` on this CPU (bf16 needs AVX512-BW/VL/DQ or
+    AVX-NE-CONVERT; probed by reordering a small weight, as the check lives inside oneDNN)."""
+    if dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available() or not hasattr(
+            torch.ops.mkldnn, "_linear_pointwise"):
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype), 1)
+    except RuntimeError:
+        return False
+    return True
 
 
 def candidates(dtype: torch.dtype) -> list[str]:
