@@ -23,8 +23,6 @@ _SIGNATURES = {
     "kvflow_f32_unpack": ([_P, _P], None),
     "kvflow_f32_linear": ([_P, _P, _L, _I, _I, _P, _F, _P, _P, _L, _P, _I], None),
 }
-# The op applied to each input row first (enum Prologue in csrc/prologue.h).
-PLAIN, RMSNORM, SILU_MUL = 0, 1, 2
 
 
 def f32_library() -> ctypes.CDLL | None:
@@ -67,16 +65,8 @@ class NativeF32Kernel:
             x = x.float().contiguous()
         if residual is not None and (residual.stride(1) != 1 or residual.dtype != torch.float32):
             residual = residual.float().contiguous()
-        out = torch.empty(x.shape[0], self.out_features)
-        if norm is not None:
-            kind, norm_w, eps = RMSNORM, norm.weight.data_ptr(), norm.eps
-        else:
-            kind, norm_w, eps = (SILU_MUL if silu_mul else PLAIN), None, 0.0
-        self._lib.kvflow_f32_linear(
-            self.native_handle, x.data_ptr(), x.stride(0), x.shape[0], kind, norm_w, eps,
-            None if self.bias is None else self.bias.data_ptr(),
-            None if residual is None else residual.data_ptr(), 0 if residual is None else residual.stride(0),
-            out.data_ptr(), torch.get_num_threads())
+        out = native.call_linear(self._lib.kvflow_f32_linear, self.native_handle, x, residual, norm, silu_mul,
+                                 self.bias, self.out_features)
         return out if dtype == torch.float32 else out.to(dtype)
 
     def dequantized_weight(self) -> torch.Tensor:

@@ -79,17 +79,8 @@ class Int8Kernel:
                              + (" (silu_mul takes gate and up: twice the inputs)" if silu_mul else ""))
         if self.native and dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1 and (
                 residual is None or residual.stride(1) == 1):
-            out = torch.empty(x.shape[0], self.out_features)
-            if norm is not None:
-                kind, norm_w, eps = _RMSNORM, norm.weight.data_ptr(), norm.eps
-            else:
-                kind, norm_w, eps = (_SILU_MUL if silu_mul else _PLAIN), None, 0.0
-            self._lib.kvflow_int8_linear(
-                self.native_handle, x.data_ptr(), x.stride(0), x.shape[0], kind, norm_w, eps,
-                None if self.bias is None else self.bias.data_ptr(),
-                None if residual is None else residual.data_ptr(), 0 if residual is None else residual.stride(0),
-                out.data_ptr(), torch.get_num_threads())
-            return out
+            return native.call_linear(self._lib.kvflow_int8_linear, self.native_handle, x, residual, norm, silu_mul,
+                                      self.bias, self.out_features)
         if norm is not None:
             x = norm.forward(x)
         x = x.float()
@@ -117,8 +108,6 @@ class Int8Kernel:
         return self.out_features * self.in_features + 4 * self.out_features + bias
 
 
-# The op applied to each input row before it is quantized (enum Prologue in csrc/int8_linear.h).
-_PLAIN, _RMSNORM, _SILU_MUL = 0, 1, 2
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 _INT8_SIGNATURES = {
     "kvflow_int8_pack": ([_P, _P, _I, _I, _I], _P),

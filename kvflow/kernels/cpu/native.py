@@ -129,3 +129,23 @@ def _open(name: str) -> ctypes.CDLL | None:
     except (OSError, RuntimeError) as e:
         logger.warning("native %s kernels unavailable, using the torch path: %s", name, e)
         return None
+
+
+# The op a native linear applies to each input row first (enum Prologue in csrc/prologue.h).
+PLAIN, RMSNORM, SILU_MUL = 0, 1, 2
+
+
+def call_linear(fn, handle: int, x: torch.Tensor, residual: torch.Tensor | None, norm, silu_mul: bool,
+                bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """One call of a native linear (kvflow_int8_linear / kvflow_f32_linear share this signature):
+    out = residual + W . pre(x) + bias, pre being `norm` (an RMSNorm), silu * mul, or nothing. x and
+    residual: 2-D float32 with unit column stride."""
+    out = torch.empty(x.shape[0], out_features)
+    if norm is not None:
+        kind, norm_w, eps = RMSNORM, norm.weight.data_ptr(), norm.eps
+    else:
+        kind, norm_w, eps = (SILU_MUL if silu_mul else PLAIN), None, 0.0
+    fn(handle, x.data_ptr(), x.stride(0), x.shape[0], kind, norm_w, eps, None if bias is None else bias.data_ptr(),
+       None if residual is None else residual.data_ptr(), 0 if residual is None else residual.stride(0),
+       out.data_ptr(), torch.get_num_threads())
+    return out

