@@ -296,6 +296,10 @@ class ServerConfig:
     # the CPUs) behind one router on --host/--port, routed by router_policy (kvflow/router/).
     data_parallel_size: int = 1
     router_policy: str = "cache_aware"  # round_robin | least_loaded | cache_aware
+    # A replica that exits while serving is restarted, at most this many times within any window
+    # (a replica that keeps crashing stays out of rotation; 0: never restarted).
+    replica_max_restarts: int = 3
+    replica_restart_window_s: float = 300.0
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -306,6 +310,9 @@ class ServerConfig:
         if self.router_policy not in DATA_PARALLEL_POLICIES:
             raise ValueError(f"router_policy must be one of {', '.join(DATA_PARALLEL_POLICIES)}, got "
                              f"{self.router_policy!r}")
+        if self.replica_max_restarts < 0 or not 0 < self.replica_restart_window_s < float("inf"):
+            raise ValueError(f"replica_max_restarts must be >= 0 and replica_restart_window_s a finite number > 0, "
+                             f"got {self.replica_max_restarts} and {self.replica_restart_window_s}")
         _positive("max_waiting_requests", self.max_waiting_requests)
         _positive("max_request_body_bytes", self.max_request_body_bytes)
         from kvflow.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS

@@ -1,14 +1,18 @@
-"""`kvflow serve --data-parallel-size N`: the CPU split, the replicas' command lines, and one real
-server (two replicas of a tiny random model, a subprocess under `nice -n 19`): greedy answers equal
+"""`kvflow serve --data-parallel-size N`: the CPU split, the replicas' command lines, and real
+servers (two replicas of a tiny random model, a subprocess under `nice -n 19`): greedy answers equal
 an in-process engine's, shared prefixes stick to one replica, a replica killed under it leaves the
-rotation, SIGTERM leaves no process behind; a replica that cannot start is a clear error."""
+rotation (with --replica-max-restarts 0) or is restarted and serves again (the default), SIGTERM
+leaves no process behind; a replica that cannot start is a clear error. Restart budgets and
+restarted replicas' lifetimes are checked on fake replicas (no model: fast)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -83,10 +87,27 @@ def test_replica_flags_round_trip():
 
 def test_server_config_checks_the_new_fields():
     assert (ServerConfig().data_parallel_size, ServerConfig().router_policy) == (1, "cache_aware")
+    assert (ServerConfig().replica_max_restarts, ServerConfig().replica_restart_window_s) == (3, 300.0)
     with pytest.raises(ValueError, match="data_parallel_size"):
         ServerConfig(data_parallel_size=0)
     with pytest.raises(ValueError, match="router_policy must be one of round_robin, least_loaded, cache_aware"):
         ServerConfig(router_policy="pd")
+    for bad in ({"replica_max_restarts": -1}, {"replica_restart_window_s": 0},
+                {"replica_restart_window_s": float("nan")}):
+        with pytest.raises(ValueError, match="replica_max_restarts must be >= 0"):
+            ServerConfig(**bad)
+    args = _serve_args(["--data-parallel-size", "2", "--replica-max-restarts", "0", "--replica-restart-window-s", "60"])
+    assert (args.replica_max_restarts, args.replica_restart_window_s) == (0, 60.0)
+
+
+def test_restart_budget():
+    from kvflow.router.replicas import RestartBudget
+
+    b = RestartBudget(2, 300.0)
+    assert b.take(0.0) and b.take(10.0) and not b.take(20.0)  # two within the window, not a third
+    assert not b.take(299.0) and b.take(300.0)  # the first one has left the window
+    assert not b.take(305.0) and b.take(310.0)
+    assert not RestartBudget(0, 300.0).take(0.0)
 
 
 def test_bad_router_policy_is_a_usage_error(capsys):
@@ -144,33 +165,47 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@contextlib.contextmanager
+def _dp_server(model: str, log_dir, *extra: str):
+    """A running `kvflow serve --data-parallel-size 2` (healthy), and whatever happens, nothing of it
+    left afterwards."""
+    port = _free_port()
+    proc = _start(model, port, log_dir, *extra)
+    url = f"http://127.0.0.1:{port}"
+    seen: set[int] = set()  # every process it ever had (restarted replicas included)
+    try:
+        deadline = time.monotonic() + STARTUP_S
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"kvflow serve --data-parallel-size 2 exited with {proc.returncode}:\n{_output(proc)}")
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"not healthy within {STARTUP_S} s:\n{_output(proc)}")
+            time.sleep(0.25)
+        yield proc, url, seen
+    finally:
+        if proc.poll() is None:  # a failed test: leave nothing behind
+            seen |= _descendants(proc.pid)
+            for p in seen:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(p, signal.SIGKILL)
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+        for p in seen:  # a replica that outlived the server (it should not): killed, then reported
+            if _alive(p):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(p, signal.SIGKILL)
+
+
 @pytest.fixture(scope="module")
 def dp_server(tiny_llama, tmp_path_factory):
-    port = _free_port()
-    proc = _start(tiny_llama[0], port, tmp_path_factory.mktemp("dp-logs"))
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + STARTUP_S
-    while True:
-        if proc.poll() is not None:
-            pytest.fail(f"kvflow serve --data-parallel-size 2 exited with {proc.returncode}:\n{_output(proc)}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            os.killpg(proc.pid, signal.SIGKILL)
-            pytest.fail(f"not healthy within {STARTUP_S} s:\n{_output(proc)}")
-        time.sleep(0.25)
-    yield proc, url
-    if proc.poll() is None:  # a failed test: leave nothing behind
-        for p in _descendants(proc.pid):
-            try:
-                os.killpg(p, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
+    # No restarts here: this server's test checks that a dead replica stays out of rotation.
+    with _dp_server(tiny_llama[0], tmp_path_factory.mktemp("dp-logs"), "--replica-max-restarts", "0") as (proc, url, _):
+        yield proc, url
 
 
 def _sent(url: str) -> dict[str, float]:
@@ -250,16 +285,162 @@ def test_data_parallel_server(dp_server, tiny_llama):
     assert "replica 1: http://127.0.0.1:" in out
 
 
-def _fake_replicas(tmp_path, *scripts: str, startup_timeout: float = 30):
-    """A ReplicaSet whose replicas run `python -c SCRIPT` (no model: fast)."""
+def _replicas(url: str) -> list[dict]:
+    return httpx.get(url + "/replicas", timeout=5).json()["replicas"]
+
+
+def test_a_killed_replica_is_restarted(tiny_llama, tmp_path):
+    """SIGKILL one replica: requests keep succeeding, it comes back (a new pid, healthy, restart 1,
+    its log appended) and serves again; SIGTERM then leaves nothing behind."""
+    with _dp_server(tiny_llama[0], tmp_path, "--router-policy", "round_robin") as (proc, url, seen):
+        before = {r["index"]: r for r in _replicas(url)}
+        seen |= {r["pid"] for r in before.values()}
+        victim = before[0]
+        assert victim["restarts"] == 0
+        os.killpg(victim["pid"], signal.SIGKILL)
+        for q in range(4):  # in rotation or not yet out of it: the router retries on the other replica
+            resp = _complete(url, f"While it is down {q}", max_tokens=4)
+            assert resp.status_code == 200, resp.text
+        deadline = time.monotonic() + STARTUP_S
+        while True:
+            now = _replicas(url)[0]
+            if now["pid"] is not None:
+                seen.add(now["pid"])
+            if now["pid"] != victim["pid"] and now["running"] and now["healthy"]:
+                break
+            assert time.monotonic() < deadline, f"replica 0 not back within {STARTUP_S} s: {now}"
+            time.sleep(0.5)
+        assert now["restarts"] == 1 and (now["url"], now["cpus"], now["log"]) == (victim["url"], victim["cpus"],
+                                                                                  victim["log"])
+        assert httpx.get(url + "/health", timeout=10).status_code == 200
+        sent = _sent(url)
+        for q in range(4):  # round robin: the restarted replica gets its share
+            resp = _complete(url, f"After the restart {q}", max_tokens=4)
+            assert resp.status_code == 200, resp.text
+        assert _sent(url)[victim["url"]] - sent.get(victim["url"], 0) >= 1
+        log = open(victim["log"]).read()
+        assert "---- kvflow: replica 0 exited with code -9; restart 1 ----" in log
+        assert log.count("kvflow: serving tiny at") == 2, log[-2000:]  # both runs, in one log
+        seen |= _descendants(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        assert [p for p in seen if _alive(p)] == []
+        out = _output(proc)
+    assert "restarting it (restart 1" in out, out[-3000:]
+
+
+def _fake_replicas(tmp_path, *scripts: str, startup_timeout: float = 30, **restarts):
+    """A ReplicaSet whose replicas run `python -c SCRIPT` (no model: fast; PORT in it is its port)."""
     from kvflow.router.replicas import ReplicaSet, ReplicaSpec
 
-    specs = [ReplicaSpec(k, _free_port(), [sys.executable, "-c", code], dict(os.environ), None, 1,
-                         str(tmp_path / f"replica-{k}.log")) for k, code in enumerate(scripts)]
-    return ReplicaSet(specs, stop_timeout=5, startup_timeout=startup_timeout)
+    ports = [_free_port() for _ in scripts]
+    specs = [ReplicaSpec(k, port, [sys.executable, "-c", code.replace("PORT", str(port))], dict(os.environ), None, 1,
+                         str(tmp_path / f"replica-{k}.log")) for k, (code, port) in enumerate(zip(scripts, ports))]
+    return ReplicaSet(specs, stop_timeout=5, startup_timeout=startup_timeout, **restarts)
 
 
 SLEEPER = "import time; time.sleep(120)"
+# A replica that answers every GET (/health included) with 200, until it is killed.
+HEALTHY = """
+import http.server
+class Ok(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(b"ok")
+    def log_message(self, *args):
+        pass
+print("serving", flush=True)
+http.server.HTTPServer(("127.0.0.1", PORT), Ok).serve_forever()
+"""
+
+
+def _wait_for(cond, timeout: float = 30, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
+        time.sleep(0.05)
+
+
+def test_a_dead_replica_is_restarted_within_its_budget(tmp_path, caplog):
+    caplog.set_level("INFO", logger="kvflow.router.replicas")
+    replicas = _fake_replicas(tmp_path, HEALTHY, HEALTHY, max_restarts=1, restart_window_s=300)
+    gone = threading.Event()
+    replicas.launch()
+    pids: list[int] = []
+    try:
+        assert replicas.wait_healthy()
+        replicas.watch(gone.set, interval_s=0.05)
+        first = replicas.procs[0]
+        pids += [p.proc.pid for p in replicas.procs]
+        os.killpg(first.proc.pid, signal.SIGKILL)
+        _wait_for(lambda: replicas.procs[0] is not first and replicas.procs[0].poll_healthy(), what="a restart")
+        second = replicas.procs[0]
+        pids.append(second.proc.pid)
+        assert second.restarts == 1 and second.port == first.port and replicas.running() == [True, True]
+        assert second.proc.pid != first.proc.pid
+        _wait_for(lambda: any("answers /health again after restart 1" in r.getMessage() for r in caplog.records))
+        os.killpg(second.proc.pid, signal.SIGKILL)  # its budget (1 per 300 s) is spent: it stays down
+        _wait_for(lambda: any("not restarted (1 restart(s) within 300 s already" in r.getMessage()
+                              for r in caplog.records), what="the budget")
+        time.sleep(0.3)
+        assert replicas.procs[0] is second and replicas.running() == [False, True] and not gone.is_set()
+        os.killpg(replicas.procs[1].proc.pid, signal.SIGKILL)  # the other's budget is its own
+        _wait_for(lambda: replicas.procs[1].restarts == 1 and replicas.running()[1], what="replica 1's restart")
+        pids.append(replicas.procs[1].proc.pid)
+    finally:
+        replicas.stop()
+    assert replicas.running() == [False, False] and not any(_alive(p) for p in pids)
+    log = (tmp_path / "replica-0.log").read_text()
+    assert log.count("serving") == 2 and "---- kvflow: replica 0 exited with code -9; restart 1 ----" in log
+
+
+def test_a_restarted_replica_that_does_not_come_up_is_killed_and_counted(tmp_path, caplog):
+    """Restarted, it never answers (here: the second run only sleeps): killed after the startup
+    timeout, restarted again while the budget lasts, then given up on; every replica gone: on_all_gone."""
+    marker = tmp_path / "ran-once"
+    script = (f"import os, time\nif os.path.exists({str(marker)!r}):\n    time.sleep(120)\n"
+              f"open({str(marker)!r}, 'w').close()\n" + HEALTHY)
+    replicas = _fake_replicas(tmp_path, script, startup_timeout=3, max_restarts=2, restart_window_s=300)
+    gone = threading.Event()
+    replicas.launch()
+    try:
+        assert replicas.wait_healthy()
+        replicas.watch(gone.set, interval_s=0.05)
+        os.killpg(replicas.procs[0].proc.pid, signal.SIGKILL)
+        assert gone.wait(30)
+    finally:
+        replicas.stop()
+    logged = [r.getMessage() for r in caplog.records if r.name == "kvflow.router.replicas"]
+    assert sum("did not answer /health within 3 s of its restart: killing it" in m for m in logged) == 2
+    assert any("exited with code -9: out of rotation, not restarted (2 restart(s)" in m for m in logged)
+    assert replicas.procs[0].restarts == 2
+
+
+def test_restarted_replicas_die_with_their_parent(tmp_path):
+    """A replica restarted by the watcher thread still gets SIGTERM when the server is SIGKILLed."""
+    parent = subprocess.Popen([sys.executable, "-c", f"""
+import os, signal, sys, time
+from kvflow.router.replicas import ReplicaSet, ReplicaSpec
+specs = [ReplicaSpec(0, 1, [sys.executable, "-c", {SLEEPER!r}], dict(os.environ), None, 1,
+                     os.path.join({str(tmp_path)!r}, "replica-0.log"))]
+r = ReplicaSet(specs, stop_timeout=5, max_restarts=1)
+r.launch()
+r.watch(lambda: None, interval_s=0.05)
+first = r.procs[0].proc.pid
+os.killpg(first, signal.SIGKILL)
+while r.procs[0].proc is None or r.procs[0].proc.pid == first:
+    time.sleep(0.05)
+print(first, r.procs[0].proc.pid, flush=True)
+time.sleep(120)
+"""], stdout=subprocess.PIPE, text=True)
+    try:
+        first, restarted = (int(x) for x in parent.stdout.readline().split())
+        assert first != restarted and _alive(restarted)
+    finally:
+        parent.kill()
+        parent.wait()
+    _wait_for(lambda: not _alive(restarted), timeout=10, what="the restarted replica's end")
 
 
 def test_a_replica_that_exits_stops_the_start_at_once(tmp_path):
@@ -304,7 +485,8 @@ def test_the_watcher_reports_when_every_replica_is_gone(tmp_path, caplog):
     finally:
         replicas.stop()
     logged = [r.getMessage() for r in caplog.records if r.name == "kvflow.router.replicas"]
-    assert sum("exited with code 0: out of rotation, not restarted" in m for m in logged) == 2
+    assert sum("exited with code 0: out of rotation, not restarted (--replica-max-restarts is 0" in m
+               for m in logged) == 2
     assert any("every data-parallel replica has exited" in m for m in logged)
 
 

@@ -133,16 +133,19 @@ class ManagedProcess:
     manager (`with ManagedProcess(...) as p:`), or `start()` and `stop()`; `stop` is idempotent.
     Subclasses may override `failure` to explain a failed start from the log.
     `echo` False: no "starting ..." line on stdout. `die_with_parent` (Linux): the child gets SIGTERM
-    when this process dies, even by SIGKILL (PR_SET_PDEATHSIG; start it from the main thread).
+    when the thread that started it dies, even by SIGKILL of the process (PR_SET_PDEATHSIG; start it
+    from a thread that lives as long as the child should). `append_log`: add to `log_path` rather
+    than overwrite it (a restarted server keeps its predecessor's log).
     """
 
     def __init__(self, argv: Sequence[str], port: int, *, startup_timeout: float, stop_timeout: float,
                  name: str | None = None, env: Mapping[str, str] | None = None, log_path: str | None = None,
-                 echo: bool = True, die_with_parent: bool = False):
+                 echo: bool = True, die_with_parent: bool = False, append_log: bool = False):
         self.argv, self.port, self.name = list(argv), port, name
         self.env = dict(env) if env is not None else None
         self.startup_timeout, self.stop_timeout = startup_timeout, stop_timeout
         self.log_path = log_path
+        self.append_log = append_log
         self.echo, self.die_with_parent = echo, die_with_parent
         self.proc: subprocess.Popen | None = None
         self._log: IO[bytes] | None = None
@@ -162,7 +165,7 @@ class ManagedProcess:
 
     def _open_log(self) -> IO[bytes]:
         if self.log_path is not None:
-            return open(self.log_path, "wb")
+            return open(self.log_path, "ab" if self.append_log else "wb")
         log = tempfile.NamedTemporaryFile(prefix="kvflow-serve-", suffix=".log")  # removed when closed
         self.log_path = log.name
         return log

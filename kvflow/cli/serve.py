@@ -29,10 +29,15 @@ _SERVER_HELP = {
     "router_policy": "with --data-parallel-size > 1: how requests are spread over the replicas: round_robin, "
                      "least_loaded (fewest running + waiting requests) or cache_aware (the replica that holds "
                      "most of the prompt's prefix, unless loads are imbalanced)",
+    "replica_max_restarts": "with --data-parallel-size > 1: a replica that exits while serving is restarted "
+                            "(same port, CPUs and flags), at most this many times within "
+                            "--replica-restart-window-s; past that it stays out of rotation (0: never restarted)",
+    "replica_restart_window_s": "the window of --replica-max-restarts, in seconds",
 }
 # ServerConfig fields the data-parallel front end keeps to itself: the replicas listen on their
 # own 127.0.0.1 ports and get the API key in their environment.
-_FRONT_END_FIELDS = ("host", "port", "api_key", "data_parallel_size", "router_policy")
+_FRONT_END_FIELDS = ("host", "port", "api_key", "data_parallel_size", "router_policy", "replica_max_restarts",
+                     "replica_restart_window_s")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from kvflow.kv_transfer.offload_store import OffloadStats
     from kvflow.kv_transfer.pd import KVTransferStats
     from kvflow.spec_decode.speculator import SpecDecodeStats
+    from kvflow.worker.model_runner import KVCacheSpec
 
 logger = logging.getLogger("kvflow")
 
@@ -65,11 +66,7 @@ class EngineStats:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        import torch
-
-        from kvflow.layers.attention import kv_cache_bytes_per_token
         from kvflow.models.loader import load_checkpoint
-        from kvflow.worker.model_runner import ModelRunner
 
         self.config = config
         ckpt = load_checkpoint(config.model, config.tokenizer)
@@ -80,34 +77,13 @@ class LLMEngine:
         self.max_model_len = self._resolve_max_model_len()
         self.eos_token_ids = self._eos_ids(ckpt.generation_config)
 
-        from kvflow.distributed.parallel import local_config
-
-        # Under tensor parallelism each rank holds its share of the heads (and so of the KV cache).
-        mc = local_config(self.model_config, config.tensor_parallel_size)
-        self.kv_bytes_per_token = kv_cache_bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim,
-                                                           getattr(torch, config.dtype), config.kv_cache_dtype)
-        self.num_kv_blocks = self._num_blocks()
-        calibration = None
-        if config.quantization == "int8" and self.tokenizer is not None:
-            from kvflow.layers.quant import CALIBRATION_TEXT
-
-            calibration = self.tokenizer(CALIBRATION_TEXT, add_special_tokens=True)["input_ids"]
-        workers = tp = None
-        if config.tensor_parallel_size > 1:
-            if config.distributed_executor_backend == "ray":
-                from kvflow.executor.ray_executor import RayTPWorkers as Workers
-            else:
-                from kvflow.executor.mp import TPWorkers as Workers
-            workers = Workers(config, self.max_model_len, self.num_kv_blocks, mc.hidden_size)
-            tp = workers.group
-        try:
-            self.runner = ModelRunner(mc, config, self.max_model_len, self.num_kv_blocks, ckpt.weights,
-                                      calibration_ids=calibration, tp=tp)
-        except BaseException:
-            if workers is not None:
-                workers.shutdown()
-            raise
-        self.executor = Executor(self.runner, workers)
+        # The pool is sized from one rank's KV bytes per token (the worker's answer: under tensor
+        # parallelism each rank holds its share of the KV heads); the runners then allocate it.
+        kv_spec = Executor.kv_cache_spec(self.model_config, config)
+        self.kv_bytes_per_token = kv_spec.bytes_per_token
+        self.num_kv_blocks = self._num_blocks(kv_spec)
+        self.executor = Executor.create(config, ckpt, self.max_model_len, self.num_kv_blocks)
+        self.runner = self.executor.runner
         from kvflow.kv_transfer.factory import make_kv_connector
 
         # What moves KV in and out of the pool (offload tiers, another engine): one connector, split
@@ -137,7 +113,7 @@ class LLMEngine:
                 from kvflow.spec_decode.draft_model import DraftModelProposer
 
                 proposer = DraftModelProposer.create(config, spec, self.model_config.vocab_size, self.max_model_len,
-                                                     self.num_kv_blocks, calibration)
+                                                     self.num_kv_blocks, self.tokenizer)
             self.speculator = Speculator(spec, proposer, cost=self.step_cost)
         self.slo = SLOTracker()
         self._children: dict[str, list[str]] = {}
@@ -170,20 +146,15 @@ class LLMEngine:
             ids.add(self.tokenizer.eos_token_id)
         return tuple(sorted(ids))
 
-    def _num_blocks(self) -> int:
+    def _num_blocks(self, kv: "KVCacheSpec") -> int:
         cfg = self.config
-        block_bytes = cfg.block_size * self.kv_bytes_per_token
+        block_bytes = cfg.block_size * kv.bytes_per_token
         num = cfg.num_kv_blocks or int(cfg.kv_cache_memory_gb * 2**30 // block_bytes)
         needed = cdiv(self.max_model_len, cfg.block_size)
-        from kvflow.distributed.parallel import local_config
-
-        mc = local_config(self.model_config, cfg.tensor_parallel_size)  # one rank's share
-        per_value = "1 byte + a 4-byte scale per head" if cfg.kv_cache_dtype == "int8" else \
-            f"{self.kv_bytes_per_token // (2 * mc.num_layers * mc.num_kv_heads * mc.head_dim)} bytes"
         logger.info(
             "KV cache: %d bytes/token (2 x %d layers x %d kv heads x %d head_dim x %s), "
             "%d blocks of %d tokens = %d tokens, %.2f GiB",
-            self.kv_bytes_per_token, mc.num_layers, mc.num_kv_heads, mc.head_dim, per_value,
+            kv.bytes_per_token, kv.num_layers, kv.num_kv_heads, kv.head_dim, kv.per_value,
             num, cfg.block_size, num * cfg.block_size, num * block_bytes / 2**30,
         )
         if num < needed:
@@ -441,7 +412,7 @@ class LLMEngine:
 
     def _release(self, request_ids: list[str]) -> None:
         """Per-request state outside the scheduler (generators, acceptance averages, matchers)."""
-        self.runner.release(request_ids)
+        self.executor.release(request_ids)
         if self.structured is not None:
             self.structured.remove(request_ids)
         if self.speculator is not None:

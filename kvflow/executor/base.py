@@ -1,14 +1,19 @@
-"""The engine's only way to the model: one `execute` per step."""
+"""The engine's only way to the model: the KV sizing it needs before the model is loaded
+(`kv_cache_spec`), the runners and workers it builds (`create`), one `execute` per step."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from kvflow.config import EngineConfig, ModelConfig
     from kvflow.core.scheduler import SchedulerOutput
     from kvflow.executor.mp import TPWorkers
+    from kvflow.executor.ray_executor import RayTPWorkers
+    from kvflow.models.loader import Checkpoint
     from kvflow.structured_output.manager import GrammarBitmask
-    from kvflow.worker.model_runner import ModelRunner, RunnerOutput
+    from kvflow.worker.model_runner import KVCacheSpec, ModelRunner, RunnerOutput
 
 
 class Executor:
@@ -16,15 +21,58 @@ class Executor:
     there are any: they get each step's sequences first and run the same forward pass over their
     shards, meeting rank 0 in the all-reduces."""
 
-    def __init__(self, runner: "ModelRunner", workers: "TPWorkers | None" = None) -> None:
+    def __init__(self, runner: "ModelRunner", workers: "TPWorkers | RayTPWorkers | None" = None) -> None:
         self.runner = runner
         self.workers = workers
+
+    @staticmethod
+    def kv_cache_spec(model_config: "ModelConfig", config: "EngineConfig") -> "KVCacheSpec":
+        """One rank's KV bytes per token (the worker's answer): the engine sizes its block pool
+        from it, and that size is what `create` then allocates on every rank."""
+        from kvflow.worker.model_runner import kv_cache_spec
+
+        return kv_cache_spec(model_config, config)
+
+    @classmethod
+    def create(cls, config: "EngineConfig", ckpt: "Checkpoint", max_model_len: int, num_blocks: int) -> "Executor":
+        """Rank 0's runner over `ckpt`'s weights (its tokenizer only for the int8 calibration
+        text), after the other ranks' workers when tensor-parallel: rank 0 shards its weights in
+        their group, so the group comes first."""
+        from kvflow.distributed.parallel import local_config
+        from kvflow.worker.model_runner import ModelRunner
+
+        mc = local_config(ckpt.model_config, config.tensor_parallel_size)  # this rank's share
+        workers = _start_workers(config, max_model_len, num_blocks, mc.hidden_size)
+        try:
+            runner = ModelRunner(mc, config, max_model_len, num_blocks, ckpt.weights, tokenizer=ckpt.tokenizer,
+                                 tp=None if workers is None else workers.group)
+        except BaseException:
+            if workers is not None:
+                workers.shutdown()
+            raise
+        return cls(runner, workers)
 
     def execute(self, sched: "SchedulerOutput", grammar: "GrammarBitmask | None" = None) -> "RunnerOutput":
         if self.workers is not None and sched.seqs:
             self.workers.step(sched.seqs)
         return self.runner.execute(sched, grammar)
 
+    def release(self, request_ids: Iterable[str]) -> None:
+        """Finished requests: rank 0 drops their random generators (only rank 0 samples)."""
+        self.runner.release(request_ids)
+
     def shutdown(self) -> None:
         if self.workers is not None:
             self.workers.shutdown()
+
+
+def _start_workers(config: "EngineConfig", max_model_len: int, num_blocks: int,
+                   hidden_size: int) -> "TPWorkers | RayTPWorkers | None":
+    """Ranks 1..N-1 under tensor parallelism (processes, or Ray actors); None for one rank."""
+    if config.tensor_parallel_size <= 1:
+        return None
+    if config.distributed_executor_backend == "ray":
+        from kvflow.executor.ray_executor import RayTPWorkers as Workers
+    else:
+        from kvflow.executor.mp import TPWorkers as Workers
+    return Workers(config, max_model_len, num_blocks, hidden_size)

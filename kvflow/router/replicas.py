@@ -13,11 +13,18 @@ then serves the router app (`app.py`, policy `--router-policy`) on the public --
   --shutdown-grace-s, then every replica gets SIGTERM (SIGKILL to its process group after the
   grace). Each replica runs in its own process group (its children included) and gets SIGTERM
   from the kernel if this process dies without cleaning up (PR_SET_PDEATHSIG, Linux).
-- A replica that dies later is left to the router's health checks: it leaves the rotation and
-  GET /health turns 503 naming it (a supervisor watching /health restarts the whole server); it
-  is not restarted. When every replica is gone, the server exits with status 1.
-- GET /replicas lists the replicas (URL, pid, CPUs, threads, log, running, healthy): their own
-  /metrics carry the engine metrics; the public /metrics is the router's.
+- A replica that exits later (a crash, the OOM killer, a failed engine step) leaves the rotation
+  through the router's health checks (GET /health turns 503 naming it; requests it had not
+  answered are retried on another replica or get an error, as the router does for any backend)
+  and is restarted: the same command line (port, CPUs, flags), its log appended to. It is back in
+  rotation once the router's /health probe passes. `--replica-max-restarts` (3) bounds the
+  restarts of each replica within any `--replica-restart-window-s` (300 s), so a replica that
+  crashes at once is not restarted forever; a restarted one that does not answer /health within
+  `STARTUP_TIMEOUT_S` is killed and counts as another exit. Past the bound the replica stays out
+  of rotation (a supervisor watching /health restarts the whole server). When every replica is
+  gone for good, the server exits with status 1.
+- GET /replicas lists the replicas (URL, pid, CPUs, threads, log, running, healthy, restarts):
+  their own /metrics carry the engine metrics; the public /metrics is the router's.
 
 Processes are `kvflow.bench.servers.ManagedProcess` (a log file each, process groups, stop with
 SIGTERM then SIGKILL), shared with the benchmark harnesses. No torch here: the replicas load the model.
@@ -34,11 +41,12 @@ import sys
 import tempfile
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvflow.bench.servers import ManagedProcess, ServerError, free_ports, pinned, usable_cpus
+from kvflow.bench.servers import ManagedProcess, ServerError, free_ports, pinned, signal_group, usable_cpus
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -128,12 +136,36 @@ def replica_specs(n: int, flags: Sequence[str], log_dir: str, *, api_key: str | 
     return specs
 
 
+class RestartBudget:
+    """At most `max_restarts` restarts within any `window_s` seconds: a replica that keeps dying
+    (a bad flag, a machine out of memory) is given up on instead of restarted in a loop."""
+
+    def __init__(self, max_restarts: int, window_s: float) -> None:
+        self.max_restarts, self.window_s = max_restarts, window_s
+        self._times: deque[float] = deque()
+
+    def take(self, now: float) -> bool:
+        """True (and counted) when one more restart at `now` is within the budget."""
+        while self._times and now - self._times[0] >= self.window_s:
+            self._times.popleft()
+        if len(self._times) >= self.max_restarts:
+            return False
+        self._times.append(now)
+        return True
+
+    def describe(self) -> str:
+        if self.max_restarts == 0:
+            return "--replica-max-restarts is 0"
+        return f"{self.max_restarts} restart(s) within {self.window_s:g} s already"
+
+
 class _Replica(ManagedProcess):
-    def __init__(self, spec: ReplicaSpec, stop_timeout: float, startup_timeout: float) -> None:
+    def __init__(self, spec: ReplicaSpec, stop_timeout: float, startup_timeout: float, restarts: int = 0) -> None:
         super().__init__(spec.argv, spec.port, name=spec.name, env=spec.env, log_path=spec.log_path,
                          startup_timeout=startup_timeout, stop_timeout=stop_timeout, echo=False,
-                         die_with_parent=True)
+                         die_with_parent=True, append_log=restarts > 0)
         self.spec = spec
+        self.restarts = restarts  # how many processes of this replica came before this one
 
     def failure(self, returncode: int | None) -> ReplicaStartError:
         what = (f"exited with code {returncode}" if returncode is not None
@@ -141,16 +173,27 @@ class _Replica(ManagedProcess):
         return ReplicaStartError(f"data-parallel {self.name} ({self.url}) {what}; its log is {self.log_path}, "
                                  f"last lines:\n{self.log_tail()}")
 
+    def exit_code(self) -> int | None:
+        return self.proc.poll() if self.proc is not None else None
+
 
 class ReplicaSet:
-    """The replica processes: started together, waited for together, stopped together."""
+    """The replica processes: started together, waited for together, stopped together; once
+    serving, `watch` restarts those that exit (within `max_restarts` per `restart_window_s` each)."""
 
     def __init__(self, specs: Sequence[ReplicaSpec], *, stop_timeout: float,
-                 startup_timeout: float = STARTUP_TIMEOUT_S) -> None:
+                 startup_timeout: float = STARTUP_TIMEOUT_S, max_restarts: int = 0,
+                 restart_window_s: float = 300.0) -> None:
         self.specs = list(specs)
         self.procs = [_Replica(s, stop_timeout, startup_timeout) for s in self.specs]
-        self.startup_timeout = startup_timeout
+        self.stop_timeout, self.startup_timeout = stop_timeout, startup_timeout
+        self._budgets = [RestartBudget(max_restarts, restart_window_s) for _ in self.specs]
+        # Restarted replicas not healthy yet: index -> the time by which they must be.
+        self._restarting: dict[int, float] = {}
         self._stopping = threading.Event()
+        self._stopped = threading.Event()
+        # Held by each watcher pass: once stop() has taken it, no replica is launched any more.
+        self._lock = threading.Lock()
         self._watcher: threading.Thread | None = None
 
     @property
@@ -178,37 +221,101 @@ class ReplicaSet:
         return True
 
     def running(self) -> list[bool]:
-        return [p.proc is not None and p.proc.poll() is None for p in self.procs]
+        return [p.proc is not None and p.exit_code() is None for p in self.procs]
 
     def watch(self, on_all_gone: Callable[[], None], interval_s: float = 0.5) -> None:
-        """In a daemon thread: log each replica that exits (the router's health checks keep it out),
-        and call `on_all_gone()` once none is left."""
+        """In a daemon thread: restart each replica that exits, within its budget (the router's
+        health checks keep it out of rotation until it answers again); log one given up on, and
+        call `on_all_gone()` once every replica is. The restarted replicas are this thread's
+        children, so it lives until `stop` has stopped them: PR_SET_PDEATHSIG sends a child SIGTERM
+        when the thread that started it ends, and a second SIGTERM would cut a replica's drain."""
         def loop() -> None:
-            reported: set[int] = set()
+            gone: set[int] = set()
             while not self._stopping.wait(interval_s):
-                for p in self.procs:
-                    code = p.proc.poll() if p.proc is not None else None
-                    if code is not None and p.spec.index not in reported and not self._stopping.is_set():
-                        reported.add(p.spec.index)
-                        logger.error("data-parallel %s (pid %d, %s) exited with code %s: out of rotation, not "
-                                     "restarted (GET /health is 503 until the server restarts); its log is %s",
-                                     p.name, p.proc.pid, p.url, code, p.log_path)
-                if len(reported) == len(self.procs) and not self._stopping.is_set():
+                with self._lock:
+                    if self._stopping.is_set():
+                        break
+                    for k in range(len(self.procs)):
+                        try:
+                            if k not in gone and self._tend(k):
+                                gone.add(k)
+                        except Exception:  # this thread must outlive its children (see above)
+                            logger.exception("data-parallel replica %d: watching it failed", k)
+                if len(gone) == len(self.procs):
                     logger.error("every data-parallel replica has exited: stopping")
                     on_all_gone()
                     return
+            self._stopped.wait()
 
         self._watcher = threading.Thread(target=loop, name="kvflow-dp-watch", daemon=True)
         self._watcher.start()
+
+    def _tend(self, k: int) -> bool:
+        """One look at replica `k`: restart it if it exited (True when it is given up on instead),
+        or, restarted, see whether it answers /health yet."""
+        p = self.procs[k]
+        code = p.exit_code()
+        if code is None:
+            if k in self._restarting:
+                self._check_restarted(k, p)
+            return False
+        self._restarting.pop(k, None)
+        budget = self._budgets[k]
+        if not budget.take(time.monotonic()):
+            logger.error("data-parallel %s (pid %d, %s) exited with code %s: out of rotation, not restarted (%s; "
+                         "GET /health is 503 until the server restarts); its log is %s",
+                         p.name, p.proc.pid, p.url, code, budget.describe(), p.log_path)
+            return True
+        return not self._restart(k, p, code)
+
+    def _restart(self, k: int, old: _Replica, code: int) -> bool:
+        """A new process for replica `k` (same command line, CPUs, port; the log goes on); False when
+        it cannot even be started."""
+        old.stop()  # it has exited: this reaps it and kills what it left in its process group
+        n = old.restarts + 1
+        logger.error("data-parallel %s (pid %d, %s) exited with code %s: restarting it (restart %d; its log %s "
+                     "goes on)", old.name, old.proc.pid, old.url, code, n, old.log_path)
+        try:
+            with open(old.log_path, "a", encoding="utf-8") as f:
+                f.write(f"\n---- kvflow: {old.name} exited with code {code}; restart {n} ----\n")
+        except OSError:
+            pass  # the log is for people: a restart does not depend on it
+        new = _Replica(old.spec, self.stop_timeout, self.startup_timeout, restarts=n)
+        try:
+            new.launch()
+        except OSError as e:
+            logger.error("data-parallel %s could not be restarted (%s): out of rotation", old.name, e)
+            return False
+        self.procs[k] = new
+        self._restarting[k] = time.monotonic() + self.startup_timeout
+        return True
+
+    def _check_restarted(self, k: int, p: _Replica) -> None:
+        try:
+            healthy = p.poll_healthy()
+        except ServerError:
+            return  # it exited: the next pass restarts it again or gives up on it
+        if healthy:
+            del self._restarting[k]
+            logger.warning("data-parallel %s (pid %d, %s) answers /health again after restart %d: back in "
+                           "rotation at the router's next probe", p.name, p.proc.pid, p.url, p.restarts)
+        elif time.monotonic() > self._restarting[k]:
+            # It serves nothing yet: nothing to drain, so no SIGTERM and wait.
+            logger.error("data-parallel %s (pid %d) did not answer /health within %g s of its restart: killing it",
+                         p.name, p.proc.pid, self.startup_timeout)
+            signal_group(p.proc, signal.SIGKILL)
 
     def stop(self) -> None:
         """SIGTERM to every replica at once, then wait for each (SIGKILL to its group after the
         stop timeout). Idempotent."""
         self._stopping.set()
-        for p in self.procs:
+        with self._lock:  # a watcher pass under way (a restart) finishes first; none comes after
+            procs = list(self.procs)
+        for p in procs:
             p.terminate()
-        for p in self.procs:
+        for p in procs:
             p.stop()
+        self._stopped.set()
         if self._watcher is not None and self._watcher is not threading.current_thread():
             self._watcher.join(5)
 
@@ -225,8 +332,8 @@ def check_bindable(host: str, port: int) -> None:
 
 
 def add_replica_routes(app: FastAPI, replicas: ReplicaSet, policy: str) -> None:
-    """GET /replicas: each replica's URL, pid, CPUs, threads, log, and whether it runs and is healthy
-    (the router's view: its last /health probe)."""
+    """GET /replicas: each replica's URL, pid, CPUs, threads, log, whether it runs and is healthy
+    (the router's view: its last /health probe), and how many times it was restarted."""
     from starlette.responses import JSONResponse
 
     router = app.state.router
@@ -239,7 +346,8 @@ def add_replica_routes(app: FastAPI, replicas: ReplicaSet, policy: str) -> None:
             s = p.spec
             out.append({"index": s.index, "url": s.url, "pid": p.proc.pid if p.proc is not None else None,
                         "cpus": s.cpus, "threads": s.threads, "log": s.log_path, "running": running,
-                        "healthy": running and healthy.get(s.url, False), "metrics": s.url + "/metrics"})
+                        "healthy": running and healthy.get(s.url, False), "restarts": p.restarts,
+                        "metrics": s.url + "/metrics"})
         return JSONResponse({"policy": policy, "replicas": out})
 
 
@@ -281,7 +389,9 @@ def serve_data_parallel(server_config: ServerConfig, engine_config: EngineConfig
     log_dir = log_dir or tempfile.mkdtemp(prefix="kvflow-dp-")
     specs = replica_specs(n, flags, log_dir, api_key=server_config.api_key,
                           offload_disk_dir=engine_config.kv_offload_disk_dir, ports=ports)
-    replicas = ReplicaSet(specs, stop_timeout=server_config.shutdown_grace_s + 10.0)
+    replicas = ReplicaSet(specs, stop_timeout=server_config.shutdown_grace_s + 10.0,
+                          max_restarts=server_config.replica_max_restarts,
+                          restart_window_s=server_config.replica_restart_window_s)
 
     signals: list[int] = []
     all_gone = threading.Event()

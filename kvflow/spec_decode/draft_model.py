@@ -20,6 +20,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from kvflow.config import EngineConfig
 from kvflow.core.kv_cache_manager import KVCacheManager
@@ -51,7 +52,8 @@ class DraftModelProposer:
 
     @classmethod
     def create(cls, target: EngineConfig, spec: SpeculativeConfig, vocab_size: int, max_model_len: int,
-               num_blocks: int, calibration_ids: list[int] | None) -> "DraftModelProposer":
+               num_blocks: int, tokenizer: Any | None) -> "DraftModelProposer":
+        """`tokenizer`: the target's (drafts share its vocabulary), for an int8 draft's calibration."""
         from kvflow.models.loader import load_checkpoint
         from kvflow.worker.model_runner import ModelRunner
 
@@ -65,7 +67,7 @@ class DraftModelProposer:
                              f"max_model_len ({max_model_len})")
         cfg = dataclasses.replace(target, model=spec.model or target.model, quantization=spec.quantization,
                                   speculative_config=None, kv_offload_cpu_gb=0.0, kv_offload_disk_dir=None)
-        runner = ModelRunner(mc, cfg, max_model_len, num_blocks, ckpt.weights, calibration_ids=calibration_ids)
+        runner = ModelRunner(mc, cfg, max_model_len, num_blocks, ckpt.weights, tokenizer=tokenizer)
         logger.info("speculative decoding: draft model %s (%s), %d KV blocks", ckpt.name,
                     spec.quantization or cfg.dtype, num_blocks)
         return cls(runner, num_blocks, target.block_size)

@@ -2,6 +2,9 @@
 
 Owns the device state: the model's weights, the KV cache tensors and the per-request random
 generators. Knows sequences only as (tokens, start position, block table, sampling params).
+Also answers what the engine must know before a runner exists (`kv_cache_spec`: one token's KV
+bytes on a rank, from which the engine sizes its block pool), and tokenizes its own int8
+calibration text: the engine reaches none of this tensor code except through the executor.
 """
 
 from __future__ import annotations
@@ -9,14 +12,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvflow.config import EngineConfig, ModelConfig
 from kvflow.core.scheduler import ScheduledSeq, SchedulerOutput
-from kvflow.layers.attention import SeqLayout, make_attention_backend
+from kvflow.distributed.parallel import local_config
+from kvflow.layers.attention import SeqLayout, kv_cache_bytes_per_token, make_attention_backend
 from kvflow.layers.linear import select_linear_backend
+from kvflow.layers.quant import CALIBRATION_TEXT
 from kvflow.models.llama import LlamaForCausalLM
 from kvflow.sample.rejection_sampler import RejectionSampler
 from kvflow.sample.sampler import Sampler, SamplingBatch
@@ -42,11 +47,47 @@ class RunnerOutput:
     kv_connector_output: "KVConnectorOutput | None" = None  # KV transfers finished since the last step
 
 
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """What one token's KV costs on one rank: under tensor parallelism each rank holds its share
+    of the KV heads, so this is that share's."""
+
+    num_layers: int
+    num_kv_heads: int  # this rank's
+    head_dim: int
+    kv_cache_dtype: str  # "auto" (the model dtype) | "int8"
+    bytes_per_token: int  # K and V of every layer, int8 scales included
+
+    @property
+    def per_value(self) -> str:
+        """One K or V value's cost, as the start-up log line says it."""
+        if self.kv_cache_dtype == "int8":
+            return "1 byte + a 4-byte scale per head"
+        return f"{self.bytes_per_token // (2 * self.num_layers * self.num_kv_heads * self.head_dim)} bytes"
+
+
+def kv_cache_spec(model_config: ModelConfig, config: EngineConfig) -> KVCacheSpec:
+    """One rank's KV bytes per token for this model and engine config (dtype, KV dtype, TP size).
+    Asked before any runner exists: the number of KV blocks the runners allocate comes from it."""
+    mc = local_config(model_config, config.tensor_parallel_size)
+    per_token = kv_cache_bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, getattr(torch, config.dtype),
+                                         config.kv_cache_dtype)
+    return KVCacheSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.kv_cache_dtype, per_token)
+
+
+def calibration_ids(tokenizer: Any | None, vocab_size: int) -> list[int]:
+    """The token ids int8 smoothing is calibrated on: the fixed calibration text, or seeded random
+    tokens for a model without a tokenizer."""
+    ids = [] if tokenizer is None else tokenizer(CALIBRATION_TEXT, add_special_tokens=True)["input_ids"]
+    return ids or _random_ids(vocab_size, 256)
+
+
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, config: EngineConfig, max_model_len: int,
                  num_blocks: int, weights: Iterable[tuple[str, torch.Tensor]],
-                 calibration_ids: list[int] | None = None, tp: "TPGroup | None" = None) -> None:
-        """`model_config`: this rank's share of the model under tensor parallelism (`tp`)."""
+                 tokenizer: Any | None = None, tp: "TPGroup | None" = None) -> None:
+        """`model_config`: this rank's share of the model under tensor parallelism (`tp`).
+        `tokenizer`: only to tokenize the int8 calibration text (see `calibration_ids`)."""
         self.device = torch.device(config.device)
         self.dtype = getattr(torch, config.dtype)
         self.attention = make_attention_backend(
@@ -58,8 +99,8 @@ class ModelRunner:
         self.linear_backend = select_linear_backend(self.device, self.dtype, config.quantization)
         if self.linear_backend == "int8":
             # Smooth activation outliers into the weights before quantizing them (calibrated on a
-            # fixed text: `calibration_ids`, or seeded random tokens for a model without a tokenizer).
-            ids = calibration_ids or _random_ids(model_config.vocab_size, 256)
+            # fixed text, or seeded random tokens for a model without a tokenizer).
+            ids = calibration_ids(tokenizer, model_config.vocab_size)
             self.model.apply_smoothing(self._activation_amax(ids[: min(len(ids), max_model_len)]))
         self.kernel_plan = None
         if self.linear_backend == "auto":
