@@ -20,6 +20,7 @@ SUPPORTED_ARCHITECTURES = (
 _DTYPES = ("float32", "bfloat16", "float16")
 _QUANTIZATIONS = (None, "int8")
 _KV_CACHE_DTYPES = ("auto", "int8")
+KERNEL_AUTOTUNE_MODES = ("on", "off")
 ATTENTION_BACKENDS = ("auto", "torch", "native")
 
 
@@ -84,7 +85,7 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be one of {_KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
-        if self.kernel_autotune not in ("on", "off"):
+        if self.kernel_autotune not in KERNEL_AUTOTUNE_MODES:
             raise ValueError(f"kernel_autotune must be 'on' or 'off', got {self.kernel_autotune!r}")
         _positive("block_size", self.block_size)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)

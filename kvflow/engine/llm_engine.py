@@ -453,7 +453,7 @@ class LLMEngine:
             structured_output=None if self.structured is None else self.structured.snapshot(),
             slo=self.slo.snapshot(),
             step_cost_error=self.step_cost.prediction_error,
-            linear_kernels=self.runner.kernel_summary(),
+            linear_kernels=self.executor.kernel_summary(),
         )
 
     def _connector_stats(self) -> tuple["OffloadStats | None", "KVTransferStats | None"]:

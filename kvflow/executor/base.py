@@ -57,6 +57,10 @@ class Executor:
             self.workers.step(sched.seqs)
         return self.runner.execute(sched, grammar)
 
+    def kernel_summary(self) -> str:
+        """Rank 0's linear kernel choice (the other ranks tune their own shapes alike)."""
+        return self.runner.kernel_summary()
+
     def release(self, request_ids: Iterable[str]) -> None:
         """Finished requests: rank 0 drops their random generators (only rank 0 samples)."""
         self.runner.release(request_ids)

@@ -140,7 +140,7 @@ def partition_groups(q_lens: list[int], kv_lens: list[int], max_waste: float = 1
     return groups
 
 
-def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def kv_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zeroed KV tensor. Zeroed, not empty: masked-out slots are still multiplied by 0 and NaN
     garbage would leak. On the CPU it is anonymous mmap memory, zero by the kernel's guarantee and
     faulted in page by page as blocks are first written, so start-up does not spend ~0.4 s per GiB
@@ -165,9 +165,9 @@ class TorchPagedAttention:
                           dtype: torch.dtype, kv_cache_dtype: str = "auto") -> list[LayerKVCache]:
         shape = (num_blocks, self.block_size, 2, num_kv_heads, head_dim)
         if kv_cache_dtype == "auto":
-            return [LayerKVCache(zeros(shape, dtype, self.device)) for _ in range(num_layers)]
+            return [LayerKVCache(kv_zeros(shape, dtype, self.device)) for _ in range(num_layers)]
         if kv_cache_dtype == "int8":
-            return [LayerKVCache(zeros(shape, torch.int8, self.device), zeros(shape[:-1], torch.float32, self.device))
+            return [LayerKVCache(kv_zeros(shape, torch.int8, self.device), kv_zeros(shape[:-1], torch.float32, self.device))
                     for _ in range(num_layers)]
         raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
 

@@ -142,7 +142,7 @@ class TunedKernel:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, choice: dict[int, str],
                  with_native: bool = False) -> None:
         """`with_native`: build the native path even where `choice` does not use it (the fused
-        decode pass runs it; it reads the same weight tensor, no copy)."""
+        decode pass runs it on this projection: one more, packed, copy of the weight)."""
         self.out_features, self.in_features = weight.shape
         paths = [*choice.values(), *(["native"] if with_native else [])]
         self.paths: dict[str, LinearKernel] = {p: make_path_kernel(p, weight, bias) for p in dict.fromkeys(paths)}
@@ -187,17 +187,18 @@ def make_path_kernel(path: str, weight: torch.Tensor, bias: torch.Tensor | None 
 
 def make_linear_kernel(backend: str, weight: torch.Tensor, bias: torch.Tensor | None = None,
                        plan: KernelPlan | None = None) -> LinearKernel:
-    """A kernel computing x @ weight.T + bias. `dense` and `native` keep a reference to `weight`;
-    the others copy it into their own layout (the caller may then free the original). `auto` takes
-    the choice for this shape from `plan` (None: the documented default of the autotune)."""
+    """A kernel computing x @ weight.T + bias. `dense` keeps a reference to `weight`; the others
+    copy it into their own layout (the caller may then free the original). `auto` takes the choice
+    for this shape from `plan` (None: the documented default of the autotune), with the native path
+    as well on the projections the plan's decode pass runs."""
     if backend == "auto":
-        from kvflow.kernels.cpu.autotune import default_choice
+        from kvflow.kernels.cpu.autotune import default_choice, dtype_name
 
         shape = tuple(weight.shape)
-        dtype = str(weight.dtype).removeprefix("torch.")
         if plan is None:
-            return TunedKernel(weight, bias, default_choice(dtype))
-        return TunedKernel(weight, bias, plan.choice(shape), with_native=plan.decode_pass_rows > 0)
+            return TunedKernel(weight, bias, default_choice(dtype_name(weight.dtype)))
+        return TunedKernel(weight, bias, plan.choice(shape),
+                           with_native=plan.decode_pass_rows > 0 and shape in plan.pass_shapes)
     if backend == "int8":
         return Int8Kernel(weight, bias)
     if backend not in _PATHS:

@@ -148,9 +148,7 @@ class LlamaForCausalLM(torch.nn.Module):
                                                          layer.down_proj)]
         # The logits kernel: this rank's slice of the vocabulary under TP (as `prepare` cuts it).
         vocab = torch.empty(self.cfg.vocab_size, 0).chunk(self.tp.size)[self.tp.rank].shape[0]
-        head = (vocab, self.cfg.hidden_size)
-        shapes = list(dict.fromkeys(tuple(m.weight.shape) for m in self.modules() if isinstance(m, Linear)))
-        return list(dict.fromkeys([*shapes, head])), per_layer
+        return list(dict.fromkeys([*per_layer, (vocab, self.cfg.hidden_size)])), per_layer
 
     def linear_inputs(self) -> dict[str, torch.nn.Module]:
         """The modules whose inputs `apply_smoothing` takes statistics of: every Linear by its
@@ -205,7 +203,7 @@ class LlamaForCausalLM(torch.nn.Module):
         fused = self.native_decode
         group = self.attention.decode_group(meta) if fused is not None and x.shape[0] <= fused.max_rows else None
         if group is not None:
-            self.native_decode(x, cos, sin_signed, kv_caches, meta.slot_mapping, group)
+            fused(x, cos, sin_signed, kv_caches, meta.slot_mapping, group)
         else:
             for layer, kv in zip(self.layers, kv_caches):
                 x = layer(x, cos, sin_signed, kv, meta)

@@ -26,19 +26,19 @@ import logging
 import os
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from kvflow.config import KERNEL_AUTOTUNE_MODES
 from kvflow.kernels.cpu import native
 
 logger = logging.getLogger(__name__)
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # a call with m rows runs the choice of the first bucket >= m
 PATHS = ("native", "dense", "onednn")
-AUTOTUNE_MODES = ("on", "off")
 COLD_BYTES = 64 << 20  # weight copies rotated per timing: twice a 32 MB L3, so each call reads DRAM
 ROUNDS = 3  # interleaved sweeps per (shape, rows)
 WARM_ROWS = 16
@@ -56,8 +56,8 @@ class KernelPlan:
     choices: dict[Shape, dict[int, str]]
     decode_pass_rows: int
     source: str  # "measured" (this start), "cache" (an earlier start), "default" (autotune off)
+    pass_shapes: tuple[Shape, ...] = ()  # one decoder layer's projections: what the decode pass runs
     seconds: float = 0.0  # spent measuring at this start
-    times: dict[Shape, dict[int, dict[str, float]]] = field(default_factory=dict)
 
     def choice(self, shape: Shape) -> dict[int, str]:
         return self.choices.get(shape) or default_choice(self.dtype)
@@ -76,7 +76,8 @@ class KernelPlan:
             lines.append(f"{n}x{k}: {text}")
         rows = self.decode_pass_rows
         lines.append(f"decode pass: {'up to ' + str(rows) + ' rows' if rows else 'off'}")
-        return f"linear kernels ({self.source}, {self.dtype}): " + "; ".join(lines)
+        took = f" in {self.seconds:.1f} s" if self.source == "measured" else ""
+        return f"linear kernels ({self.source}{took}, {self.dtype}): " + "; ".join(lines)
 
 
 def native_available(dtype: torch.dtype) -> bool:
@@ -104,40 +105,46 @@ def candidates(dtype: torch.dtype) -> list[str]:
             or (p == "onednn" and onednn_available(dtype))]
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def default_choice(dtype: str) -> dict[int, str]:
     """`--kernel-autotune off`: the native GEMV up to 4 rows (float32, where it builds), oneDNN's
-    blocked layout from 8 (where torch has it), else `F.linear`. Measured on the two machines seen
-    (AVX2 Zen 3 / EPYC, AVX512 EPYC) to be within ~10% of the tuned choice at 1 row, not tuned."""
-    dt = getattr(torch, dtype)
-    paths = candidates(dt)
+    blocked layout from 8 (where it runs for the dtype), else `F.linear`. A fixed rule, not a
+    measurement: on the AVX2 EPYC of 2026-12-01 the autotune chose native up to 4-16 rows and
+    oneDNN beyond on most of the default model's shapes."""
+    paths = candidates(getattr(torch, dtype))
     small = "native" if "native" in paths else "dense"
     large = "onednn" if "onednn" in paths else "dense"
     return {b: small if b <= 4 else large for b in ROW_BUCKETS}
 
 
-def default_plan(shapes: Iterable[Shape], dtype: torch.dtype) -> KernelPlan:
-    name = str(dtype).removeprefix("torch.")
+def default_plan(shapes: Iterable[Shape], layer_shapes: list[Shape], dtype: torch.dtype) -> KernelPlan:
+    name = dtype_name(dtype)
     choice = default_choice(name)
-    pass_rows = 4 if native_available(dtype) else 0
-    return KernelPlan(name, {s: dict(choice) for s in shapes}, pass_rows, "default")
+    # The pass runs as far as the rule keeps native from 1 row on.
+    pass_rows = max((b for b in ROW_BUCKETS if all(choice[c] == "native" for c in ROW_BUCKETS if c <= b)), default=0)
+    return KernelPlan(name, {s: dict(choice) for s in shapes}, pass_rows, "default", tuple(layer_shapes))
 
 
 def plan_kernels(shapes: list[Shape], layer_shapes: list[Shape], dtype: torch.dtype, mode: str = "on") -> KernelPlan:
     """The plan for a model whose projections have `shapes` (`layer_shapes`: one decoder layer's
     qkv, o, gate_up, down, for the decode-pass decision). `mode` "off": `default_plan`."""
-    if mode not in AUTOTUNE_MODES:
-        raise ValueError(f"kernel_autotune must be one of {AUTOTUNE_MODES}, got {mode!r}")
+    if mode not in KERNEL_AUTOTUNE_MODES:
+        raise ValueError(f"kernel_autotune must be one of {KERNEL_AUTOTUNE_MODES}, got {mode!r}")
     if mode == "off":
-        return default_plan(shapes, dtype)
-    name = str(dtype).removeprefix("torch.")
+        return default_plan(shapes, layer_shapes, dtype)
+    name = dtype_name(dtype)
     path = cache_path(name)
     stored = _read(path)
     times: dict[Shape, dict[int, dict[str, float]]] = {s: stored["shapes"][s] for s in shapes if s in stored["shapes"]}
     missing = [s for s in dict.fromkeys(shapes) if s not in times]
+    paths = candidates(dtype)  # (builds the native library first: not part of the measuring time)
     t0 = time.perf_counter()
     if missing:
         logger.info("autotuning linear kernels: %d shapes x %d row counts x %s (first start on this CPU; "
-                    "stored in %s)", len(missing), len(ROW_BUCKETS), "/".join(candidates(dtype)), path)
+                    "stored in %s)", len(missing), len(ROW_BUCKETS), "/".join(paths), path)
         overhead = stored.get("call_overhead_s") or call_overhead_s()
         for i, shape in enumerate(missing):
             times[shape] = time_shape(shape, dtype)
@@ -148,7 +155,7 @@ def plan_kernels(shapes: list[Shape], layer_shapes: list[Shape], dtype: torch.dt
     seconds = time.perf_counter() - t0
     choices = {s: {b: min(t, key=t.get) for b, t in by_rows.items()} for s, by_rows in times.items()}
     pass_rows = decode_pass_rows(times, layer_shapes, stored["call_overhead_s"]) if native_available(dtype) else 0
-    return KernelPlan(name, choices, pass_rows, "measured" if missing else "cache", seconds, times)
+    return KernelPlan(name, choices, pass_rows, "measured" if missing else "cache", tuple(layer_shapes), seconds)
 
 
 def decode_pass_rows(times: dict[Shape, dict[int, dict[str, float]]], layer_shapes: list[Shape],

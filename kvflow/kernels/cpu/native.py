@@ -131,7 +131,7 @@ def _open(name: str) -> ctypes.CDLL | None:
         return None
 
 
-# The op a native linear applies to each input row first (enum Prologue in csrc/prologue.h).
+# The op a native linear applies to each input row first (enum Prologue in csrc/linear_ops.h).
 PLAIN, RMSNORM, SILU_MUL = 0, 1, 2
 
 

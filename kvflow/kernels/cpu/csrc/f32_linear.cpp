@@ -1,5 +1,5 @@
 /* fp32 linear for a few rows (kvflow/kernels/cpu/f32_linear.py, NativeF32Kernel):
- * out = residual + W . pre(x) + bias, pre as in prologue.h.
+ * out = residual + W . pre(x) + bias, pre as in linear_ops.h.
  *
  * Decode at small batch is bound by the bytes of weight read. The weight is packed once (see
  * F32Weight in f32_linear.h) so that each thread reads its share as one sequential stream, a
@@ -29,9 +29,9 @@ typedef float vf __attribute__((vector_size(32), aligned(4)));
 
 inline float hsum(vf a) { return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7])); }
 
-/* y[r * ldy + j] = W[q + j] . v[r] for r < R, j in [J0, J0 + J) of the quad q; the quad's data is
- * its packed blocks (see F32Weight), v rows kp apart (zero-padded like the weight). */
-template <int R, int J0, int J>
+/* y[r * ldy + j] = W[q + j] . v[r] for r < R, j < J of the quad q; the quad's data is its packed
+ * blocks (see F32Weight), v rows kp apart (zero-padded like the weight). */
+template <int R, int J>
 inline void tile(const float* __restrict quad, int kp, const float* __restrict v, float* __restrict y, long ldy) {
   vf acc[R][J];
   for (int r = 0; r < R; r++)
@@ -39,14 +39,14 @@ inline void tile(const float* __restrict quad, int kp, const float* __restrict v
   for (int c = 0; c < kp; c += BLOCK) {
     const float* blk = quad + (long)c * QUAD;
     vf wv[J];
-    for (int j = 0; j < J; j++) wv[j] = *(const vf*)(blk + (J0 + j) * BLOCK);
+    for (int j = 0; j < J; j++) wv[j] = *(const vf*)(blk + j * BLOCK);
     for (int r = 0; r < R; r++) {
       const vf xv = *(const vf*)(v + (long)r * kp + c);
       for (int j = 0; j < J; j++) acc[r][j] += wv[j] * xv;
     }
   }
   for (int r = 0; r < R; r++)
-    for (int j = 0; j < J; j++) y[r * ldy + J0 + j] = hsum(acc[r][j]);
+    for (int j = 0; j < J; j++) y[r * ldy + j] = hsum(acc[r][j]);
 }
 
 /* Output channels of quads [q0, q1) for all m rows into y (rows n apart; a last partial quad's
@@ -66,9 +66,9 @@ inline void quads(const F32Weight& p, const float* v, int m, int q0, int q1, flo
       const long ldy = partial ? QUAD : n;
       const int rows = std::min(2, m - r);
       if (rows == 2)
-        tile<2, 0, 4>(quad, kp, vr, y, ldy);
+        tile<2, QUAD>(quad, kp, vr, y, ldy);
       else
-        tile<1, 0, 4>(quad, kp, vr, y, ldy);
+        tile<1, QUAD>(quad, kp, vr, y, ldy);
       if (partial)
         for (int i = 0; i < rows; i++)
           for (int j = q * QUAD; j < p.n; j++) out[(r + i) * n + j] = spill[i * QUAD + j - q * QUAD];
@@ -121,16 +121,8 @@ void f32_linear_team(const F32Weight& p, const float* x, long ldx, int m, int ki
   const int q0 = std::min(nq, tid * per), q1 = std::min(nq, q0 + per);
   quads(p, v, m, q0, q1, out);
   const int j0 = std::min(n, q0 * QUAD), j1 = std::min(n, q1 * QUAD);
-  for (int i = 0; i < m; i++) {
-    float* y = out + (long)i * n;
-    const float* res = residual ? residual + i * ld_res : nullptr;
-    for (int j = j0; j < j1; j++) {
-      float o = y[j];
-      if (bias) o += bias[j];
-      if (res) o = res[j] + o;
-      y[j] = o;
-    }
-  }
+  for (int i = 0; i < m; i++)  // (a scale of 1 leaves every sum as it is)
+    epilogue(out + (long)i * n, j0, j1, 1.f, bias, residual ? residual + i * ld_res : nullptr);
 #pragma omp barrier
 }
 

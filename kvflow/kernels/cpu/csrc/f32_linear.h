@@ -4,7 +4,7 @@
 
 #include <vector>
 
-#include "prologue.h"
+#include "linear_ops.h"
 
 namespace kvflow {
 

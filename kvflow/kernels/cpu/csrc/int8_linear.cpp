@@ -47,16 +47,6 @@ inline float quantize_row(int kind, const float* x, int k, const float* norm_w, 
   return r;
 }
 
-inline void epilogue(float* __restrict y, int j0, int j1, float r, const float* __restrict bias,
-                     const float* __restrict res) {
-  for (int j = j0; j < j1; j++) {
-    float o = y[j] * r;
-    if (bias) o += bias[j];
-    if (res) o = res[j] + o;
-    y[j] = o;
-  }
-}
-
 // Per calling thread (the engine's), reused across calls: large prefill buffers would otherwise be
 // mapped and faulted in on every call.
 thread_local Int8Workspace t_work;

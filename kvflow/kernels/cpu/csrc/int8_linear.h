@@ -4,7 +4,7 @@
 
 #include <fbgemm/Fbgemm.h>
 
-#include "prologue.h"
+#include "linear_ops.h"
 
 #include <cstdint>
 #include <memory>

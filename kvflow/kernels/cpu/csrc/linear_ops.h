@@ -1,8 +1,9 @@
-/* The op that produces a projection's input, applied row by row inside the native linears
- * (int8_linear.cpp, f32_linear.cpp) so a projection and its neighbours are one call. Shared, so
- * both backends (and their decode passes) compute the same prologue with the same rounding. */
-#ifndef KVFLOW_PROLOGUE_H
-#define KVFLOW_PROLOGUE_H
+/* The ops around a projection inside the native linears (int8_linear.cpp, f32_linear.cpp), so a
+ * projection and its neighbours are one call: the prologue that produces its input, applied row by
+ * row, and the epilogue (scale, bias, residual) on its output. Shared, so both backends (and their
+ * decode passes) compute them the same way with the same rounding. */
+#ifndef KVFLOW_LINEAR_OPS_H
+#define KVFLOW_LINEAR_OPS_H
 
 #include <algorithm>
 #include <cmath>
@@ -41,6 +42,17 @@ inline void prologue(int kind, const float* __restrict x, int k, const float* __
     }
   } else {
     for (int c = 0; c < k; c++) v[c] = x[c];
+  }
+}
+
+/* y[j] = res[j] + (y[j] * r + bias[j]) for j in [j0, j1); bias, res may be null. */
+inline void epilogue(float* __restrict y, int j0, int j1, float r, const float* __restrict bias,
+                     const float* __restrict res) {
+  for (int j = j0; j < j1; j++) {
+    float o = y[j] * r;
+    if (bias) o += bias[j];
+    if (res) o = res[j] + o;
+    y[j] = o;
   }
 }
 
