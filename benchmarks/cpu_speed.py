@@ -1,6 +1,6 @@
 """CPU speed of the default model through each linear backend / KV dtype, side by side.
 
-    python benchmarks/cpu_speed.py                  # all six modes, ~9 min on 2 cores
+    python benchmarks/cpu_speed.py                  # all six modes
     python benchmarks/cpu_speed.py --modes int8,int8+kv8 --skip-throughput --breakdown-batches 1
 
 Modes: fp32 (the default: per shape and row count the path the kernel autotune chose), fp32-mkl
@@ -259,6 +259,8 @@ def breakdown(llm, prompts: Prompts, batch: int, steps: int = 24,
             eng.step()
         wall = time.perf_counter() - t0
     measured = dict(timers.t)
+    # The native pass's own phase times over the same steps (not the drain below).
+    phase_totals = native.phase_seconds.tolist() if native is not None and native.phase_seconds is not None else None
     while eng.has_unfinished_requests():
         eng.step()
     for obj, attr, old, had in reversed(saved):
@@ -268,15 +270,15 @@ def breakdown(llm, prompts: Prompts, batch: int, steps: int = 24,
             delattr(obj, attr)
     model.native_decode = native
     phases = {}
-    if native is not None and native.phase_seconds is not None:
-        phases = {f"  of which {name}": v * 1000 / steps for name, v in zip(PHASES, native.phase_seconds.tolist())}
+    if phase_totals is not None:
+        phases = {f"  of which {name}": v * 1000 / steps for name, v in zip(PHASES, phase_totals)}
         native.phase_seconds = None
     t = defaultdict(float, {k: v * 1000 / steps for k, v in measured.items()})
     step_ms = wall * 1000 / steps
     parts = {
         "matmuls (projections + lm_head)": t["matmul"] + t["lm_head"],
         "attention (KV write, paged attention)": t["attention"],
-        "decoder layers in one native call (int8 decode pass: all of the above but the lm_head)": t["native layers"],
+        "decoder layers in one native call (the decode pass: all of the above but the lm_head)": t["native layers"],
         **phases,
         # forward = its projections (not the lm_head: that runs after it) + attention + the rest
         "other model ops (norms, rotary, residual, silu, embedding)": t["model forward"] - t["matmul"] - t["attention"]
