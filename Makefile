@@ -32,7 +32,7 @@ serve: setup
 	$(BIN)/kvflow serve
 
 demo: setup
-	$(BIN)/kvflow generate --chat "What is the capital of France?" -v
+	$(BIN)/kvflow generate --chat "What is the capital of Japan?" -v
 
 bench-decode: setup
 	$(BIN)/python benchmarks/decode_speed.py

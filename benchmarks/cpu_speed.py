@@ -1,12 +1,14 @@
 """CPU speed of the default model through each linear backend / KV dtype, side by side.
 
-    python benchmarks/cpu_speed.py                  # all six modes
+    python benchmarks/cpu_speed.py                  # all eight modes
     python benchmarks/cpu_speed.py --modes int8,int8+kv8 --skip-throughput --breakdown-batches 1
 
 Modes: fp32 (the default: per shape and row count the path the kernel autotune chose), fp32-mkl
 (plain F.linear, i.e. MKL sgemm), fp32-onednn (oneDNN's blocked layout), fp32-native (the native
 GEMV and its fused decode pass at every row count), int8 (W8A8 through FBGEMM), int8+kv8 (int8
-weights and int8 KV cache). All the engines are loaded at once
+weights and int8 KV cache), gguf (the GGUF's own blocks, Q4_1 and Q8_0, through the block kernels),
+int4 (the float weights rounded into Q4_1 blocks at load). The fp32 and int8 modes load the GGUF
+dequantized. All the engines are loaded at once
 and the short measurements go round-robin over them (`--rounds`, median reported), so the drift
 of a shared machine falls on every mode alike:
 
@@ -48,13 +50,16 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import numpy as np
 import torch
 
+_FLOAT = {"gguf_weights": "dequantize"}
 MODES = {
-    "fp32": ({}, None),
-    "fp32-mkl": ({}, "dense"),
-    "fp32-onednn": ({}, "onednn"),
-    "fp32-native": ({}, "native"),
+    "fp32": (_FLOAT, None),
+    "fp32-mkl": (_FLOAT, "dense"),
+    "fp32-onednn": (_FLOAT, "onednn"),
+    "fp32-native": (_FLOAT, "native"),
     "int8": ({"quantization": "int8"}, None),
     "int8+kv8": ({"quantization": "int8", "kv_cache_dtype": "int8"}, None),
+    "gguf": ({}, None),
+    "int4": ({"quantization": "int4"}, None),
 }
 
 

@@ -1,6 +1,6 @@
 """Quality of the quantized CPU paths against fp32 on the default model (or any model).
 
-    python benchmarks/quality.py                      # fp32, int8, int8 + int8 KV; ~1 min on 2 cores
+    python benchmarks/quality.py                      # fp32, int8, int8 + int8 KV, gguf, int4; ~2 min
     python benchmarks/quality.py --tokens 2048 --prompts 10 --new-tokens 64   # quicker
 
 For each mode, on the same fixed English text (docstrings of a fixed list of Python standard-library
@@ -35,9 +35,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch
 
 MODES = {
-    "fp32": {},
+    "fp32": {"gguf_weights": "dequantize"},  # a GGUF's tensors dequantized to float32 at load
     "int8": {"quantization": "int8"},
     "int8 + int8 KV": {"quantization": "int8", "kv_cache_dtype": "int8"},
+    "gguf": {"gguf_weights": "native"},  # a GGUF's blocks as stored, through the block kernels
+    "int4": {"quantization": "int4"},  # the float weights rounded to Q4_1 blocks at load
 }
 
 # Fixed order. Only docstrings whose object is defined in the module itself; doctest paragraphs

@@ -18,7 +18,8 @@ SUPPORTED_ARCHITECTURES = (
 )
 
 _DTYPES = ("float32", "bfloat16", "float16")
-_QUANTIZATIONS = (None, "int8")
+_QUANTIZATIONS = (None, "int8", "int4")
+GGUF_WEIGHTS = ("native", "dequantize")
 _KV_CACHE_DTYPES = ("auto", "int8")
 KERNEL_AUTOTUNE_MODES = ("on", "off")
 ATTENTION_BACKENDS = ("auto", "torch", "native")
@@ -40,7 +41,12 @@ class EngineConfig:
     seed: int = 0
     tokenizer: str | None = None  # default: the model's own
     enable_prefix_caching: bool = True
-    quantization: str | None = None  # None (weights in `dtype`) | "int8" (W8A8 per-token, FBGEMM)
+    # None (weights in `dtype`) | "int8" (W8A8 per-token, FBGEMM) | "int4" (4-bit blocks of 32,
+    # round to nearest at load: Q4_1 for the projections, Q8_0 for the logits; the block kernels)
+    quantization: str | None = None
+    # A GGUF's quantized tensors: "native" (kept in their block formats and run by the block kernels,
+    # where they can run: CPU, float32, one rank) or "dequantize" (float32 at load: exact HF equivalence).
+    gguf_weights: str = "native"
     kv_cache_dtype: str = "auto"  # "auto" (= dtype) | "int8" (per-token, per-head scales)
     # Decode attention: "native" (C kernel reading the paged cache in place, CPU float32), "torch"
     # (gather + SDPA, any device), "auto" (native where it runs, else torch).
@@ -81,6 +87,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.quantization not in _QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {_QUANTIZATIONS}, got {self.quantization!r}")
+        if self.gguf_weights not in GGUF_WEIGHTS:
+            raise ValueError(f"gguf_weights must be one of {GGUF_WEIGHTS}, got {self.gguf_weights!r}")
         if self.kv_cache_dtype not in _KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {_KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -147,7 +155,7 @@ class EngineConfig:
         if self.device != "cpu":
             raise ValueError(f"tensor parallelism runs over gloo on CPU so far; device is {self.device!r}")
         unsupported = [name for name, on in (
-            ("quantization='int8'", self.quantization is not None),
+            (f"quantization={self.quantization!r}", self.quantization is not None),
             ("kv_offload_cpu_gb / kv_offload_disk_dir", self.kv_offload_cpu_gb > 0 or bool(self.kv_offload_disk_dir)),
             ("kv_transfer_config", self.kv_transfer_config is not None),
             ("a draft-model speculative_config", bool(self.speculative_config)

@@ -82,8 +82,11 @@ def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def _write_tiny(path, *, tied: bool, pre: str = "smollm", add_bos: bool = False, layers: int = 2,
                 hidden: int = 64, ffn: int = 256, heads: int = 4, kv_heads: int = 2,
-                arch: str = "llama", raw_overrides: dict | None = None) -> dict[str, np.ndarray]:
-    """Write a tiny llama GGUF; returns the HF-layout float32 weights that went in (pre-quantisation)."""
+                arch: str = "llama", raw_overrides: dict | None = None,
+                raw_blocks: dict | None = None) -> dict[str, np.ndarray]:
+    """Write a tiny llama GGUF; returns the HF-layout float32 weights that went in (pre-quantisation).
+    `raw_overrides`: name -> a type whose tensor is written as zero bytes; `raw_blocks`: name ->
+    (type, uint8 rows of blocks) written as given (formats gguf-py cannot quantize)."""
     rng = np.random.default_rng(0)
     tokens, merges = _train_tokenizer()
     tokens = tokens + ["<think>"]
@@ -125,7 +128,10 @@ def _write_tiny(path, *, tied: bool, pre: str = "smollm", add_bos: bool = False,
             data = 1.0 + 0.1 * data
         hf[hf_name] = data
         stored = _llama_cpp_permute(data, permute_heads) if permute_heads else data
-        if gguf_name in raw_overrides:  # an unsupported type, as raw (zero) bytes of the right size
+        if gguf_name in (raw_blocks or {}):
+            rq, raw = raw_blocks[gguf_name]
+            w.add_tensor(gguf_name, raw, raw_dtype=rq)
+        elif gguf_name in raw_overrides:  # an unsupported type, as raw (zero) bytes of the right size
             rq = raw_overrides[gguf_name]
             block, size = gguf.GGML_QUANT_SIZES[rq]
             raw = np.zeros((shape[0], shape[1] // block * size), dtype=np.uint8)
@@ -465,7 +471,7 @@ def test_engine_on_tiny_gguf_matches_transformers(tmp_path, tied):
     with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0].float()
     torch.testing.assert_close(kvflow_prefill_logits(str(path), prompt, chunk=4), ref, atol=1e-4, rtol=0)
-    llm = LLM(str(path), max_model_len=128, num_kv_blocks=32)
+    llm = LLM(str(path), max_model_len=128, num_kv_blocks=32, gguf_weights="dequantize")
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)
     assert out[0].outputs[0].token_ids == hf_greedy(hf, prompt, 20)
     assert_no_leaks(llm.engine)
@@ -488,7 +494,7 @@ def test_default_model_engine_matches_transformers(default_pair):
     # Real weights give logits of magnitude ~20; float32 summation order differs from HF's kernels.
     torch.testing.assert_close(ours, ref, atol=2e-3, rtol=1e-4)
 
-    llm = LLM(max_model_len=512, num_kv_blocks=64)
+    llm = LLM(max_model_len=512, num_kv_blocks=64, gguf_weights="dequantize")
     out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)[0].outputs[0]
     n = len(out.token_ids)
     assert out.token_ids == hf_greedy(hf_model, prompt, n)[: n]

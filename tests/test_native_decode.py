@@ -1,5 +1,5 @@
-"""The decode pass in one native call (kvflow.kernels.cpu.decode_pass), over int8 weights and over
-fp32 ones (the native GEMV), against the per-layer path it replaces: same hidden states and same
+"""The decode pass in one native call (kvflow.kernels.cpu.decode_pass), over int8 weights, fp32 ones
+(the native GEMV) and int4 blocks (the block kernel), against the per-layer path it replaces: same hidden states and same
 cache contents, bit for bit, on decode rows of different context lengths; and the engine uses it
 without changing outputs or leaking blocks."""
 
@@ -14,21 +14,25 @@ from kvflow.layers.attention import LayerKVCache, SeqLayout
 
 
 def _native_llm(path: str, kv_dtype: str, weights: str, monkeypatch) -> LLM:
-    """weights "int8": W8A8; "fp32": float32 through the native GEMV at every row count."""
+    """weights "int8": W8A8; "fp32": float32 through the native GEMV at every row count; "int4":
+    Q4_1 blocks through the block kernel."""
     if weights == "fp32":
         monkeypatch.setenv("KVFLOW_LINEAR_BACKEND", "native")
-    llm = LLM(model=path, quantization="int8" if weights == "int8" else None, kv_cache_dtype=kv_dtype,
+    llm = LLM(model=path, quantization=_QUANT[weights], kv_cache_dtype=kv_dtype,
               num_kv_blocks=48, max_model_len=128, block_size=4)
     if llm.engine.runner.model.native_decode is None:
         pytest.skip("no C++ compiler: the native kernels cannot be built")
     return llm
 
 
+_QUANT = {"int8": "int8", "fp32": None, "int4": "int4"}
+
+
 def _clone(caches: list[LayerKVCache]) -> list[LayerKVCache]:
     return [LayerKVCache(c.data.clone(), None if c.scale is None else c.scale.clone()) for c in caches]
 
 
-@pytest.mark.parametrize("weights", ["int8", "fp32"])
+@pytest.mark.parametrize("weights", ["int8", "fp32", "int4"])
 @pytest.mark.parametrize("arch,kv_dtype", [("llama", "auto"), ("llama", "int8"), ("qwen2", "auto"),
                                            ("mistral", "int8")])
 def test_native_decode_equals_per_layer_path(model_factory, arch, kv_dtype, weights, monkeypatch):
@@ -60,7 +64,7 @@ def test_native_decode_equals_per_layer_path(model_factory, arch, kv_dtype, weig
         assert a.scale is None or torch.equal(a.scale, b.scale)
 
 
-@pytest.mark.parametrize("weights", ["int8", "fp32"])
+@pytest.mark.parametrize("weights", ["int8", "fp32", "int4"])
 def test_engine_outputs_with_and_without_native_decode(tiny_llama, weights, monkeypatch):
     """Batched decodes with preemption: the greedy tokens are the same when every step takes the
     per-layer path, and no block leaks."""
@@ -71,7 +75,7 @@ def test_engine_outputs_with_and_without_native_decode(tiny_llama, weights, monk
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     results = []
     for native in (True, False):
-        llm = LLM(model=path, quantization="int8" if weights == "int8" else None, num_kv_blocks=36,
+        llm = LLM(model=path, quantization=_QUANT[weights], num_kv_blocks=36,
                   max_model_len=128, block_size=4, max_num_batched_tokens=32)
         if not native:
             llm.engine.runner.model.native_decode = None

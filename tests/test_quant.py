@@ -244,7 +244,7 @@ def test_default_model_int8_perplexity_within_bounds():
     from quality import eval_text
 
     llms = {name: LLM(max_model_len=1024, num_kv_blocks=64, enable_prefix_caching=False, **opts)
-            for name, opts in (("fp32", {}), ("int8", INT8), ("int8+kv8", INT8_KV8))}
+            for name, opts in (("fp32", {"gguf_weights": "dequantize"}), ("int8", INT8), ("int8+kv8", INT8_KV8))}
     ids = llms["fp32"].tokenizer(eval_text(), add_special_tokens=False)["input_ids"][:1024]
     nll, kl = {}, {}
     ref = None

@@ -230,15 +230,18 @@ def test_server_streams_several_tokens_a_step(tiny_llama):
 
 @pytest.mark.slow
 def test_default_model_self_draft_greedy_is_fp32_greedy():
-    """The embedded SmolLM2-135M: its int8 copy drafting for it changes nothing in greedy output."""
+    """The embedded SmolLM2-135M in float32: its int8 copy drafting for it changes nothing in greedy
+    output. (On the GGUF's own blocks the verification pass, a chunk through the prefill attention,
+    rounds differently from a decode step, and quantizing activations turns that into different
+    tokens at near-ties: exact in distribution, not bit for bit.)"""
     chats = [[{"role": "user", "content": q}] for q in (
         "What is the capital of France?", "Write a haiku about autumn.",
         "Repeat exactly: the quick brown fox jumps over the lazy dog.")]
     sp = SamplingParams(temperature=0, max_tokens=48)
-    plain = LLM(max_model_len=1024, num_kv_blocks=256)
+    plain = LLM(max_model_len=1024, num_kv_blocks=256, gguf_weights="dequantize")
     ref = [o.outputs[0].token_ids for o in plain.chat(chats, sp, use_tqdm=False)]
     del plain
-    llm = LLM(max_model_len=1024, num_kv_blocks=256,
+    llm = LLM(max_model_len=1024, num_kv_blocks=256, gguf_weights="dequantize",
               speculative_config={**SELF_DRAFT, "num_speculative_tokens": 4, "adaptive": False})
     got = [o.outputs[0].token_ids for o in llm.chat(chats, sp, use_tqdm=False)]
     assert got == ref

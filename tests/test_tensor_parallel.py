@@ -92,7 +92,8 @@ def test_default_model_tp3_greedy_is_tp1_greedy():
     sp = SamplingParams(temperature=0, max_tokens=24, logprobs=2)
     outs = {}
     for tp in (1, 3):
-        llm = LLM(max_model_len=512, num_kv_blocks=128, tensor_parallel_size=tp, cpu_threads_per_rank=1)
+        llm = LLM(max_model_len=512, num_kv_blocks=128, tensor_parallel_size=tp, cpu_threads_per_rank=1,
+                  gguf_weights="dequantize")
         outs[tp] = [o.outputs[0] for o in llm.chat(chats, sp, use_tqdm=False)]
         llm.shutdown()
     assert_same_completions(outs[3], outs[1], abs_tol=1e-4)

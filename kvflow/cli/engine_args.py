@@ -24,7 +24,11 @@ _HELP = {
     "seed": "seed of the engine's shared random generator",
     "tokenizer": "tokenizer folder (default: the model's own)",
     "enable_prefix_caching": "share the KV of common prompt prefixes between requests",
-    "quantization": "weight quantization: int8 (W8A8, per-channel weights, per-token activations, FBGEMM) or none",
+    "quantization": "weight quantization: int8 (W8A8, per-channel weights, per-token activations, FBGEMM), "
+                    "int4 (4-bit blocks of 32 with scale and offset, GGML's Q4_1, rounded at load; block kernels) "
+                    "or none",
+    "gguf_weights": "a GGUF's quantized tensors: native (run as stored by the block kernels, where they run: "
+                    "CPU, float32, one rank) or dequantize (float32 at load, exact HF equivalence)",
     "kv_cache_dtype": "KV cache dtype: auto (= --dtype) or int8",
     "attention_backend": "decode attention: native (C kernel, CPU float32), torch (gather + SDPA), or auto",
     "kernel_autotune": "on: time the linear kernel paths on this CPU at the first start and cache the "

@@ -66,10 +66,11 @@ class EngineStats:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        from kvflow.models.loader import load_checkpoint
+        from kvflow.models.loader import gguf_block_weights, load_checkpoint
 
         self.config = config
-        ckpt = load_checkpoint(config.model, config.tokenizer)
+        self.block_weights = gguf_block_weights(config)
+        ckpt = load_checkpoint(config.model, config.tokenizer, keep_blocks=self.block_weights)
         self.model_name = ckpt.name
         self.model_path = ckpt.path
         self.model_config = ckpt.model_config
@@ -173,7 +174,8 @@ class LLMEngine:
 
         cfg = self.config
         return json.dumps([ckpt.name, ckpt.hf_config, os.path.getsize(ckpt.path) if os.path.isfile(ckpt.path)
-                           else None, cfg.dtype, cfg.kv_cache_dtype, cfg.quantization, cfg.block_size],
+                           else None, cfg.dtype, cfg.kv_cache_dtype, cfg.quantization, self.block_weights,
+                           cfg.block_size],
                           sort_keys=True, default=str).encode()
 
     # ---- requests ------------------------------------------------------------------------------

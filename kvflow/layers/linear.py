@@ -13,6 +13,11 @@ Backends (`LINEAR_BACKENDS`):
 * ``int8``   -- W8A8 through FBGEMM: weights int8 with one scale per output channel, packed once;
   activations quantized per token on the fly (see `Int8Kernel` in kvflow.kernels.cpu.int8_linear);
   int32 accumulation, float output. CPU only.
+* ``gguf``   -- weights in GGUF block formats as the file stores them (Q8_0, Q4_0, Q4_1, Q4_K,
+  Q6_K), integer dot products with activations quantized per 32 values (`BlockQuantKernel` in
+  kvflow.kernels.cpu.block_linear); a float tensor among them takes the ``auto`` default. CPU only.
+* ``int4``   -- float weights rounded at load into the same kernel's 4-bit blocks (`INT4_FORMAT`;
+  the logits projection into Q8_0).
 
 The float paths compute the same maths up to float32 summation order (~1e-6 relative).
 `select_linear_backend` picks one from (device, dtype, quantization); the environment variable
@@ -27,16 +32,21 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 import torch.nn.functional as F
 
+from kvflow.kernels.cpu.block_linear import BlockQuantKernel
 from kvflow.kernels.cpu.f32_linear import NativeF32Kernel
 from kvflow.kernels.cpu.int8_linear import Int8Kernel
+from kvflow.layers.block_quant import BlockQuantized, quantize
 
 if TYPE_CHECKING:
     from kvflow.kernels.cpu.autotune import KernelPlan
 
-LINEAR_BACKENDS = ("auto", "dense", "onednn", "native", "int8")
+LINEAR_BACKENDS = ("auto", "dense", "onednn", "native", "int8", "gguf", "int4")
 FORCED_PATHS = ("dense", "onednn", "native")
 # Backends whose kernels take `norm=` / `silu_mul=` (the op feeding the projection, in the same call).
-FUSED_PROLOGUE = ("auto", "native", "int8")
+FUSED_PROLOGUE = ("auto", "native", "int8", "gguf", "int4")
+# int4: 4 bits with a scale and an offset per 32 weights (GGML's Q4_1, 5 bits per weight in all);
+# the logits projection, whose errors every token's distribution sees, in 8 bits (Q8_0).
+INT4_FORMAT, INT4_LOGITS_FORMAT = "Q4_1", "Q8_0"
 
 # Batch size oneDNN's weight layout is chosen for (measured: 8 and 32 are equally good, 1-1024).
 ONEDNN_BATCH_HINT = 32
@@ -63,7 +73,19 @@ def int8_available() -> bool:
     return "fbgemm" in torch.backends.quantized.supported_engines
 
 
-def select_linear_backend(device: torch.device, dtype: torch.dtype, quantization: str | None) -> str:
+def select_linear_backend(device: torch.device, dtype: torch.dtype, quantization: str | None,
+                          block_weights: bool = False) -> str:
+    """`block_weights`: the checkpoint's tensors came in GGUF block formats (kept as stored)."""
+    if block_weights or quantization == "int4":
+        name = "GGUF block weights" if block_weights else "quantization='int4'"
+        if device.type != "cpu" or dtype != torch.float32:
+            raise ValueError(f"{name} run on the CPU block kernels in float32; got {device.type}, {dtype}")
+        from kvflow.kernels.cpu.block_linear import block_kernels_unavailable
+
+        reason = block_kernels_unavailable()
+        if reason is not None:
+            raise ValueError(f"{name} cannot run here: {reason}")
+        return "gguf" if block_weights else "int4"
     if quantization == "int8":
         if device.type != "cpu":
             raise ValueError(f"quantization='int8' runs on FBGEMM, a CPU library; device is {device.type!r}")
@@ -185,12 +207,25 @@ def make_path_kernel(path: str, weight: torch.Tensor, bias: torch.Tensor | None 
     return _PATHS[path](weight, bias)
 
 
-def make_linear_kernel(backend: str, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                       plan: KernelPlan | None = None) -> LinearKernel:
+def make_linear_kernel(backend: str, weight: torch.Tensor | BlockQuantized | list[BlockQuantized],
+                       bias: torch.Tensor | None = None, plan: KernelPlan | None = None,
+                       logits: bool = False) -> LinearKernel:
     """A kernel computing x @ weight.T + bias. `dense` keeps a reference to `weight`; the others
     copy it into their own layout (the caller may then free the original). `auto` takes the choice
     for this shape from `plan` (None: the documented default of the autotune), with the native path
-    as well on the projections the plan's decode pass runs."""
+    as well on the projections the plan's decode pass runs. `weight` in block formats (one part,
+    or a fused projection's parts) needs `gguf`; `logits`: the logits projection (int4 keeps it in
+    8 bits)."""
+    if isinstance(weight, BlockQuantized):
+        weight = [weight]
+    if isinstance(weight, list):
+        if backend != "gguf":
+            raise ValueError(f"block-quantized weights run on the gguf backend, not {backend!r}")
+        return BlockQuantKernel(weight, bias)
+    if backend == "gguf":  # a float tensor among a GGUF's block ones
+        backend = "auto"
+    if backend == "int4":
+        return BlockQuantKernel([quantize(weight, INT4_LOGITS_FORMAT if logits else INT4_FORMAT)], bias)
     if backend == "auto":
         from kvflow.kernels.cpu.autotune import default_choice, dtype_name
 
@@ -249,15 +284,27 @@ class Linear(torch.nn.Module):
             else None
         )
         self.kernel: LinearKernel = DenseKernel(self.weight, self.bias)
+        self.blocks: list[BlockQuantized] | None = None  # the weight as a GGUF stores it (`load_blocks`)
 
-    def prepare(self, backend: str, plan: KernelPlan | None = None) -> None:
+    def load_blocks(self, parts: list[BlockQuantized]) -> None:
+        """Take the weight in block formats (consecutive runs of output channels), instead of floats."""
+        if sum(p.shape[0] for p in parts) != self.out_features or any(p.shape[1] != self.in_features for p in parts):
+            raise ValueError(f"block-quantized weight of {[p.shape for p in parts]} for a Linear of "
+                             f"{self.in_features} -> {self.out_features}")
+        self.blocks = parts
+        self.weight = None
+
+    def prepare(self, backend: str, plan: KernelPlan | None = None, logits: bool = False) -> None:
         if self.kernel.backend == backend:
             return
-        if self.weight is None:
-            raise RuntimeError(f"Linear already prepared for {self.kernel.backend!r}; cannot switch to {backend!r}")
         bias = None if self.bias is None else self.bias.data
-        self.kernel = make_linear_kernel(backend, self.weight.data, bias, plan)
-        if backend != "dense":
+        if self.blocks is not None:
+            self.kernel, self.blocks = make_linear_kernel(backend, self.blocks, bias), None
+        else:
+            if self.weight is None:
+                raise RuntimeError(f"Linear already prepared for {self.kernel.backend!r}; cannot switch to {backend!r}")
+            self.kernel = make_linear_kernel(backend, self.weight.data, bias, plan, logits)
+        if self.kernel.backend != "dense":
             self.weight = None
             self.bias = None
 

@@ -4,7 +4,9 @@
 Hugging Face `config.json` for `LlamaForCausalLM`, the weights under Hugging Face names as float32
 tensors, and a fast tokenizer rebuilt from the GGUF's tokenizer metadata. The result equals what
 `transformers` loads from the same file, but comes several times faster (no model instantiation,
-vectorised dequantisation in torch, a cheaper metadata parse).
+vectorised dequantisation in torch, a cheaper metadata parse). With `keep_blocks` the quantized
+tensors stay in their block formats instead (`BlockQuantized`, run by the native block kernels:
+`--gguf-weights native`).
 
 Two things a GGUF does differently from a Hugging Face checkpoint:
 
@@ -32,17 +34,19 @@ import torch
 from gguf import GGUFReader, GGUFValueType
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from kvflow.layers.block_quant import FORMATS, BlockQuantized
+
 logger = logging.getLogger(__name__)
 
 T = GGMLQuantizationType
-SUPPORTED_TYPES: tuple[GGMLQuantizationType, ...] = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1)
+SUPPORTED_TYPES: tuple[GGMLQuantizationType, ...] = (T.F32, T.F16, T.BF16, *(T[name] for name in FORMATS))
 _SUPPORTED_NAMES = ", ".join(t.name for t in SUPPORTED_TYPES)
 
 
 @dataclass
 class GGUFCheckpoint:
     hf_config: dict[str, Any]
-    tensors: dict[str, torch.Tensor]
+    tensors: dict[str, torch.Tensor | BlockQuantized]
     tokenizer: Any  # transformers.PreTrainedTokenizerFast
     name: str
 
@@ -169,15 +173,6 @@ def _open(path: str) -> _Reader:
 # --------------------------------------------------------------------------------------------------
 
 
-def _scale(blocks: torch.Tensor, start: int) -> torch.Tensor:
-    return blocks[:, start:start + 2].contiguous().view(torch.float16).float()
-
-
-def _nibbles(qs: torch.Tensor) -> torch.Tensor:
-    # A block's 16 bytes hold elements 0..15 in their low nibbles and 16..31 in their high nibbles.
-    return torch.cat((qs & 0x0F, qs >> 4), dim=1)
-
-
 def _dequantize(data: np.ndarray, qtype: GGMLQuantizationType, hf_shape: tuple[int, ...]) -> torch.Tensor:
     raw = torch.from_numpy(data)
     if qtype == T.F32:
@@ -186,21 +181,14 @@ def _dequantize(data: np.ndarray, qtype: GGMLQuantizationType, hf_shape: tuple[i
         out = raw.float()
     elif qtype == T.BF16:
         out = raw.reshape(-1).view(torch.bfloat16).float()
-    elif qtype == T.Q8_0:
-        b = raw.reshape(-1, 34)
-        out = b[:, 2:].view(torch.int8).float() * _scale(b, 0)
-    elif qtype == T.Q4_0:
-        b = raw.reshape(-1, 18)
-        q = _nibbles(b[:, 2:]).view(torch.int8) - 8
-        out = _scale(b, 0) * q.float()
-    elif qtype == T.Q4_1:
-        b = raw.reshape(-1, 20)
-        q = _nibbles(b[:, 4:]).float()
-        out = _scale(b, 0) * q
-        out += _scale(b, 2)
-    else:  # checked by the caller; kept as a guard
-        raise ValueError(f"unsupported GGML type {qtype.name}")
+    else:
+        out = _blocks(data, qtype, hf_shape).dequantize()
     return out.reshape(hf_shape)
+
+
+def _blocks(data: np.ndarray, qtype: GGMLQuantizationType, hf_shape: tuple[int, ...]) -> BlockQuantized:
+    """A quantized tensor's bytes as rows of blocks (copied out of the file's mapping)."""
+    return BlockQuantized(FORMATS[qtype.name], torch.from_numpy(np.array(data, dtype=np.uint8)).reshape(hf_shape[0], -1))
 
 
 def _unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -458,9 +446,10 @@ def _build_tokenizer(path: str, meta: dict[str, Any]):
 # --------------------------------------------------------------------------------------------------
 
 
-def load_gguf(path: str | os.PathLike, with_tokenizer: bool = True) -> GGUFCheckpoint:
+def load_gguf(path: str | os.PathLike, with_tokenizer: bool = True, keep_blocks: bool = False) -> GGUFCheckpoint:
     """Load a llama GGUF: HF-style config, float32 weights under HF names, and its tokenizer
-    (None without `with_tokenizer`: a tensor-parallel worker needs only its weights)."""
+    (None without `with_tokenizer`: a tensor-parallel worker needs only its weights).
+    `keep_blocks`: quantized 2-D tensors as `BlockQuantized` (their bytes as stored), not float32."""
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file not found: {path}")
@@ -514,13 +503,17 @@ def load_gguf(path: str | os.PathLike, with_tokenizer: bool = True) -> GGUFCheck
     try:
         for hf, t in plan:
             try:
-                w = _dequantize(t.data, t.tensor_type, expected[hf])
+                quantized = t.tensor_type.name in FORMATS and len(expected[hf]) == 2
+                w = _blocks(t.data, t.tensor_type, expected[hf]) if keep_blocks and quantized else \
+                    _dequantize(t.data, t.tensor_type, expected[hf])
             except (RuntimeError, ValueError) as e:
                 raise ValueError(f"{path}: cannot decode tensor {t.name!r} ({t.tensor_type.name}): {e}") from e
+            rows = w.data if isinstance(w, BlockQuantized) else w  # the permutation moves whole rows
             if ".q_proj." in hf:
-                w = _unpermute_rows(w, n_head)
+                rows = _unpermute_rows(rows, n_head)
             elif ".k_proj." in hf:
-                w = _unpermute_rows(w, n_kv)
+                rows = _unpermute_rows(rows, n_kv)
+            w = w.with_rows(rows) if isinstance(w, BlockQuantized) else rows
             tensors[hf] = w
     finally:
         torch.set_num_threads(threads)

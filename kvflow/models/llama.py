@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from kvflow.config import ModelConfig
 from kvflow.distributed.parallel import TPGroup, shard_weight
 from kvflow.layers.attention import AttentionBackend, AttentionMetadata, DecodePass, LayerKVCache
+from kvflow.layers.block_quant import BlockQuantized
 from kvflow.layers.linear import FUSED_PROLOGUE, Linear, LinearKernel, RowParallelKernel, make_linear_kernel
 from kvflow.layers.norm import RMSNorm
 from kvflow.layers.quant import SMOOTH_ALPHA, smoothing_scales
@@ -99,6 +100,8 @@ class LlamaForCausalLM(torch.nn.Module):
         # Native kernels (int8, fp32): decode-only steps run all layers in one call, a pass the
         # attention backend hands in where it has one (set by `prepare`).
         self.native_decode: DecodePass | None = None
+        self.embed_blocks: BlockQuantized | None = None  # the embedding kept in its GGUF format
+        self._embed_kernel = None  # tied, in blocks: the logits kernel, which holds the embedding
 
     def prepare(self, backend: str, plan: "KernelPlan | None" = None) -> None:
         """Move every projection, and the lm_head, to the linear backend `backend` (after
@@ -113,7 +116,7 @@ class LlamaForCausalLM(torch.nn.Module):
             self.lm_head = None  # the full copy is not needed any more
         for m in self.modules():
             if isinstance(m, Linear):
-                m.prepare(backend, plan)
+                m.prepare(backend, plan, logits=m is self.lm_head)
         # (q/k-normed layers rotate the norms' output with apply_rotary_ instead: see forward.)
         rotary = select_rotary(self.rotary.cos.device, self.rotary.cos.dtype, self.cfg.head_dim,
                                native=backend in FUSED_PROLOGUE and not self.cfg.qk_norm)
@@ -126,10 +129,21 @@ class LlamaForCausalLM(torch.nn.Module):
             else:
                 # Tied: `dense` reads embed_tokens itself; other backends keep their own copy (the
                 # embedding lookup still needs the float rows).
-                w = self.embed_tokens.data
-                if self._lm_head_smoothing is not None:
-                    w = w * self._lm_head_smoothing
-                self.logits_kernel = make_linear_kernel(backend, w, plan=plan)
+                if self.embed_blocks is not None:
+                    # The logits kernel holds the embedding (repacked, or reading it in place);
+                    # the lookup goes through it, so there is one copy.
+                    self.logits_kernel = make_linear_kernel(backend, self.embed_blocks, plan=plan)
+                    self.embed_blocks = None
+                    self._embed_kernel = self.logits_kernel
+                else:
+                    w = self.embed_tokens.data
+                    if self._lm_head_smoothing is not None:
+                        w = w * self._lm_head_smoothing
+                    self.logits_kernel = make_linear_kernel(backend, w, plan=plan, logits=True)
+                    if backend == "int4":  # the lookup reads the logits kernel's 8-bit rows: one copy
+                        self._embed_kernel = self.logits_kernel
+                        self.embed_tokens = torch.nn.Parameter(w.new_empty(0, self.cfg.hidden_size),
+                                                               requires_grad=False)
         self.linear_backend, self.kernel_plan = backend, plan
         if self.tp.size > 1:
             # Row-parallel o and down: partial sums over this rank's heads / FFN slice, one
@@ -198,7 +212,12 @@ class LlamaForCausalLM(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKVCache],
                 meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, hidden]."""
-        x = F.embedding(input_ids, self.embed_tokens)
+        if self._embed_kernel is not None:
+            x = self._embed_kernel.rows(input_ids)
+        elif self.embed_blocks is not None:
+            x = self.embed_blocks.lookup(input_ids)
+        else:
+            x = F.embedding(input_ids, self.embed_tokens)
         cos, sin_signed = self.rotary.lookup(positions)
         fused = self.native_decode
         group = self.attention.decode_group(meta) if fused is not None and x.shape[0] <= fused.max_rows else None
@@ -243,15 +262,56 @@ class LlamaForCausalLM(torch.nn.Module):
                 group = pending.setdefault(key, {})
                 group[slot] = tensor
                 if len(group) == (3 if target == "qkv_proj" else 2):
-                    self._copy(params, key, torch.cat([group[i] for i in sorted(group)], dim=0))
+                    parts = [group[i] for i in sorted(group)]
+                    if all(isinstance(p, BlockQuantized) for p in parts):
+                        self._set_blocks(key, parts)
+                    else:  # blocks beside float parts: the fused projection runs in float
+                        parts = [p.dequantize() if isinstance(p, BlockQuantized) else p for p in parts]
+                        self._copy(params, key, torch.cat(parts, dim=0))
                     loaded.add(key)
                     del pending[key]
                 continue
-            self._copy(params, name, tensor)
+            if isinstance(tensor, BlockQuantized):
+                self._set_blocks(name, [tensor])
+            else:
+                self._copy(params, name, tensor)
             loaded.add(name)
         missing = set(params) - loaded
         if pending or missing:
             raise ValueError(f"checkpoint is missing weights: {sorted(missing | set(pending))[:8]}")
+
+    def _set_blocks(self, name: str, parts: list[BlockQuantized]) -> None:
+        """A weight kept in block formats (a GGUF's tensors as stored): a Linear's parts, or the
+        embedding (looked up row by row; the logits kernel of a tied model reads it too)."""
+        if name == "embed_tokens":
+            self.embed_blocks = parts[0]
+            self.embed_tokens = torch.nn.Parameter(self.embed_tokens.data.new_empty(0, self.cfg.hidden_size),
+                                                   requires_grad=False)
+            return
+        module, _, field = name.rpartition(".")
+        linear = self.get_submodule(module)
+        if field != "weight" or not isinstance(linear, Linear):
+            raise ValueError(f"checkpoint has an unexpected block-quantized tensor {name!r}")
+        linear.load_blocks(parts)
+
+    @property
+    def has_block_weights(self) -> bool:
+        return self.embed_blocks is not None or self._embed_kernel is not None or any(
+            isinstance(m, Linear) and m.blocks is not None for m in self.modules())
+
+    def weight_bytes(self) -> int:
+        """Bytes of every weight as the model holds it: each kernel's own copy, the embedding (a
+        tied GGUF's lives in its logits kernel), the norms."""
+        kernels = [m.kernel for m in self.modules() if isinstance(m, Linear)]
+        if self.logits_kernel is not None and all(self.logits_kernel is not k for k in kernels):
+            kernels.append(self.logits_kernel)
+        total = sum(p.numel() * p.element_size() for n, p in self.named_parameters() if "norm" in n)
+        if self.embed_blocks is not None:
+            total += self.embed_blocks.nbytes
+            kernels = [k for k in kernels if not (hasattr(k, "shares") and k.shares(self.embed_blocks))]
+        elif self._embed_kernel is None:
+            total += self.embed_tokens.numel() * self.embed_tokens.element_size()
+        return total + sum(k.nbytes for k in kernels)
 
     @staticmethod
     def _copy(params: dict[str, torch.nn.Parameter], name: str, tensor: torch.Tensor) -> None:

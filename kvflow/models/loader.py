@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from kvflow.config import ModelConfig
+from kvflow.config import EngineConfig, ModelConfig
 
 logger = logging.getLogger("kvflow")
 
@@ -42,19 +42,45 @@ def resolve_model_path(model: str | None) -> str:
     return str(path)
 
 
-def load_checkpoint(model: str | None, tokenizer: str | None = None, with_tokenizer: bool = True) -> Checkpoint:
-    """`with_tokenizer=False`: weights and configuration only (a tensor-parallel worker)."""
+def load_checkpoint(model: str | None, tokenizer: str | None = None, with_tokenizer: bool = True,
+                    keep_blocks: bool = False) -> Checkpoint:
+    """`with_tokenizer=False`: weights and configuration only (a tensor-parallel worker).
+    `keep_blocks`: a GGUF's quantized tensors stay in their block formats (see `gguf_block_weights`)."""
     path = resolve_model_path(model)
     if path.endswith(".gguf"):
         from kvflow.models.gguf_loader import load_gguf
 
-        g = load_gguf(path, with_tokenizer)
+        g = load_gguf(path, with_tokenizer, keep_blocks)
         # The file's own name ("SmolLM2-135M-Instruct.Q4_1"), not general.name: it is what users
         # typed and what the server reports as the model id.
         return Checkpoint(path=path, name=Path(path).stem, hf_config=g.hf_config,
                           model_config=ModelConfig.from_hf_config(g.hf_config), weights=iter(g.tensors.items()),
                           tokenizer=g.tokenizer, generation_config={})
     return _load_hf_folder(Path(path), tokenizer, with_tokenizer)
+
+
+def gguf_block_weights(config: EngineConfig) -> bool:
+    """Whether this engine runs a GGUF's quantized tensors as they are stored (`gguf_weights="native"`,
+    the default, where the block kernels run) or dequantizes them to float at load; says why when
+    it cannot keep them."""
+    path = resolve_model_path(config.model)
+    if not path.endswith(".gguf") or config.gguf_weights != "native":
+        return False
+    reason = None
+    if config.device != "cpu" or config.dtype != "float32":
+        reason = f"the block kernels run on the CPU in float32 (device={config.device}, dtype={config.dtype})"
+    elif config.quantization is not None:
+        reason = f"quantization={config.quantization!r} re-quantizes the float weights"
+    elif config.tensor_parallel_size > 1:
+        reason = "tensor parallelism shards float weights"
+    else:
+        from kvflow.kernels.cpu.block_linear import block_kernels_unavailable
+
+        reason = block_kernels_unavailable()
+    if reason is not None:
+        logger.info("GGUF weights dequantized to float at load: %s", reason)
+        return False
+    return True
 
 
 def _load_hf_folder(path: Path, tokenizer_path: str | None, with_tokenizer: bool = True) -> Checkpoint:

@@ -96,7 +96,8 @@ class ModelRunner:
         self.model = LlamaForCausalLM(model_config, self.attention, max_model_len, self.dtype, self.device, tp)
         self.model.load_weights(weights)
         self.model.eval()
-        self.linear_backend = select_linear_backend(self.device, self.dtype, config.quantization)
+        self.linear_backend = select_linear_backend(self.device, self.dtype, config.quantization,
+                                                    self.model.has_block_weights)
         if self.linear_backend == "int8":
             # Smooth activation outliers into the weights before quantizing them (calibrated on a
             # fixed text, or seeded random tokens for a model without a tokenizer).
@@ -109,6 +110,8 @@ class ModelRunner:
             self.kernel_plan = plan_kernels(*self.model.projection_shapes(), self.dtype, config.kernel_autotune)
         self.model.prepare(self.linear_backend, self.kernel_plan)
         logger.info("%s", self.kernel_summary())
+        logger.info("weights: %.1f MB as the kernels hold them (%s)", self.model.weight_bytes() / 1e6,
+                    self.linear_backend)
         self.kv_cache_dtype = config.kv_cache_dtype
         self.kv_caches = self.attention.allocate_kv_cache(
             model_config.num_layers, num_blocks, model_config.num_kv_heads, model_config.head_dim,

@@ -1,6 +1,6 @@
 """A decode-only step's decoder layers in one native call (csrc/decode_pass.cpp), over int8 weights
-(`Int8Kernel`) or float32 ones (the native GEMV, `NativeF32Kernel`, under the ``native`` or
-``auto`` backend).
+(`Int8Kernel`), float32 ones (the native GEMV, `NativeF32Kernel`, under the ``native`` or ``auto``
+backend) or block-quantized ones (`BlockQuantKernel`: GGUF formats, int4).
 
 At small batch the matmuls take about half of a step; most of the rest was the Python around them:
 ~10 calls per layer (five native kernels, views, the attention backend's dispatch) x 30 layers.
@@ -18,6 +18,7 @@ import ctypes
 
 import torch
 
+from kvflow.kernels.cpu.block_linear import BlockQuantKernel
 from kvflow.kernels.cpu.f32_linear import NativeF32Kernel
 from kvflow.kernels.cpu.int8_linear import Int8Kernel, int8_library
 from kvflow.kernels.cpu.paged_attention import CpuPagedAttention, NativeGroup, rotary_available
@@ -37,24 +38,26 @@ class _Layer(ctypes.Structure):  # DecoderLayer in csrc/decode_pass.cpp
 
 
 _ARGS = [ctypes.POINTER(_Shape), ctypes.POINTER(_Layer), _P, _I, _P, _P, _P, _P, ctypes.c_long, _P, _P, _P, _I]
-_SIGNATURES = {"kvflow_int8_decode": (_ARGS, _I), "kvflow_f32_decode": (_ARGS, _I)}
+_SIGNATURES = {"kvflow_int8_decode": (_ARGS, _I), "kvflow_f32_decode": (_ARGS, _I), "kvflow_block_decode": (_ARGS, _I)}
+# The pass's entry point per kernel family (every projection of the model must be of one).
+_ENTRY = {Int8Kernel: "kvflow_int8_decode", NativeF32Kernel: "kvflow_f32_decode", BlockQuantKernel: "kvflow_block_decode"}
 PHASES = ("qkv projection (+ RMSNorm)", "rotary + cache write + attention", "o projection (+ residual)",
           "gate_up projection (+ RMSNorm)", "down projection (+ silu*mul, residual)")
 UNLIMITED = 1 << 30
 
 
-def _native_kernel(kernel) -> Int8Kernel | NativeF32Kernel | None:
+def _native_kernel(kernel) -> Int8Kernel | NativeF32Kernel | BlockQuantKernel | None:
     """The native kernel a projection runs for decode rows (None: it has none)."""
     if isinstance(kernel, Int8Kernel):
         return kernel if kernel.native else None
-    if isinstance(kernel, NativeF32Kernel):
+    if isinstance(kernel, (NativeF32Kernel, BlockQuantKernel)):
         return kernel
     return getattr(kernel, "native", None)  # TunedKernel: its native path, if the plan uses one
 
 
 def max_rows(model: torch.nn.Module) -> int:
-    """Up to how many rows a decode-only step runs as the pass: any for int8 and a forced native
-    backend, the autotune's `decode_pass_rows` under ``auto``."""
+    """Up to how many rows a decode-only step runs as the pass: any for int8, block weights and a
+    forced native backend, the autotune's `decode_pass_rows` under ``auto``."""
     if model.linear_backend == "auto":
         plan = model.kernel_plan
         return plan.decode_pass_rows if plan is not None else 0
@@ -64,8 +67,8 @@ def max_rows(model: torch.nn.Module) -> int:
 def native_decode_unsupported(model: torch.nn.Module) -> str | None:
     """Why `model` (a prepared LlamaForCausalLM) cannot use the native decode pass, or None."""
     cfg = model.cfg
-    if model.linear_backend not in ("int8", "native", "auto"):
-        return "it serves the int8 and native fp32 linear backends only"
+    if model.linear_backend not in ("int8", "native", "auto", "gguf", "int4"):
+        return "it serves the int8, native fp32 and block-quantized linear backends only"
     if not isinstance(model.attention, CpuPagedAttention):
         return "it needs the native attention backend"
     if cfg.qk_norm or not rotary_available(model.rotary.cos.dtype, cfg.head_dim):
@@ -76,6 +79,8 @@ def native_decode_unsupported(model: torch.nn.Module) -> str | None:
                for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
     if not all(kernels):
         return "a projection has no native kernel (the library could not be built, or the plan uses none)"
+    if len({type(k) for k in kernels}) != 1:
+        return "the projections mix kernel families (a GGUF with float tensors among its block ones)"
     if any(k.bias is not None for layer in model.layers for k in (layer.o_proj.kernel, layer.gate_up_proj.kernel,
                                                                  layer.down_proj.kernel)):
         return "o / gate_up / down projections with a bias"
@@ -86,7 +91,7 @@ class NativeDecode:
     def __init__(self, model: torch.nn.Module) -> None:
         cfg = model.cfg
         attention: CpuPagedAttention = model.attention
-        fn = "kvflow_int8_decode" if model.linear_backend == "int8" else "kvflow_f32_decode"
+        fn = _ENTRY[type(_native_kernel(model.layers[0].qkv_proj.kernel))]
         self._fn = getattr(int8_library(_SIGNATURES), fn)
         self.max_rows = max_rows(model)
         self.shape = _Shape(num_layers=cfg.num_layers, hidden=cfg.hidden_size, intermediate=cfg.intermediate_size,

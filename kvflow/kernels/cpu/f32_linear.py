@@ -53,21 +53,7 @@ class NativeF32Kernel:
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None, *,
                  norm: RMSNorm | None = None, silu_mul: bool = False) -> torch.Tensor:
-        width = (2 if silu_mul else 1) * self.in_features
-        if x.shape[-1] != width:
-            raise ValueError(f"fp32 linear of {self.in_features} inputs got rows of {x.shape[-1]}"
-                             + (" (silu_mul takes gate and up: twice the inputs)" if silu_mul else ""))
-        if x.dim() != 2:
-            return self(x.reshape(-1, x.shape[-1]), None if residual is None else residual.reshape(-1, self.out_features),
-                        norm=norm, silu_mul=silu_mul).view(*x.shape[:-1], self.out_features)
-        dtype = x.dtype
-        if dtype != torch.float32 or x.stride(1) != 1:
-            x = x.float().contiguous()
-        if residual is not None and (residual.stride(1) != 1 or residual.dtype != torch.float32):
-            residual = residual.float().contiguous()
-        out = native.call_linear(self._lib.kvflow_f32_linear, self.native_handle, x, residual, norm, silu_mul,
-                                 self.bias, self.out_features)
-        return out if dtype == torch.float32 else out.to(dtype)
+        return native.fused_linear(self, self._lib.kvflow_f32_linear, x, residual, norm, silu_mul, "fp32 linear")
 
     def dequantized_weight(self) -> torch.Tensor:
         """The weight back from the packed copy (tests)."""

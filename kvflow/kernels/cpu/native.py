@@ -65,10 +65,14 @@ def cpu_id() -> str:
     return f"{fields.get('model name', platform.machine())} | {fields['flags']}"
 
 
+# Sources that need flags of their own: the block kernel's sums must not be reassociated or
+# contracted differently from one tile shape to the next (a token's result would depend on its batch).
+SOURCE_FLAGS = {"block_linear.cpp": ("-fno-associative-math", "-ffp-contract=off")}
+
 # Library -> its sources (one language per library). Headers (csrc/*.h) are shared.
 LIBRARIES = {
     "paged_attention": ("paged_attention.c",),
-    "linear": ("int8_linear.cpp", "f32_linear.cpp", "decode_pass.cpp"),
+    "linear": ("int8_linear.cpp", "f32_linear.cpp", "block_linear.cpp", "decode_pass.cpp"),
 }
 
 
@@ -82,7 +86,8 @@ def _build(name: str, sources: list[Path], cc: str) -> Path:
     compile_flags, link_flags = (*COMPILE_FLAGS, std, *extra_compile), (*LINK_FLAGS, *extra_link)
     texts = [p.read_bytes() for p in (*sources, *sorted(CSRC.glob("*.h")))]
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(b"\0".join([*texts, " ".join(compile_flags + link_flags).encode(), version.encode(),
+    per_source = [" ".join(SOURCE_FLAGS.get(src.name, ())).encode() for src in sources]
+    key = hashlib.sha256(b"\0".join([*texts, *per_source, " ".join(compile_flags + link_flags).encode(), version.encode(),
                                      torch.__version__.encode(), cpu_id().encode()])).hexdigest()[:16]
     out = cache_dir() / f"{name}-{key}.so"
     if out.exists():
@@ -91,7 +96,8 @@ def _build(name: str, sources: list[Path], cc: str) -> Path:
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         objs = [Path(tmp) / f"{src.stem}.o" for src in sources]
         lib = Path(tmp) / f"{name}.so"
-        cmds = [[cc, *compile_flags, "-c", str(src), "-o", str(obj)] for src, obj in zip(sources, objs)]
+        cmds = [[cc, *compile_flags, *SOURCE_FLAGS.get(src.name, ()), "-c", str(src), "-o", str(obj)]
+                for src, obj in zip(sources, objs)]
         for cmd in (*cmds, [cc, *map(str, objs), *link_flags, "-o", str(lib)]):
             r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode != 0:
@@ -149,3 +155,25 @@ def call_linear(fn, handle: int, x: torch.Tensor, residual: torch.Tensor | None,
        None if residual is None else residual.data_ptr(), 0 if residual is None else residual.stride(0),
        out.data_ptr(), torch.get_num_threads())
     return out
+
+
+def fused_linear(kernel, fn, x: torch.Tensor, residual: torch.Tensor | None, norm, silu_mul: bool,
+                 what: str) -> torch.Tensor:
+    """A native linear `kernel` (in_features, out_features, bias, native_handle) called through
+    `fn` on any input: the width checked (`what` names the kernel in the error), leading dims
+    flattened, float32 unit-stride rows made, the result back in x's dtype."""
+    width = (2 if silu_mul else 1) * kernel.in_features
+    if x.shape[-1] != width:
+        raise ValueError(f"{what} of {kernel.in_features} inputs got rows of {x.shape[-1]}"
+                         + (" (silu_mul takes gate and up: twice the inputs)" if silu_mul else ""))
+    if x.dim() != 2:
+        res = None if residual is None else residual.reshape(-1, kernel.out_features)
+        return fused_linear(kernel, fn, x.reshape(-1, x.shape[-1]), res, norm, silu_mul, what).view(
+            *x.shape[:-1], kernel.out_features)
+    dtype = x.dtype
+    if dtype != torch.float32 or x.stride(1) != 1:
+        x = x.float().contiguous()
+    if residual is not None and (residual.stride(1) != 1 or residual.dtype != torch.float32):
+        residual = residual.float().contiguous()
+    out = call_linear(fn, kernel.native_handle, x, residual, norm, silu_mul, kernel.bias, kernel.out_features)
+    return out if dtype == torch.float32 else out.to(dtype)

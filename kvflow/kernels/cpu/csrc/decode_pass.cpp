@@ -1,6 +1,6 @@
 /* The decoder layers of a Llama-family model for a decode-only step, in one call
- * (kvflow/kernels/cpu/decode_pass.py), over int8 (int8_linear.cpp) or float32 (f32_linear.cpp)
- * weights. Per layer:
+ * (kvflow/kernels/cpu/decode_pass.py), over int8 (int8_linear.cpp), float32 (f32_linear.cpp) or
+ * block-quantized (block_linear.cpp: GGUF formats) weights. Per layer:
  *
  *   qkv = W_qkv . rmsnorm(x) + b          linear, RMSNORM prologue
  *   attn = attention(rotary(q), cache <- rotary(k), v)   decode_attention (attention.h)
@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "attention.h"
+#include "block_linear.h"
 #include "f32_linear.h"
 #include "int8_linear.h"
 
@@ -29,7 +30,8 @@ struct DecoderShape {
   float eps, scale;
 };
 
-/* Weights: kvflow::PackedWeight* (int8) or kvflow::F32Weight* (float32), per the entry point. */
+/* Weights: kvflow::PackedWeight* (int8), kvflow::F32Weight* (float32) or kvflow::BlockWeight*, per
+ * the entry point. */
 struct DecoderLayer {
   const void *qkv, *o, *gate_up, *down;
   const float *qkv_bias, *input_norm, *post_norm;
@@ -69,8 +71,22 @@ struct F32 {
   }
 };
 
+struct Block {
+  using Weight = kvflow::BlockWeight;
+  kvflow::BlockWorkspace work;
+  void reserve(const DecoderShape* s, int rows, int nth, int) {
+    work.reserve(rows, std::max({s->hidden, s->num_heads * s->head_dim, s->intermediate}), nth);
+  }
+  void operator()(const void* w, const float* x, long ldx, int m, int kind, const float* norm_w, float eps,
+                  const float* bias, const float* residual, long ld_res, float* out) {
+    kvflow::block_linear_team(*static_cast<const Weight*>(w), x, ldx, m, kind, norm_w, eps, bias, residual, ld_res,
+                              out, work);
+  }
+};
+
 thread_local Int8 t_int8;
 thread_local F32 t_f32;
+thread_local Block t_block;
 
 /* The whole pass is one parallel region: every linear and the attention are team functions that
  * end with a barrier, so the threads stay hot from one projection to the next instead of being
@@ -142,6 +158,15 @@ int kvflow_f32_decode(const DecoderShape* s, const DecoderLayer* layers, float* 
                       const float* sin_t, const int64_t* slots, const int32_t* tables, long table_stride,
                       const int32_t* context_lens, const int32_t* tokens, double* phase_seconds, int num_threads) {
   return decode(t_f32, s, layers, x, rows, cos_t, sin_t, slots, tables, table_stride, context_lens, tokens,
+                phase_seconds, num_threads);
+}
+
+/* The same over block-quantized weights (layers hold kvflow::BlockWeight handles). */
+int kvflow_block_decode(const DecoderShape* s, const DecoderLayer* layers, float* x, int rows, const float* cos_t,
+                        const float* sin_t, const int64_t* slots, const int32_t* tables, long table_stride,
+                        const int32_t* context_lens, const int32_t* tokens, double* phase_seconds,
+                        int num_threads) {
+  return decode(t_block, s, layers, x, rows, cos_t, sin_t, slots, tables, table_stride, context_lens, tokens,
                 phase_seconds, num_threads);
 }
 

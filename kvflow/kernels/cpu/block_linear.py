@@ -1,0 +1,111 @@
+"""The linear over block-quantized weights on the CPU: `BlockQuantKernel`, csrc/block_linear.cpp's
+integer dot products over GGUF's blocks as stored (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) with activations
+quantized per 32 values to int8, the norm / activation that feeds the projection and the residual
+in the same call. The ``gguf`` and ``int4`` backends of kvflow.layers.linear.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import weakref
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvflow.kernels.cpu import native
+from kvflow.layers.block_quant import BlockQuantized, quantize
+
+if TYPE_CHECKING:
+    from kvflow.layers.norm import RMSNorm
+
+_P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
+_SIGNATURES = {
+    "kvflow_block_pack": ([_I, _I, _I, _P, _P, _P, _P], _P),
+    "kvflow_block_free": ([_P], None),
+    "kvflow_block_linear": ([_P, _P, _L, _I, _I, _P, _F, _P, _P, _L, _P, _I], None),
+    "kvflow_block_repacked": ([_P, _I], _I),
+    "kvflow_block_rows": ([_P, _P, _I, _P], None),
+}
+
+
+def block_library() -> ctypes.CDLL | None:
+    return native.load("linear", _SIGNATURES)
+
+
+@functools.cache
+def block_kernels_unavailable() -> str | None:
+    """Why the block kernels cannot run here (no compiler, no AVX2), or None."""
+    lib = block_library()
+    if lib is None:
+        return "the native linear library could not be built (see the log)"
+    probe = quantize(torch.ones(4, 32), "Q8_0")
+    handle = _pack(lib, [probe], 4, 32)
+    if handle is None:
+        return "this CPU lacks the AVX2 / F16C / FMA instructions the block kernels use"
+    lib.kvflow_block_free(handle)
+    return None
+
+
+def _pack(lib: ctypes.CDLL, parts: list[BlockQuantized], n: int, k: int) -> int | None:
+    count = len(parts)
+    types = (ctypes.c_int * count)(*(p.format.ggml_type for p in parts))
+    rows = (ctypes.c_int * count)(*(p.shape[0] for p in parts))
+    row_bytes = (ctypes.c_long * count)(*(p.data.shape[1] for p in parts))
+    data = (ctypes.c_void_p * count)(*(p.data.data_ptr() for p in parts))
+    return lib.kvflow_block_pack(n, k, count, types, rows, row_bytes, data)
+
+
+class BlockQuantKernel:
+    """y = residual + W . pre(x) + bias with W kept in block formats: `parts` are consecutive runs of
+    output channels (a fused projection keeps each part's own format), all over the same inputs.
+
+    Takes `norm=` / `silu_mul=` as the other native kernels do, so the per-layer path and the fused
+    decode pass (kvflow.kernels.cpu.decode_pass) run the same code on a token."""
+
+    backend = "gguf"
+
+    def __init__(self, parts: list[BlockQuantized], bias: torch.Tensor | None = None) -> None:
+        reason = block_kernels_unavailable()
+        if reason is not None:
+            raise RuntimeError(f"block-quantized weights cannot run natively here: {reason}")
+        widths = {p.shape[1] for p in parts}
+        if len(widths) != 1:
+            raise ValueError(f"the parts of a block-quantized projection must share their inputs, got {sorted(widths)}")
+        parts = [p.with_rows(p.data.contiguous()) for p in parts]
+        self.in_features = widths.pop()
+        self.out_features = sum(p.shape[0] for p in parts)
+        self.formats = [p.format.name for p in parts]
+        self.bias = None if bias is None else bias.detach().float().contiguous().clone()
+        self._lib = block_library()
+        handle = _pack(self._lib, parts, self.out_features, self.in_features)
+        if handle is None:
+            raise ValueError(f"no block kernel for {self.formats} over {self.in_features} inputs")
+        self.native_handle = handle
+        weakref.finalize(self, self._lib.kvflow_block_free, handle)
+        # Parts the kernel repacked into its own copy are dropped; the others it reads in place.
+        self._kept = [None if self._lib.kvflow_block_repacked(handle, i) else p for i, p in enumerate(parts)]
+        self._nbytes = sum(p.nbytes for p in parts)
+
+    def shares(self, blocks: BlockQuantized) -> bool:
+        """Whether the kernel reads `blocks`' own memory (so it is not a second copy)."""
+        return any(p is not None and p.data.data_ptr() == blocks.data.data_ptr() for p in self._kept)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """float32 output channels `ids` of W, [*ids.shape, in_features] (the embedding lookup of a
+        tied model: its logits kernel holds the only copy)."""
+        flat = ids.reshape(-1).to(torch.int64).contiguous()
+        out = torch.empty(flat.numel(), self.in_features)
+        self._lib.kvflow_block_rows(self.native_handle, flat.data_ptr(), flat.numel(), out.data_ptr())
+        return out.view(*ids.shape, self.in_features)
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None, *,
+                 norm: RMSNorm | None = None, silu_mul: bool = False) -> torch.Tensor:
+        return native.fused_linear(self, self._lib.kvflow_block_linear, x, residual, norm, silu_mul, "block-quantized linear")
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return self.rows(torch.arange(self.out_features))
+
+    @property
+    def nbytes(self) -> int:
+        return self._nbytes + (0 if self.bias is None else self.bias.numel() * 4)

@@ -1,0 +1,532 @@
+/* Linear over block-quantized weights, read in GGUF's own layout (kvflow/kernels/cpu/block_linear.py,
+ * BlockQuantKernel): out = residual + W . pre(x) + bias, pre as in linear_ops.h.
+ *
+ * Formats (GGML's; a block covers QK consecutive inputs of one output channel):
+ *   Q8_0  32 values:  fp16 d, int8 q[32]                    w = d * q
+ *   Q4_0  32 values:  fp16 d, 4-bit q[32]                   w = d * (q - 8)
+ *   Q4_1  32 values:  fp16 d, fp16 m, 4-bit q[32]           w = d * q + m
+ *   Q4_K  256 values: fp16 d, dmin, 6-bit (scale, min) per 32, 4-bit q   w = d * sc * q - dmin * mn
+ *   Q6_K  256 values: 6-bit q (low 4 + high 2 bits), int8 scale per 16, fp16 d   w = d * sc * (q - 32)
+ * (4-bit blocks of 32 hold values 0-15 in the low nibbles, 16-31 in the high ones.)
+ *
+ * As llama.cpp does, the activations are quantized too, per block of 32 to int8 with one float
+ * scale (x ~= dx * qx), so a block's dot product is an exact integer one, scaled once:
+ *   sum_i w_i x_i ~= d_w * dx * sum_i q_i qx_i  +  m_w * dx * sum_i qx_i
+ * On AVX2 the integer products are vpmaddubsw (u8 x s8 -> s16 pairs, which cannot saturate with
+ * these ranges: 15 * 127 * 2 or 127 * 127 * 2 < 2^15) and vpmaddwd; with AVX-VNNI / AVX512-VNNI
+ * one vpdpbusd. The library is built with -march=native on the machine that runs it
+ * (kvflow/kernels/cpu/native.py), so the path is the CPU's own. Without AVX2 `kvflow_block_pack`
+ * returns null and the caller dequantizes instead.
+ *
+ * Q4_0, Q4_1 and Q8_0 are repacked once at load (same bits, same size) with X8 = 8 output channels
+ * interleaved, 4 bytes of each in turn: per block of 32 inputs, the 8 channels' fp16 scales (and
+ * offsets) as one 16-byte vector, then the values, so that one 32-byte load holds 4 inputs of 8
+ * channels, one broadcast 4-byte activation group multiplies all of them, and the 8 int32 lanes of
+ * the result are the 8 channels' sums: no horizontal reduction, and the scales of 8 channels
+ * applied with one vector op per block. (GGUF's own row layout spends about as many instructions on
+ * one channel's scales and reduction as on its products.) The K-quants keep the row layout.
+ *
+ * A (row, channel) pair's sum runs in the same order whatever the tile or the number of rows, so a
+ * token's result does not depend on its batch.
+ */
+#include "block_linear.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#define KVFLOW_BLOCK_SIMD 1
+#include <immintrin.h>
+#endif
+
+namespace kvflow {
+
+void BlockWorkspace::reserve(int m, int k, int num_threads) {
+  q.resize(std::max(q.size(), (size_t)m * k));
+  d.resize(std::max(d.size(), (size_t)m * k / QA));
+  s.resize(std::max(s.size(), (size_t)m * k / QA));
+  v.resize(std::max(v.size(), (size_t)num_threads * k));
+}
+
+#ifdef KVFLOW_BLOCK_SIMD
+namespace {
+
+inline float f16(const uint8_t* p) { return _cvtsh_ss(*(const uint16_t*)p); }
+
+inline __m256i dot_u8(__m256i u, __m256i x) {  // 8 int32 sums of 4 products each: lanes 0-3 = values 0-15
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, x);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, x);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1));
+#endif
+}
+
+inline __m256i dot_s8(__m256i w, __m256i x) { return dot_u8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)); }
+
+inline __m256i nibbles16(const uint8_t* p) {  // 16 bytes -> 32 values: low nibbles, then high ones
+  const __m128i raw = _mm_loadu_si128((const __m128i*)p);
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));
+}
+
+/* One 32-value sub-block g of a block: its values (unsigned for formats with an offset, signed
+ * otherwise), the scale of each int32 lane of dot_u8 / dot_s8, and the offset m (w = scale * q + m). */
+template <int T>
+struct Fmt;
+
+template <>
+struct Fmt<Q4_0> {
+  static constexpr int QK = 32, BYTES = 18, SIGNED = 0;
+  static inline __m256i sub(const uint8_t* b, int, __m256& sc, float& m) {
+    const float d = f16(b);
+    sc = _mm256_set1_ps(d);
+    m = -8.f * d;
+    return nibbles16(b + 2);
+  }
+};
+
+template <>
+struct Fmt<Q4_1> {
+  static constexpr int QK = 32, BYTES = 20, SIGNED = 0;
+  static inline __m256i sub(const uint8_t* b, int, __m256& sc, float& m) {
+    sc = _mm256_set1_ps(f16(b));
+    m = f16(b + 2);
+    return nibbles16(b + 4);
+  }
+};
+
+template <>
+struct Fmt<Q8_0> {
+  static constexpr int QK = 32, BYTES = 34, SIGNED = 1;
+  static inline __m256i sub(const uint8_t* b, int, __m256& sc, float& m) {
+    sc = _mm256_set1_ps(f16(b));
+    m = 0.f;
+    return _mm256_loadu_si256((const __m256i*)(b + 2));
+  }
+};
+
+template <>
+struct Fmt<Q4_K> {
+  static constexpr int QK = 256, BYTES = 144, SIGNED = 0;
+  static inline __m256i sub(const uint8_t* b, int g, __m256& sc, float& m) {
+    const uint8_t* s = b + 4;  // 8 (scale, min) pairs of 6 bits in 12 bytes (ggml's get_scale_min_k4)
+    int scale, min;
+    if (g < 4) {
+      scale = s[g] & 63;
+      min = s[g + 4] & 63;
+    } else {
+      scale = (s[g + 4] & 0x0F) | ((s[g - 4] >> 6) << 4);
+      min = (s[g + 4] >> 4) | ((s[g] >> 6) << 4);
+    }
+    sc = _mm256_set1_ps(f16(b) * (float)scale);
+    m = -f16(b + 2) * (float)min;
+    // 64 values per 32 bytes: sub-block 2j in the low nibbles, 2j + 1 in the high ones.
+    const __m256i q = _mm256_loadu_si256((const __m256i*)(b + 16 + 32 * (g / 2)));
+    return _mm256_and_si256(g & 1 ? _mm256_srli_epi16(q, 4) : q, _mm256_set1_epi8(0x0F));
+  }
+};
+
+template <>
+struct Fmt<Q6_K> {
+  static constexpr int QK = 256, BYTES = 210, SIGNED = 1;
+  static inline __m256i sub(const uint8_t* b, int g, __m256& sc, float& m) {
+    // Halves of 128 values; in half h, quarter t is low (t < 2) or high nibbles of ql[64h + 32(t & 1)..]
+    // with bits 2t, 2t + 1 of qh[32h..] on top; an int8 scale per 16 values.
+    const int h = g / 4, t = g % 4;
+    const __m256i mask4 = _mm256_set1_epi8(0x0F), mask2 = _mm256_set1_epi8(0x03);
+    __m256i lo = _mm256_loadu_si256((const __m256i*)(b + 64 * h + 32 * (t & 1)));
+    lo = _mm256_and_si256(t >= 2 ? _mm256_srli_epi16(lo, 4) : lo, mask4);
+    __m256i hi = _mm256_loadu_si256((const __m256i*)(b + 128 + 32 * h));
+    hi = _mm256_and_si256(_mm256_srl_epi16(hi, _mm_cvtsi32_si128(2 * t)), mask2);
+    const int8_t* scales = (const int8_t*)(b + 192) + 8 * h + 2 * t;
+    const float d = f16(b + 208);
+    sc = _mm256_setr_ps(d * scales[0], d * scales[0], d * scales[0], d * scales[0], d * scales[1], d * scales[1],
+                        d * scales[1], d * scales[1]);
+    m = 0.f;
+    return _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32));
+  }
+};
+
+inline float hsum(__m256 a) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));  // (0+4, 1+5, 2+6, 3+7)
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+
+struct Act {  // the quantized activations of a call
+  const int8_t* q;
+  const float *d, *s;
+  int k, nb;  // values and 32-blocks per row
+};
+
+/* y[r * ldy + j] = W[j] . x[r] for R activation rows from r0 and J weight rows from w (rb bytes apart). */
+template <int T, int R, int J>
+inline void tile(const uint8_t* __restrict w, long rb, const Act& a, int r0, float* __restrict y, long ldy) {
+  using F = Fmt<T>;
+  constexpr int SUBS = F::QK / QA;
+  __m256 acc[R][J];
+  float off[R][J];
+  for (int r = 0; r < R; r++)
+    for (int j = 0; j < J; j++) acc[r][j] = _mm256_setzero_ps(), off[r][j] = 0.f;
+  const int blocks = a.k / F::QK;
+  for (int blk = 0; blk < blocks; blk++) {
+    for (int g = 0; g < SUBS; g++) {
+      const int sb = blk * SUBS + g;
+      for (int j = 0; j < J; j++) {
+        __m256 sc;
+        float m;
+        const __m256i q = F::sub(w + j * rb + (long)blk * F::BYTES, g, sc, m);
+        for (int r = 0; r < R; r++) {
+          const long row = (long)(r0 + r);
+          const __m256i xq = _mm256_loadu_si256((const __m256i*)(a.q + row * a.k + sb * QA));
+          const __m256i dot = F::SIGNED ? dot_s8(q, xq) : dot_u8(q, xq);
+          acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(sc, _mm256_set1_ps(a.d[row * a.nb + sb])),
+                                      acc[r][j]);
+          if (!F::SIGNED) off[r][j] += m * a.s[row * a.nb + sb];
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; r++)
+    for (int j = 0; j < J; j++) y[r * ldy + j] = hsum(acc[r][j]) + off[r][j];
+}
+
+
+// ---- the repacked (X8) layout of Q4_0 / Q4_1 / Q8_0 ------------------------------------------------
+// Per group of X8 channels and block of 32 inputs, `x8_block_bytes` bytes: fp16 d[8], (Q4_1: fp16
+// m[8]), then the values. 4-bit: 4 chunks of 32 bytes; in chunk c, channel j's 4 bytes are its
+// block's bytes 4c..4c+3, i.e. inputs 4c..4c+3 in the low nibbles and 16+4c.. in the high ones.
+// 8-bit: 8 chunks; in chunk t, channel j's 4 bytes are inputs 4t..4t+3. A group's blocks follow
+// each other, so a thread reads its channels as one stream.
+
+constexpr int x8_block_bytes(int type) { return type == Q4_1 ? 160 : type == Q4_0 ? 144 : 272; }
+constexpr int row_block_bytes(int type) { return type == Q4_1 ? 20 : type == Q4_0 ? 18 : 34; }
+
+inline __m256i bcast4(const int8_t* p) {
+  int32_t v;
+  __builtin_memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+/* y[r * ldy + j] = W[j] . x[r0 + r] for the group's X8 channels j and R activation rows. */
+template <int T, int R>
+inline void x8_tile(const uint8_t* __restrict grp, const Act& a, int r0, float* __restrict y, long ldy) {
+  constexpr int GB = x8_block_bytes(T);
+  __m256 acc[R];
+  for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  for (int b = 0; b < a.nb; b++) {
+    const uint8_t* p = grp + (long)b * GB;
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+    const int8_t* xb[R];
+    for (int r = 0; r < R; r++) xb[r] = a.q + (long)(r0 + r) * a.k + b * QA;
+    __m256i isum[R];
+    for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
+    if constexpr (T == Q8_0) {
+      const uint8_t* qs = p + 16;
+      for (int t = 0; t < 8; t++) {
+        const __m256i w = _mm256_loadu_si256((const __m256i*)(qs + 32 * t));
+        const __m256i aw = _mm256_sign_epi8(w, w);
+        for (int r = 0; r < R; r++)
+          isum[r] = _mm256_add_epi32(isum[r], dot_u8(aw, _mm256_sign_epi8(bcast4(xb[r] + 4 * t), w)));
+      }
+    } else {
+      const uint8_t* qs = p + (T == Q4_1 ? 32 : 16);
+      for (int c = 0; c < 4; c++) {
+        const __m256i raw = _mm256_loadu_si256((const __m256i*)(qs + 32 * c));
+        const __m256i lo = _mm256_and_si256(raw, m4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+        for (int r = 0; r < R; r++) {
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+          isum[r] = _mm256_add_epi32(isum[r], dot_u8(lo, bcast4(xb[r] + 4 * c)));
+          isum[r] = _mm256_add_epi32(isum[r], dot_u8(hi, bcast4(xb[r] + 16 + 4 * c)));
+#else
+          // int16 sums of products: 8 per lane of at most 2 * 15 * 127 each, < 2^15
+          isum[r] = _mm256_add_epi16(isum[r], _mm256_maddubs_epi16(lo, bcast4(xb[r] + 4 * c)));
+          isum[r] = _mm256_add_epi16(isum[r], _mm256_maddubs_epi16(hi, bcast4(xb[r] + 16 + 4 * c)));
+#endif
+        }
+      }
+#if !((defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__))
+      for (int r = 0; r < R; r++) isum[r] = _mm256_madd_epi16(isum[r], _mm256_set1_epi16(1));
+#endif
+    }
+    for (int r = 0; r < R; r++) {
+      const long row = (long)(r0 + r) * a.nb + b;
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, _mm256_set1_ps(a.d[row])), acc[r]);
+      if constexpr (T == Q4_1)
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 16))), _mm256_set1_ps(a.s[row]),
+                                 acc[r]);
+      if constexpr (T == Q4_0) acc[r] = _mm256_fmadd_ps(d, _mm256_set1_ps(-8.f * a.s[row]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; r++) _mm256_storeu_ps(y + r * ldy, acc[r]);
+}
+
+template <int T>
+void x8_segment(const BlockSegment& seg, const Act& a, int c0, int c1, int r0, int r1, float* y, long ldy) {
+  const long group_bytes = (long)a.nb * x8_block_bytes(T);
+  for (int c = c0; c < c1; c += X8) {
+    const uint8_t* g = seg.data + (long)(c / X8) * group_bytes;
+    int r = r0;
+    for (; r + 4 <= r1; r += 4) x8_tile<T, 4>(g, a, r, y + r * ldy + c, ldy);
+    switch (r1 - r) {
+      case 3: x8_tile<T, 3>(g, a, r, y + r * ldy + c, ldy); break;
+      case 2: x8_tile<T, 2>(g, a, r, y + r * ldy + c, ldy); break;
+      case 1: x8_tile<T, 1>(g, a, r, y + r * ldy + c, ldy); break;
+    }
+  }
+}
+
+void repack_x8(BlockSegment& seg, int k) {
+  const int nb = k / QA, gb = x8_block_bytes(seg.type), rb = row_block_bytes(seg.type);
+  const int head = seg.type == Q4_1 ? 4 : 2, qbytes = seg.type == Q8_0 ? 32 : 16;
+  seg.packed.assign((size_t)seg.rows / X8 * nb * gb, 0);
+  for (int g = 0; g < seg.rows / X8; g++)
+    for (int b = 0; b < nb; b++) {
+      uint8_t* dst = seg.packed.data() + ((long)g * nb + b) * gb;
+      uint8_t* qs = dst + (seg.type == Q4_1 ? 32 : 16);
+      for (int j = 0; j < X8; j++) {
+        const uint8_t* src = seg.data + (long)(g * X8 + j) * seg.row_bytes + (long)b * rb;
+        dst[2 * j] = src[0], dst[2 * j + 1] = src[1];
+        if (seg.type == Q4_1) dst[16 + 2 * j] = src[2], dst[16 + 2 * j + 1] = src[3];
+        for (int c = 0; c < qbytes / 4; c++)
+          for (int i = 0; i < 4; i++) qs[32 * c + 4 * j + i] = src[head + 4 * c + i];
+      }
+    }
+  seg.data = seg.packed.data();
+  seg.x8 = true;
+}
+
+/* Channel `j` of the segment as float32 (k values), from whichever layout it holds. */
+void dequantize_channel(const BlockSegment& seg, int j, int k, float* out) {
+  if (seg.x8) {
+    const int nb = k / QA, gb = x8_block_bytes(seg.type), jj = j % X8;
+    for (int b = 0; b < nb; b++) {
+      const uint8_t* p = seg.data + ((long)(j / X8) * nb + b) * gb;
+      const float d = f16(p + 2 * jj), m = seg.type == Q4_1 ? f16(p + 16 + 2 * jj) : 0.f;
+      const uint8_t* qs = p + (seg.type == Q4_1 ? 32 : 16);
+      for (int i = 0; i < QA; i++) {
+        float v;
+        if (seg.type == Q8_0) {
+          v = d * (float)(int8_t)qs[32 * (i / 4) + 4 * jj + i % 4];
+        } else {
+          const int byte = qs[32 * ((i % 16) / 4) + 4 * jj + i % 4], q = i < 16 ? byte & 0x0F : byte >> 4;
+          v = seg.type == Q4_1 ? d * (float)q + m : d * (float)(q - 8);
+        }
+        out[b * QA + i] = v;
+      }
+    }
+    return;
+  }
+  // GGUF's row layout: through the kernel's own unpacking of each 32-value sub-block.
+  const uint8_t* row = seg.data + (long)j * seg.row_bytes;
+  for (int sb = 0; sb < k / QA; sb++) {
+    __m256 sc;
+    float m;
+    __m256i q;
+    switch (seg.type) {
+      case Q4_0: q = Fmt<Q4_0>::sub(row + sb * 18L, 0, sc, m); break;
+      case Q4_1: q = Fmt<Q4_1>::sub(row + sb * 20L, 0, sc, m); break;
+      case Q8_0: q = Fmt<Q8_0>::sub(row + sb * 34L, 0, sc, m); break;
+      case Q4_K: q = Fmt<Q4_K>::sub(row + sb / 8 * 144L, sb % 8, sc, m); break;
+      default: q = Fmt<Q6_K>::sub(row + sb / 8 * 210L, sb % 8, sc, m); break;
+    }
+    alignas(32) int8_t qv[32];
+    alignas(32) float scale[8];
+    _mm256_store_si256((__m256i*)qv, q);
+    _mm256_store_ps(scale, sc);
+    const bool unsigned_values = seg.type == Q4_0 || seg.type == Q4_1 || seg.type == Q4_K;
+    for (int i = 0; i < QA; i++) {
+      const int v = unsigned_values ? (int)(uint8_t)qv[i] : (int)qv[i];
+      out[sb * QA + i] = scale[i / 4] * (float)v + m;
+    }
+  }
+}
+
+// Rows of activations per pass over a thread's weight rows: their int8 values stay in L2 while the
+// weights stream through (64 x 4k values = 256 KiB at most for this model family's widths).
+constexpr int ROW_CHUNK = 64;
+
+/* Channels [c0, c1) of the segment (local indices) for rows [r0, r1) into y (row stride ldy,
+ * column 0 = the segment's channel 0). */
+template <int T>
+void segment(const BlockSegment& seg, const Act& a, int c0, int c1, int r0, int r1, float* y, long ldy) {
+  const long rb = seg.row_bytes;
+  int c = c0;
+  for (; c + 4 <= c1; c += 4) {
+    const uint8_t* w = seg.data + c * rb;
+    int r = r0;
+    for (; r + 2 <= r1; r += 2) tile<T, 2, 4>(w, rb, a, r, y + r * ldy + c, ldy);
+    if (r < r1) tile<T, 1, 4>(w, rb, a, r, y + r * ldy + c, ldy);
+  }
+  for (; c < c1; c++) {
+    const uint8_t* w = seg.data + c * rb;
+    int r = r0;
+    for (; r + 2 <= r1; r += 2) tile<T, 2, 1>(w, rb, a, r, y + r * ldy + c, ldy);
+    if (r < r1) tile<T, 1, 1>(w, rb, a, r, y + r * ldy + c, ldy);
+  }
+}
+
+void segment_any(const BlockSegment& seg, const Act& a, int c0, int c1, int r0, int r1, float* y, long ldy) {
+  if (seg.x8) {
+    switch (seg.type) {
+      case Q4_0: return x8_segment<Q4_0>(seg, a, c0, c1, r0, r1, y, ldy);
+      case Q4_1: return x8_segment<Q4_1>(seg, a, c0, c1, r0, r1, y, ldy);
+      case Q8_0: return x8_segment<Q8_0>(seg, a, c0, c1, r0, r1, y, ldy);
+    }
+  }
+  switch (seg.type) {
+    case Q4_0: return segment<Q4_0>(seg, a, c0, c1, r0, r1, y, ldy);
+    case Q4_1: return segment<Q4_1>(seg, a, c0, c1, r0, r1, y, ldy);
+    case Q8_0: return segment<Q8_0>(seg, a, c0, c1, r0, r1, y, ldy);
+    case Q4_K: return segment<Q4_K>(seg, a, c0, c1, r0, r1, y, ldy);
+    case Q6_K: return segment<Q6_K>(seg, a, c0, c1, r0, r1, y, ldy);
+  }
+}
+
+/* One row to int8 blocks of QA: dx = max|v| / 127, q = round(v / dx), s = dx * sum(q). */
+inline void quantize_row(const float* __restrict v, int k, int8_t* __restrict q, float* __restrict d,
+                         float* __restrict s) {
+  for (int b = 0; b < k / QA; b++) {
+    const float* x = v + b * QA;
+    float amax = 0.f;
+    for (int i = 0; i < QA; i++) amax = std::max(amax, std::fabs(x[i]));
+    const float dx = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+    int sum = 0;
+    for (int i = 0; i < QA; i++) {
+      const int qi = (int)std::nearbyint(x[i] * inv);
+      q[b * QA + i] = (int8_t)qi;
+      sum += qi;
+    }
+    d[b] = dx;
+    s[b] = dx * (float)sum;
+  }
+}
+
+thread_local BlockWorkspace t_work;
+
+}  // namespace
+
+void block_linear_team(const BlockWeight& p, const float* x, long ldx, int m, int kind, const float* norm_w,
+                       float eps, const float* bias, const float* residual, long ld_res, float* out,
+                       BlockWorkspace& w) {
+  const int n = p.n, k = p.k, nb = k / QA;
+  const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
+#pragma omp for schedule(static)
+  for (int i = 0; i < m; i++) {
+    float* v = w.v.data() + (long)tid * k;
+    prologue(kind, x + i * ldx, k, norm_w, eps, v);
+    quantize_row(v, k, w.q.data() + (long)i * k, w.d.data() + (long)i * nb, w.s.data() + (long)i * nb);
+  }
+  const Act a{w.q.data(), w.d.data(), w.s.data(), k, nb};
+  // Each thread takes a contiguous run of output channels, in groups of X8 (the repacked layout's).
+  const int groups = (n + X8 - 1) / X8, per = (groups + nth - 1) / nth;
+  const int j0 = std::min(n, tid * per * X8), j1 = std::min(n, j0 + per * X8);
+  for (int r0 = 0; r0 < m; r0 += ROW_CHUNK) {
+    const int r1 = std::min(m, r0 + ROW_CHUNK);
+    int base = 0;
+    for (const BlockSegment& seg : p.segs) {
+      const int c0 = std::max(j0, base), c1 = std::min(j1, base + seg.rows);
+      if (c0 < c1) segment_any(seg, a, c0 - base, c1 - base, r0, r1, out + base, n);
+      base += seg.rows;
+    }
+    for (int r = r0; r < r1; r++)
+      for (int j = j0; j < j1; j++) {
+        float o = out[(long)r * n + j];
+        if (bias) o += bias[j];
+        if (residual) o = residual[(long)r * ld_res + j] + o;
+        out[(long)r * n + j] = o;
+      }
+  }
+#pragma omp barrier
+}
+
+void block_linear(const BlockWeight& p, const float* x, long ldx, int m, int kind, const float* norm_w, float eps,
+                  const float* bias, const float* residual, long ld_res, float* out, int num_threads) {
+  if (m <= 0) return;
+  BlockWorkspace& work = t_work;  // the calling thread's, named before the region (see int8_linear.cpp)
+  work.reserve(m, p.k, num_threads);
+#pragma omp parallel num_threads(num_threads)
+  block_linear_team(p, x, ldx, m, kind, norm_w, eps, bias, residual, ld_res, out, work);
+}
+
+#else  // no AVX2: kvflow_block_pack refuses, so these are never reached
+
+void block_linear_team(const BlockWeight&, const float*, long, int, int, const float*, float, const float*,
+                       const float*, long, float*, BlockWorkspace&) {}
+void block_linear(const BlockWeight&, const float*, long, int, int, const float*, float, const float*, const float*,
+                  long, float*, int) {}
+
+#endif
+
+}  // namespace kvflow
+
+extern "C" {
+
+/* A weight [n, k] of `nseg` segments: segment i has `rows[i]` output channels of format
+ * `types[i]`, `row_bytes[i]` bytes each, at `data[i]` (kept alive by the caller). Returns a handle,
+ * or null when this CPU has no kernel (no AVX2) or a format is unknown or k does not fit its blocks. */
+void* kvflow_block_pack(int n, int k, int nseg, const int* types, const int* rows, const long* row_bytes,
+                        const uint8_t* const* data) {
+#ifdef KVFLOW_BLOCK_SIMD
+  auto* p = new kvflow::BlockWeight{n, k, {}};
+  int total = 0;
+  for (int i = 0; i < nseg; i++) {
+    const int qk = types[i] == kvflow::Q4_K || types[i] == kvflow::Q6_K ? 256 : 32;
+    const bool known = types[i] == kvflow::Q4_0 || types[i] == kvflow::Q4_1 || types[i] == kvflow::Q8_0 ||
+                       types[i] == kvflow::Q4_K || types[i] == kvflow::Q6_K;
+    if (!known || k % qk != 0) {
+      delete p;
+      return nullptr;
+    }
+    p->segs.push_back({types[i], rows[i], row_bytes[i], data[i], false, {}});
+    const bool x8_format = types[i] == kvflow::Q4_0 || types[i] == kvflow::Q4_1 || types[i] == kvflow::Q8_0;
+    if (x8_format && rows[i] % kvflow::X8 == 0 && total % kvflow::X8 == 0) kvflow::repack_x8(p->segs.back(), k);
+    total += rows[i];
+  }
+  if (total != n) {
+    delete p;
+    return nullptr;
+  }
+  return p;
+#else
+  (void)n, (void)k, (void)nseg, (void)types, (void)rows, (void)row_bytes, (void)data;
+  return nullptr;
+#endif
+}
+
+void kvflow_block_free(void* handle) { delete static_cast<kvflow::BlockWeight*>(handle); }
+
+/* Whether segment i was repacked (the kernel holds its own copy; the caller's bytes may go). */
+int kvflow_block_repacked(void* handle, int i) { return static_cast<kvflow::BlockWeight*>(handle)->segs[i].x8; }
+
+/* out[i, :] = output channel ids[i] of W as float32 (an embedding lookup, tests). */
+void kvflow_block_rows(void* handle, const int64_t* ids, int count, float* out) {
+#ifdef KVFLOW_BLOCK_SIMD
+  const auto& p = *static_cast<kvflow::BlockWeight*>(handle);
+  for (int i = 0; i < count; i++) {
+    int j = (int)ids[i];
+    for (const auto& seg : p.segs) {
+      if (j < seg.rows) {
+        kvflow::dequantize_channel(seg, j, p.k, out + (long)i * p.k);
+        break;
+      }
+      j -= seg.rows;
+    }
+  }
+#else
+  (void)handle, (void)ids, (void)count, (void)out;
+#endif
+}
+
+/* out[m, n] = residual + W . pre(x) + bias: the signature of kvflow_int8_linear. */
+void kvflow_block_linear(void* handle, const float* x, long ldx, int m, int kind, const float* norm_w, float eps,
+                         const float* bias, const float* residual, long ld_res, float* out, int num_threads) {
+  kvflow::block_linear(*static_cast<kvflow::BlockWeight*>(handle), x, ldx, m, kind, norm_w, eps, bias, residual,
+                       ld_res, out, num_threads);
+}
+
+}  // extern "C"
