@@ -104,8 +104,9 @@ def main() -> None:
         model = tmp.name
     batches = [int(b) for b in args.batches.split(",")]
     max_len = args.prompt_len + args.new_tokens
+    # float32 weights (a GGUF dequantized at load): the comparison is with HF on the same floats
     llm = LLM(model, max_model_len=max_len, num_kv_blocks=(max(batches) + 1) * (max_len // 16 + 1),
-              max_num_seqs=max(batches))
+              max_num_seqs=max(batches), gguf_weights="dequantize")
     hf = None if args.no_hf else load_hf_model(model)
 
     read_bw, copy_bw = read_bandwidth_gbs()

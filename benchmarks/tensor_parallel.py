@@ -105,7 +105,8 @@ def main() -> None:
     rows = []
     for tp in (1, args.tp):
         timer = AllReduceTimer().__enter__()  # before the model: its row-parallel layers keep the method
-        llm = LLM(model, tensor_parallel_size=tp, max_model_len=512, kv_cache_memory_gb=1.0)
+        # float32 on every TP size (ranks shard float weights; a GGUF is dequantized for both)
+        llm = LLM(model, tensor_parallel_size=tp, max_model_len=512, kv_cache_memory_gb=1.0, gguf_weights="dequantize")
         timer.__exit__()
         vocab = llm.engine.model_config.vocab_size
         decode_rate(llm, timer, 2, args.prompt_len, 4, vocab, seed=99)  # warm-up
