@@ -117,7 +117,9 @@ def test_slo_budget_shrinks_as_the_tpot_deadline_nears():
     view = QueueView([d], [prompt], 2048)
     times = (-0.5, 0.0, 0.03, 0.06, 0.08, 0.089, 0.095, 0.2)
     budgets = [policy.token_budget(view, now) for now in times]
-    assert budgets == sorted(budgets, reverse=True) and budgets[0] == 2048 and budgets[-1] == 1 + 32
+    # past the deadline no chunk fits: the step is decode-only (the prompt has no TTFT to keep)
+    assert budgets == sorted(budgets, reverse=True) and budgets[0] == 2048 and budgets[-1] == 1
+    assert all(b == 1 or b >= 1 + 32 for b in budgets)  # never a chunk too small to be worth a step
     # in between, the chunk is the largest that fits the slack on the (learned) fake machine
     for now, budget in zip(times[1:4], budgets[1:4]):
         chunk = budget - 1
@@ -125,6 +127,21 @@ def test_slo_budget_shrinks_as_the_tpot_deadline_nears():
         assert machine(1 + chunk + 32, chunk_pairs(0, chunk + 32)) > 0.1 - now - 0.002
     # no decode with a TPOT SLO and no TTFT SLO seen: the full budget
     assert SLOPolicy(fake_cost(), 2048).token_budget(QueueView([req("r", 8)], [prompt], 2048), 0.0) == 2048
+
+
+def test_slo_small_chunk_waits_unless_a_ttft_is_at_risk():
+    """No slack left for a useful chunk: decode-only, unless the first prompt's TTFT deadline is
+    closer than twice its own prefill time; then it gets min_chunk tokens."""
+    d = decoding("d", tpot=0.100, first_token_time=-0.1)  # due at 0.1
+    policy = SLOPolicy(fake_cost(), 2048, min_chunk=32)
+    policy.check_admission(req("seen", 8, ttft=0.25), QueueView([], [], 2048), 0.0)  # reserve 0.1 s
+    assert policy.token_budget(QueueView([d], [req("no-slo", 4000)], 2048), 0.099) == 1
+    own = policy.prefill_time(req("probe", 4000, ttft=1.0), chunk=2048)
+    assert own > 0.2  # too long to go whole within twice the reserve
+    relaxed = req("relaxed", 4000, arrival=0.099, ttft=30 * own)
+    assert policy.token_budget(QueueView([d], [relaxed], 2048), 0.099) == 1
+    urgent = req("urgent", 4000, arrival=0.099 + 1.5 * own - 3 * own, ttft=3 * own)  # 1.5x its prefill left
+    assert policy.token_budget(QueueView([d], [urgent], 2048), 0.099) == 1 + 32
 
 
 def test_slo_arrival_reserve_caps_the_step_and_keeps_an_urgent_prompt_whole():

@@ -13,9 +13,12 @@ tokens, multi-token chunks, the decode rows' contexts and the chunks' query-key 
     TPOT is an average: fast steps bank slack for a big chunk later), and
   - the arrival reserve: `arrival_share` x the tightest TTFT SLO seen in the last
     `slo_memory_s`, because a request arriving just after a step starts waits for all of it;
-  the prefill chunk is the largest the cost model says fits, never below `min_chunk` (prefill
-  still progresses); the most urgent prompt goes whole when that makes its TTFT and the step
-  stays within twice the reserve (a split prompt's first token comes a whole step later).
+  the prefill chunk is the largest the cost model says fits; the most urgent prompt goes whole
+  when that makes its TTFT and the step stays within twice the reserve (a split prompt's first
+  token comes a whole step later). A chunk under `min_chunk` is not worth its step: with decodes
+  running, the step stays decode-only instead (decode-only steps run the fused native pass and
+  bank slack for a real chunk a step or two later), unless the most urgent prompt's TTFT deadline
+  is closer than twice its own prefill time, which then gets `min_chunk`.
 - Relegation: a request that cannot make its TTFT any more (deadline - now < its own prefill
   time) drops behind those that still can; it still runs, in arrival order, and once it has
   waited `promote_after` times its TTFT SLO it goes first, so nothing starves.
@@ -158,9 +161,20 @@ class SLOPolicy(SchedulingPolicy):
             if n < rest <= cap and now + whole <= urgent.arrival_time + urgent.ttft_slo and (
                     reserve is None or whole <= 2 * reserve):
                 n = rest
-        n = min(max(self.min_chunk, n), cap)
-        self._chunk = n
+        if n < self.min_chunk:
+            n = self.min_chunk if not decodes or self._must_progress(candidates, now) else 0
+        n = min(n, cap)
+        self._chunk = max(n, self.min_chunk)
         return len(decodes) + n
+
+    def _must_progress(self, candidates: Sequence[Request], now: float) -> bool:
+        """Whether the first prompt in the prefill order needs tokens this step: its TTFT deadline
+        is closer than twice its own predicted prefill time."""
+        if not candidates or candidates[0].ttft_slo is None:
+            return False
+        first = candidates[0]
+        left = first.arrival_time + first.ttft_slo - now
+        return left < 2 * self.prefill_time(first, chunk=self.max_tokens)
 
     # ---- admission -----------------------------------------------------------------------------
     def check_admission(self, req: Request, view: QueueView, now: float) -> None:
