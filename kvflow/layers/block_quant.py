@@ -5,7 +5,7 @@ A `BlockQuantized` is a weight [rows, cols] as `rows` rows of bytes, each the bl
 channel over all inputs in GGML's layout (see csrc/block_linear.cpp for the formats). Rows can be
 permuted, sliced and concatenated without touching the blocks, which is all the loader and the
 model need (llama.cpp's Q/K row order, fused q|k|v and gate|up). `dequantize` is the float32 view
-(the `--gguf-weights dequantize` path and the embedding lookup), in torch.
+(the `--gguf-weights dequantize` path), in torch.
 """
 
 from __future__ import annotations
@@ -21,10 +21,6 @@ class BlockFormat:
     ggml_type: int  # gguf.GGMLQuantizationType's value
     block_values: int
     block_bytes: int
-
-    @property
-    def bits_per_weight(self) -> float:
-        return 8 * self.block_bytes / self.block_values
 
 
 FORMATS: dict[str, BlockFormat] = {f.name: f for f in (
@@ -63,10 +59,6 @@ class BlockQuantized:
 
     def dequantize(self) -> torch.Tensor:
         return dequantize_rows(self.format, self.data)
-
-    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        """float32 rows `ids` (an embedding lookup that dequantizes only the rows it reads)."""
-        return dequantize_rows(self.format, self.data[ids.reshape(-1)]).view(*ids.shape, self.shape[1])
 
 
 def _f16(b: torch.Tensor, start: int) -> torch.Tensor:

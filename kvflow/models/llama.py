@@ -100,8 +100,9 @@ class LlamaForCausalLM(torch.nn.Module):
         # Native kernels (int8, fp32): decode-only steps run all layers in one call, a pass the
         # attention backend hands in where it has one (set by `prepare`).
         self.native_decode: DecodePass | None = None
-        self.embed_blocks: BlockQuantized | None = None  # the embedding kept in its GGUF format
-        self._embed_kernel = None  # tied, in blocks: the logits kernel, which holds the embedding
+        self.embed_blocks: BlockQuantized | None = None  # the embedding in its GGUF format, until `prepare`
+        # A block kernel holding the embedding (GGUF blocks, or int4's logits): looked up through it.
+        self._embed_kernel = None
 
     def prepare(self, backend: str, plan: "KernelPlan | None" = None) -> None:
         """Move every projection, and the lm_head, to the linear backend `backend` (after
@@ -123,27 +124,26 @@ class LlamaForCausalLM(torch.nn.Module):
         for layer in self.layers:
             layer.fused_prologue = backend in FUSED_PROLOGUE
             layer.apply_rotary = rotary
+        if self.embed_blocks is not None:
+            # A block-quantized embedding lives in a block kernel (repacked, or read in place);
+            # the lookup dequantizes the rows it needs from it, and a tied model's logits use it.
+            self._embed_kernel, self.embed_blocks = make_linear_kernel(backend, self.embed_blocks), None
         if self.tp.size == 1:  # (under TP the logits kernel is this rank's vocabulary slice, above)
             if self.lm_head is not None:
                 self.logits_kernel = self.lm_head.kernel
+            elif self._embed_kernel is not None:
+                self.logits_kernel = self._embed_kernel
             else:
                 # Tied: `dense` reads embed_tokens itself; other backends keep their own copy (the
-                # embedding lookup still needs the float rows).
-                if self.embed_blocks is not None:
-                    # The logits kernel holds the embedding (repacked, or reading it in place);
-                    # the lookup goes through it, so there is one copy.
-                    self.logits_kernel = make_linear_kernel(backend, self.embed_blocks, plan=plan)
-                    self.embed_blocks = None
+                # embedding lookup still needs the float rows, except under int4: below).
+                w = self.embed_tokens.data
+                if self._lm_head_smoothing is not None:
+                    w = w * self._lm_head_smoothing
+                self.logits_kernel = make_linear_kernel(backend, w, plan=plan, logits=True)
+                if backend == "int4":  # the lookup reads the logits kernel's 8-bit rows: one copy
                     self._embed_kernel = self.logits_kernel
-                else:
-                    w = self.embed_tokens.data
-                    if self._lm_head_smoothing is not None:
-                        w = w * self._lm_head_smoothing
-                    self.logits_kernel = make_linear_kernel(backend, w, plan=plan, logits=True)
-                    if backend == "int4":  # the lookup reads the logits kernel's 8-bit rows: one copy
-                        self._embed_kernel = self.logits_kernel
-                        self.embed_tokens = torch.nn.Parameter(w.new_empty(0, self.cfg.hidden_size),
-                                                               requires_grad=False)
+                    self.embed_tokens = torch.nn.Parameter(w.new_empty(0, self.cfg.hidden_size),
+                                                           requires_grad=False)
         self.linear_backend, self.kernel_plan = backend, plan
         if self.tp.size > 1:
             # Row-parallel o and down: partial sums over this rank's heads / FFN slice, one
@@ -212,12 +212,8 @@ class LlamaForCausalLM(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKVCache],
                 meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, hidden]."""
-        if self._embed_kernel is not None:
-            x = self._embed_kernel.rows(input_ids)
-        elif self.embed_blocks is not None:
-            x = self.embed_blocks.lookup(input_ids)
-        else:
-            x = F.embedding(input_ids, self.embed_tokens)
+        x = F.embedding(input_ids, self.embed_tokens) if self._embed_kernel is None else \
+            self._embed_kernel.rows(input_ids)
         cos, sin_signed = self.rotary.lookup(positions)
         fused = self.native_decode
         group = self.attention.decode_group(meta) if fused is not None and x.shape[0] <= fused.max_rows else None
@@ -296,22 +292,19 @@ class LlamaForCausalLM(torch.nn.Module):
 
     @property
     def has_block_weights(self) -> bool:
-        return self.embed_blocks is not None or self._embed_kernel is not None or any(
-            isinstance(m, Linear) and m.blocks is not None for m in self.modules())
+        """Whether load_weights took tensors in block formats (before `prepare`)."""
+        return self.embed_blocks is not None or any(isinstance(m, Linear) and m.blocks is not None
+                                                    for m in self.modules())
 
     def weight_bytes(self) -> int:
-        """Bytes of every weight as the model holds it: each kernel's own copy, the embedding (a
-        tied GGUF's lives in its logits kernel), the norms."""
-        kernels = [m.kernel for m in self.modules() if isinstance(m, Linear)]
-        if self.logits_kernel is not None and all(self.logits_kernel is not k for k in kernels):
-            kernels.append(self.logits_kernel)
-        total = sum(p.numel() * p.element_size() for n, p in self.named_parameters() if "norm" in n)
-        if self.embed_blocks is not None:
-            total += self.embed_blocks.nbytes
-            kernels = [k for k in kernels if not (hasattr(k, "shares") and k.shares(self.embed_blocks))]
-        elif self._embed_kernel is None:
-            total += self.embed_tokens.numel() * self.embed_tokens.element_size()
-        return total + sum(k.nbytes for k in kernels)
+        """Bytes of every weight as the model holds it: the norms, the float embedding (empty when
+        a block kernel holds it), each kernel's own copy once (a tied model's logits kernel may be
+        the embedding's)."""
+        kernels = {id(k): k for k in (*(m.kernel for m in self.modules() if isinstance(m, Linear)),
+                                      self.logits_kernel, self._embed_kernel) if k is not None}
+        params = sum(p.numel() * p.element_size() for n, p in self.named_parameters()
+                     if "norm" in n or n == "embed_tokens")
+        return params + sum(k.nbytes for k in kernels.values())
 
     @staticmethod
     def _copy(params: dict[str, torch.nn.Parameter], name: str, tensor: torch.Tensor) -> None:

@@ -87,13 +87,9 @@ class BlockQuantKernel:
         self._kept = [None if self._lib.kvflow_block_repacked(handle, i) else p for i, p in enumerate(parts)]
         self._nbytes = sum(p.nbytes for p in parts)
 
-    def shares(self, blocks: BlockQuantized) -> bool:
-        """Whether the kernel reads `blocks`' own memory (so it is not a second copy)."""
-        return any(p is not None and p.data.data_ptr() == blocks.data.data_ptr() for p in self._kept)
-
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """float32 output channels `ids` of W, [*ids.shape, in_features] (the embedding lookup of a
-        tied model: its logits kernel holds the only copy)."""
+        """float32 output channels `ids` of W, [*ids.shape, in_features] (an embedding lookup: the
+        kernel holds the embedding's only copy)."""
         flat = ids.reshape(-1).to(torch.int64).contiguous()
         out = torch.empty(flat.numel(), self.in_features)
         self._lib.kvflow_block_rows(self.native_handle, flat.data_ptr(), flat.numel(), out.data_ptr())

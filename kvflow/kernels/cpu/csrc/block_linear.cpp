@@ -35,6 +35,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 
 #if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 #define KVFLOW_BLOCK_SIMD 1
@@ -150,6 +151,23 @@ struct Fmt<Q6_K> {
   }
 };
 
+/* f(std::integral_constant<int, T>) for the format `type`: the one switch over the formats.
+ * False for a type the kernel does not know. */
+template <class F>
+inline bool with_format(int type, F&& f) {
+  switch (type) {
+    case Q4_0: f(std::integral_constant<int, Q4_0>{}); return true;
+    case Q4_1: f(std::integral_constant<int, Q4_1>{}); return true;
+    case Q8_0: f(std::integral_constant<int, Q8_0>{}); return true;
+    case Q4_K: f(std::integral_constant<int, Q4_K>{}); return true;
+    case Q6_K: f(std::integral_constant<int, Q6_K>{}); return true;
+  }
+  return false;
+}
+
+// The formats that have the repacked layout (below).
+constexpr bool has_x8(int type) { return type == Q4_0 || type == Q4_1 || type == Q8_0; }
+
 inline float hsum(__m256 a) {
   const __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));  // (0+4, 1+5, 2+6, 3+7)
   const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -203,7 +221,6 @@ inline void tile(const uint8_t* __restrict w, long rb, const Act& a, int r0, flo
 // each other, so a thread reads its channels as one stream.
 
 constexpr int x8_block_bytes(int type) { return type == Q4_1 ? 160 : type == Q4_0 ? 144 : 272; }
-constexpr int row_block_bytes(int type) { return type == Q4_1 ? 20 : type == Q4_0 ? 18 : 34; }
 
 inline __m256i bcast4(const int8_t* p) {
   int32_t v;
@@ -280,18 +297,20 @@ void x8_segment(const BlockSegment& seg, const Act& a, int c0, int c1, int r0, i
   }
 }
 
+template <int T>
 void repack_x8(BlockSegment& seg, int k) {
-  const int nb = k / QA, gb = x8_block_bytes(seg.type), rb = row_block_bytes(seg.type);
-  const int head = seg.type == Q4_1 ? 4 : 2, qbytes = seg.type == Q8_0 ? 32 : 16;
+  static_assert(has_x8(T));
+  constexpr int gb = x8_block_bytes(T), rb = Fmt<T>::BYTES, head = T == Q4_1 ? 4 : 2, qbytes = T == Q8_0 ? 32 : 16;
+  const int nb = k / QA;
   seg.packed.assign((size_t)seg.rows / X8 * nb * gb, 0);
   for (int g = 0; g < seg.rows / X8; g++)
     for (int b = 0; b < nb; b++) {
       uint8_t* dst = seg.packed.data() + ((long)g * nb + b) * gb;
-      uint8_t* qs = dst + (seg.type == Q4_1 ? 32 : 16);
+      uint8_t* qs = dst + (T == Q4_1 ? 32 : 16);
       for (int j = 0; j < X8; j++) {
         const uint8_t* src = seg.data + (long)(g * X8 + j) * seg.row_bytes + (long)b * rb;
         dst[2 * j] = src[0], dst[2 * j + 1] = src[1];
-        if (seg.type == Q4_1) dst[16 + 2 * j] = src[2], dst[16 + 2 * j + 1] = src[3];
+        if (T == Q4_1) dst[16 + 2 * j] = src[2], dst[16 + 2 * j + 1] = src[3];
         for (int c = 0; c < qbytes / 4; c++)
           for (int i = 0; i < 4; i++) qs[32 * c + 4 * j + i] = src[head + 4 * c + i];
       }
@@ -324,25 +343,20 @@ void dequantize_channel(const BlockSegment& seg, int j, int k, float* out) {
   // GGUF's row layout: through the kernel's own unpacking of each 32-value sub-block.
   const uint8_t* row = seg.data + (long)j * seg.row_bytes;
   for (int sb = 0; sb < k / QA; sb++) {
-    __m256 sc;
-    float m;
-    __m256i q;
-    switch (seg.type) {
-      case Q4_0: q = Fmt<Q4_0>::sub(row + sb * 18L, 0, sc, m); break;
-      case Q4_1: q = Fmt<Q4_1>::sub(row + sb * 20L, 0, sc, m); break;
-      case Q8_0: q = Fmt<Q8_0>::sub(row + sb * 34L, 0, sc, m); break;
-      case Q4_K: q = Fmt<Q4_K>::sub(row + sb / 8 * 144L, sb % 8, sc, m); break;
-      default: q = Fmt<Q6_K>::sub(row + sb / 8 * 210L, sb % 8, sc, m); break;
-    }
-    alignas(32) int8_t qv[32];
-    alignas(32) float scale[8];
-    _mm256_store_si256((__m256i*)qv, q);
-    _mm256_store_ps(scale, sc);
-    const bool unsigned_values = seg.type == Q4_0 || seg.type == Q4_1 || seg.type == Q4_K;
-    for (int i = 0; i < QA; i++) {
-      const int v = unsigned_values ? (int)(uint8_t)qv[i] : (int)qv[i];
-      out[sb * QA + i] = scale[i / 4] * (float)v + m;
-    }
+    with_format(seg.type, [&](auto t) {
+      using F = Fmt<decltype(t)::value>;
+      constexpr int SUBS = F::QK / QA;
+      __m256 sc;
+      float m;
+      alignas(32) int8_t qv[32];
+      alignas(32) float scale[8];
+      _mm256_store_si256((__m256i*)qv, F::sub(row + (long)(sb / SUBS) * F::BYTES, sb % SUBS, sc, m));
+      _mm256_store_ps(scale, sc);
+      for (int i = 0; i < QA; i++) {
+        const int v = F::SIGNED ? (int)qv[i] : (int)(uint8_t)qv[i];
+        out[sb * QA + i] = scale[i / 4] * (float)v + m;
+      }
+    });
   }
 }
 
@@ -371,20 +385,13 @@ void segment(const BlockSegment& seg, const Act& a, int c0, int c1, int r0, int 
 }
 
 void segment_any(const BlockSegment& seg, const Act& a, int c0, int c1, int r0, int r1, float* y, long ldy) {
-  if (seg.x8) {
-    switch (seg.type) {
-      case Q4_0: return x8_segment<Q4_0>(seg, a, c0, c1, r0, r1, y, ldy);
-      case Q4_1: return x8_segment<Q4_1>(seg, a, c0, c1, r0, r1, y, ldy);
-      case Q8_0: return x8_segment<Q8_0>(seg, a, c0, c1, r0, r1, y, ldy);
+  with_format(seg.type, [&](auto t) {
+    constexpr int T = decltype(t)::value;
+    if constexpr (has_x8(T)) {
+      if (seg.x8) return x8_segment<T>(seg, a, c0, c1, r0, r1, y, ldy);
     }
-  }
-  switch (seg.type) {
-    case Q4_0: return segment<Q4_0>(seg, a, c0, c1, r0, r1, y, ldy);
-    case Q4_1: return segment<Q4_1>(seg, a, c0, c1, r0, r1, y, ldy);
-    case Q8_0: return segment<Q8_0>(seg, a, c0, c1, r0, r1, y, ldy);
-    case Q4_K: return segment<Q4_K>(seg, a, c0, c1, r0, r1, y, ldy);
-    case Q6_K: return segment<Q6_K>(seg, a, c0, c1, r0, r1, y, ldy);
-  }
+    segment<T>(seg, a, c0, c1, r0, r1, y, ldy);
+  });
 }
 
 /* One row to int8 blocks of QA: dx = max|v| / 127, q = round(v / dx), s = dx * sum(q). */
@@ -475,16 +482,20 @@ void* kvflow_block_pack(int n, int k, int nseg, const int* types, const int* row
   auto* p = new kvflow::BlockWeight{n, k, {}};
   int total = 0;
   for (int i = 0; i < nseg; i++) {
-    const int qk = types[i] == kvflow::Q4_K || types[i] == kvflow::Q6_K ? 256 : 32;
-    const bool known = types[i] == kvflow::Q4_0 || types[i] == kvflow::Q4_1 || types[i] == kvflow::Q8_0 ||
-                       types[i] == kvflow::Q4_K || types[i] == kvflow::Q6_K;
-    if (!known || k % qk != 0) {
+    p->segs.push_back({types[i], rows[i], row_bytes[i], data[i], false, {}});
+    kvflow::BlockSegment& seg = p->segs.back();
+    bool fits = false;
+    const bool known = kvflow::with_format(types[i], [&](auto t) {
+      constexpr int T = decltype(t)::value;
+      fits = k % kvflow::Fmt<T>::QK == 0;
+      if constexpr (kvflow::has_x8(T)) {
+        if (fits && rows[i] % kvflow::X8 == 0 && total % kvflow::X8 == 0) kvflow::repack_x8<T>(seg, k);
+      }
+    });
+    if (!known || !fits) {
       delete p;
       return nullptr;
     }
-    p->segs.push_back({types[i], rows[i], row_bytes[i], data[i], false, {}});
-    const bool x8_format = types[i] == kvflow::Q4_0 || types[i] == kvflow::Q4_1 || types[i] == kvflow::Q8_0;
-    if (x8_format && rows[i] % kvflow::X8 == 0 && total % kvflow::X8 == 0) kvflow::repack_x8(p->segs.back(), k);
     total += rows[i];
   }
   if (total != n) {
