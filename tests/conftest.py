@@ -158,3 +158,39 @@ def kvflow_prefill_logits(path: str, prompt: list[int], chunk: int, num_blocks: 
             logits.append(model.compute_logits(hidden))
             seq.num_computed_tokens += len(ids)
     return torch.cat(logits)
+
+
+# ---- paged attention: a random cache and the float64 brute force the kernels are checked against ----
+def random_kv_cache(attn, num_blocks: int, kv_heads: int, head_dim: int, kv_dtype: str,
+                    gen: torch.Generator, dtype: torch.dtype = torch.float32):
+    """One layer's cache from `attn` filled with random values (int8: random codes and scales)."""
+    cache = attn.allocate_kv_cache(1, num_blocks, kv_heads, head_dim, dtype, kv_dtype)[0]
+    if kv_dtype == "int8":
+        cache.data.copy_(torch.randint(-127, 128, cache.data.shape, generator=gen))
+        cache.scale.copy_(torch.rand(cache.scale.shape, generator=gen) * 0.05 + 1e-3)
+    else:
+        cache.data.copy_(torch.randn(cache.data.shape, generator=gen).to(dtype))
+    return cache
+
+
+def paged_attention_reference(q: torch.Tensor, cache, seqs: list, block_size: int, scale: float,
+                              window: int | None) -> torch.Tensor:
+    """Brute force in float64: each new token attends to its sequence's keys 0..pos (within window)."""
+    data = cache.data.double()
+    if cache.scale is not None:
+        data = data * cache.scale.double().unsqueeze(-1)
+    heads, kv_heads = q.shape[1], data.shape[3]
+    out, row = [], 0
+    for s in seqs:
+        slots = torch.tensor([s.block_table[p // block_size] * block_size + p % block_size
+                              for p in range(s.start_pos + s.num_new)])
+        kv = data.flatten(0, 1)[slots]  # [L, 2, KV, D]
+        k = kv[:, 0].repeat_interleave(heads // kv_heads, dim=1)  # [L, H, D]
+        v = kv[:, 1].repeat_interleave(heads // kv_heads, dim=1)
+        for i in range(s.num_new):
+            pos = s.start_pos + i
+            lo = 0 if window is None else max(0, pos - window + 1)
+            scores = torch.einsum("hd,lhd->hl", q[row].double(), k[lo: pos + 1]) * scale
+            out.append(torch.einsum("hl,lhd->hd", scores.softmax(-1), v[lo: pos + 1]).flatten())
+            row += 1
+    return torch.stack(out)

@@ -9,46 +9,12 @@ import torch
 from kvflow import LLM, SamplingParams
 from kvflow.layers.attention import (LayerKVCache, SeqLayout, TorchPagedAttention, make_attention_backend,
                                      partition_groups)
-from conftest import assert_no_leaks
+from conftest import assert_no_leaks, paged_attention_reference, random_kv_cache
 from kvflow.kernels.cpu.paged_attention import CpuPagedAttention, native_unsupported
 
 CPU = torch.device("cpu")
 pytestmark = pytest.mark.skipif(native_unsupported(CPU, torch.float32, 4, 2, 16) is not None,
                                 reason="no C compiler: the native kernel cannot be built here")
-
-
-def _random_cache(attn: TorchPagedAttention, num_blocks: int, kv_heads: int, head_dim: int, kv_dtype: str,
-                  gen: torch.Generator) -> LayerKVCache:
-    cache = attn.allocate_kv_cache(1, num_blocks, kv_heads, head_dim, torch.float32, kv_dtype)[0]
-    if kv_dtype == "int8":
-        cache.data.copy_(torch.randint(-127, 128, cache.data.shape, generator=gen))
-        cache.scale.copy_(torch.rand(cache.scale.shape, generator=gen) * 0.05 + 1e-3)
-    else:
-        cache.data.copy_(torch.randn(cache.data.shape, generator=gen))
-    return cache
-
-
-def _reference(q: torch.Tensor, cache: LayerKVCache, seqs: list[SeqLayout], block_size: int, scale: float,
-               window: int | None) -> torch.Tensor:
-    """Brute force in float64: each new token attends to its sequence's keys 0..pos (within window)."""
-    data = cache.data.double()
-    if cache.scale is not None:
-        data = data * cache.scale.double().unsqueeze(-1)
-    heads, kv_heads = q.shape[1], data.shape[3]
-    out, row = [], 0
-    for s in seqs:
-        slots = torch.tensor([s.block_table[p // block_size] * block_size + p % block_size
-                              for p in range(s.start_pos + s.num_new)])
-        kv = data.flatten(0, 1)[slots]  # [L, 2, KV, D]
-        k = kv[:, 0].repeat_interleave(heads // kv_heads, dim=1)  # [L, H, D]
-        v = kv[:, 1].repeat_interleave(heads // kv_heads, dim=1)
-        for i in range(s.num_new):
-            pos = s.start_pos + i
-            lo = 0 if window is None else max(0, pos - window + 1)
-            scores = torch.einsum("hd,lhd->hl", q[row].double(), k[lo: pos + 1]) * scale
-            out.append(torch.einsum("hl,lhd->hd", scores.softmax(-1), v[lo: pos + 1]).flatten())
-            row += 1
-    return torch.stack(out)
 
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
@@ -59,7 +25,7 @@ def test_kernel_matches_float64_and_torch(kv_dtype, heads, kv_heads, head_dim, w
     bs, num_blocks = 4, 48
     torch_attn = TorchPagedAttention(bs, window, CPU)
     native_attn = CpuPagedAttention(bs, window, CPU)
-    cache = _random_cache(torch_attn, num_blocks, kv_heads, head_dim, kv_dtype, gen)
+    cache = random_kv_cache(torch_attn, num_blocks, kv_heads, head_dim, kv_dtype, gen)
     perm = torch.randperm(num_blocks, generator=gen).tolist()
     # Decodes at block boundaries and mid-block, a 1-token context, and a prefill chunk in between:
     # the decode rows are not contiguous on the step's token axis.
@@ -73,7 +39,7 @@ def test_kernel_matches_float64_and_torch(kv_dtype, heads, kv_heads, head_dim, w
     for name, attn in (("torch", torch_attn), ("native", native_attn)):
         c = LayerKVCache(cache.data.clone(), None if cache.scale is None else cache.scale.clone())
         outs[name] = attn.forward(q, kv, c, attn.build_metadata(seqs), scale)
-    ref = _reference(q, c, seqs, bs, scale, window)  # c: the cache after the new tokens were written
+    ref = paged_attention_reference(q, c, seqs, bs, scale, window)  # c: the cache after the new tokens were written
     assert (outs["native"].double() - ref).abs().max() < 2e-5
     assert (outs["torch"].double() - ref).abs().max() < 2e-5
     assert (outs["native"] - outs["torch"]).abs().max() < 2e-5
@@ -83,7 +49,7 @@ def test_kernel_reads_q_with_a_row_stride():
     """Layers pass q as a strided view of the fused qkv output; the kernel must not need a copy."""
     gen = torch.Generator().manual_seed(1)
     attn = CpuPagedAttention(4, None, CPU)
-    cache = _random_cache(attn, 8, 2, 16, "auto", gen)
+    cache = random_kv_cache(attn, 8, 2, 16, "auto", gen)
     seqs = [SeqLayout(5, 1, [3, 1]), SeqLayout(2, 1, [6])]
     qkv = torch.randn(2, (4 + 2 * 2) * 16, generator=gen)
     q_view = qkv[:, : 4 * 16].view(2, 4, 16)
@@ -144,7 +110,7 @@ def test_several_prefill_groups_match_float64(backend):
     gen = torch.Generator().manual_seed(5)
     bs, heads, kv_heads, head_dim = 4, 4, 2, 16
     attn = backend(bs, None, CPU)
-    cache = _random_cache(attn, 200, kv_heads, head_dim, "auto", gen)
+    cache = random_kv_cache(attn, 200, kv_heads, head_dim, "auto", gen)
     perm = torch.randperm(200, generator=gen).tolist()
     seqs, used = [], 0
     for start, new in [(0, 3), (300, 6), (0, 300), (7, 1), (44, 5), (0, 2), (60, 1), (36, 8)]:
@@ -156,4 +122,4 @@ def test_several_prefill_groups_match_float64(backend):
     q = torch.randn(t, heads, head_dim, generator=gen)
     kv = torch.randn(t, 2, kv_heads, head_dim, generator=gen)
     out = attn.forward(q, kv, cache, attn.build_metadata(seqs), 0.25)
-    assert (out.double() - _reference(q, cache, seqs, bs, 0.25, None)).abs().max() < 2e-5
+    assert (out.double() - paged_attention_reference(q, cache, seqs, bs, 0.25, None)).abs().max() < 2e-5

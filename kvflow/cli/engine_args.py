@@ -30,7 +30,11 @@ _HELP = {
     "gguf_weights": "a GGUF's quantized tensors: native (run as stored by the block kernels, where they run: "
                     "CPU, float32, one rank) or dequantize (float32 at load, exact HF equivalence)",
     "kv_cache_dtype": "KV cache dtype: auto (= --dtype) or int8",
-    "attention_backend": "decode attention: native (C kernel, CPU float32), torch (gather + SDPA), or auto",
+    "attention_backend": "attention: native (C kernel, CPU float32), triton (Triton kernels, CUDA), torch "
+                         "(gather + SDPA, any device), or auto (triton on CUDA, native on the CPU)",
+    "enforce_eager": "CUDA: run decode steps eagerly instead of replaying CUDA graphs",
+    "cuda_graph_sizes": "CUDA: decode batch sizes to capture graphs for, comma-separated (default: 1,2,4 and "
+                        "multiples of 8 up to min(max_num_seqs, 256))",
     "kernel_autotune": "on: time the linear kernel paths on this CPU at the first start and cache the "
                        "choice (a few seconds, once); off: the documented default choice",
     "kv_offload_cpu_gb": "CPU-memory tier for evicted prefix-cache blocks, GiB (0 = off)",

@@ -22,12 +22,14 @@ offload) moves `data[b]` and `scale[b]` together.
 prefill chunks are split into groups of similar size (`partition_groups`), so a long chunk pads
 neither the decodes nor the short chunks to its length. `CpuPagedAttention`
 (kvflow/kernels/cpu/paged_attention.py) replaces the decode group with a native kernel that reads
-the paged cache in place; a GPU kernel can replace it behind the same methods.
+the paged cache in place; `TritonPagedAttention` (kvflow/kernels/triton/paged_attention.py) runs
+every row through Triton kernels that read the paged cache in place (CUDA devices).
 `make_attention_backend` picks the backend.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import mmap
 from dataclasses import dataclass
@@ -43,6 +45,7 @@ if TYPE_CHECKING:
     from kvflow.kernels.cpu.paged_attention import NativeGroup
 
 KV_CACHE_DTYPES = ("auto", "int8")
+logger = logging.getLogger("kvflow")
 
 
 @dataclass
@@ -99,6 +102,33 @@ class SeqLayout:
     start_pos: int
     num_new: int
     block_table: list[int]
+
+
+@dataclass
+class TokenLayout:
+    """A step's sequences on the flat token axis (host tensors, int64): what every backend's
+    metadata starts from."""
+
+    starts: torch.Tensor  # [B] position of each sequence's first new token
+    lens: torch.Tensor  # [B] new tokens of each sequence
+    offsets: torch.Tensor  # [B] index of each sequence's first new token on the token axis
+    tables: torch.Tensor  # [B, max_blocks] block tables, padded with block 0
+    positions: torch.Tensor  # [T] absolute position of every new token
+    slot_mapping: torch.Tensor  # [T] its cache slot
+
+    @classmethod
+    def of(cls, seqs: list[SeqLayout], block_size: int) -> "TokenLayout":
+        starts = torch.tensor([s.start_pos for s in seqs], dtype=torch.long)
+        lens = torch.tensor([s.num_new for s in seqs], dtype=torch.long)
+        max_blocks = max(len(s.block_table) for s in seqs)
+        tables = torch.tensor([s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs],
+                              dtype=torch.long)
+        total = int(lens.sum())
+        seq_of_token = torch.repeat_interleave(torch.arange(len(seqs)), lens)
+        offsets = torch.cumsum(lens, 0) - lens
+        positions = starts[seq_of_token] + torch.arange(total) - offsets[seq_of_token]
+        slot_mapping = tables[seq_of_token, positions // block_size] * block_size + positions % block_size
+        return cls(starts, lens, offsets, tables, positions, slot_mapping)
 
 
 def kv_cache_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
@@ -174,23 +204,11 @@ class TorchPagedAttention:
     # ---- per step ------------------------------------------------------------------------------
     def build_metadata(self, seqs: list[SeqLayout]) -> AttentionMetadata:
         dev = self.device
-        starts = torch.tensor([s.start_pos for s in seqs], dtype=torch.long)
-        lens = torch.tensor([s.num_new for s in seqs], dtype=torch.long)
-        max_blocks = max(len(s.block_table) for s in seqs)
-        tables = torch.tensor([s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs],
-                              dtype=torch.long)
-
-        # Flat token axis: sequence index and absolute position of every new token.
-        total = int(lens.sum())
-        seq_of_token = torch.repeat_interleave(torch.arange(len(seqs)), lens)
-        offsets = torch.cumsum(lens, 0) - lens
-        positions = starts[seq_of_token] + torch.arange(total) - offsets[seq_of_token]
-        bs = self.block_size
-        slot_mapping = tables[seq_of_token, positions // bs] * bs + positions % bs
-
-        groups = [self._group(torch.tensor(members), starts, lens, offsets, tables, total)
+        t = TokenLayout.of(seqs, self.block_size)
+        total = t.positions.shape[0]
+        groups = [self._group(torch.tensor(members), t.starts, t.lens, t.offsets, t.tables, total)
                   for members in partition_groups([s.num_new for s in seqs], [s.start_pos + s.num_new for s in seqs])]
-        return AttentionMetadata(positions=positions.to(dev), slot_mapping=slot_mapping.to(dev), groups=groups)
+        return AttentionMetadata(positions=t.positions.to(dev), slot_mapping=t.slot_mapping.to(dev), groups=groups)
 
     def _group(self, members: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor,
                offsets: torch.Tensor, tables: torch.Tensor, total: int) -> AttentionGroup:
@@ -317,15 +335,26 @@ class DecodePass(Protocol):
 def make_attention_backend(name: str, block_size: int, sliding_window: int | None, device: torch.device,
                            dtype: torch.dtype, num_heads: int, num_kv_heads: int,
                            head_dim: int) -> TorchPagedAttention:
-    """`attention_backend`: "torch" (the portable reference), "native" (the CPU kernel; an error if
-    it cannot run here) or "auto" (native when it can run, else torch)."""
-    # Imported here: the CPU backend is built on this module's TorchPagedAttention.
-    from kvflow.kernels.cpu.paged_attention import CpuPagedAttention, native_unsupported
-
+    """`attention_backend`: "torch" (the portable reference), "native" (the CPU kernel), "triton"
+    (the Triton kernels: CUDA, or the CPU under TRITON_INTERPRET=1) -- an error if the one asked for
+    cannot run here -- or "auto" (CUDA: triton; CPU: native; else, or when those cannot run: torch)."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
     if name == "torch":
         return TorchPagedAttention(block_size, sliding_window, device)
+    if name == "triton" or (name == "auto" and device.type == "cuda"):
+        from kvflow.kernels.triton.paged_attention import TritonPagedAttention, triton_unsupported
+
+        why = triton_unsupported(device)
+        if why is None:
+            return TritonPagedAttention(block_size, sliding_window, device)
+        if name == "triton":
+            raise ValueError(f"attention_backend='triton' is not available: {why}")
+        logger.warning("attention: torch reference path (the Triton backend cannot run: %s)", why)
+        return TorchPagedAttention(block_size, sliding_window, device)
+    # Imported here: the CPU backend is built on this module's TorchPagedAttention.
+    from kvflow.kernels.cpu.paged_attention import CpuPagedAttention, native_unsupported
+
     why = native_unsupported(device, dtype, num_heads, num_kv_heads, head_dim)
     if why is None:
         return CpuPagedAttention(block_size, sliding_window, device)

@@ -123,6 +123,14 @@ class ModelRunner:
         else:
             self.kv_block_shape = (model_config.num_layers, *self.kv_caches[0].data.shape[1:])
             self.kv_block_dtype = self.dtype
+        # CUDA: decode-only steps replay graphs captured now (kvflow.worker.cuda_graphs).
+        self.decode_graphs = None
+        if self.device.type == "cuda" and not config.enforce_eager and \
+                getattr(self.attention, "supports_decode_graphs", False):
+            from kvflow.worker.cuda_graphs import DecodeGraphs
+
+            self.decode_graphs = DecodeGraphs(self.model, self.attention, self.kv_caches, config.graph_batch_sizes(),
+                                              -(-max_model_len // config.block_size) + 1, self.device)
         self.sampler = Sampler(config.seed, self.device)
         self.rejection_sampler = RejectionSampler(config.seed + 1, self.device)
         self.kv_connector: "KVConnectorWorker | None" = None  # set by the engine (offload tiers, P/D)
@@ -166,6 +174,10 @@ class ModelRunner:
         input_ids = torch.tensor([t for ids in token_ids for t in ids], dtype=torch.long, device=self.device)
         meta = self.attention.build_metadata(
             [SeqLayout(p, len(ids), table) for ids, p, table in zip(token_ids, start_pos, block_tables)])
+        graphs = self.decode_graphs
+        if graphs is not None and input_ids.shape[0] == len(token_ids) and \
+                graphs.can_run(len(token_ids), max(map(len, block_tables))):
+            return graphs.run(input_ids, meta)  # a decode-only step
         return self.model(input_ids, meta.positions, self.kv_caches, meta)
 
     @torch.inference_mode()
