@@ -285,3 +285,41 @@ def test_int8_kv_blocks_through_offload_tiers(tiny_llama, tier, tmp_path):
     assert llm.get_stats().kv_offload.loaded > 0
     assert outs == reference
     assert_no_leaks(llm.engine)
+
+
+# ---- int8 through torch._int_mm (CUDA's int8 path; torch's CPU implementation of the op here) ------
+def test_int_mm_kernel_matches_float64_of_the_quantized_maths():
+    from kvflow.kernels.int_mm import IntMMKernel
+
+    gen = torch.Generator().manual_seed(0)
+    w, b = torch.randn(48, 64, generator=gen), torch.randn(48, generator=gen)
+    x, res = torch.randn(5, 64, generator=gen) * 3, torch.randn(5, 48, generator=gen)
+    k = IntMMKernel(w, b)
+    wq, ws = quantize_weight_per_channel(w)
+    xs = x.abs().amax(-1, keepdim=True) / 127
+    ref = (torch.round(x / xs).double() @ wq.double().T) * xs.double() * ws.double().flatten() + b.double()
+    assert (k(x, res).double() - ref - res.double()).abs().max() < 1e-4
+    assert ((k(x) - torch.nn.functional.linear(x, w, b)).abs().max() / (x @ w.T).abs().max()) < 0.03
+    assert k.nbytes == 48 * 64 + 4 * 48 + 4 * 48
+    # Features not a multiple of 8 (cuBLASLt's int8 constraint) stay float.
+    assert make_linear_kernel("int8_mm", torch.randn(50, 64)).backend == "dense"
+    with pytest.raises(ValueError, match="multiples of 8"):
+        IntMMKernel(torch.randn(48, 60), None)
+
+
+def test_int_mm_engine_logits_close_to_fp32(tiny_llama, monkeypatch):
+    """quantization='int8' as a CUDA device runs it (smoothing calibrated, every projection and the
+    logits through int8_mm), run here on the CPU."""
+    import kvflow.worker.model_runner as mr
+
+    path, _ = tiny_llama
+    prompt = prompts_for(4, 1, 37, 37)[0]
+    ref = all_logits(LLM(path, num_kv_blocks=32, max_model_len=128), prompt)
+    monkeypatch.setattr(mr, "select_linear_backend", lambda *a, **k: "int8_mm")
+    llm = LLM(path, num_kv_blocks=32, max_model_len=128)
+    model = llm.engine.runner.model
+    assert model.layers[0].qkv_proj.kernel.backend == "int8_mm" and model.logits_kernel.backend == "int8_mm"
+    got = all_logits(llm, prompt)
+    # 8-bit activations over their full range, as FBGEMM's int8 with VNNI (the bounds above).
+    assert (got - ref).abs().max() < 0.3
+    assert ((got - ref).norm() / ref.norm()) < 0.05

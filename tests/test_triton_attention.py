@@ -1,13 +1,18 @@
 """The Triton attention kernels and backend, run by Triton's interpreter on the CPU
 (TRITON_INTERPRET=1: the same kernels a GPU compiles, executed with numpy): against a float64
 brute force, against the torch backend inside the engine, with mutated copies of the kernels that
-must fail, and the CUDA-graph buffer path (padding, static metadata) run eagerly."""
+must fail, and the CUDA-graph buffer path (padding, static metadata) run eagerly.
+
+On a GPU machine `KVFLOW_TEST_DEVICE=cuda pytest tests/test_triton_attention.py` runs the same
+tests with the kernels compiled for the GPU (benchmarks/gpu_check.sh does)."""
 
 from __future__ import annotations
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are decorated (on first use)
+DEVICE_NAME = os.environ.get("KVFLOW_TEST_DEVICE", "cpu")
+if DEVICE_NAME == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are decorated (on first use)
 
 import importlib.util  # noqa: E402
 import inspect  # noqa: E402
@@ -22,12 +27,13 @@ from kvflow import LLM, SamplingParams  # noqa: E402
 from kvflow.layers.attention import LayerKVCache, SeqLayout, TorchPagedAttention, make_attention_backend  # noqa: E402
 
 CPU = torch.device("cpu")
+DEVICE = torch.device(DEVICE_NAME)
 
 
-def _backend(block_size: int, window: int | None = None):
+def _backend(block_size: int, window: int | None = None, device: torch.device = DEVICE):
     from kvflow.kernels.triton.paged_attention import TritonPagedAttention
 
-    return TritonPagedAttention(block_size, window, CPU)
+    return TritonPagedAttention(block_size, window, device)
 
 
 def _step(block_size: int, gen: torch.Generator, num_blocks: int = 64) -> list[SeqLayout]:
@@ -49,13 +55,16 @@ def _step(block_size: int, gen: torch.Generator, num_blocks: int = 64) -> list[S
 def _run(attn, seqs, heads, kv_heads, head_dim, kv_dtype, gen, dtype=torch.float32, torch_too=False):
     """One layer's step through `attn` on a random cache: (q, the cache after the write, output[,
     the torch backend's output on a copy of the same cache])."""
-    cache = random_kv_cache(attn, 64, kv_heads, head_dim, kv_dtype, gen, dtype)
+    host = _backend(attn.block_size, attn.sliding_window, CPU) if attn.device != CPU else attn
+    cache = random_kv_cache(host, 64, kv_heads, head_dim, kv_dtype, gen, dtype)
     copy = LayerKVCache(cache.data.clone(), None if cache.scale is None else cache.scale.clone())
     t = sum(s.num_new for s in seqs)
     q = torch.randn(t, heads, head_dim, generator=gen).to(dtype)
     kv = torch.randn(t, 2, kv_heads, head_dim, generator=gen).to(dtype)
     scale = head_dim ** -0.5
-    out = attn.forward(q, kv, cache, attn.build_metadata(seqs), scale)
+    dev = LayerKVCache(cache.data.to(attn.device), None if cache.scale is None else cache.scale.to(attn.device))
+    out = attn.forward(q.to(attn.device), kv.to(attn.device), dev, attn.build_metadata(seqs), scale).cpu()
+    cache = LayerKVCache(dev.data.cpu(), None if dev.scale is None else dev.scale.cpu())
     if not torch_too:
         return q, cache, out
     ref = TorchPagedAttention(attn.block_size, attn.sliding_window, CPU)
@@ -91,13 +100,13 @@ def test_padding_rows_write_zeros_and_touch_no_real_block():
     the spare block past the pool."""
     from kvflow.kernels.triton.paged_attention import TritonPagedAttention
 
-    attn = TritonPagedAttention(16, None, CPU)
+    attn = TritonPagedAttention(16, None, DEVICE)
     gen = torch.Generator().manual_seed(3)
     cache = random_kv_cache(attn, 8, 2, 16, "auto", gen)
     before = cache.data[:8].clone()
     static = attn.static_decode_metadata(4, 3)
-    q = torch.randn(4, 4, 16, generator=gen)
-    kv = torch.randn(4, 2, 2, 16, generator=gen)
+    q = torch.randn(4, 4, 16, generator=gen).to(DEVICE)
+    kv = torch.randn(4, 2, 2, 16, generator=gen).to(DEVICE)
     out = attn.forward(q, kv, cache, static, 0.25)
     assert torch.equal(out, torch.zeros_like(out))
     assert torch.equal(cache.data[:8], before)
@@ -149,7 +158,7 @@ PROMPTS = ["The quick brown fox", "Once upon a time there was a little engine",
 
 
 def _generate(path: str, **kw) -> tuple[list, object]:
-    llm = LLM(path, num_kv_blocks=64, block_size=16, **kw)
+    llm = LLM(path, num_kv_blocks=64, block_size=16, device=DEVICE_NAME, **kw)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
     # A shared prefix (a prefix-cache hit for the second request) and a prompt longer than the
     # step budget below (chunked prefill).
@@ -175,9 +184,11 @@ def test_decode_graph_buffers_pad_and_replay(tiny_llama):
 
     path, _ = tiny_llama
     ref, _ = _generate(path, attention_backend="triton")
-    llm = LLM(path, num_kv_blocks=64, block_size=16, attention_backend="triton")
+    llm = LLM(path, num_kv_blocks=64, block_size=16, attention_backend="triton", device=DEVICE_NAME,
+              enforce_eager=True)
     runner = llm.engine.runner
-    graphs = DecodeGraphs(runner.model, runner.attention, runner.kv_caches, [1, 4, 8], 8, CPU, capture=False)
+    graphs = DecodeGraphs(runner.model, runner.attention, runner.kv_caches, [1, 4, 8], 8, DEVICE,
+                          capture=DEVICE.type == "cuda")
     used = []
     real_run = graphs.run
     graphs.run = lambda ids, meta: used.append(ids.shape[0]) or real_run(ids, meta)
@@ -190,6 +201,7 @@ def test_decode_graph_buffers_pad_and_replay(tiny_llama):
     assert_no_leaks(llm.engine)
 
 
+@pytest.mark.skipif(DEVICE_NAME != "cpu", reason="the CPU's backend choice")
 def test_backend_choice_and_errors(monkeypatch):
     from kvflow.config import EngineConfig
 
@@ -208,3 +220,24 @@ def test_backend_choice_and_errors(monkeypatch):
         EngineConfig(cuda_graph_sizes=[0, 4])
     assert EngineConfig(max_num_seqs=20).graph_batch_sizes() == [1, 2, 4, 8, 16]
     assert EngineConfig(cuda_graph_sizes=["8", "2"], max_num_seqs=4).graph_batch_sizes() == [2]
+
+
+@pytest.mark.skipif(DEVICE_NAME != "cpu", reason="the script itself runs on the GPU there")
+def test_gpu_benchmark_script_smoke(tmp_path):
+    """benchmarks/gpu_offline.py, the script a lent GPU runs, through every section at tiny sizes on
+    the CPU: it finishes, reports each figure, and float32 greedy output equals HF's."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "gpu.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    subprocess.run([sys.executable, str(root / "benchmarks" / "gpu_offline.py"), "--device", "cpu", "--smoke",
+                    "--out", str(out)], check=True, timeout=240, env=env, capture_output=True)
+    res = json.loads(out.read_text())
+    assert res["equiv"]["torch.float32"]["identical_sequences"] == "3/3"
+    tput = res["throughput"]["smoke"]
+    assert tput["kvflow"]["output_tokens"] == tput["hf"]["output_tokens"] > 0
+    assert all(v["eager_ms"] > 0 and v["graphs_ms"] > 0 for k, v in res["graphs"].items() if k.startswith("batch"))

@@ -13,6 +13,9 @@ Backends (`LINEAR_BACKENDS`):
 * ``int8``   -- W8A8 through FBGEMM: weights int8 with one scale per output channel, packed once;
   activations quantized per token on the fly (see `Int8Kernel` in kvflow.kernels.cpu.int8_linear);
   int32 accumulation, float output. CPU only.
+* ``int8_mm`` -- the same W8A8 maths through `torch._int_mm` (cuBLASLt on CUDA: ``quantization="int8"``
+  there; `IntMMKernel` in kvflow.kernels.int_mm); projections whose features are not multiples of 8
+  stay ``dense``.
 * ``gguf``   -- weights in GGUF block formats as the file stores them (Q8_0, Q4_0, Q4_1, Q4_K,
   Q6_K), integer dot products with activations quantized per 32 values (`BlockQuantKernel` in
   kvflow.kernels.cpu.block_linear); a float tensor among them takes the ``auto`` default. CPU only.
@@ -40,7 +43,7 @@ from kvflow.layers.block_quant import BlockQuantized, quantize
 if TYPE_CHECKING:
     from kvflow.kernels.cpu.autotune import KernelPlan
 
-LINEAR_BACKENDS = ("auto", "dense", "onednn", "native", "int8", "gguf", "int4")
+LINEAR_BACKENDS = ("auto", "dense", "onednn", "native", "int8", "int8_mm", "gguf", "int4")
 FORCED_PATHS = ("dense", "onednn", "native")
 # Backends whose kernels take `norm=` / `silu_mul=` (the op feeding the projection, in the same call).
 FUSED_PROLOGUE = ("auto", "native", "int8", "gguf", "int4")
@@ -87,8 +90,10 @@ def select_linear_backend(device: torch.device, dtype: torch.dtype, quantization
             raise ValueError(f"{name} cannot run here: {reason}")
         return "gguf" if block_weights else "int4"
     if quantization == "int8":
+        if device.type == "cuda":
+            return "int8_mm"
         if device.type != "cpu":
-            raise ValueError(f"quantization='int8' runs on FBGEMM, a CPU library; device is {device.type!r}")
+            raise ValueError(f"quantization='int8' runs on the CPU (FBGEMM) or CUDA; device is {device.type!r}")
         if not int8_available():
             raise ValueError("quantization='int8' needs a torch build with FBGEMM (x86-64 CPU)")
         return "int8"
@@ -236,6 +241,10 @@ def make_linear_kernel(backend: str, weight: torch.Tensor | BlockQuantized | lis
                            with_native=plan.decode_pass_rows > 0 and shape in plan.pass_shapes)
     if backend == "int8":
         return Int8Kernel(weight, bias)
+    if backend == "int8_mm":
+        from kvflow.kernels.int_mm import IntMMKernel
+
+        return IntMMKernel(weight, bias) if IntMMKernel.supports(weight) else DenseKernel(weight, bias)
     if backend not in _PATHS:
         raise ValueError(f"unknown linear backend {backend!r}; choose from {LINEAR_BACKENDS}")
     return make_path_kernel(backend, weight, bias)

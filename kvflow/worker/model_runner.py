@@ -98,7 +98,7 @@ class ModelRunner:
         self.model.eval()
         self.linear_backend = select_linear_backend(self.device, self.dtype, config.quantization,
                                                     self.model.has_block_weights)
-        if self.linear_backend == "int8":
+        if self.linear_backend in ("int8", "int8_mm"):
             # Smooth activation outliers into the weights before quantizing them (calibrated on a
             # fixed text, or seeded random tokens for a model without a tokenizer).
             ids = calibration_ids(tokenizer, model_config.vocab_size)
