@@ -70,10 +70,11 @@ class RejectionSampler:
         draft = torch.tensor([d + [0] * (kmax - len(d)) for d in draft_token_ids],
                              dtype=torch.long, device=dev).view(len(ks), kmax)
         greedy = torch.tensor([p.greedy for p in params], dtype=torch.bool, device=dev)
+        all_greedy = all(p.greedy for p in params)  # on the host: no device sync
 
         target_argmax = target_logits.argmax(dim=-1)
         accept = target_argmax[pos] == draft
-        if not bool(greedy.all()):
+        if not all_greedy:
             probs = transformed_probs(target_logits, [p for p, n in zip(params, ks) for _ in range(n + 1)])
             u = self._uniforms(generators, ks, kmax + 1, dev)  # [B, K + 1]
             q_x, q_all, q_first = self._draft_probs_at(draft_probs, draft, ks, probs.dtype)
@@ -84,7 +85,7 @@ class RejectionSampler:
         final_pos = start + num_accepted
         tokens = target_argmax[final_pos]
 
-        if not bool(greedy.all()):
+        if not all_greedy:
             p_final = probs[final_pos]  # [B, V]: p at the rejected draft, or at the bonus position
             residual = p_final.clone()
             rejected = num_accepted < k

@@ -45,7 +45,8 @@ def truncate(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor
     top_k = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], device=dev)
     top_p = torch.tensor([p.top_p for p in params], device=dev, dtype=logits.dtype)
     min_p = torch.tensor([p.min_p for p in params], device=dev, dtype=logits.dtype)
-    if bool((top_k < vocab).any()) or bool((top_p < 1).any()):
+    # Which truncations apply is decided from the params on the host: no device sync.
+    if any(0 < p.top_k < vocab for p in params) or any(p.top_p < 1 for p in params):
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         rank = torch.arange(vocab, device=dev)[None, :]
         drop = rank >= top_k[:, None]
@@ -57,7 +58,7 @@ def truncate(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor
         logits = torch.full_like(logits, float("-inf")).scatter(
             1, order, sorted_logits.masked_fill(drop, float("-inf"))
         )
-    if bool((min_p > 0).any()):
+    if any(p.min_p > 0 for p in params):
         probs = torch.softmax(logits, dim=-1)
         threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
         logits = logits.masked_fill(probs < threshold, float("-inf"))
@@ -91,9 +92,9 @@ class Sampler:
         logits = self._apply_penalties(logits, batch)
         logits = self._mask_early_stops(logits, batch)
 
-        greedy = torch.tensor([p.greedy for p in params], device=dev)
         tokens = logits.argmax(dim=-1)
-        if not bool(greedy.all()):
+        if not all(p.greedy for p in params):  # (decided on the host: no device sync)
+            greedy = torch.tensor([p.greedy for p in params], device=dev)
             probs = transformed_probs(logits, params)
             cdf = torch.cumsum(probs, dim=-1)
             u = self._uniforms(batch.generators, dev) * cdf[:, -1]
