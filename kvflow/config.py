@@ -339,6 +339,9 @@ class ServerConfig:
     # (a replica that keeps crashing stays out of rotation; 0: never restarted).
     replica_max_restarts: int = 3
     replica_restart_window_s: float = 300.0
+    # Where the replicas run: "mp" (processes on this machine) or "ray" (Ray actors, one CPU bundle
+    # each, on the cluster of RAY_ADDRESS or a local one; kvflow/router/ray_replicas.py).
+    data_parallel_backend: str = "mp"
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -349,6 +352,8 @@ class ServerConfig:
         if self.router_policy not in DATA_PARALLEL_POLICIES:
             raise ValueError(f"router_policy must be one of {', '.join(DATA_PARALLEL_POLICIES)}, got "
                              f"{self.router_policy!r}")
+        if self.data_parallel_backend not in ("mp", "ray"):
+            raise ValueError(f"data_parallel_backend must be mp or ray, got {self.data_parallel_backend!r}")
         if self.replica_max_restarts < 0 or not 0 < self.replica_restart_window_s < float("inf"):
             raise ValueError(f"replica_max_restarts must be >= 0 and replica_restart_window_s a finite number > 0, "
                              f"got {self.replica_max_restarts} and {self.replica_restart_window_s}")

@@ -531,3 +531,57 @@ def test_the_cli_reports_a_failed_replica(tmp_path, monkeypatch, capsys):
     log = err.split("its log is ", 1)[1].split(",", 1)[0]
     assert log.startswith(str(tmp_path)) and "the model is not there" in open(log).read()
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handlers are given back
+
+
+def test_ray_replicas_serve_restart_and_leave_nothing(tiny_llama, tmp_path):
+    """--data-parallel-backend ray: each replica is a Ray actor (a local Ray the server starts, the
+    machine's CPUs, one bundle each) running its server on the node's address; requests spread over
+    both; a killed replica process is restarted in place by its actor (same URL); SIGTERM stops the
+    replicas, the actors and the local Ray: nothing the server started outlives it."""
+    pytest.importorskip("ray")
+    import shutil
+    import tempfile
+
+    # A short TMPDIR: Ray puts its sockets under it, and AF_UNIX paths stop at 107 bytes.
+    short = tempfile.mkdtemp(prefix="kvr-", dir="/tmp")
+    try:
+        _ray_replicas(tiny_llama[0], short)
+    finally:
+        shutil.rmtree(short, ignore_errors=True)
+
+
+def _ray_replicas(model: str, tmp_dir: str) -> None:
+    with _dp_server(model, tmp_dir, "--data-parallel-backend", "ray", "--router-policy", "round_robin") as (
+            proc, url, seen):
+        before = {r["index"]: r for r in _replicas(url)}
+        assert sorted(before) == [0, 1] and all(r["running"] and r["healthy"] for r in before.values())
+        assert len({r["url"] for r in before.values()}) == 2 and all(r["cpus"] is None for r in before.values())
+        for q in range(4):
+            resp = _complete(url, f"Ray question {q}", max_tokens=4)
+            assert resp.status_code == 200, resp.text
+        assert all(v >= 1 for v in _sent(url).values()) and len(_sent(url)) == 2
+        seen |= _descendants(proc.pid)
+        victim = before[0]
+        with open(f"/proc/{victim['pid']}/stat") as f:  # its parent: the Ray actor's worker process
+            parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        with open(f"/proc/{parent}/cmdline") as f:
+            assert "ReplicaHost" in f.read()
+        os.killpg(victim["pid"], signal.SIGKILL)
+        for q in range(3):
+            resp = _complete(url, f"While it is down {q}", max_tokens=4)
+            assert resp.status_code == 200, resp.text
+        deadline = time.monotonic() + STARTUP_S
+        while True:
+            now = _replicas(url)[0]
+            if now["pid"] != victim["pid"] and now["running"] and now["healthy"]:
+                break
+            assert time.monotonic() < deadline, f"replica 0 not back within {STARTUP_S} s: {now}"
+            time.sleep(0.5)
+        assert now["restarts"] == 1 and now["url"] == victim["url"]
+        seen |= _descendants(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(90) == 0
+        left = [p for p in seen if _alive(p)]
+        assert left == [], [open(f"/proc/{p}/cmdline").read() for p in left if _alive(p)]
+        out = _output(proc)
+    assert "placing 2 data-parallel replicas with Ray" in out, out[-3000:]

@@ -121,8 +121,7 @@ MUTATIONS = {
     "slot offset off by one": ("slot = page.to(tl.int64) * BLOCK_SIZE + n % BLOCK_SIZE",
                                "slot = page.to(tl.int64) * BLOCK_SIZE + (n + 1) % BLOCK_SIZE"),
     "causal mask excludes the diagonal": ("(n[None, :] <= q_pos[:, None])", "(n[None, :] < q_pos[:, None])"),
-    "int8 V read with K's scale": ("s_base + NUM_KV_HEADS, mask=n_mask, other=0.0)[:, None]\n        s = tl.sum",
-                                   "s_base, mask=n_mask, other=0.0)[:, None]\n        s = tl.sum"),
+    "int8 V read with K's scale": ("scale_ptr + s_base + NUM_KV_HEADS", "scale_ptr + s_base"),
     "decode drops the last key": ("for start in range(lo, ctx, BLOCK_N):\n        n = start + tl.arange(0, BLOCK_N)\n"
                                   "        n_mask = n < ctx",
                                   "for start in range(lo, ctx, BLOCK_N):\n        n = start + tl.arange(0, BLOCK_N)\n"

@@ -33,11 +33,14 @@ _SERVER_HELP = {
                             "(same port, CPUs and flags), at most this many times within "
                             "--replica-restart-window-s; past that it stays out of rotation (0: never restarted)",
     "replica_restart_window_s": "the window of --replica-max-restarts, in seconds",
+    "data_parallel_backend": "with --data-parallel-size > 1: mp (replica processes on this machine) or ray "
+                             "(each replica a Ray actor running its server on a node of the cluster named by "
+                             "RAY_ADDRESS, or of a local Ray started for it)",
 }
 # ServerConfig fields the data-parallel front end keeps to itself: the replicas listen on their
 # own 127.0.0.1 ports and get the API key in their environment.
 _FRONT_END_FIELDS = ("host", "port", "api_key", "data_parallel_size", "router_policy", "replica_max_restarts",
-                     "replica_restart_window_s")
+                     "replica_restart_window_s", "data_parallel_backend")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

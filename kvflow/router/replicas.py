@@ -32,6 +32,7 @@ SIGTERM then SIGKILL), shared with the benchmark harnesses. No torch here: the r
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -91,6 +92,7 @@ class ReplicaSpec:
     cpus: list[int] | None  # None: not pinned (no taskset, or the CPUs are unknown)
     threads: int  # OMP_NUM_THREADS / MKL_NUM_THREADS
     log_path: str
+    host: str = "127.0.0.1"  # where it listens (a Ray node's address under the ray backend)
 
     @property
     def name(self) -> str:
@@ -98,7 +100,7 @@ class ReplicaSpec:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
 
 def replica_specs(n: int, flags: Sequence[str], log_dir: str, *, api_key: str | None = None,
@@ -159,13 +161,17 @@ class RestartBudget:
         return f"{self.max_restarts} restart(s) within {self.window_s:g} s already"
 
 
-class _Replica(ManagedProcess):
+class LocalReplica(ManagedProcess):
     def __init__(self, spec: ReplicaSpec, stop_timeout: float, startup_timeout: float, restarts: int = 0) -> None:
         super().__init__(spec.argv, spec.port, name=spec.name, env=spec.env, log_path=spec.log_path,
                          startup_timeout=startup_timeout, stop_timeout=stop_timeout, echo=False,
                          die_with_parent=True, append_log=restarts > 0)
         self.spec = spec
         self.restarts = restarts  # how many processes of this replica came before this one
+
+    @property
+    def url(self) -> str:
+        return self.spec.url
 
     def failure(self, returncode: int | None) -> ReplicaStartError:
         what = (f"exited with code {returncode}" if returncode is not None
@@ -176,6 +182,30 @@ class _Replica(ManagedProcess):
     def exit_code(self) -> int | None:
         return self.proc.poll() if self.proc is not None else None
 
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    @property
+    def started(self) -> bool:
+        return self.proc is not None
+
+    def kill(self) -> None:
+        """SIGKILL to its whole process group (a restarted replica that never came up)."""
+        signal_group(self.proc, signal.SIGKILL)
+
+    def renewed(self, restarts: int) -> "LocalReplica":
+        """A new process for the same replica (same command line, CPUs, port; the log goes on)."""
+        return LocalReplica(self.spec, self.stop_timeout, self.startup_timeout, restarts=restarts)
+
+    def close(self) -> None:
+        """Release what holds the replica beyond its process (nothing here; a Ray actor there)."""
+
+
+# What ReplicaSet needs of a replica: `LocalReplica` (a local process) or
+# kvflow.router.ray_replicas.RayReplica (a process a Ray actor runs on its node). Built from a spec.
+ReplicaFactory = Callable[[ReplicaSpec, float, float], Any]
+
 
 class ReplicaSet:
     """The replica processes: started together, waited for together, stopped together; once
@@ -183,9 +213,9 @@ class ReplicaSet:
 
     def __init__(self, specs: Sequence[ReplicaSpec], *, stop_timeout: float,
                  startup_timeout: float = STARTUP_TIMEOUT_S, max_restarts: int = 0,
-                 restart_window_s: float = 300.0) -> None:
+                 restart_window_s: float = 300.0, factory: ReplicaFactory = LocalReplica) -> None:
         self.specs = list(specs)
-        self.procs = [_Replica(s, stop_timeout, startup_timeout) for s in self.specs]
+        self.procs = [factory(s, stop_timeout, startup_timeout) for s in self.specs]
         self.stop_timeout, self.startup_timeout = stop_timeout, startup_timeout
         self._budgets = [RestartBudget(max_restarts, restart_window_s) for _ in self.specs]
         # Restarted replicas not healthy yet: index -> the time by which they must be.
@@ -221,7 +251,7 @@ class ReplicaSet:
         return True
 
     def running(self) -> list[bool]:
-        return [p.proc is not None and p.exit_code() is None for p in self.procs]
+        return [p.started and p.exit_code() is None for p in self.procs]
 
     def watch(self, on_all_gone: Callable[[], None], interval_s: float = 0.5) -> None:
         """In a daemon thread: restart each replica that exits, within its budget (the router's
@@ -264,33 +294,33 @@ class ReplicaSet:
         if not budget.take(time.monotonic()):
             logger.error("data-parallel %s (pid %d, %s) exited with code %s: out of rotation, not restarted (%s; "
                          "GET /health is 503 until the server restarts); its log is %s",
-                         p.name, p.proc.pid, p.url, code, budget.describe(), p.log_path)
+                         p.name, p.pid, p.url, code, budget.describe(), p.log_path)
             return True
         return not self._restart(k, p, code)
 
-    def _restart(self, k: int, old: _Replica, code: int) -> bool:
+    def _restart(self, k: int, old, code: int) -> bool:
         """A new process for replica `k` (same command line, CPUs, port; the log goes on); False when
         it cannot even be started."""
         old.stop()  # it has exited: this reaps it and kills what it left in its process group
         n = old.restarts + 1
         logger.error("data-parallel %s (pid %d, %s) exited with code %s: restarting it (restart %d; its log %s "
-                     "goes on)", old.name, old.proc.pid, old.url, code, n, old.log_path)
+                     "goes on)", old.name, old.pid, old.url, code, n, old.log_path)
         try:
             with open(old.log_path, "a", encoding="utf-8") as f:
                 f.write(f"\n---- kvflow: {old.name} exited with code {code}; restart {n} ----\n")
         except OSError:
             pass  # the log is for people: a restart does not depend on it
-        new = _Replica(old.spec, self.stop_timeout, self.startup_timeout, restarts=n)
+        new = old.renewed(n)
         try:
             new.launch()
-        except OSError as e:
+        except Exception as e:  # OSError here; a Ray actor that is gone there
             logger.error("data-parallel %s could not be restarted (%s): out of rotation", old.name, e)
             return False
         self.procs[k] = new
         self._restarting[k] = time.monotonic() + self.startup_timeout
         return True
 
-    def _check_restarted(self, k: int, p: _Replica) -> None:
+    def _check_restarted(self, k: int, p) -> None:
         try:
             healthy = p.poll_healthy()
         except ServerError:
@@ -298,12 +328,12 @@ class ReplicaSet:
         if healthy:
             del self._restarting[k]
             logger.warning("data-parallel %s (pid %d, %s) answers /health again after restart %d: back in "
-                           "rotation at the router's next probe", p.name, p.proc.pid, p.url, p.restarts)
+                           "rotation at the router's next probe", p.name, p.pid, p.url, p.restarts)
         elif time.monotonic() > self._restarting[k]:
             # It serves nothing yet: nothing to drain, so no SIGTERM and wait.
             logger.error("data-parallel %s (pid %d) did not answer /health within %g s of its restart: killing it",
-                         p.name, p.proc.pid, self.startup_timeout)
-            signal_group(p.proc, signal.SIGKILL)
+                         p.name, p.pid, self.startup_timeout)
+            p.kill()
 
     def stop(self) -> None:
         """SIGTERM to every replica at once, then wait for each (SIGKILL to its group after the
@@ -315,6 +345,8 @@ class ReplicaSet:
             p.terminate()
         for p in procs:
             p.stop()
+        for p in procs:
+            p.close()
         self._stopped.set()
         if self._watcher is not None and self._watcher is not threading.current_thread():
             self._watcher.join(5)
@@ -344,10 +376,10 @@ def add_replica_routes(app: FastAPI, replicas: ReplicaSet, policy: str) -> None:
         out = []
         for p, running in zip(replicas.procs, replicas.running()):
             s = p.spec
-            out.append({"index": s.index, "url": s.url, "pid": p.proc.pid if p.proc is not None else None,
-                        "cpus": s.cpus, "threads": s.threads, "log": s.log_path, "running": running,
-                        "healthy": running and healthy.get(s.url, False), "restarts": p.restarts,
-                        "metrics": s.url + "/metrics"})
+            out.append({"index": s.index, "url": p.url, "pid": p.pid,
+                        "cpus": s.cpus, "threads": s.threads, "log": p.log_path, "running": running,
+                        "healthy": running and healthy.get(p.url, False), "restarts": p.restarts,
+                        "metrics": p.url + "/metrics"})
         return JSONResponse({"policy": policy, "replicas": out})
 
 
@@ -387,11 +419,21 @@ def serve_data_parallel(server_config: ServerConfig, engine_config: EngineConfig
                                  backends=[f"http://127.0.0.1:{p}" for p in ports])
     check_bindable(server_config.host, server_config.port)
     log_dir = log_dir or tempfile.mkdtemp(prefix="kvflow-dp-")
+    on_ray = server_config.data_parallel_backend == "ray"
+    # Under Ray the actors' nodes pick their own ports, and Ray, not taskset, places the CPUs.
     specs = replica_specs(n, flags, log_dir, api_key=server_config.api_key,
-                          offload_disk_dir=engine_config.kv_offload_disk_dir, ports=ports)
+                          offload_disk_dir=engine_config.kv_offload_disk_dir, ports=ports,
+                          pin=False if on_ray else None)
+    placement = None
+    if on_ray:
+        from kvflow.router.ray_replicas import RayPlacement
+
+        print(f"kvflow: placing {n} data-parallel replicas with Ray", file=sys.stderr, flush=True)
+        placement = RayPlacement(n, max(s.threads for s in specs))
     replicas = ReplicaSet(specs, stop_timeout=server_config.shutdown_grace_s + 10.0,
                           max_restarts=server_config.replica_max_restarts,
-                          restart_window_s=server_config.replica_restart_window_s)
+                          restart_window_s=server_config.replica_restart_window_s,
+                          **({"factory": placement.factory} if placement is not None else {}))
 
     signals: list[int] = []
     all_gone = threading.Event()
@@ -409,11 +451,17 @@ def serve_data_parallel(server_config: ServerConfig, engine_config: EngineConfig
                   file=sys.stderr, flush=True)
         elif len({c for s in specs for c in s.cpus or ()}) < n:
             print(f"kvflow: warning: {n} replicas but fewer CPUs: they share CPUs", file=sys.stderr, flush=True)
-        replicas.launch()
+        try:
+            replicas.launch()
+        except ReplicaStartError as e:  # a Ray actor that could not start its replica
+            print(f"kvflow: error: {e}", file=sys.stderr, flush=True)
+            return 1
+        if on_ray:  # the URLs the actors' nodes chose
+            router_config = dataclasses.replace(router_config, backends=replicas.urls)
         for s, p in zip(specs, replicas.procs):
             where = f"taskset -c {','.join(map(str, s.cpus))}" if s.cpus else "not pinned"
-            print(f"  {s.name}: {s.url} (pid {p.proc.pid if p.proc else '?'}, {where}, OMP_NUM_THREADS={s.threads}; "
-                  f"engine metrics {s.url}/metrics; log {s.log_path})", file=sys.stderr, flush=True)
+            print(f"  {s.name}: {p.url} (pid {p.pid or '?'}, {where}, OMP_NUM_THREADS={s.threads}; "
+                  f"engine metrics {p.url}/metrics; log {p.log_path})", file=sys.stderr, flush=True)
         try:
             if not replicas.wait_healthy(cancelled=lambda: bool(signals)):
                 print("kvflow: stopped before the replicas were ready", file=sys.stderr, flush=True)
@@ -458,5 +506,7 @@ def serve_data_parallel(server_config: ServerConfig, engine_config: EngineConfig
         return 1 if all_gone.is_set() else code
     finally:
         replicas.stop()  # signals meanwhile only land in `signals` (uvicorn restored on_signal)
+        if placement is not None:
+            placement.close()
         for s, h in original.items():
             signal.signal(s, h)

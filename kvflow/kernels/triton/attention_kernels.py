@@ -28,6 +28,24 @@ import triton.language as tl
 
 
 @triton.jit
+def _kv_tile(kv_ptr, scale_ptr, tables_ptr, seq, table_stride, n, n_mask, d, d_valid, kvh, slot_stride, part_stride,
+             BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_KV_HEADS: tl.constexpr, QUANT: tl.constexpr):
+    """K and V [N, D] of keys `n` (masked by n_mask) of sequence `seq`, kv head `kvh`: each key's slot
+    from the block table; in the cache's dtype, or in float32 with an int8 cache's scales applied."""
+    page = tl.load(tables_ptr + seq * table_stride + n // BLOCK_SIZE, mask=n_mask, other=0)
+    slot = page.to(tl.int64) * BLOCK_SIZE + n % BLOCK_SIZE
+    base = slot * slot_stride + kvh * HEAD_DIM
+    nd_mask = n_mask[:, None] & d_valid[None, :]
+    k = tl.load(kv_ptr + base[:, None] + d[None, :], mask=nd_mask, other=0.0)
+    v = tl.load(kv_ptr + part_stride + base[:, None] + d[None, :], mask=nd_mask, other=0.0)
+    if QUANT:
+        s_base = slot * (2 * NUM_KV_HEADS) + kvh
+        k = k.to(tl.float32) * tl.load(scale_ptr + s_base, mask=n_mask, other=0.0)[:, None]
+        v = v.to(tl.float32) * tl.load(scale_ptr + s_base + NUM_KV_HEADS, mask=n_mask, other=0.0)[:, None]
+    return k, v
+
+
+@triton.jit
 def _decode_kernel(q_ptr, q_stride_t, q_stride_h, kv_ptr, scale_ptr, slot_stride, part_stride,
                    tables_ptr, table_stride, ctx_ptr, qstart_ptr, seqs_ptr, out_ptr, out_stride,
                    sm_scale, window,
@@ -54,16 +72,10 @@ def _decode_kernel(q_ptr, q_stride_t, q_stride_h, kv_ptr, scale_ptr, slot_stride
     for start in range(lo, ctx, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_mask = n < ctx
-        page = tl.load(tables_ptr + seq * table_stride + n // BLOCK_SIZE, mask=n_mask, other=0)
-        slot = page.to(tl.int64) * BLOCK_SIZE + n % BLOCK_SIZE
-        base = slot * slot_stride + kvh * HEAD_DIM
-        nd_mask = n_mask[:, None] & (d < HEAD_DIM)[None, :]
-        k = tl.load(kv_ptr + base[:, None] + d[None, :], mask=nd_mask, other=0.0).to(tl.float32)
-        v = tl.load(kv_ptr + part_stride + base[:, None] + d[None, :], mask=nd_mask, other=0.0).to(tl.float32)
-        if QUANT:
-            s_base = slot * (2 * NUM_KV_HEADS) + kvh
-            k = k * tl.load(scale_ptr + s_base, mask=n_mask, other=0.0)[:, None]
-            v = v * tl.load(scale_ptr + s_base + NUM_KV_HEADS, mask=n_mask, other=0.0)[:, None]
+        k, v = _kv_tile(kv_ptr, scale_ptr, tables_ptr, seq, table_stride, n, n_mask, d, d < HEAD_DIM, kvh,
+                        slot_stride, part_stride, BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, QUANT)
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
         s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * sm_scale  # [G, N]
         s = tl.where(n_mask[None, :], s, float("-inf"))
         # The first block always holds a valid key (start < ctx), so m_new is finite from there on.
@@ -114,19 +126,10 @@ def _prefill_kernel(q_ptr, q_stride_t, q_stride_h, kv_ptr, scale_ptr, slot_strid
     for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_mask = n < hi
-        page = tl.load(tables_ptr + seq * table_stride + n // BLOCK_SIZE, mask=n_mask, other=0)
-        slot = page.to(tl.int64) * BLOCK_SIZE + n % BLOCK_SIZE
-        base = slot * slot_stride + kvh * HEAD_DIM
-        nd_mask = n_mask[:, None] & d_valid[None, :]
-        k = tl.load(kv_ptr + base[:, None] + d[None, :], mask=nd_mask, other=0.0)
-        v = tl.load(kv_ptr + part_stride + base[:, None] + d[None, :], mask=nd_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        if QUANT:
-            s_base = slot * (2 * NUM_KV_HEADS) + kvh
-            k = (k.to(tl.float32) * tl.load(scale_ptr + s_base, mask=n_mask, other=0.0)[:, None]).to(q.dtype)
-            v = (v.to(tl.float32) * tl.load(scale_ptr + s_base + NUM_KV_HEADS, mask=n_mask, other=0.0)[:, None]).to(q.dtype)
+        k, v = _kv_tile(kv_ptr, scale_ptr, tables_ptr, seq, table_stride, n, n_mask, d, d_valid, kvh,
+                        slot_stride, part_stride, BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, QUANT)
+        k = k.to(q.dtype)  # (int8: dequantized to the model's dtype; under UPCAST q is float32)
+        v = v.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale  # [M, N] float32
         allowed = n_mask[None, :] & (n[None, :] <= q_pos[:, None])
         if SLIDING:
