@@ -185,7 +185,7 @@ class EngineConfig:
         if self.device != "cpu":
             raise ValueError(f"tensor parallelism runs over gloo on CPU so far; device is {self.device!r}")
         unsupported = [name for name, on in (
-            (f"quantization={self.quantization!r}", self.quantization is not None),
+            (f"quantization={self.quantization!r}", self.quantization not in (None, "int8")),
             ("kv_offload_cpu_gb / kv_offload_disk_dir", self.kv_offload_cpu_gb > 0 or bool(self.kv_offload_disk_dir)),
             ("kv_transfer_config", self.kv_transfer_config is not None),
             ("a draft-model speculative_config", bool(self.speculative_config)

@@ -36,16 +36,20 @@ class Executor:
     @classmethod
     def create(cls, config: "EngineConfig", ckpt: "Checkpoint", max_model_len: int, num_blocks: int) -> "Executor":
         """Rank 0's runner over `ckpt`'s weights (its tokenizer only for the int8 calibration
-        text), after the other ranks' workers when tensor-parallel: rank 0 shards its weights in
-        their group, so the group comes first."""
+        text, whose ids every rank gets), after the other ranks' workers when tensor-parallel: rank 0 shards its weights in
+        their group, so the group comes first, and the workers are waited for last."""
         from kvflow.distributed.parallel import local_config
-        from kvflow.worker.model_runner import ModelRunner
+        from kvflow.worker.model_runner import ModelRunner, calibration_ids
 
         mc = local_config(ckpt.model_config, config.tensor_parallel_size)  # this rank's share
-        workers = _start_workers(config, max_model_len, num_blocks, mc.hidden_size)
+        # int8's calibration tokens: tokenized here, the same for every rank.
+        calibration = calibration_ids(ckpt.tokenizer, mc.vocab_size) if config.quantization == "int8" else None
+        workers = _start_workers(config, max_model_len, num_blocks, mc.hidden_size, calibration)
         try:
-            runner = ModelRunner(mc, config, max_model_len, num_blocks, ckpt.weights, tokenizer=ckpt.tokenizer,
+            runner = ModelRunner(mc, config, max_model_len, num_blocks, ckpt.weights, calibration=calibration,
                                  tp=None if workers is None else workers.group)
+            if workers is not None:
+                workers.wait_ready()
         except BaseException:
             if workers is not None:
                 workers.shutdown()
@@ -70,8 +74,8 @@ class Executor:
             self.workers.shutdown()
 
 
-def _start_workers(config: "EngineConfig", max_model_len: int, num_blocks: int,
-                   hidden_size: int) -> "TPWorkers | RayTPWorkers | None":
+def _start_workers(config: "EngineConfig", max_model_len: int, num_blocks: int, hidden_size: int,
+                   calibration: list[int] | None) -> "TPWorkers | RayTPWorkers | None":
     """Ranks 1..N-1 under tensor parallelism (processes, or Ray actors); None for one rank."""
     if config.tensor_parallel_size <= 1:
         return None
@@ -79,4 +83,4 @@ def _start_workers(config: "EngineConfig", max_model_len: int, num_blocks: int,
         from kvflow.executor.ray_executor import RayTPWorkers as Workers
     else:
         from kvflow.executor.mp import TPWorkers as Workers
-    return Workers(config, max_model_len, num_blocks, hidden_size)
+    return Workers(config, max_model_len, num_blocks, hidden_size, calibration)

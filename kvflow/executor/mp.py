@@ -60,7 +60,7 @@ class RankPlan:
     """What every rank is told: the group's address, its CPUs and threads, the shared segment."""
 
     def __init__(self, config: "EngineConfig", max_model_len: int, num_blocks: int, hidden_size: int,
-                 host: str = "127.0.0.1") -> None:
+                 calibration: list[int] | None = None, host: str = "127.0.0.1") -> None:
         self.size = config.tensor_parallel_size
         self.cpus, self.threads = rank_cpus(self.size, config.cpu_threads_per_rank)
         self.init_method = f"tcp://{host}:{_free_port()}"
@@ -75,7 +75,7 @@ class RankPlan:
         self._common = {"size": self.size, "init_method": self.init_method, "threads": self.threads,
                         "max_model_len": max_model_len, "num_blocks": num_blocks, "config": asdict(config),
                         "collective_timeout_s": COLLECTIVE_TIMEOUT_S, "shm_path": self.shm_path,
-                        "slot_bytes": self.slot_bytes, "hidden_size": hidden_size}
+                        "slot_bytes": self.slot_bytes, "hidden_size": hidden_size, "calibration": calibration}
 
     def args(self, rank: int, **extra) -> dict:
         return {**self._common, "rank": rank, "cpus": self.cpus[rank], **extra}
@@ -107,8 +107,9 @@ def step_message(seqs: list["ScheduledSeq"]) -> dict:
 class TPWorkers:
     """The worker processes of ranks 1..N-1, and rank 0's membership of the group."""
 
-    def __init__(self, config: "EngineConfig", max_model_len: int, num_blocks: int, hidden_size: int) -> None:
-        self.plan = plan = RankPlan(config, max_model_len, num_blocks, hidden_size)
+    def __init__(self, config: "EngineConfig", max_model_len: int, num_blocks: int, hidden_size: int,
+                 calibration: list[int] | None = None) -> None:
+        self.plan = plan = RankPlan(config, max_model_len, num_blocks, hidden_size, calibration)
         self.group: TPGroup | None = None
         self.procs: list[subprocess.Popen] = []
         self.logs: list[str] = []
@@ -123,12 +124,13 @@ class TPWorkers:
             log.close()
         try:
             self.group, self.all_reduce = plan.join_as_rank0(self.check_alive)
-            self._wait_ready()
         except BaseException:
             self.shutdown()
             raise
 
-    def _wait_ready(self) -> None:
+    def wait_ready(self) -> None:
+        """Until every worker has built its runner (after rank 0 built its own: a runner's start-up
+        may be collective, as int8's calibration pass is)."""
         deadline = time.monotonic() + START_TIMEOUT_S
         for rank, proc in enumerate(self.procs, 1):
             while True:

@@ -27,7 +27,8 @@ def _ray():
 
 
 class RayTPWorkers:
-    def __init__(self, config: "EngineConfig", max_model_len: int, num_blocks: int, hidden_size: int) -> None:
+    def __init__(self, config: "EngineConfig", max_model_len: int, num_blocks: int, hidden_size: int,
+                 calibration: list[int] | None = None) -> None:
         ray = _ray()
         from ray.util.placement_group import placement_group, placement_group_table
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -36,7 +37,7 @@ class RayTPWorkers:
         if not ray.is_initialized():
             ray.init(address=os.environ.get("RAY_ADDRESS") or None, include_dashboard=False, log_to_driver=False)
             self._started_ray = True
-        self.plan = plan = RankPlan(config, max_model_len, num_blocks, hidden_size,
+        self.plan = plan = RankPlan(config, max_model_len, num_blocks, hidden_size, calibration,
                                     host=ray.util.get_node_ip_address())
         self.group = None
         self.pg = placement_group([{"CPU": plan.threads}] * (plan.size - 1), strategy="PACK")
@@ -59,10 +60,16 @@ class RayTPWorkers:
                 self.actors.append(actor_cls.options(num_cpus=plan.threads, scheduling_strategy=strategy,
                                                      max_restarts=0).remote(args))
             self.group, self.all_reduce = plan.join_as_rank0(self.check_alive, force=force)
-            ray.get([a.ready.remote() for a in self.actors], timeout=START_TIMEOUT_S)
         except BaseException:
             self.shutdown()
             raise
+
+    def wait_ready(self) -> None:
+        """Until every actor has built its runner (after rank 0's: see TPWorkers.wait_ready)."""
+        try:
+            _ray().get([a.ready.remote() for a in self.actors], timeout=START_TIMEOUT_S)
+        except Exception as e:
+            raise RuntimeError(f"a tensor-parallel rank (a Ray actor) failed to start: {type(e).__name__}: {e}") from None
 
     def check_alive(self) -> None:
         """Raises if an actor's last step failed or the actor died."""

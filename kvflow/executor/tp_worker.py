@@ -28,7 +28,7 @@ class RankWorker:
         config = EngineConfig(**args["config"])
         ckpt = load_checkpoint(config.model, config.tokenizer, with_tokenizer=False)
         self.runner = ModelRunner(local_config(ckpt.model_config, self.tp.size), config, args["max_model_len"],
-                                  args["num_blocks"], ckpt.weights, tp=self.tp)
+                                  args["num_blocks"], ckpt.weights, calibration=args.get("calibration"), tp=self.tp)
 
     def ready(self) -> bool:
         return True

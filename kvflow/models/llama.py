@@ -91,6 +91,7 @@ class LlamaForCausalLM(torch.nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, device)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope, dtype, device)
+        self._row_parallel()  # from the start: a pass before `prepare` (int8 calibration) sums ranks too
         # The logits projection; set by `prepare` (tied models: a kernel over embed_tokens).
         self.logits_kernel: LinearKernel | None = None
         self.linear_backend = "dense"
@@ -110,8 +111,10 @@ class LlamaForCausalLM(torch.nn.Module):
         if self.tp.size > 1 and self.logits_kernel is None:
             # Vocab-parallel logits: each rank projects onto its slice of the vocabulary; the
             # slices are gathered on the first rank (compute_logits). The embedding stays whole.
-            head = self.lm_head.weight if self.lm_head is not None else self.embed_tokens
-            slices = head.data.chunk(self.tp.size)
+            head = self.lm_head.weight.data if self.lm_head is not None else self.embed_tokens.data
+            if self._lm_head_smoothing is not None:  # tied + int8: the lm_head copy takes the smoothing
+                head = head * self._lm_head_smoothing
+            slices = head.chunk(self.tp.size)
             self._vocab_widths = [w.shape[0] for w in slices]
             self.logits_kernel = make_linear_kernel(backend, slices[self.tp.rank].contiguous(), plan=plan)
             self.lm_head = None  # the full copy is not needed any more
@@ -145,14 +148,18 @@ class LlamaForCausalLM(torch.nn.Module):
                     self.embed_tokens = torch.nn.Parameter(w.new_empty(0, self.cfg.hidden_size),
                                                            requires_grad=False)
         self.linear_backend, self.kernel_plan = backend, plan
-        if self.tp.size > 1:
-            # Row-parallel o and down: partial sums over this rank's heads / FFN slice, one
-            # all-reduce each; the residual is added by the first rank only.
-            for layer in self.layers:
-                for lin in (layer.o_proj, layer.down_proj):
-                    if not isinstance(lin.kernel, RowParallelKernel):
-                        lin.kernel = RowParallelKernel(lin.kernel, self.tp.all_reduce, self.tp.is_first)
+        self._row_parallel()  # the new kernels, wrapped again
         self.native_decode = self.attention.decode_pass(self)
+
+    def _row_parallel(self) -> None:
+        """Under tensor parallelism, o and down are row-parallel: partial sums over this rank's heads
+        / FFN slice, one all-reduce each; the residual is added by the first rank only."""
+        if self.tp.size == 1:
+            return
+        for layer in self.layers:
+            for lin in (layer.o_proj, layer.down_proj):
+                if not isinstance(lin.kernel, RowParallelKernel):
+                    lin.kernel = RowParallelKernel(lin.kernel, self.tp.all_reduce, self.tp.is_first)
 
     def projection_shapes(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """((out, in) of every projection and the logits, those of one decoder layer's qkv, o,

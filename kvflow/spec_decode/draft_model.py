@@ -55,7 +55,7 @@ class DraftModelProposer:
                num_blocks: int, tokenizer: Any | None) -> "DraftModelProposer":
         """`tokenizer`: the target's (drafts share its vocabulary), for an int8 draft's calibration."""
         from kvflow.models.loader import load_checkpoint
-        from kvflow.worker.model_runner import ModelRunner
+        from kvflow.worker.model_runner import ModelRunner, calibration_ids
 
         ckpt = load_checkpoint(spec.model or target.model)
         mc = ckpt.model_config
@@ -67,7 +67,8 @@ class DraftModelProposer:
                              f"max_model_len ({max_model_len})")
         cfg = dataclasses.replace(target, model=spec.model or target.model, quantization=spec.quantization,
                                   speculative_config=None, kv_offload_cpu_gb=0.0, kv_offload_disk_dir=None)
-        runner = ModelRunner(mc, cfg, max_model_len, num_blocks, ckpt.weights, tokenizer=tokenizer)
+        calibration = calibration_ids(tokenizer, mc.vocab_size) if cfg.quantization == "int8" else None
+        runner = ModelRunner(mc, cfg, max_model_len, num_blocks, ckpt.weights, calibration=calibration)
         logger.info("speculative decoding: draft model %s (%s), %d KV blocks", ckpt.name,
                     spec.quantization or cfg.dtype, num_blocks)
         return cls(runner, num_blocks, target.block_size)

@@ -85,9 +85,10 @@ def calibration_ids(tokenizer: Any | None, vocab_size: int) -> list[int]:
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, config: EngineConfig, max_model_len: int,
                  num_blocks: int, weights: Iterable[tuple[str, torch.Tensor]],
-                 tokenizer: Any | None = None, tp: "TPGroup | None" = None) -> None:
+                 calibration: list[int] | None = None, tp: "TPGroup | None" = None) -> None:
         """`model_config`: this rank's share of the model under tensor parallelism (`tp`).
-        `tokenizer`: only to tokenize the int8 calibration text (see `calibration_ids`)."""
+        `calibration`: the token ids int8 smoothing is calibrated on (`calibration_ids`; every
+        rank of a tensor-parallel group gets the same, as the calibration pass is collective)."""
         self.device = torch.device(config.device)
         self.dtype = getattr(torch, config.dtype)
         self.attention = make_attention_backend(
@@ -101,7 +102,7 @@ class ModelRunner:
         if self.linear_backend in ("int8", "int8_mm"):
             # Smooth activation outliers into the weights before quantizing them (calibrated on a
             # fixed text, or seeded random tokens for a model without a tokenizer).
-            ids = calibration_ids(tokenizer, model_config.vocab_size)
+            ids = calibration if calibration is not None else calibration_ids(None, model_config.vocab_size)
             self.model.apply_smoothing(self._activation_amax(ids[: min(len(ids), max_model_len)]))
         self.kernel_plan = None
         if self.linear_backend == "auto":
