@@ -186,7 +186,6 @@ class EngineConfig:
             raise ValueError(f"tensor parallelism runs over gloo on CPU so far; device is {self.device!r}")
         unsupported = [name for name, on in (
             (f"quantization={self.quantization!r}", self.quantization not in (None, "int8")),
-            ("kv_offload_cpu_gb / kv_offload_disk_dir", self.kv_offload_cpu_gb > 0 or bool(self.kv_offload_disk_dir)),
             ("kv_transfer_config", self.kv_transfer_config is not None),
             ("a draft-model speculative_config", bool(self.speculative_config)
              and (self.speculative_config or {}).get("method") == "draft_model"),

@@ -116,3 +116,33 @@ def test_read_write_blocks_round_trip(tiny_llama):
     data = torch.randn(3, *runner.read_blocks([0]).shape[1:])
     runner.write_blocks([5, 2, 9], data)
     assert torch.equal(runner.read_blocks([5, 2, 9]), data)
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_tensor_parallel_tiers(tiny_llama, reference, tmp_path, kv_dtype):
+    """TP = 2: each rank holds half of every block's KV heads. The tiers store whole blocks (rank 0
+    gathers both shares) and write each rank its share back: the reloaded document gives one
+    rank's tokens. With the default KV dtype a block is stored in one rank's layout, so a disk
+    tier written under TP = 2 serves a TP = 1 engine."""
+    path = tiny_llama[0]
+    ref = reference if kv_dtype == "auto" else [
+        o.outputs[0] for o in LLM(path, max_model_len=64, block_size=BS, num_kv_blocks=64, kv_cache_dtype=kv_dtype,
+                                  enable_prefix_caching=False).generate(QUESTIONS, PARAMS, use_tqdm=False)]
+    disk = tmp_path / "kv"
+    llm = _engine(path, kv_offload_cpu_gb=0.01, kv_offload_disk_dir=str(disk), tensor_parallel_size=2,
+                  kv_cache_dtype=kv_dtype)
+    try:
+        _ask(llm, QUESTIONS[:1])
+        _ask(llm, FILLER)  # evicts DOC into the tiers
+        assert llm.get_stats().kv_offload.cpu.stored > 0
+        assert_same_completions(_ask(llm, QUESTIONS[1:]), ref[1:], abs_tol=1e-4)
+        stats = llm.get_stats().kv_offload
+        assert stats.cpu.hits >= len(DOC) // BS - 1 and stats.loaded > 0
+        assert_no_leaks(llm.engine)
+    finally:
+        llm.shutdown()  # persists the pool to the disk tier, with the workers still there
+    if kv_dtype == "auto":
+        one = _engine(path, kv_offload_disk_dir=str(disk))
+        outs = one.generate([QUESTIONS[0]], PARAMS, use_tqdm=False)
+        assert outs[0].num_cached_tokens >= len(DOC) - BS and one.get_stats().kv_offload.disk.hits > 0
+        assert_same_completions([outs[0].outputs[0]], ref[:1], abs_tol=1e-4)

@@ -88,9 +88,10 @@ class LLMEngine:
         from kvflow.kv_transfer.factory import make_kv_connector
 
         # What moves KV in and out of the pool (offload tiers, another engine): one connector, split
-        # into its scheduler side and the runner's worker side.
-        self.kv_connector, self.runner.kv_connector = make_kv_connector(config, self._kv_identity(ckpt), self.runner,
-                                                                        self.model_config.num_layers)
+        # into its scheduler side and the executor's worker side (whose block reads and writes
+        # reach every tensor-parallel rank).
+        self.kv_connector, self.executor.kv_connector = make_kv_connector(
+            config, self._kv_identity(ckpt), self.executor.kv_io, self.model_config.num_layers)
         self.kv_cache = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         # One model of step times, learned from every step: the speculator and the slo policy predict with it.
         self.step_cost = StepCostModel()
@@ -175,7 +176,9 @@ class LLMEngine:
         cfg = self.config
         return json.dumps([ckpt.name, ckpt.hf_config, os.path.getsize(ckpt.path) if os.path.isfile(ckpt.path)
                            else None, cfg.dtype, cfg.kv_cache_dtype, cfg.quantization, self.block_weights,
-                           cfg.block_size],
+                           cfg.block_size,
+                           # int8 blocks are serialized per rank (values, then scales, of its heads)
+                           cfg.tensor_parallel_size if cfg.kv_cache_dtype == "int8" else 1],
                           sort_keys=True, default=str).encode()
 
     # ---- requests ------------------------------------------------------------------------------
@@ -462,23 +465,22 @@ class LLMEngine:
         from kvflow.kv_transfer.offload_store import OffloadStats
         from kvflow.kv_transfer.pd import KVTransferStats
 
-        stats = None if self.runner.kv_connector is None else self.runner.kv_connector.stats()
+        stats = None if self.executor.kv_connector is None else self.executor.kv_connector.stats()
         return (stats if isinstance(stats, OffloadStats) else None,
                 stats if isinstance(stats, KVTransferStats) else None)
 
     def take_kv_transfer_times(self) -> list[float]:
         """Fetch durations since the last call (for the metrics histogram)."""
-        return [] if self.runner.kv_connector is None else self.runner.kv_connector.take_transfer_times()
+        return [] if self.executor.kv_connector is None else self.executor.kv_connector.take_transfer_times()
 
     def shutdown(self) -> None:
         """Stop the KV connector; the offload tiers first persist the prefix cache (a disk tier
         then serves the next run)."""
         if self.structured is not None:
             self.structured.shutdown()
+        if self.kv_connector is not None:  # (before the workers go: under TP every rank holds a share)
+            meta = self.kv_connector.build_shutdown_meta()
+            if meta is not None:
+                self.executor.execute(SchedulerOutput(kv_connector_metadata=meta))
+            self.executor.kv_connector.shutdown()
         self.executor.shutdown()
-        if self.kv_connector is None:
-            return
-        meta = self.kv_connector.build_shutdown_meta()
-        if meta is not None:
-            self.executor.execute(SchedulerOutput(kv_connector_metadata=meta))
-        self.runner.kv_connector.shutdown()

@@ -6,11 +6,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from kvflow.executor.tp_block_io import TPBlockIO
+
 if TYPE_CHECKING:
     from kvflow.config import EngineConfig, ModelConfig
     from kvflow.core.scheduler import SchedulerOutput
     from kvflow.executor.mp import TPWorkers
     from kvflow.executor.ray_executor import RayTPWorkers
+    from kvflow.kv_transfer.base import KVConnectorWorker
     from kvflow.models.loader import Checkpoint
     from kvflow.structured_output.manager import GrammarBitmask
     from kvflow.worker.model_runner import KVCacheSpec, ModelRunner, RunnerOutput
@@ -24,6 +27,10 @@ class Executor:
     def __init__(self, runner: "ModelRunner", workers: "TPWorkers | RayTPWorkers | None" = None) -> None:
         self.runner = runner
         self.workers = workers
+        # Whole KV blocks as the KV connectors move them: rank 0's runner, or under tensor
+        # parallelism every rank's share of the heads gathered / scattered (TPBlockIO).
+        self.kv_io = runner if workers is None else TPBlockIO(runner, workers)
+        self.kv_connector: "KVConnectorWorker | None" = None  # set by the engine (offload tiers, P/D)
 
     @staticmethod
     def kv_cache_spec(model_config: "ModelConfig", config: "EngineConfig") -> "KVCacheSpec":
@@ -57,9 +64,23 @@ class Executor:
         return cls(runner, workers)
 
     def execute(self, sched: "SchedulerOutput", grammar: "GrammarBitmask | None" = None) -> "RunnerOutput":
+        """One step: the KV connector's loads (before the forward pass: under TP their block writes
+        reach the workers ahead of the step), the forward pass on every rank, then the connector's
+        saves and finished transfers."""
+        import torch
+
+        connector = self.kv_connector
+        if connector is not None and sched.kv_connector_metadata is not None:
+            with torch.inference_mode():
+                connector.start_load_kv(sched.kv_connector_metadata)
         if self.workers is not None and sched.seqs:
             self.workers.step(sched.seqs)
-        return self.runner.execute(sched, grammar)
+        result = self.runner.execute(sched, grammar)
+        if connector is not None:
+            with torch.inference_mode():
+                connector.wait_for_save()
+            result.kv_connector_output = connector.get_finished()
+        return result
 
     def kernel_summary(self) -> str:
         """Rank 0's linear kernel choice (the other ranks tune their own shapes alike)."""

@@ -162,7 +162,13 @@ class TPWorkers:
             self._check(rank, proc)
 
     def step(self, seqs: list["ScheduledSeq"]) -> None:
-        message = step_message(seqs)
+        self._send(step_message(seqs))
+
+    def kv_op(self, op: str, blocks: list[int]) -> None:
+        """Tell every worker to take part in rank 0's next block read ("kv_read") or write."""
+        self._send({"op": op, "blocks": blocks})
+
+    def _send(self, message: dict) -> None:
         for rank, proc in enumerate(self.procs, 1):
             self._check(rank, proc)
             try:

@@ -89,6 +89,12 @@ class RayTPWorkers:
         message = step_message(seqs)
         self._inflight = [a.step.remote(message) for a in self.actors]
 
+    def kv_op(self, op: str, blocks: list[int]) -> None:
+        """Every actor takes part in rank 0's next block read ("kv_read") or write (actor calls run
+        in the order they were made: before the next step's)."""
+        self.check_alive()
+        self._inflight = [getattr(a, op).remote(blocks) for a in self.actors]
+
     def shutdown(self) -> None:
         ray = _ray()
         from ray.util.placement_group import remove_placement_group

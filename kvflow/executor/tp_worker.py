@@ -9,6 +9,8 @@ import os
 import sys
 from typing import Any, Callable
 
+from kvflow.executor.tp_block_io import serve_block_io
+
 
 class RankWorker:
     def __init__(self, args: dict[str, Any], check_peers: Callable[[], None] | None = None) -> None:
@@ -35,6 +37,12 @@ class RankWorker:
 
     def step(self, msg: dict[str, Any]) -> None:
         self.runner.run_shard(msg["t"], msg["p"], msg["b"], msg["rows"])
+
+    def kv_read(self, blocks: list[int]) -> None:
+        serve_block_io(self.runner, "kv_read", blocks)
+
+    def kv_write(self, blocks: list[int]) -> None:
+        serve_block_io(self.runner, "kv_write", blocks)
 
     def close(self) -> None:
         self.tp.close()
@@ -63,7 +71,10 @@ def main(argv: list[str]) -> int:
         if msg is None or msg.get("op") == "stop":
             worker.close()
             return 0
-        worker.step(msg)
+        if msg["op"] == "step":
+            worker.step(msg)
+        else:  # a KV block read or write of rank 0's (kvflow.executor.tp_block_io)
+            serve_block_io(worker.runner, msg["op"], msg["blocks"])
 
 
 if __name__ == "__main__":

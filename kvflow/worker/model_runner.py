@@ -29,7 +29,7 @@ from kvflow.structured_output.manager import apply_bitmask
 
 if TYPE_CHECKING:
     from kvflow.distributed.parallel import TPGroup
-    from kvflow.kv_transfer.base import KVConnectorOutput, KVConnectorWorker
+    from kvflow.kv_transfer.base import KVConnectorOutput
     from kvflow.structured_output.manager import GrammarBitmask
 
 logger = logging.getLogger("kvflow")
@@ -134,7 +134,6 @@ class ModelRunner:
                                               -(-max_model_len // config.block_size) + 1, self.device)
         self.sampler = Sampler(config.seed, self.device)
         self.rejection_sampler = RejectionSampler(config.seed + 1, self.device)
-        self.kv_connector: "KVConnectorWorker | None" = None  # set by the engine (offload tiers, P/D)
         self._generators: dict[str, torch.Generator] = {}
 
     def kernel_summary(self) -> str:
@@ -146,16 +145,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, grammar: "GrammarBitmask | None" = None) -> RunnerOutput:
         """One step. An exception from here is the step's (the model pass): it fails everyone.
-        `grammar`: the allowed tokens of constrained rows (structured outputs). The KV connector
-        loads before the forward pass (and hears of finished transfers after it)."""
-        connector = self.kv_connector
-        if connector is not None and out.kv_connector_metadata is not None:
-            connector.start_load_kv(out.kv_connector_metadata)
-        result = self._forward(out, grammar) if out.seqs else RunnerOutput()
-        if connector is not None:
-            connector.wait_for_save()
-            result.kv_connector_output = connector.get_finished()
-        return result
+        `grammar`: the allowed tokens of constrained rows (structured outputs). (The KV connector's
+        loads and saves around it are the executor's: they may involve every rank.)"""
+        return self._forward(out, grammar) if out.seqs else RunnerOutput()
 
     def _forward(self, out: SchedulerOutput, grammar: "GrammarBitmask | None") -> RunnerOutput:
         seqs = out.seqs
