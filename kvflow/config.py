@@ -187,8 +187,6 @@ class EngineConfig:
         unsupported = [name for name, on in (
             (f"quantization={self.quantization!r}", self.quantization not in (None, "int8")),
             ("kv_transfer_config", self.kv_transfer_config is not None),
-            ("a draft-model speculative_config", bool(self.speculative_config)
-             and (self.speculative_config or {}).get("method") == "draft_model"),
         ) if on]
         if unsupported:
             raise ValueError(f"tensor_parallel_size={tp} does not work with {', '.join(unsupported)} yet")

@@ -48,6 +48,23 @@ def test_tp2_equals_tp1(model_factory, monkeypatch, arch, all_reduce):
     assert_same_completions(got, ref, abs_tol=1e-4)
 
 
+def test_tp2_with_a_draft_model_equals_tp1(model_factory):
+    """Draft-model speculation under TP: the draft runs whole on rank 0, the target verifies the
+    drafts split over both ranks; greedy output is TP = 1's without speculation."""
+    path = model_factory("llama")[0]
+    small = model_factory("llama", num_hidden_layers=1, hidden_size=32, intermediate_size=64)[0]
+    spec = {"method": "draft_model", "model": small, "num_speculative_tokens": 3, "adaptive": False}
+    ref, _, _ = _run(path, 1, num_kv_blocks=64)
+    llm = LLM(path, max_model_len=64, block_size=4, tensor_parallel_size=2, num_kv_blocks=64, speculative_config=spec)
+    try:
+        got = [o.outputs[0] for o in llm.generate(_prompts(), PARAMS, use_tqdm=False)]
+        assert llm.engine.speculator.stats.num_draft_tokens > 10
+        assert_no_leaks(llm.engine)
+    finally:
+        llm.shutdown()
+    assert_same_completions(got, ref, abs_tol=1e-4)
+
+
 def _first_logprobs(outs) -> list[dict[int, float]]:
     """Each completion's top logprobs at its first position (conditioned on the prompt alone)."""
     return [{t: lp.logprob for t, lp in o.logprobs[0].items()} for o in outs]

@@ -65,8 +65,12 @@ class DraftModelProposer:
         if mc.max_position_embeddings < max_model_len:
             raise ValueError(f"the draft model's context ({mc.max_position_embeddings}) is shorter than "
                              f"max_model_len ({max_model_len})")
+        # The draft runs whole in the engine process (rank 0 under tensor parallelism: a small model
+        # is not worth splitting, as vLLM's draft_tensor_parallel_size=1).
         cfg = dataclasses.replace(target, model=spec.model or target.model, quantization=spec.quantization,
-                                  speculative_config=None, kv_offload_cpu_gb=0.0, kv_offload_disk_dir=None)
+                                  speculative_config=None, kv_offload_cpu_gb=0.0, kv_offload_disk_dir=None,
+                                  tensor_parallel_size=1, distributed_executor_backend=None,
+                                  cpu_threads_per_rank=None)
         calibration = calibration_ids(tokenizer, mc.vocab_size) if cfg.quantization == "int8" else None
         runner = ModelRunner(mc, cfg, max_model_len, num_blocks, ckpt.weights, calibration=calibration)
         logger.info("speculative decoding: draft model %s (%s), %d KV blocks", ckpt.name,
