@@ -186,7 +186,6 @@ class EngineConfig:
             raise ValueError(f"tensor parallelism runs over gloo on CPU so far; device is {self.device!r}")
         unsupported = [name for name, on in (
             (f"quantization={self.quantization!r}", self.quantization not in (None, "int8")),
-            ("kv_transfer_config", self.kv_transfer_config is not None),
         ) if on]
         if unsupported:
             raise ValueError(f"tensor_parallel_size={tp} does not work with {', '.join(unsupported)} yet")

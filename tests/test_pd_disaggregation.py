@@ -92,6 +92,31 @@ def test_outputs_identical_to_one_engine(tiny_llama, reference, connector, kv_ca
         llm.shutdown()
 
 
+@pytest.mark.parametrize("producer_tp,consumer_tp", [(2, 1), (1, 2)])
+def test_tensor_parallel_producer_or_consumer(tiny_llama, reference, producer_tp, consumer_tp):
+    """A TP = 2 engine on either side: the producer's held blocks are gathered from both ranks when
+    the hold begins (its block server never starts a collective), the consumer scatters fetched
+    blocks to both; a block travels in one rank's layout, so TP sizes may differ."""
+    def engine(role, tp):
+        return LLM(tiny_llama[0], max_model_len=64, block_size=BS, num_kv_blocks=48, tensor_parallel_size=tp,
+                   kv_transfer_config={"kv_connector": "tcp", "kv_role": role})
+
+    producer, consumer = engine("kv_producer", producer_tp), engine("kv_consumer", consumer_tp)
+    try:
+        for prompt, ref in list(zip(PROMPTS, reference["auto"]))[:3]:
+            out = _decode(consumer, prompt, _prefill(producer, prompt))
+            _assert_same(out, ref)
+            assert out.num_cached_tokens == (len(prompt) - 1) // BS * BS
+        _drain(producer)
+        sent, got = producer.get_stats().kv_transfer, consumer.get_stats().kv_transfer
+        assert got.blocks_received == sent.blocks_sent > 0 and not got.failures
+        for llm in (producer, consumer):
+            assert_no_leaks(llm.engine)
+    finally:
+        producer.shutdown()
+        consumer.shutdown()
+
+
 def _faulty_send(monkeypatch, fault: str, **kw):
     """Replace the producer's frame sender: the payload is cut short (the producer dies
     mid-transfer), corrupted after its checksum was taken, or delayed."""

@@ -18,6 +18,10 @@ if TYPE_CHECKING:
 
 
 class TPBlockIO:
+    # Its reads and writes are collectives: only the engine thread starts them, between steps (a
+    # KV producer copies held blocks when the hold begins instead of reading them per fetch).
+    collective = True
+
     def __init__(self, runner: "ModelRunner", workers: Any) -> None:
         self.runner, self.workers = runner, workers
         self.size = runner.model.tp.size

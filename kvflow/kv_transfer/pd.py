@@ -226,6 +226,9 @@ class _Held:
     transfer: HeldTransfer
     deadline: float
     sending: int = 0  # fetches reading these blocks now: the lease cannot expire under them
+    # The blocks read when the hold began, where the block IO's reads are collectives that only the
+    # engine thread may start (tensor parallelism); None: the fetch reads the pool itself.
+    data: torch.Tensor | None = None
 
 
 class PDConnectorWorker(KVConnectorWorker):
@@ -263,9 +266,12 @@ class PDConnectorWorker(KVConnectorWorker):
             self._loads.pop(rid, None)  # a fetch still running finishes into nothing
         if meta.holds:
             deadline = time.monotonic() + self.config.kv_lease_s
+            snapshot = getattr(self.io, "collective", False)
+            held = [_Held(h, deadline, data=self.io.read_blocks(h.block_ids) if snapshot else None)
+                    for h in meta.holds]
             with self._lock:
-                for h in meta.holds:
-                    self._held[h.transfer_id] = _Held(h, deadline)
+                for h in held:
+                    self._held[h.transfer.transfer_id] = h
         for load in meta.loads:
             self._loads[load.request_id] = (load, self._fetchers.submit(self._fetch, load))
         for host, port, tid in meta.releases:
@@ -414,7 +420,8 @@ class PDConnectorWorker(KVConnectorWorker):
                                                         f"{len(t.block_ids)} held"})
                 return
             # Held blocks: the engine writes none of them while the transfer lasts.
-            data = self.io.read_blocks(t.block_ids[first:first + num]).contiguous()
+            data = (held.data[first:first + num] if held.data is not None
+                    else self.io.read_blocks(t.block_ids[first:first + num])).contiguous()
             payload = self._payload(data)
             m = BlockManifest(self.identity, t.block_hashes[first:first + num], first, (0, self.num_layers),
                               _dtype_name(data.dtype), list(data.shape[1:]), self.kv_cache_dtype, len(payload),
