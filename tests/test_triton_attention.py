@@ -158,7 +158,7 @@ PROMPTS = ["The quick brown fox", "Once upon a time there was a little engine",
 
 def _generate(path: str, **kw) -> tuple[list, object]:
     llm = LLM(path, num_kv_blocks=64, block_size=16, device=DEVICE_NAME, **kw)
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3)
     # A shared prefix (a prefix-cache hit for the second request) and a prompt longer than the
     # step budget below (chunked prefill).
     prompts = PROMPTS + [PROMPTS[1] + " that served", PROMPTS[0] * 6]
@@ -166,25 +166,31 @@ def _generate(path: str, **kw) -> tuple[list, object]:
     return outs, llm
 
 
+@pytest.fixture(scope="module")
+def torch_llama(tiny_llama):
+    """The torch backend's completions of the tiny Llama (the reference of two tests below)."""
+    return _generate(tiny_llama[0], attention_backend="torch", max_num_batched_tokens=32)[0]
+
+
 @pytest.mark.parametrize("arch,kv_dtype", [("llama", "auto"), ("qwen3", "auto"), ("llama", "int8")])
-def test_engine_greedy_matches_torch_backend(model_factory, arch, kv_dtype):
+def test_engine_greedy_matches_torch_backend(model_factory, torch_llama, arch, kv_dtype):
     path, _ = model_factory(arch)
-    ref, _ = _generate(path, attention_backend="torch", kv_cache_dtype=kv_dtype, max_num_batched_tokens=32)
+    ref = torch_llama if (arch, kv_dtype) == ("llama", "auto") else _generate(
+        path, attention_backend="torch", kv_cache_dtype=kv_dtype, max_num_batched_tokens=32)[0]
     outs, llm = _generate(path, attention_backend="triton", kv_cache_dtype=kv_dtype, max_num_batched_tokens=32)
     assert type(llm.engine.runner.attention).__name__ == "TritonPagedAttention"
     assert_same_completions(outs, ref, abs_tol=1e-4)
     assert_no_leaks(llm.engine)
 
 
-def test_decode_graph_buffers_pad_and_replay(tiny_llama):
+def test_decode_graph_buffers_pad_and_replay(tiny_llama, torch_llama):
     """The CUDA-graph path without a GPU: decode steps copied into static buffers padded to the
-    next captured size and run from them (eagerly) give the eager engine's tokens."""
+    next captured size and run from them (eagerly) give the torch backend's tokens."""
     from kvflow.worker.cuda_graphs import DecodeGraphs
 
-    path, _ = tiny_llama
-    ref, _ = _generate(path, attention_backend="triton")
+    path, ref = tiny_llama[0], torch_llama
     llm = LLM(path, num_kv_blocks=64, block_size=16, attention_backend="triton", device=DEVICE_NAME,
-              enforce_eager=True)
+              enforce_eager=True, max_num_batched_tokens=32)
     runner = llm.engine.runner
     graphs = DecodeGraphs(runner.model, runner.attention, runner.kv_caches, [1, 4, 8], 8, DEVICE,
                           capture=DEVICE.type == "cuda")
@@ -192,7 +198,7 @@ def test_decode_graph_buffers_pad_and_replay(tiny_llama):
     real_run = graphs.run
     graphs.run = lambda ids, meta: used.append(ids.shape[0]) or real_run(ids, meta)
     runner.decode_graphs = graphs
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3)
     prompts = PROMPTS + [PROMPTS[1] + " that served", PROMPTS[0] * 6]
     outs = [o.outputs[0] for o in llm.generate(prompts, params)]
     assert_same_completions(outs, ref, abs_tol=1e-4)
