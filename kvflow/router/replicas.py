@@ -5,6 +5,8 @@ server flags, each on a free 127.0.0.1 port), pins each one with `taskset` to it
 this process may use (`os.sched_getaffinity`, split evenly: 2 CPUs / 2 replicas = one each) with
 OMP_NUM_THREADS / MKL_NUM_THREADS set to that share, waits until every replica's /health answers,
 then serves the router app (`app.py`, policy `--router-policy`) on the public --host / --port.
+With `--data-parallel-backend ray` the replicas are started by Ray actors on the cluster's nodes
+instead (`ray_replicas.py`); everything below holds for them too.
 
 - A replica that exits before it is healthy, or is not healthy within `STARTUP_TIMEOUT_S`, stops
   everything with an error naming it and its log (`ReplicaStartError`); so does SIGTERM / SIGINT
@@ -446,7 +448,9 @@ def serve_data_parallel(server_config: ServerConfig, engine_config: EngineConfig
     original = {s: signal.signal(s, on_signal) for s in handled} if main else {}
     try:
         print(f"kvflow: starting {n} data-parallel replicas (logs in {log_dir})", file=sys.stderr, flush=True)
-        if not all(s.cpus for s in specs):
+        if on_ray:
+            pass  # Ray places each replica's CPUs (one bundle each)
+        elif not all(s.cpus for s in specs):
             print("kvflow: warning: replicas are not pinned to CPUs (taskset missing or the CPUs unknown)",
                   file=sys.stderr, flush=True)
         elif len({c for s in specs for c in s.cpus or ()}) < n:
@@ -459,7 +463,8 @@ def serve_data_parallel(server_config: ServerConfig, engine_config: EngineConfig
         if on_ray:  # the URLs the actors' nodes chose
             router_config = dataclasses.replace(router_config, backends=replicas.urls)
         for s, p in zip(specs, replicas.procs):
-            where = f"taskset -c {','.join(map(str, s.cpus))}" if s.cpus else "not pinned"
+            where = (f"taskset -c {','.join(map(str, s.cpus))}" if s.cpus
+                     else "a Ray actor's process" if on_ray else "not pinned")
             print(f"  {s.name}: {p.url} (pid {p.pid or '?'}, {where}, OMP_NUM_THREADS={s.threads}; "
                   f"engine metrics {p.url}/metrics; log {p.log_path})", file=sys.stderr, flush=True)
         try:
