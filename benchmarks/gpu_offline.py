@@ -281,14 +281,25 @@ def main() -> None:
     results = {"environment": environment(args.device)}
     print(json.dumps(results["environment"]), flush=True)
     with tempfile.TemporaryDirectory() as workdir:
+        failed = False
         for name in args.sections.split(","):
             print(f"[{name}]", flush=True)
             t = time.perf_counter()
-            results[name] = SECTIONS[name](args, workdir)
+            try:
+                results[name] = SECTIONS[name](args, workdir)
+            except Exception as e:  # one run of a lent GPU: a failing section must not cost the others
+                import traceback
+
+                traceback.print_exc()
+                results[name] = {"error": f"{type(e).__name__}: {e}"}
+                failed = True
+                free(args.device)
             results[name]["section_seconds"] = round(time.perf_counter() - t, 1)
             if args.out:
                 args.out.write_text(json.dumps(results, indent=2))
     print(json.dumps(results, indent=2))
+    if failed:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -239,8 +239,9 @@ def test_gpu_benchmark_script_smoke(tmp_path):
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "gpu.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    subprocess.run([sys.executable, str(root / "benchmarks" / "gpu_offline.py"), "--device", "cpu", "--smoke",
-                    "--out", str(out)], check=True, timeout=240, env=env, capture_output=True)
+    run = subprocess.run([sys.executable, str(root / "benchmarks" / "gpu_offline.py"), "--device", "cpu", "--smoke",
+                          "--out", str(out)], timeout=240, env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["equiv"]["torch.float32"]["identical_sequences"] == "3/3"
     tput = res["throughput"]["smoke"]
