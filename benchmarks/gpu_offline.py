@@ -1,6 +1,6 @@
 """kvflow on a GPU: greedy equivalence with HF transformers, offline throughput against HF's
 `generate` with static batches, and the decode step with and without CUDA graphs -- one script, for
-the one run a lent GPU allows (~10 minutes on an H200 at the defaults).
+the one run a lent GPU allows (meant to fit its 10 minutes; never run on a GPU yet).
 
     python benchmarks/gpu_offline.py --out gpu_results.json            # on a CUDA machine
     python benchmarks/gpu_offline.py --device cpu --smoke             # the code paths, tiny sizes
@@ -137,7 +137,7 @@ def kvflow_throughput(path: str, prompts, outs, args, **kw) -> dict:
 
     llm = kvflow_llm(path, torch.bfloat16, args.device, max_model_len=2048, max_num_seqs=256,
                      max_num_batched_tokens=16384, kv_cache_memory_gb=args.kv_cache_gb, **kw)
-    warm = llm.generate([prompts[0][:32]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # noqa: F841
+    llm.generate([prompts[0][:32]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in outs]
     sync(args.device)
     t = time.perf_counter()

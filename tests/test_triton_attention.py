@@ -152,18 +152,17 @@ def test_planted_bug_fails(mutation, tmp_path, monkeypatch):
 
 
 # ---- in the engine ------------------------------------------------------------------------------
-PROMPTS = ["The quick brown fox", "Once upon a time there was a little engine",
-           "def hello(name):\n    return", "Paris is the capital of France. Berlin is"]
+_BASE = ["The quick brown fox", "Once upon a time there was a little engine",
+         "def hello(name):\n    return", "Paris is the capital of France. Berlin is"]
+# A shared prefix (a prefix-cache hit for the second request) and a prompt longer than the step
+# budget of 32 tokens the tests use (chunked prefill).
+PROMPTS = _BASE + [_BASE[1] + " that served", _BASE[0] * 6]
+PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3)
 
 
 def _generate(path: str, **kw) -> tuple[list, object]:
     llm = LLM(path, num_kv_blocks=64, block_size=16, device=DEVICE_NAME, **kw)
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3)
-    # A shared prefix (a prefix-cache hit for the second request) and a prompt longer than the
-    # step budget below (chunked prefill).
-    prompts = PROMPTS + [PROMPTS[1] + " that served", PROMPTS[0] * 6]
-    outs = [o.outputs[0] for o in llm.generate(prompts, params)]
-    return outs, llm
+    return [o.outputs[0] for o in llm.generate(PROMPTS, PARAMS)], llm
 
 
 @pytest.fixture(scope="module")
@@ -198,9 +197,7 @@ def test_decode_graph_buffers_pad_and_replay(tiny_llama, torch_llama):
     real_run = graphs.run
     graphs.run = lambda ids, meta: used.append(ids.shape[0]) or real_run(ids, meta)
     runner.decode_graphs = graphs
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3)
-    prompts = PROMPTS + [PROMPTS[1] + " that served", PROMPTS[0] * 6]
-    outs = [o.outputs[0] for o in llm.generate(prompts, params)]
+    outs = [o.outputs[0] for o in llm.generate(PROMPTS, PARAMS)]
     assert_same_completions(outs, ref, abs_tol=1e-4)
     assert 6 in used and any(n not in (1, 4, 8) for n in used)  # padded steps ran
     assert_no_leaks(llm.engine)

@@ -54,6 +54,12 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
+def what_failed(returncode: int | None, startup_timeout: float) -> str:
+    """How a server failed to start: it exited with `returncode`, or (None) never answered /health."""
+    return (f"exited with code {returncode}" if returncode is not None
+            else f"did not answer /health within {startup_timeout:g} s")
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 now (the OS's pick)."""
     return free_ports(1)[0]
@@ -205,10 +211,8 @@ class ManagedProcess:
 
     def failure(self, returncode: int | None) -> ServerError:
         """The error when it exited with `returncode`, or (None) did not answer /health in time."""
-        what = (f"exited with code {returncode}" if returncode is not None
-                else f"did not answer /health within {self.startup_timeout:g} s")
-        return ServerError(f"{self.name or 'the server'} {what}; its log is {self.log_path}, last lines:\n"
-                           f"{self.log_tail()}")
+        return ServerError(f"{self.name or 'the server'} {what_failed(returncode, self.startup_timeout)}; its log "
+                           f"is {self.log_path}, last lines:\n{self.log_tail()}")
 
     def check_alive(self) -> None:
         """ServerError (`failure`) if it is not running."""

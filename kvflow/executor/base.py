@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+import torch
+
 from kvflow.executor.tp_block_io import TPBlockIO
 
 if TYPE_CHECKING:
@@ -67,8 +69,6 @@ class Executor:
         """One step: the KV connector's loads (before the forward pass: under TP their block writes
         reach the workers ahead of the step), the forward pass on every rank, then the connector's
         saves and finished transfers."""
-        import torch
-
         connector = self.kv_connector
         if connector is not None and sched.kv_connector_metadata is not None:
             with torch.inference_mode():

@@ -18,25 +18,32 @@ if TYPE_CHECKING:
     from kvflow.core.scheduler import ScheduledSeq
 
 
-def _ray():
+def import_ray():
     try:
         import ray
     except ImportError:
-        raise ValueError("distributed_executor_backend='ray' needs the ray package (pip install ray)") from None
+        raise ValueError("the ray backends need the ray package (pip install ray)") from None
     return ray
+
+
+def join_ray() -> bool:
+    """Ray for this process: the cluster RAY_ADDRESS names, the one this process already joined, or
+    a local one started now. True when started here (the caller shuts it down when done)."""
+    ray = import_ray()
+    if ray.is_initialized():
+        return False
+    ray.init(address=os.environ.get("RAY_ADDRESS") or None, include_dashboard=False, log_to_driver=False)
+    return True
 
 
 class RayTPWorkers:
     def __init__(self, config: "EngineConfig", max_model_len: int, num_blocks: int, hidden_size: int,
                  calibration: list[int] | None = None) -> None:
-        ray = _ray()
+        ray = import_ray()
         from ray.util.placement_group import placement_group, placement_group_table
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        self._started_ray = False
-        if not ray.is_initialized():
-            ray.init(address=os.environ.get("RAY_ADDRESS") or None, include_dashboard=False, log_to_driver=False)
-            self._started_ray = True
+        self._started_ray = join_ray()
         self.plan = plan = RankPlan(config, max_model_len, num_blocks, hidden_size, calibration,
                                     host=ray.util.get_node_ip_address())
         self.group = None
@@ -67,13 +74,13 @@ class RayTPWorkers:
     def wait_ready(self) -> None:
         """Until every actor has built its runner (after rank 0's: see TPWorkers.wait_ready)."""
         try:
-            _ray().get([a.ready.remote() for a in self.actors], timeout=START_TIMEOUT_S)
+            import_ray().get([a.ready.remote() for a in self.actors], timeout=START_TIMEOUT_S)
         except Exception as e:
             raise RuntimeError(f"a tensor-parallel rank (a Ray actor) failed to start: {type(e).__name__}: {e}") from None
 
     def check_alive(self) -> None:
         """Raises if an actor's last step failed or the actor died."""
-        ray = _ray()
+        ray = import_ray()
         if not self._inflight:
             return
         done, _ = ray.wait(self._inflight, num_returns=len(self._inflight), timeout=0)
@@ -93,10 +100,10 @@ class RayTPWorkers:
         """Every actor takes part in rank 0's next block read ("kv_read") or write (actor calls run
         in the order they were made: before the next step's)."""
         self.check_alive()
-        self._inflight = [getattr(a, op).remote(blocks) for a in self.actors]
+        self._inflight = [a.block_io.remote(op, blocks) for a in self.actors]
 
     def shutdown(self) -> None:
-        ray = _ray()
+        ray = import_ray()
         from ray.util.placement_group import remove_placement_group
 
         for a in self.actors:

@@ -38,11 +38,9 @@ class RankWorker:
     def step(self, msg: dict[str, Any]) -> None:
         self.runner.run_shard(msg["t"], msg["p"], msg["b"], msg["rows"])
 
-    def kv_read(self, blocks: list[int]) -> None:
-        serve_block_io(self.runner, "kv_read", blocks)
-
-    def kv_write(self, blocks: list[int]) -> None:
-        serve_block_io(self.runner, "kv_write", blocks)
+    def block_io(self, op: str, blocks: list[int]) -> None:
+        """This rank's part of rank 0's block read ("kv_read") or write ("kv_write")."""
+        serve_block_io(self.runner, op, blocks)
 
     def close(self) -> None:
         self.tp.close()
@@ -74,7 +72,7 @@ def main(argv: list[str]) -> int:
         if msg["op"] == "step":
             worker.step(msg)
         else:  # a KV block read or write of rank 0's (kvflow.executor.tp_block_io)
-            serve_block_io(worker.runner, msg["op"], msg["blocks"])
+            worker.block_io(msg["op"], msg["blocks"])
 
 
 if __name__ == "__main__":

@@ -49,6 +49,9 @@ class BlockIO(Protocol):
 
     kv_block_shape: tuple[int, ...]
     kv_block_dtype: "torch.dtype"
+    # True when reads and writes are collectives (tensor parallelism): only the engine thread may
+    # start them, between steps.
+    collective: bool
 
     def read_blocks(self, blocks: list[int]) -> "torch.Tensor": ...
 

@@ -266,8 +266,7 @@ class PDConnectorWorker(KVConnectorWorker):
             self._loads.pop(rid, None)  # a fetch still running finishes into nothing
         if meta.holds:
             deadline = time.monotonic() + self.config.kv_lease_s
-            snapshot = getattr(self.io, "collective", False)
-            held = [_Held(h, deadline, data=self.io.read_blocks(h.block_ids) if snapshot else None)
+            held = [_Held(h, deadline, data=self.io.read_blocks(h.block_ids) if self.io.collective else None)
                     for h in meta.holds]
             with self._lock:
                 for h in held:

@@ -185,6 +185,10 @@ def kv_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -
 
 
 class TorchPagedAttention:
+    # Whether decode-only steps can replay CUDA graphs over its static metadata buffers
+    # (`static_decode_metadata` & co., kvflow.worker.cuda_graphs).
+    supports_decode_graphs = False
+
     def __init__(self, block_size: int, sliding_window: int | None, device: torch.device) -> None:
         self.block_size = block_size
         self.sliding_window = sliding_window
@@ -307,6 +311,8 @@ class TorchPagedAttention:
 
 class AttentionBackend(Protocol):
     """What the model runner and the layers need from an attention implementation."""
+
+    supports_decode_graphs: bool
 
     def allocate_kv_cache(self, num_layers: int, num_blocks: int, num_kv_heads: int, head_dim: int,
                           dtype: torch.dtype, kv_cache_dtype: str = "auto") -> list[LayerKVCache]: ...

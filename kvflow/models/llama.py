@@ -111,10 +111,7 @@ class LlamaForCausalLM(torch.nn.Module):
         if self.tp.size > 1 and self.logits_kernel is None:
             # Vocab-parallel logits: each rank projects onto its slice of the vocabulary; the
             # slices are gathered on the first rank (compute_logits). The embedding stays whole.
-            head = self.lm_head.weight.data if self.lm_head is not None else self.embed_tokens.data
-            if self._lm_head_smoothing is not None:  # tied + int8: the lm_head copy takes the smoothing
-                head = head * self._lm_head_smoothing
-            slices = head.chunk(self.tp.size)
+            slices = self._logits_weight().chunk(self.tp.size)
             self._vocab_widths = [w.shape[0] for w in slices]
             self.logits_kernel = make_linear_kernel(backend, slices[self.tp.rank].contiguous(), plan=plan)
             self.lm_head = None  # the full copy is not needed any more
@@ -139,9 +136,7 @@ class LlamaForCausalLM(torch.nn.Module):
             else:
                 # Tied: `dense` reads embed_tokens itself; other backends keep their own copy (the
                 # embedding lookup still needs the float rows, except under int4: below).
-                w = self.embed_tokens.data
-                if self._lm_head_smoothing is not None:
-                    w = w * self._lm_head_smoothing
+                w = self._logits_weight()
                 self.logits_kernel = make_linear_kernel(backend, w, plan=plan, logits=True)
                 if backend == "int4":  # the lookup reads the logits kernel's 8-bit rows: one copy
                     self._embed_kernel = self.logits_kernel
@@ -150,6 +145,14 @@ class LlamaForCausalLM(torch.nn.Module):
         self.linear_backend, self.kernel_plan = backend, plan
         self._row_parallel()  # the new kernels, wrapped again
         self.native_decode = self.attention.decode_pass(self)
+
+    def _logits_weight(self) -> torch.Tensor:
+        """The float weight of the logits projection: the lm_head's, or for a tied model the
+        embedding's, with int8's smoothing applied to that copy (the lookup keeps the original rows)."""
+        if self.lm_head is not None:
+            return self.lm_head.weight.data  # (smoothing, if any, is in it already)
+        w = self.embed_tokens.data
+        return w if self._lm_head_smoothing is None else w * self._lm_head_smoothing
 
     def _row_parallel(self) -> None:
         """Under tensor parallelism, o and down are row-parallel: partial sums over this rank's heads

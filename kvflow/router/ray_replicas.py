@@ -23,7 +23,8 @@ import sys
 import tempfile
 from typing import Any
 
-from kvflow.bench.servers import ServerError, free_ports
+from kvflow.bench.servers import ServerError, what_failed
+from kvflow.executor.ray_executor import import_ray, join_ray
 from kvflow.router.replicas import ReplicaSpec, ReplicaStartError, LocalReplica
 
 logger = logging.getLogger("kvflow.router.replicas")
@@ -32,12 +33,6 @@ CALL_TIMEOUT_S = 30.0  # one actor call (a /health probe there, a poll): a node 
 PLACEMENT_TIMEOUT_S = 60.0
 # The variables of a replica's environment that belong to it; the rest is the node's own.
 _REPLICA_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "KVFLOW_API_KEY", "TOKENIZERS_PARALLELISM", "HF_HUB_OFFLINE")
-
-
-def _ray():
-    from kvflow.executor.ray_executor import _ray as ray
-
-    return ray()
 
 
 class ReplicaHost:
@@ -94,8 +89,6 @@ class ReplicaHost:
 def _free_port_on(host: str) -> int:
     import socket
 
-    if host in ("127.0.0.1", "localhost"):
-        return free_ports(1)[0]
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
@@ -130,7 +123,7 @@ class RayReplica:
         return self._info is not None
 
     def launch(self) -> None:
-        ray = _ray()
+        ray = import_ray()
         try:
             if self.actor is None:
                 self.actor = self.placement.actor(self.spec, self.stop_timeout, self.startup_timeout)
@@ -152,10 +145,9 @@ class RayReplica:
         return healthy
 
     def failure(self, returncode: int | None) -> ReplicaStartError:
-        what = (f"exited with code {returncode}" if returncode is not None
-                else f"did not answer /health within {self.startup_timeout:g} s")
-        return ReplicaStartError(f"data-parallel {self.name} ({self.url}, a Ray actor) {what}; its log is "
-                                 f"{self.log_path} on its node, last lines:\n{self.log_tail()}")
+        return ReplicaStartError(f"data-parallel {self.name} ({self.url}, a Ray actor) "
+                                 f"{what_failed(returncode, self.startup_timeout)}; its log is {self.log_path} on its "
+                                 f"node, last lines:\n{self.log_tail()}")
 
     def log_tail(self, lines: int = 20) -> str:
         try:
@@ -171,7 +163,7 @@ class RayReplica:
         if self.actor is None:
             return
         try:
-            _ray().get(self.actor.stop.remote(), timeout=self.stop_timeout + CALL_TIMEOUT_S)
+            import_ray().get(self.actor.stop.remote(), timeout=self.stop_timeout + CALL_TIMEOUT_S)
         except Exception as e:  # the actor is gone (its process with it) or does not answer
             logger.warning("data-parallel %s: stopping it through its Ray actor failed: %s", self.name, e)
 
@@ -187,10 +179,10 @@ class RayReplica:
     def close(self) -> None:
         if self.actor is not None:
             with contextlib.suppress(Exception):
-                _ray().kill(self.actor)
+                import_ray().kill(self.actor)
 
     def _call(self, method: str, *args: Any) -> Any:
-        ray = _ray()
+        ray = import_ray()
         try:
             return ray.get(getattr(self.actor, method).remote(*args), timeout=CALL_TIMEOUT_S)
         except Exception as e:  # RayActorError, GetTimeoutError, ...
@@ -202,13 +194,10 @@ class RayPlacement:
     CPUs (SPREAD), and the `ReplicaFactory` of `ReplicaSet`. `close` gives it all back."""
 
     def __init__(self, n: int, threads: int) -> None:
-        ray = _ray()
+        ray = import_ray()
         from ray.util.placement_group import placement_group
 
-        self._started_ray = False
-        if not ray.is_initialized():
-            ray.init(address=os.environ.get("RAY_ADDRESS") or None, include_dashboard=False, log_to_driver=False)
-            self._started_ray = True
+        self._started_ray = join_ray()
         self.threads = threads
         self.pg = placement_group([{"CPU": threads}] * n, strategy="SPREAD")
         ready, _ = ray.wait([self.pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
@@ -232,7 +221,7 @@ class RayPlacement:
             startup_timeout)
 
     def close(self) -> None:
-        ray = _ray()
+        ray = import_ray()
         from ray.util.placement_group import remove_placement_group
 
         with contextlib.suppress(Exception):

@@ -49,7 +49,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvflow.bench.servers import ManagedProcess, ServerError, free_ports, pinned, signal_group, usable_cpus
+from kvflow.bench.servers import (ManagedProcess, ServerError, free_ports, pinned, signal_group, usable_cpus,
+                                  what_failed)
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -176,10 +177,8 @@ class LocalReplica(ManagedProcess):
         return self.spec.url
 
     def failure(self, returncode: int | None) -> ReplicaStartError:
-        what = (f"exited with code {returncode}" if returncode is not None
-                else f"did not answer /health within {self.startup_timeout:g} s")
-        return ReplicaStartError(f"data-parallel {self.name} ({self.url}) {what}; its log is {self.log_path}, "
-                                 f"last lines:\n{self.log_tail()}")
+        return ReplicaStartError(f"data-parallel {self.name} ({self.url}) {what_failed(returncode, self.startup_timeout)}; its log "
+                                 f"is {self.log_path}, last lines:\n{self.log_tail()}")
 
     def exit_code(self) -> int | None:
         return self.proc.poll() if self.proc is not None else None

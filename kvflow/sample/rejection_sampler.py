@@ -69,8 +69,8 @@ class RejectionSampler:
         pos = (start[:, None] + col[None, :]).clamp_max(n_pos - 1)  # target position of each draft
         draft = torch.tensor([d + [0] * (kmax - len(d)) for d in draft_token_ids],
                              dtype=torch.long, device=dev).view(len(ks), kmax)
-        greedy = torch.tensor([p.greedy for p in params], dtype=torch.bool, device=dev)
         all_greedy = all(p.greedy for p in params)  # on the host: no device sync
+        greedy = None if all_greedy else torch.tensor([p.greedy for p in params], dtype=torch.bool, device=dev)
 
         target_argmax = target_logits.argmax(dim=-1)
         accept = target_argmax[pos] == draft

@@ -42,11 +42,11 @@ def truncate(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor
     """Top-k, top-p and min-p: excluded tokens get -inf."""
     dev = logits.device
     vocab = logits.shape[1]
-    top_k = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], device=dev)
-    top_p = torch.tensor([p.top_p for p in params], device=dev, dtype=logits.dtype)
-    min_p = torch.tensor([p.min_p for p in params], device=dev, dtype=logits.dtype)
-    # Which truncations apply is decided from the params on the host: no device sync.
+    # Which truncations apply is decided from the params on the host: no device sync, and no
+    # per-row tensors for the ones that do not.
     if any(0 < p.top_k < vocab for p in params) or any(p.top_p < 1 for p in params):
+        top_k = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], device=dev)
+        top_p = torch.tensor([p.top_p for p in params], device=dev, dtype=logits.dtype)
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         rank = torch.arange(vocab, device=dev)[None, :]
         drop = rank >= top_k[:, None]
@@ -59,6 +59,7 @@ def truncate(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor
             1, order, sorted_logits.masked_fill(drop, float("-inf"))
         )
     if any(p.min_p > 0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], device=dev, dtype=logits.dtype)
         probs = torch.softmax(logits, dim=-1)
         threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
         logits = logits.masked_fill(probs < threshold, float("-inf"))

@@ -37,7 +37,8 @@ class DecodeGraphs:
         top = self.sizes[-1]
         self.input_ids = torch.zeros(top, dtype=torch.long, device=device)
         self.static = attention.static_decode_metadata(top, max_blocks)
-        self._replay: dict[int, tuple[Callable[[], torch.Tensor | None], torch.Tensor | None]] = {}
+        # batch size -> a call that runs the padded forward and returns its hidden states
+        self._replay: dict[int, Callable[[], torch.Tensor]] = {}
         start = time.perf_counter()
         pool = None
         with torch.inference_mode():
@@ -49,7 +50,7 @@ class DecodeGraphs:
                     return model(ids, meta.positions, kv_caches, meta)
 
                 if not capture:
-                    self._replay[b] = (forward, None)
+                    self._replay[b] = forward
                     continue
                 # Warm up off the capture (Triton compiles, cuBLAS picks its kernels), then capture.
                 side = torch.cuda.Stream(device)
@@ -62,7 +63,12 @@ class DecodeGraphs:
                 with torch.cuda.graph(graph, pool=pool):
                     out = forward()
                 pool = graph.pool()
-                self._replay[b] = (graph.replay, out)
+
+                def replay(graph=graph, out=out) -> torch.Tensor:
+                    graph.replay()
+                    return out  # the graph's own output buffer, refilled by each replay
+
+                self._replay[b] = replay
         if capture:
             torch.cuda.synchronize(device)
             logger.info("CUDA graphs: decode batch sizes %s captured in %.1f s", _ranges(self.sizes),
@@ -84,9 +90,7 @@ class DecodeGraphs:
         self.input_ids[:n].copy_(input_ids)
         self.input_ids[n:b].zero_()
         self.attention.copy_decode_metadata(self.static, meta, b)
-        replay, out = self._replay[b]
-        result = replay()
-        return (out if out is not None else result)[:n]
+        return self._replay[b]()[:n]
 
 
 def _ranges(sizes: list[int]) -> str:

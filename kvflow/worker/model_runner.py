@@ -83,6 +83,8 @@ def calibration_ids(tokenizer: Any | None, vocab_size: int) -> list[int]:
 
 
 class ModelRunner:
+    collective = False  # its block reads and writes are local (see kvflow.kv_transfer.base.BlockIO)
+
     def __init__(self, model_config: ModelConfig, config: EngineConfig, max_model_len: int,
                  num_blocks: int, weights: Iterable[tuple[str, torch.Tensor]],
                  calibration: list[int] | None = None, tp: "TPGroup | None" = None) -> None:
@@ -126,8 +128,7 @@ class ModelRunner:
             self.kv_block_dtype = self.dtype
         # CUDA: decode-only steps replay graphs captured now (kvflow.worker.cuda_graphs).
         self.decode_graphs = None
-        if self.device.type == "cuda" and not config.enforce_eager and \
-                getattr(self.attention, "supports_decode_graphs", False):
+        if self.device.type == "cuda" and not config.enforce_eager and self.attention.supports_decode_graphs:
             from kvflow.worker.cuda_graphs import DecodeGraphs
 
             self.decode_graphs = DecodeGraphs(self.model, self.attention, self.kv_caches, config.graph_batch_sizes(),

@@ -164,7 +164,7 @@ class SLOPolicy(SchedulingPolicy):
         if n < self.min_chunk:
             n = self.min_chunk if not decodes or self._must_progress(candidates, now) else 0
         n = min(n, cap)
-        self._chunk = max(n, self.min_chunk)
+        self._chunk = max(n, self.min_chunk)  # (prefill times are predicted in chunks of at least this)
         return len(decodes) + n
 
     def _must_progress(self, candidates: Sequence[Request], now: float) -> bool:

@@ -55,7 +55,7 @@ class TritonPagedAttention(TorchPagedAttention):
         super().__init__(block_size, sliding_window, device)
         from kvflow.kernels.triton import attention_kernels
 
-        self._kernels = attention_kernels
+        self._kernels = attention_kernels  # (an attribute: the tests swap in mutated copies)
         # Queries per prefill tile: 16 under the interpreter (tests: less padding to simulate).
         self.block_m = block_m or (64 if device.type == "cuda" else 16)
         self.pad_slot = 0
