@@ -41,9 +41,11 @@ def _close(got, expect, k):
 
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 17, 64])
-def test_native_gemv_matches_float64(n, k, rows):
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
+def test_native_gemv_matches_float64(n, k, rows, wdtype):
+    """bf16 weights are widened exactly, so the float32 tolerance holds against the bf16 values."""
     g = torch.Generator().manual_seed(n * 1000 + k + rows)
-    w, x = torch.randn(n, k, generator=g), torch.randn(rows, k, generator=g)
+    w, x = torch.randn(n, k, generator=g).to(wdtype), torch.randn(rows, k, generator=g)
     bias, res = torch.randn(n, generator=g), torch.randn(rows, n, generator=g)
     kern = make_path_kernel("native", w, bias)
     assert torch.equal(kern.dequantized_weight(), w)  # packing loses nothing
@@ -73,9 +75,10 @@ def test_native_gemv_fused_prologues(n, k):
         kern(x, silu_mul=True)
 
 
-def test_native_gemv_is_batch_invariant():
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
+def test_native_gemv_is_batch_invariant(wdtype):
     g = torch.Generator().manual_seed(3)
-    w, x = torch.randn(130, 200, generator=g), torch.randn(7, 200, generator=g)
+    w, x = torch.randn(130, 200, generator=g).to(wdtype), torch.randn(7, 200, generator=g)
     kern = make_path_kernel("native", w, None)
     together = kern(x)
     for r in range(7):
@@ -191,7 +194,24 @@ def test_make_linear_kernel_auto_without_plan_uses_default():
     assert set(kern.paths) == set(autotune.default_choice("float32").values())
 
 
-@pytest.mark.parametrize("path_env", [None, "dense", "onednn"])
+def test_native_gemv_bf16_model_rows():
+    """A bf16 model's rows in, bf16 out, and an RMSNorm whose weight is bf16 fused in: float32 maths
+    on the bf16 values, rounded once."""
+    g = torch.Generator().manual_seed(9)
+    w = torch.randn(48, 40, generator=g).bfloat16()
+    norm = RMSNorm(40, 1e-5, torch.bfloat16, torch.device("cpu"))
+    norm.weight.data = (torch.rand(40, generator=g) + 0.5).bfloat16()
+    x = (torch.randn(5, 40, generator=g) * 2).bfloat16()
+    kern = make_path_kernel("native", w, None)
+    y = kern(x, norm=norm)
+    assert y.dtype == torch.bfloat16
+    xd = x.double()
+    normed = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight.double()
+    expect = _ref(w, normed)
+    assert ((y.double() - expect).abs() <= 2 ** -8 * expect.abs() + 1e-5).all()  # one bf16 rounding
+
+
+@pytest.mark.parametrize("path_env", [None, "dense", "onednn", "native"])
 def test_bf16_engine_tracks_fp32_reference(model_factory, monkeypatch, path_env):
     """bf16 weights and KV through whichever bf16 path (the autotune's, or forced): each greedy
     token's logprob is within bf16 rounding of HF's float32 logprob for the same sequence, and
@@ -205,6 +225,9 @@ def test_bf16_engine_tracks_fp32_reference(model_factory, monkeypatch, path_env)
         monkeypatch.setenv("KVFLOW_LINEAR_BACKEND", path_env)
     path, hf = model_factory("llama")
     llm = LLM(path, dtype="bfloat16", num_kv_blocks=32, max_model_len=128)
+    model = llm.engine.runner.model
+    if path_env == "native":  # forced native: every decode step runs the fused pass over bf16 weights
+        assert model.native_decode is not None and model.native_decode.max_rows > 1
     prompt = [5, 17, 33, 2, 90, 41, 7, 12]
     out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=1),
                        use_tqdm=False)[0].outputs[0]

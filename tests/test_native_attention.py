@@ -64,13 +64,44 @@ def test_backend_selection():
     assert isinstance(make_attention_backend("native", 16, None, CPU, torch.float32, 4, 2, 16), CpuPagedAttention)
     assert type(make_attention_backend("torch", 16, None, CPU, torch.float32, 4, 2, 16)) is TorchPagedAttention
     # auto falls back where the kernel does not apply; asking for native there is an error naming why
-    assert type(make_attention_backend("auto", 16, None, CPU, torch.bfloat16, 4, 2, 16)) is TorchPagedAttention
-    with pytest.raises(ValueError, match="float32"):
-        make_attention_backend("native", 16, None, CPU, torch.bfloat16, 4, 2, 16)
+    assert isinstance(make_attention_backend("auto", 16, None, CPU, torch.bfloat16, 4, 2, 16), CpuPagedAttention)
+    assert type(make_attention_backend("auto", 16, None, CPU, torch.float16, 4, 2, 16)) is TorchPagedAttention
+    with pytest.raises(ValueError, match="float32 and bfloat16"):
+        make_attention_backend("native", 16, None, CPU, torch.float16, 4, 2, 16)
     with pytest.raises(ValueError, match="head_dim 512"):
         make_attention_backend("native", 16, None, CPU, torch.float32, 4, 2, 512)
     with pytest.raises(ValueError, match="attention_backend"):
         LLM(model="unused", attention_backend="flash")
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 16), (9, 3, 64), (4, 2, 128), (2, 1, 15)])
+def test_bf16_cache_matches_float64(heads, kv_heads, head_dim):
+    """A bfloat16 model: its cache holds bf16 K/V (written by the kernel, rounded to nearest even as
+    torch rounds), the maths runs in float32 on them; the torch path computes in bf16 throughout."""
+    gen = torch.Generator().manual_seed(heads * 10 + head_dim)
+    bs, num_blocks = 4, 48
+    native_attn, torch_attn = CpuPagedAttention(bs, None, CPU), TorchPagedAttention(bs, None, CPU)
+    cache = random_kv_cache(native_attn, num_blocks, kv_heads, head_dim, "auto", gen, torch.bfloat16)
+    assert cache.data.dtype == torch.bfloat16
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    seqs = [SeqLayout(10, 1, perm[0:3]), SeqLayout(3, 6, perm[3:6]), SeqLayout(0, 1, perm[6:7]),
+            SeqLayout(31, 1, perm[7:15])]
+    t = sum(s.num_new for s in seqs)
+    q = torch.randn(t, heads, head_dim, generator=gen).bfloat16()
+    kv = torch.randn(t, 2, kv_heads, head_dim, generator=gen)  # float32: rounding on write is the kernel's
+    scale = head_dim ** -0.5
+    outs = {}
+    for name, attn in (("native", native_attn), ("torch", torch_attn)):
+        c = LayerKVCache(cache.data.clone())
+        outs[name] = attn.forward(q, kv.bfloat16() if name == "torch" else kv, c, attn.build_metadata(seqs), scale)
+        assert outs[name].dtype == torch.bfloat16
+        # the new tokens land in the cache as torch's own float32 -> bf16 rounding
+        slots = attn.build_metadata(seqs).slot_mapping
+        assert torch.equal(c.slots[slots], kv.bfloat16())
+    ref = paged_attention_reference(q, c, seqs, bs, scale, None)
+    # native: float32 maths on bf16 inputs, one rounding of the output; torch: bf16 SDPA
+    assert (outs["native"].double() - ref).abs().max() < 1e-2
+    assert (outs["native"].double() - ref).abs().max() <= (outs["torch"].double() - ref).abs().max() + 1e-3
 
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "int8"])

@@ -6,7 +6,7 @@ Backends (`LINEAR_BACKENDS`):
 * ``auto``   -- CPU float32 / bfloat16: per projection shape and row count, the path the autotune
   measured fastest on this CPU (`TunedKernel`, kvflow.kernels.cpu.autotune): one of
 * ``native`` -- fp32 through the native tiled GEMV, the weight read in place, norm / activation and
-  residual in the same call (`NativeF32Kernel` in kvflow.kernels.cpu.f32_linear); few rows.
+  residual in the same call (`NativeFloatKernel` in kvflow.kernels.cpu.float_linear); few rows.
 * ``dense``  -- `F.linear` (MKL sgemm on CPU). Any device, any dtype. The reference path.
 * ``onednn`` -- oneDNN, the weight reordered once into its blocked layout
   (`torch.ops.mkldnn._reorder_linear_weight` + `torch.ops.mkldnn._linear_pointwise`).
@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from kvflow.kernels.cpu.block_linear import BlockQuantKernel
-from kvflow.kernels.cpu.f32_linear import NativeF32Kernel
+from kvflow.kernels.cpu.float_linear import NativeFloatKernel
 from kvflow.kernels.cpu.int8_linear import Int8Kernel
 from kvflow.layers.block_quant import BlockQuantized, quantize
 
@@ -179,8 +179,8 @@ class TunedKernel:
         self._by_rows: list[LinearKernel] = [self.paths[choice[buckets[-1]]]]
         for m in range(1, self._max_rows + 1):
             self._by_rows.append(self.paths[choice[next(b for b in buckets if b >= m)]])
-        self.native: NativeF32Kernel | None = next(
-            (k for k in self.paths.values() if isinstance(k, NativeF32Kernel)), None)
+        self.native: NativeFloatKernel | None = next(
+            (k for k in self.paths.values() if isinstance(k, NativeFloatKernel)), None)
         self.bias = bias
 
     def kernel_for(self, rows: int) -> LinearKernel:
@@ -204,7 +204,7 @@ class TunedKernel:
         return max(k.nbytes for k in self.paths.values())
 
 
-_PATHS = {"dense": DenseKernel, "onednn": OneDNNKernel, "native": NativeF32Kernel}
+_PATHS = {"dense": DenseKernel, "onednn": OneDNNKernel, "native": NativeFloatKernel}
 
 
 def make_path_kernel(path: str, weight: torch.Tensor, bias: torch.Tensor | None = None) -> LinearKernel:

@@ -11,6 +11,15 @@ class RMSNorm(torch.nn.Module):
         self.eps = eps
         self.weight = torch.nn.Parameter(torch.ones(size, dtype=dtype, device=device), requires_grad=False)
 
+    def float_weight(self) -> torch.Tensor:
+        """The weight in float32, as the native kernels read it (for other dtypes a copy, made once:
+        native kernels only run on prepared models, whose weights no longer change)."""
+        if self.weight.dtype == torch.float32:
+            return self.weight
+        if getattr(self, "_float_weight", None) is None:
+            self._float_weight = self.weight.detach().float()
+        return self._float_weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
             # The same float32 operations as below in fewer calls (x*x == x.pow(2) bit for bit;

@@ -4,7 +4,7 @@
 * `paged_attention` -- csrc/paged_attention.c: `CpuPagedAttention` (decodes read from the paged
   cache in place), the cache write and the native rotary (`rotary_`).
 * `int8_linear`     -- csrc/int8_linear.cpp: `Int8Kernel`, the W8A8 linear through FBGEMM.
-* `f32_linear`      -- csrc/f32_linear.cpp: `NativeF32Kernel`, the fp32 tiled GEMV for few rows.
+* `float_linear`      -- csrc/float_linear.cpp: `NativeFloatKernel`, the fp32 tiled GEMV for few rows.
 * `decode_pass`     -- csrc/decode_pass.cpp: `NativeDecode`, a decode-only step's layers in one call,
   int8 or fp32 (handed to the model by `CpuPagedAttention.decode_pass`).
 * `autotune`        -- which fp32 / bf16 path runs each projection shape at each row count, and the

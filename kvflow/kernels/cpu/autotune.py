@@ -81,9 +81,9 @@ class KernelPlan:
 
 
 def native_available(dtype: torch.dtype) -> bool:
-    from kvflow.kernels.cpu.f32_linear import f32_library
+    from kvflow.kernels.cpu.float_linear import WEIGHT_TYPES, float_library
 
-    return dtype == torch.float32 and f32_library() is not None
+    return dtype in WEIGHT_TYPES and float_library() is not None
 
 
 @functools.cache
@@ -110,7 +110,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def default_choice(dtype: str) -> dict[int, str]:
-    """`--kernel-autotune off`: the native GEMV up to 4 rows (float32, where it builds), oneDNN's
+    """`--kernel-autotune off`: the native GEMV up to 4 rows (where it builds), oneDNN's
     blocked layout from 8 (where it runs for the dtype), else `F.linear`. A fixed rule, not a
     measurement: on the AVX2 EPYC of 2026-12-01 the autotune chose native up to 4-16 rows and
     oneDNN beyond on most of the default model's shapes."""
@@ -224,7 +224,7 @@ def call_overhead_s(reps: int = 200) -> float:
 
 def cache_key(dtype: str) -> str:
     parts = [native.cpu_id(), torch.__version__, str(torch.get_num_threads()), dtype, str(VERSION),
-             *(p.read_text() for p in sorted(native.CSRC.glob("f32_linear.*")))]
+             *(p.read_text() for p in sorted(native.CSRC.glob("float_linear.*")))]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 

@@ -118,7 +118,7 @@ _INT8_SIGNATURES = {
 
 
 def int8_library(signatures: dict[str, native.Signature] = _INT8_SIGNATURES) -> ctypes.CDLL | None:
-    """The native linear library (csrc/int8_linear.cpp, f32_linear.cpp, decode_pass.cpp) with `signatures` typed, or
+    """The native linear library (csrc/int8_linear.cpp, float_linear.cpp, decode_pass.cpp) with `signatures` typed, or
     None (the torch-op path) when it cannot be built here or KVFLOW_INT8_NATIVE=0 asks for the torch
     path."""
     if os.environ.get("KVFLOW_INT8_NATIVE", "1") == "0":

@@ -72,7 +72,7 @@ SOURCE_FLAGS = {"block_linear.cpp": ("-fno-associative-math", "-ffp-contract=off
 # Library -> its sources (one language per library). Headers (csrc/*.h) are shared.
 LIBRARIES = {
     "paged_attention": ("paged_attention.c",),
-    "linear": ("int8_linear.cpp", "f32_linear.cpp", "block_linear.cpp", "decode_pass.cpp"),
+    "linear": ("int8_linear.cpp", "float_linear.cpp", "block_linear.cpp", "decode_pass.cpp"),
 }
 
 
@@ -143,12 +143,12 @@ PLAIN, RMSNORM, SILU_MUL = 0, 1, 2
 
 def call_linear(fn, handle: int, x: torch.Tensor, residual: torch.Tensor | None, norm, silu_mul: bool,
                 bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    """One call of a native linear (kvflow_int8_linear / kvflow_f32_linear share this signature):
+    """One call of a native linear (kvflow_int8_linear / kvflow_float_linear share this signature):
     out = residual + W . pre(x) + bias, pre being `norm` (an RMSNorm), silu * mul, or nothing. x and
     residual: 2-D float32 with unit column stride."""
     out = torch.empty(x.shape[0], out_features)
     if norm is not None:
-        kind, norm_w, eps = RMSNORM, norm.weight.data_ptr(), norm.eps
+        kind, norm_w, eps = RMSNORM, norm.float_weight().data_ptr(), norm.eps
     else:
         kind, norm_w, eps = (SILU_MUL if silu_mul else PLAIN), None, 0.0
     fn(handle, x.data_ptr(), x.stride(0), x.shape[0], kind, norm_w, eps, None if bias is None else bias.data_ptr(),

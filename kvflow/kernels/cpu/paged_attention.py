@@ -28,6 +28,10 @@ if TYPE_CHECKING:
 
 MAX_HEAD_DIM = 256  # the kernel's limits (csrc/paged_attention.c)
 MAX_GROUP = 32
+# Cache element type -> the kernels' format code (KV_F32 / KV_INT8 / KV_BF16 in csrc/attention.h).
+# Queries, outputs and the maths stay float32; a bfloat16 model's tensors are widened at the call.
+KV_FORMATS = {torch.float32: 0, torch.int8: 1, torch.bfloat16: 2}
+NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @dataclass
@@ -74,8 +78,8 @@ def native_unsupported(device: torch.device, dtype: torch.dtype, num_heads: int,
     """Why the native kernel cannot serve this model here, or None when it can."""
     if device.type != "cpu":
         return f"it runs on the CPU; device is {device.type!r}"
-    if dtype != torch.float32:
-        return f"it computes in float32; dtype is {dtype}"
+    if dtype not in NATIVE_DTYPES:
+        return f"it runs float32 and bfloat16 models; dtype is {dtype}"
     if head_dim > MAX_HEAD_DIM or num_heads // num_kv_heads > MAX_GROUP:
         return f"head_dim {head_dim} / query heads per kv head {num_heads // num_kv_heads} exceed {MAX_HEAD_DIM} / {MAX_GROUP}"
     if _lib() is None:
@@ -103,14 +107,14 @@ class CpuPagedAttention(TorchPagedAttention):
         )
 
     def _write_kv(self, kv: torch.Tensor, kv_cache: LayerKVCache, meta: AttentionMetadata) -> None:
-        # The same C code as the native decode pass's write (int8 caches: the same rounding).
+        # The same C code as the native decode pass's write (int8 / bf16 caches: the same rounding).
         t = kv.shape[0]
         kv = kv.reshape(t, -1)
-        if kv.stride(1) != 1:
-            kv = kv.contiguous()
+        if kv.stride(1) != 1 or kv.dtype != torch.float32:
+            kv = kv.float().contiguous()
         data, scales = kv_cache.data, kv_cache.scale
         self._lib.kvflow_write_kv(kv.data_ptr(), kv.stride(0), meta.slot_mapping.data_ptr(), t, data.data_ptr(),
-                                  None if scales is None else scales.data_ptr(), int(scales is not None),
+                                  None if scales is None else scales.data_ptr(), KV_FORMATS[data.dtype],
                                   data.shape[3], data.shape[4], torch.get_num_threads())
 
     def decode_group(self, meta: AttentionMetadata) -> NativeGroup | None:
@@ -131,15 +135,22 @@ class CpuPagedAttention(TorchPagedAttention):
         if not isinstance(g, NativeGroup):
             return super()._attend(q, kv_cache, g, scale, out)
         t, num_heads, head_dim = q.shape
-        if q.stride(2) != 1 or q.stride(1) != head_dim:
-            q = q.contiguous()
-        if out is None:
-            out = torch.empty(t, num_heads * head_dim, dtype=q.dtype, device=q.device)
+        dtype = q.dtype
+        if q.stride(2) != 1 or q.stride(1) != head_dim or dtype != torch.float32:
+            q = q.float().contiguous()
+        dst = out if out is not None and out.dtype == torch.float32 else torch.empty(t, num_heads * head_dim)
         data, scales = kv_cache.data, kv_cache.scale
         rc = self._lib.kvflow_paged_attention(
             q.data_ptr(), q.stride(0), data.data_ptr(), None if scales is None else scales.data_ptr(),
-            int(scales is not None), g.tables.data_ptr(), g.tables.stride(0), g.context_lens.data_ptr(), g.tokens.data_ptr(), len(g.tokens), num_heads, data.shape[3],
-            head_dim, self.block_size, self.sliding_window or 0, scale, out.data_ptr(), torch.get_num_threads())
+            KV_FORMATS[data.dtype], g.tables.data_ptr(), g.tables.stride(0), g.context_lens.data_ptr(),
+            g.tokens.data_ptr(), len(g.tokens), num_heads, data.shape[3], head_dim, self.block_size,
+            self.sliding_window or 0, scale, dst.data_ptr(), torch.get_num_threads())
         if rc != 0:
             raise RuntimeError(f"native paged attention refused head_dim={head_dim}, heads={num_heads}/{data.shape[3]}")
+        if dst.dtype == dtype:
+            return dst
+        if out is None:  # (rows of later groups are written over by them)
+            return dst.to(dtype)
+        rows = g.tokens.long()
+        out[rows] = dst[rows].to(dtype)
         return out

@@ -19,6 +19,21 @@
 #define PARALLEL_MIN 65536 /* elements below which rotary / cache writes stay on one thread */
 #define MIN_KV_SCALE 1e-12f /* as kvflow.layers.quant: an all-zero vector quantizes to zeros */
 
+/* Element types of a KV cache (`fmt` below; kvflow.kernels.cpu.paged_attention.KV_FORMATS). */
+enum { KV_F32 = 0, KV_INT8 = 1, KV_BF16 = 2 };
+
+static inline float bf16_to_f32(uint16_t h) {
+    union { uint32_t u; float f; } c = {(uint32_t)h << 16};
+    return c.f;
+}
+
+/* Round to nearest even, as torch's float32 -> bfloat16 (NaN kept a quiet NaN). */
+static inline uint16_t f32_to_bf16(float f) {
+    union { float f; uint32_t u; } c = {f};
+    if ((c.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((c.u >> 16) | 0x40u);
+    return (uint16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);
+}
+
 /* Rotary in place on `heads` contiguous head vectors, rotate-half layout:
  * x = x * cos + roll(x, D/2) * sin_signed (sin_signed: sin with its first half negated). */
 static inline void rotary_heads(float *x, int heads, int head_dim, const float *restrict c,
@@ -39,13 +54,18 @@ static inline void rotary_heads(float *x, int heads, int head_dim, const float *
 }
 
 /* One token's new k and v (kv: 2 * kv_heads * head_dim floats, k heads then v heads) into cache slot
- * `slot`; int8 caches get one scale per (k/v, head): max|x| / 127. */
-static inline void write_kv(const float *restrict kv, long slot, void *cache, float *scales, int quant,
+ * `slot`; int8 caches get one scale per (k/v, head): max|x| / 127; bf16 ones are rounded to nearest. */
+static inline void write_kv(const float *restrict kv, long slot, void *cache, float *scales, int fmt,
                             int kv_heads, int head_dim) {
     const long n = 2L * kv_heads * head_dim;
-    if (!quant) {
+    if (fmt == KV_F32) {
         float *restrict dst = (float *)cache + slot * n;
         for (long i = 0; i < n; i++) dst[i] = kv[i];
+        return;
+    }
+    if (fmt == KV_BF16) {
+        uint16_t *restrict dst = (uint16_t *)cache + slot * n;
+        for (long i = 0; i < n; i++) dst[i] = f32_to_bf16(kv[i]);
         return;
     }
     int8_t *restrict dst = (int8_t *)cache + slot * n;
@@ -66,6 +86,13 @@ static inline float dot_f32(const float *restrict a, const float *restrict b, in
     return s;
 }
 
+static inline float dot_bf16(const float *restrict a, const uint16_t *restrict b, int n) {
+    float s = 0.f;
+#pragma omp simd reduction(+ : s)
+    for (int i = 0; i < n; i++) s += a[i] * bf16_to_f32(b[i]);
+    return s;
+}
+
 static inline float dot_i8(const float *restrict a, const int8_t *restrict b, int n) {
     float s = 0.f;
 #pragma omp simd reduction(+ : s)
@@ -74,7 +101,7 @@ static inline float dot_i8(const float *restrict a, const int8_t *restrict b, in
 }
 
 /* always_inline: attend_rows instantiates it with head_dim as a constant (see there). */
-static inline __attribute__((always_inline)) void attend(const float *restrict q, const void *kv, const float *scales, int quant,
+static inline __attribute__((always_inline)) void attend(const float *restrict q, const void *kv, const float *scales, int fmt,
                    const int32_t *restrict table, int begin, int end, int kv_heads, int head_dim,
                    int block_size, int group, int h, float scale, float *restrict out) {
     float qs[MAX_GROUP][MAX_HEAD_DIM];
@@ -102,10 +129,13 @@ static inline __attribute__((always_inline)) void attend(const float *restrict q
 
         for (int j = 0; j < n; j++) {
             const long base = (slot0 + j) * tok_stride + (long)h * head_dim;
-            if (quant) {
+            if (fmt == KV_INT8) {
                 const float ks = scales[(slot0 + j) * 2 * kv_heads + h];
                 const int8_t *k = (const int8_t *)kv + base;
                 for (int g = 0; g < group; g++) s[g][j] = ks * dot_i8(qs[g], k, head_dim);
+            } else if (fmt == KV_BF16) {
+                const uint16_t *k = (const uint16_t *)kv + base;
+                for (int g = 0; g < group; g++) s[g][j] = dot_bf16(qs[g], k, head_dim);
             } else {
                 const float *k = (const float *)kv + base;
                 for (int g = 0; g < group; g++) s[g][j] = dot_f32(qs[g], k, head_dim);
@@ -130,13 +160,23 @@ static inline __attribute__((always_inline)) void attend(const float *restrict q
         }
         for (int j = 0; j < n; j++) {
             const long base = (slot0 + j) * tok_stride + v_off + (long)h * head_dim;
-            if (quant) {
+            if (fmt == KV_INT8) {
                 const float vs = scales[(slot0 + j) * 2 * kv_heads + kv_heads + h];
                 const int8_t *v = (const int8_t *)kv + base;
                 for (int g = 0; g < group; g++) {
                     const float p = s[g][j] * vs;
 #pragma omp simd
                     for (int d = 0; d < head_dim; d++) acc[g][d] += p * (float)v[d];
+                }
+            } else if (fmt == KV_BF16) {
+                const uint16_t *v = (const uint16_t *)kv + base;
+                float vf[MAX_HEAD_DIM];
+#pragma omp simd
+                for (int d = 0; d < head_dim; d++) vf[d] = bf16_to_f32(v[d]);
+                for (int g = 0; g < group; g++) {
+                    const float p = s[g][j];
+#pragma omp simd
+                    for (int d = 0; d < head_dim; d++) acc[g][d] += p * vf[d];
                 }
             } else {
                 const float *v = (const float *)kv + base;
@@ -160,7 +200,7 @@ static inline int check_shape(int num_heads, int kv_heads, int head_dim) {
     return head_dim > MAX_HEAD_DIM || group > MAX_GROUP || group * kv_heads != num_heads ? -1 : 0;
 }
 
-static inline void attend_rows(const float *q, long q_row_stride, const void *kv, const float *scales, int quant,
+static inline void attend_rows(const float *q, long q_row_stride, const void *kv, const float *scales, int fmt,
                         const int32_t *tables, long table_stride, const int32_t *context_lens,
                         const int32_t *tokens, int rows, int num_heads, int kv_heads, int head_dim,
                         int block_size, int window, float scale, float *out) {
@@ -176,14 +216,24 @@ static inline void attend_rows(const float *q, long q_row_stride, const void *kv
         const float *qr = q + tok * q_row_stride + (long)h * group * head_dim;
         const int32_t *table = tables + r * table_stride;
         float *o = out + (tok * num_heads + (long)h * group) * head_dim;
-        /* The same code with the common head sizes as constants, so gcc can unroll and vectorize the
-         * fixed-length loops (benchmarks/decode_attention.py: clearly faster with an int8 cache). */
-        if (head_dim == 64)
-            attend(qr, kv, scales, quant, table, begin, end, kv_heads, 64, block_size, group, h, scale, o);
-        else if (head_dim == 128)
-            attend(qr, kv, scales, quant, table, begin, end, kv_heads, 128, block_size, group, h, scale, o);
+        /* The same code with the cache format and the common head sizes as constants, so gcc can
+         * unroll and vectorize the fixed-length loops (benchmarks/decode_attention.py: clearly faster
+         * with an int8 cache). */
+#define ATTEND_DIMS(F)                                                                                   \
+    do {                                                                                                 \
+        if (head_dim == 64)                                                                              \
+            attend(qr, kv, scales, F, table, begin, end, kv_heads, 64, block_size, group, h, scale, o);  \
+        else if (head_dim == 128)                                                                        \
+            attend(qr, kv, scales, F, table, begin, end, kv_heads, 128, block_size, group, h, scale, o); \
+        else                                                                                             \
+            attend(qr, kv, scales, F, table, begin, end, kv_heads, head_dim, block_size, group, h, scale, o); \
+    } while (0)
+        if (fmt == KV_F32)
+            ATTEND_DIMS(KV_F32);
+        else if (fmt == KV_BF16)
+            ATTEND_DIMS(KV_BF16);
         else
-            attend(qr, kv, scales, quant, table, begin, end, kv_heads, head_dim, block_size, group, h, scale, o);
+            ATTEND_DIMS(KV_INT8);
     }
 }
 
@@ -192,7 +242,7 @@ static inline void attend_rows(const float *q, long q_row_stride, const void *kv
  * new token per sequence: rotary on each row's q and k in place, its k and v into cache slot
  * slots[t], then (after the loop's barrier) attention as attend_rows, the new keys included. */
 static inline void decode_attention(float *qkv, long qkv_row_stride, const float *cos_t, const float *sin_t,
-                                    void *cache, float *scales, int quant, const int64_t *slots,
+                                    void *cache, float *scales, int fmt, const int64_t *slots,
                                     const int32_t *tables, long table_stride, const int32_t *context_lens,
                                     const int32_t *tokens, int rows, int num_heads, int kv_heads, int head_dim,
                                     int block_size, int window, float scale, float *out) {
@@ -200,9 +250,9 @@ static inline void decode_attention(float *qkv, long qkv_row_stride, const float
     for (int t = 0; t < rows; t++) {
         float *row = qkv + t * qkv_row_stride;
         rotary_heads(row, num_heads + kv_heads, head_dim, cos_t + (long)t * head_dim, sin_t + (long)t * head_dim);
-        write_kv(row + (long)num_heads * head_dim, slots[t], cache, scales, quant, kv_heads, head_dim);
+        write_kv(row + (long)num_heads * head_dim, slots[t], cache, scales, fmt, kv_heads, head_dim);
     }
-    attend_rows(qkv, qkv_row_stride, cache, scales, quant, tables, table_stride, context_lens, tokens, rows,
+    attend_rows(qkv, qkv_row_stride, cache, scales, fmt, tables, table_stride, context_lens, tokens, rows,
                 num_heads, kv_heads, head_dim, block_size, window, scale, out);
 }
 

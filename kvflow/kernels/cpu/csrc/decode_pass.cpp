@@ -1,5 +1,5 @@
 /* The decoder layers of a Llama-family model for a decode-only step, in one call
- * (kvflow/kernels/cpu/decode_pass.py), over int8 (int8_linear.cpp), float32 (f32_linear.cpp) or
+ * (kvflow/kernels/cpu/decode_pass.py), over int8 (int8_linear.cpp), float32 or bfloat16 (float_linear.cpp) or
  * block-quantized (block_linear.cpp: GGUF formats) weights. Per layer:
  *
  *   qkv = W_qkv . rmsnorm(x) + b          linear, RMSNORM prologue
@@ -7,7 +7,7 @@
  *   x' = x + W_o . attn                   linear, residual
  *   x = x' + W_down . silu_mul(W_gate_up . rmsnorm(x'))
  *
- * The same functions as the per-layer path (Int8Kernel / NativeF32Kernel, CpuPagedAttention) in the
+ * The same functions as the per-layer path (Int8Kernel / NativeFloatKernel, CpuPagedAttention) in the
  * same order, so a token's result is bit for bit the one that path gives; what goes is the ~10
  * Python-level calls per layer, most of a small-batch step's time after the matmuls.
  */
@@ -19,18 +19,19 @@
 
 #include "attention.h"
 #include "block_linear.h"
-#include "f32_linear.h"
+#include "float_linear.h"
 #include "int8_linear.h"
 
 namespace {
 
 /* Mirrors kvflow/kernels/cpu/decode_pass.py (ctypes.Structure): keep the field order in step. */
 struct DecoderShape {
-  int num_layers, hidden, intermediate, num_heads, num_kv_heads, head_dim, block_size, window, kv_quant;
+  int num_layers, hidden, intermediate, num_heads, num_kv_heads, head_dim, block_size, window;
+  int kv_format;  // KV_F32, KV_INT8 or KV_BF16 (attention.h)
   float eps, scale;
 };
 
-/* Weights: kvflow::PackedWeight* (int8), kvflow::F32Weight* (float32) or kvflow::BlockWeight*, per
+/* Weights: kvflow::PackedWeight* (int8), kvflow::FloatWeight* (float32 / bf16) or kvflow::BlockWeight*, per
  * the entry point. */
 struct DecoderLayer {
   const void *qkv, *o, *gate_up, *down;
@@ -41,7 +42,7 @@ struct DecoderLayer {
 
 thread_local std::vector<float> t_qkv, t_attn, t_mid, t_gate_up;
 
-/* The int8 and fp32 linears, each with its workspace sized for every projection of a layer. */
+/* The int8, float and block linears, each with its workspace sized for every projection of a layer. */
 struct Int8 {
   using Weight = kvflow::PackedWeight;
   kvflow::Int8Workspace work;
@@ -57,16 +58,16 @@ struct Int8 {
   }
 };
 
-struct F32 {
-  using Weight = kvflow::F32Weight;
-  kvflow::F32Workspace work;
+struct Float {
+  using Weight = kvflow::FloatWeight;
+  kvflow::FloatWorkspace work;
   void reserve(const DecoderShape* s, int rows, int, int) {
     const int widest = std::max({s->hidden, s->num_heads * s->head_dim, s->intermediate});
     work.reserve(rows, (widest + kvflow::BLOCK - 1) / kvflow::BLOCK * kvflow::BLOCK);
   }
   void operator()(const void* w, const float* x, long ldx, int m, int kind, const float* norm_w, float eps,
                   const float* bias, const float* residual, long ld_res, float* out) {
-    kvflow::f32_linear_team(*static_cast<const Weight*>(w), x, ldx, m, kind, norm_w, eps, bias, residual, ld_res,
+    kvflow::float_linear_team(*static_cast<const Weight*>(w), x, ldx, m, kind, norm_w, eps, bias, residual, ld_res,
                             out, work);
   }
 };
@@ -85,7 +86,7 @@ struct Block {
 };
 
 thread_local Int8 t_int8;
-thread_local F32 t_f32;
+thread_local Float t_float;
 thread_local Block t_block;
 
 /* The whole pass is one parallel region: every linear and the attention are team functions that
@@ -121,7 +122,7 @@ int decode(Linear& linear, const DecoderShape* s, const DecoderLayer* layers, fl
     const DecoderLayer& L = layers[l];
     linear(L.qkv, x, s->hidden, rows, RMSNORM, L.input_norm, s->eps, L.qkv_bias, nullptr, 0, qkv);
     phase(0);
-    decode_attention(qkv, qkv_cols, cos_t, sin_t, L.kv_cache, L.kv_scales, s->kv_quant, slots, tables,
+    decode_attention(qkv, qkv_cols, cos_t, sin_t, L.kv_cache, L.kv_scales, s->kv_format, slots, tables,
                      table_stride, context_lens, tokens, rows, s->num_heads, s->num_kv_heads, s->head_dim,
                      s->block_size, s->window, s->scale, attn);
 #pragma omp barrier
@@ -153,11 +154,12 @@ int kvflow_int8_decode(const DecoderShape* s, const DecoderLayer* layers, float*
                 phase_seconds, num_threads);
 }
 
-/* The same over float32 weights (layers hold kvflow::F32Weight handles). */
-int kvflow_f32_decode(const DecoderShape* s, const DecoderLayer* layers, float* x, int rows, const float* cos_t,
+/* The same over float32 or bfloat16 weights (layers hold kvflow::FloatWeight handles); activations in
+ * float32 either way (a bf16 model's hidden states are widened by the caller). */
+int kvflow_float_decode(const DecoderShape* s, const DecoderLayer* layers, float* x, int rows, const float* cos_t,
                       const float* sin_t, const int64_t* slots, const int32_t* tables, long table_stride,
                       const int32_t* context_lens, const int32_t* tokens, double* phase_seconds, int num_threads) {
-  return decode(t_f32, s, layers, x, rows, cos_t, sin_t, slots, tables, table_stride, context_lens, tokens,
+  return decode(t_float, s, layers, x, rows, cos_t, sin_t, slots, tables, table_stride, context_lens, tokens,
                 phase_seconds, num_threads);
 }
 

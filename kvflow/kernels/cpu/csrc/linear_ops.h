@@ -1,4 +1,4 @@
-/* The ops around a projection inside the native linears (int8_linear.cpp, f32_linear.cpp), so a
+/* The ops around a projection inside the native linears (int8_linear.cpp, float_linear.cpp), so a
  * projection and its neighbours are one call: the prologue that produces its input, applied row by
  * row, and the epilogue (scale, bias, residual) on its output. Shared, so both backends (and their
  * decode passes) compute them the same way with the same rounding. */

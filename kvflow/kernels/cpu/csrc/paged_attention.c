@@ -7,7 +7,8 @@
  * there, and blocks shared by several sequences (prefix caching) are read from cache, not copied.
  *
  * Cache layout (see kvflow/layers/attention.py): data [num_blocks, block_size, 2, kv_heads, head_dim],
- * float32, or int8 with scales [num_blocks, block_size, 2, kv_heads] (one per token, K/V and head).
+ * float32, bfloat16 (`fmt` KV_BF16: computed in float32, stored rounded to nearest), or int8 with scales
+ * [num_blocks, block_size, 2, kv_heads] (one per token, K/V and head).
  *
  * One task = one (query row, kv head): the `group` query heads sharing that kv head are scored
  * together, so each K/V row is loaded once for all of them.
@@ -25,13 +26,13 @@
  *   out[tokens[r] * num_heads * head_dim + head * head_dim + d]  its output (float32)
  * Returns 0, or -1 when head_dim / group exceed the kernel's limits (checked by the caller too). */
 int kvflow_paged_attention(const float *q, long q_row_stride, const void *kv, const float *scales,
-                           int quant, const int32_t *tables, long table_stride, const int32_t *context_lens,
+                           int fmt, const int32_t *tables, long table_stride, const int32_t *context_lens,
                            const int32_t *tokens, int rows, int num_heads, int kv_heads,
                            int head_dim, int block_size, int window, float scale, float *out,
                            int num_threads) {
     if (check_shape(num_heads, kv_heads, head_dim)) return -1;
 #pragma omp parallel num_threads(num_threads)
-    attend_rows(q, q_row_stride, kv, scales, quant, tables, table_stride, context_lens, tokens, rows, num_heads,
+    attend_rows(q, q_row_stride, kv, scales, fmt, tables, table_stride, context_lens, tokens, rows, num_heads,
                 kv_heads, head_dim, block_size, window, scale, out);
     return 0;
 }
@@ -47,8 +48,8 @@ void kvflow_rotary(float *x, long x_row_stride, int rows, int heads, int head_di
 
 /* Cache write of `rows` tokens: kv rows (k heads then v heads, contiguous) kv_row_stride apart. */
 void kvflow_write_kv(const float *kv, long kv_row_stride, const int64_t *slots, int rows, void *cache,
-                     float *scales, int quant, int kv_heads, int head_dim, int num_threads) {
+                     float *scales, int fmt, int kv_heads, int head_dim, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) if ((long)rows * kv_heads * head_dim >= PARALLEL_MIN)
     for (int t = 0; t < rows; t++)
-        write_kv(kv + t * kv_row_stride, slots[t], cache, scales, quant, kv_heads, head_dim);
+        write_kv(kv + t * kv_row_stride, slots[t], cache, scales, fmt, kv_heads, head_dim);
 }

@@ -1,0 +1,75 @@
+"""The float linear for few rows on the CPU: `NativeFloatKernel`, csrc/float_linear.cpp's tiled GEMV
+over a packed copy of the weight (read as one stream per thread), with the norm / activation that
+feeds the projection and the residual in the same call. float32 activations and sums; the weight in
+float32, or in bfloat16 (widened in registers: half the bytes a decode step reads). The ``native``
+path of kvflow.layers.linear for float32 and bfloat16 models.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import weakref
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvflow.kernels.cpu import native
+
+if TYPE_CHECKING:
+    from kvflow.layers.norm import RMSNorm
+
+_P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
+_SIGNATURES = {
+    "kvflow_float_pack": ([_P, _I, _I, _I], _P),
+    "kvflow_float_free": ([_P], None),
+    "kvflow_float_unpack": ([_P, _P], None),
+    "kvflow_float_linear": ([_P, _P, _L, _I, _I, _P, _F, _P, _P, _L, _P, _I], None),
+}
+WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1}  # enum WeightType in csrc/float_linear.h
+
+
+def float_library() -> ctypes.CDLL | None:
+    """The native linear library with the float entry points typed, or None when it cannot be built."""
+    return native.load("linear", _SIGNATURES)
+
+
+class NativeFloatKernel:
+    """y = residual + W . pre(x) + bias in float32, W [out, in] (float32 or bfloat16) packed once
+    into the kernel's layout; the result in x's dtype.
+
+    `norm=<RMSNorm>` / `silu_mul=True` apply the op that produces the projection's input first
+    (as Int8Kernel takes them), so the per-layer path and the fused decode pass
+    (kvflow.kernels.cpu.decode_pass) run the same code on a token."""
+
+    backend = "native"
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        if weight.dtype not in WEIGHT_TYPES or weight.device.type != "cpu":
+            raise ValueError(f"the native float linear takes float32 or bfloat16 CPU weights, got {weight.dtype} "
+                             f"on {weight.device.type}")
+        self._lib = float_library()
+        if self._lib is None:
+            raise RuntimeError("the native linear library could not be built here (see the log)")
+        self.weight_dtype = weight.dtype
+        self.out_features, self.in_features = weight.shape
+        self.bias = None if bias is None else bias.detach().float().contiguous().clone()
+        w = weight.detach().contiguous()
+        self.native_handle = self._lib.kvflow_float_pack(w.data_ptr(), self.out_features, self.in_features,
+                                                         WEIGHT_TYPES[weight.dtype])
+        weakref.finalize(self, self._lib.kvflow_float_free, self.native_handle)
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None, *,
+                 norm: RMSNorm | None = None, silu_mul: bool = False) -> torch.Tensor:
+        return native.fused_linear(self, self._lib.kvflow_float_linear, x, residual, norm, silu_mul,
+                                   "native float linear")
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The weight back from the packed copy, in its own dtype (tests)."""
+        w = torch.empty(self.out_features, self.in_features, dtype=self.weight_dtype)
+        self._lib.kvflow_float_unpack(self.native_handle, w.data_ptr())
+        return w
+
+    @property
+    def nbytes(self) -> int:
+        return self.out_features * self.in_features * self.weight_dtype.itemsize + \
+            (0 if self.bias is None else self.bias.numel() * 4)
