@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import resource
 import statistics
 import sys
 import time
@@ -49,6 +48,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import numpy as np
 import torch
+
+from kvflow.kernels.cpu.machine_load import ForeignLoad
 
 _FLOAT = {"gguf_weights": "dequantize"}
 MODES = {
@@ -61,29 +62,6 @@ MODES = {
     "gguf": ({}, None),
     "int4": ({"quantization": "int4"}, None),
 }
-
-
-# ---- machine load ------------------------------------------------------------------------------
-def _busy_seconds() -> float:
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:]]
-    return (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")
-
-
-class Foreign:
-    """CPU-seconds per wall second used by *other* processes while the block ran."""
-
-    def __enter__(self):
-        self.t, self.b = time.perf_counter(), _busy_seconds()
-        r = resource.getrusage(resource.RUSAGE_SELF)
-        self.own = r.ru_utime + r.ru_stime
-        return self
-
-    def __exit__(self, *exc):
-        dt = time.perf_counter() - self.t
-        r = resource.getrusage(resource.RUSAGE_SELF)
-        own = r.ru_utime + r.ru_stime - self.own
-        self.value = max(0.0, (_busy_seconds() - self.b - own) / dt) if os.path.exists("/proc/stat") else float("nan")
 
 
 def cpu_name() -> str:
@@ -169,7 +147,7 @@ def throughput(llm, work: list[tuple[list[int], int]]) -> tuple[float, float, fl
 
     params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for _, o in work]
     before = llm.engine.get_stats().num_preemptions
-    with Foreign() as fo:
+    with ForeignLoad() as fo:
         t = time.perf_counter()
         outs = llm.generate([p for p, _ in work], params, use_tqdm=False)
         dt = time.perf_counter() - t
@@ -258,7 +236,7 @@ def breakdown(llm, prompts: Prompts, batch: int, steps: int = 24,
     timers.t.clear()
     if native is not None and not per_layer:
         native.phase_seconds = torch.zeros(len(PHASES), dtype=torch.float64)
-    with Foreign() as fo:
+    with ForeignLoad() as fo:
         t0 = time.perf_counter()
         for _ in range(steps):
             eng.step()
@@ -344,7 +322,7 @@ def main() -> int:
     for _ in range(args.rounds):
         p_dec, p_pre = prompts.ids(32), prompts.ids(args.prefill_len)
         for mode in modes:
-            with Foreign() as fo:
+            with ForeignLoad() as fo:
                 dec[mode].append(decode_tok_s(llms[mode], p_dec, args.decode_tokens))
                 pre[mode].append(prefill_tok_s(llms[mode], p_pre + [len(pre[mode])]))  # no prefix-cache hit
             foreign[mode] = max(foreign[mode], fo.value)

@@ -113,10 +113,53 @@ def test_tuned_kernel_dispatches_by_rows():
     assert set(kern.paths) == set(choice.values())
 
 
-def _plan(shapes, monkeypatch, tmp_path, cpu="cpu A"):
+class _Load:
+    """Stands in for machine_load.ForeignLoad: reports `values` in turn (the last one repeated)."""
+
+    values = [0.0]
+    seen = 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        i = min(_Load.seen, len(_Load.values) - 1)
+        self.value, _Load.seen = _Load.values[i], _Load.seen + 1
+
+
+def _plan(shapes, monkeypatch, tmp_path, cpu="cpu A", load=(0.0,)):
+    from kvflow.kernels.cpu import machine_load
+
     monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(native, "cpu_id", lambda: cpu)
+    monkeypatch.setattr(machine_load, "ForeignLoad", _Load)
+    _Load.values, _Load.seen = list(load), 0
     return autotune.plan_kernels(shapes, shapes, torch.float32)
+
+
+def test_autotune_times_again_under_load_and_never_stores_a_loaded_timing(monkeypatch, tmp_path):
+    """Other processes busy while a shape is timed: timed again (each path keeping its best); a
+    shape that never got an unloaded timing is used for this start but measured again at the next."""
+    calls = []
+    real = autotune.time_shape
+    monkeypatch.setattr(autotune, "time_shape", lambda s, d: calls.append(s) or real(s, d))
+    shapes = [(24, 16)]
+    busy = _plan(shapes, monkeypatch, tmp_path, load=(1.5,))
+    assert len(calls) == autotune.ATTEMPTS and busy.source == "measured"
+    assert not list(tmp_path.glob("kernels/autotune-*.json"))  # nothing stored
+    quiet_on_retry = _plan(shapes, monkeypatch, tmp_path, load=(1.5, 0.0))
+    assert len(calls) == autotune.ATTEMPTS + 2 and quiet_on_retry.source == "measured"
+    assert _plan(shapes, monkeypatch, tmp_path).source == "cache"  # that one was stored
+
+
+def test_native_gemv_never_runs_past_the_last_bucket():
+    """The last bucket's choice also runs prefill chunks of thousands of rows: a many-row path
+    there even where the GEMV timed fastest at its rows."""
+    last = autotune.ROW_BUCKETS[-1]
+    times = {b: {"native": 1e-6, "onednn": 2e-6, "dense": 3e-6} for b in autotune.ROW_BUCKETS}
+    chosen = autotune.choose(times)
+    assert chosen[1] == "native" and chosen[last] == "onednn"
+    assert autotune.choose({1: {"native": 1e-6}, last: {"native": 1e-6}})[last] == "native"  # nothing else timed
 
 
 def test_autotune_cache_is_read_back_and_keyed_by_cpu(monkeypatch, tmp_path):
