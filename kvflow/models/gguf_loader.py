@@ -15,7 +15,11 @@ Two things a GGUF does differently from a Hugging Face checkpoint:
   undoes it per head, so the weights work with the usual "rotate half" rotary embedding.
 * The tokenizer is stored as metadata (tokens, merges, token types, special ids); it is rebuilt here
   with the `tokenizers` library the way transformers' GGUF converter does for byte-level BPE
-  ("gpt2") vocabularies.
+  ("gpt2") vocabularies, wrapped by transformers once, and served as a `FastTokenizer` (same ids,
+  text and chat prompts, without importing transformers).
+
+The metadata's result (config, tokenizer state, where each tensor lies) is kept in the kvflow cache
+(`gguf_cache`), so a second load of the same file parses nothing and never imports transformers.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ from gguf import GGUFReader, GGUFValueType
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from kvflow.layers.block_quant import FORMATS, BlockQuantized
+from kvflow.models import gguf_cache
+from kvflow.models.tokenizer import FastTokenizer, state_of
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +53,7 @@ _SUPPORTED_NAMES = ", ".join(t.name for t in SUPPORTED_TYPES)
 class GGUFCheckpoint:
     hf_config: dict[str, Any]
     tensors: dict[str, torch.Tensor | BlockQuantized]
-    tokenizer: Any  # transformers.PreTrainedTokenizerFast
+    tokenizer: FastTokenizer | None
     name: str
 
 
@@ -449,10 +455,54 @@ def _build_tokenizer(path: str, meta: dict[str, Any]):
 def load_gguf(path: str | os.PathLike, with_tokenizer: bool = True, keep_blocks: bool = False) -> GGUFCheckpoint:
     """Load a llama GGUF: HF-style config, float32 weights under HF names, and its tokenizer
     (None without `with_tokenizer`: a tensor-parallel worker needs only its weights).
-    `keep_blocks`: quantized 2-D tensors as `BlockQuantized` (their bytes as stored), not float32."""
+    `keep_blocks`: quantized 2-D tensors as `BlockQuantized` (their bytes as stored), not float32.
+    What the metadata gives (config, tokenizer, tensor places) comes from the kvflow cache when this
+    file was loaded before (`gguf_cache`); the weights are always read from the file."""
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file not found: {path}")
+    index = gguf_cache.read(path)
+    if index is None or (with_tokenizer and index.tokenizer is None):
+        index = _index(path, with_tokenizer)
+        gguf_cache.write(path, index)
+    tokenizer = FastTokenizer.from_state(index.tokenizer) if with_tokenizer and index.tokenizer else None
+    # 'c' (copy-on-write) gives writable arrays, so torch.from_numpy works without a copy or a warning;
+    # a plain ndarray view, as in _Reader, keeps np.memmap's per-slice overhead out.
+    buf = np.memmap(path, dtype=np.uint8, mode="c").view(np.ndarray)
+    cfg = index.hf_config
+    n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    expected = _expected_shapes(cfg)
+    tensors: dict[str, torch.Tensor | BlockQuantized] = {}
+    # The ops here are memory-bound and small; torch's intra-op thread pool gains nothing on them and,
+    # on a machine whose cores are busy with other processes, made them >20x slower (13 s vs 0.5 s).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for place in index.tensors:
+            hf, qtype = place.hf_name, T[place.qtype]
+            dtype = np.dtype(place.dtype)
+            data = buf[place.offset:place.offset + dtype.itemsize * math.prod(place.shape)].view(dtype)
+            data = data.reshape(place.shape)
+            shape = expected[hf]
+            try:
+                quantized = place.qtype in FORMATS and len(shape) == 2
+                w = _blocks(data, qtype, shape) if keep_blocks and quantized else _dequantize(data, qtype, shape)
+            except (RuntimeError, ValueError) as e:
+                raise ValueError(f"{path}: cannot decode tensor {hf!r} ({place.qtype}): {e}") from e
+            rows = w.data if isinstance(w, BlockQuantized) else w  # the permutation moves whole rows
+            if ".q_proj." in hf:
+                rows = _unpermute_rows(rows, n_head)
+            elif ".k_proj." in hf:
+                rows = _unpermute_rows(rows, n_kv)
+            w = w.with_rows(rows) if isinstance(w, BlockQuantized) else rows
+            tensors[hf] = w
+    finally:
+        torch.set_num_threads(threads)
+    return GGUFCheckpoint(hf_config=cfg, tensors=tensors, tokenizer=tokenizer, name=index.name)
+
+
+def _index(path: str, with_tokenizer: bool) -> gguf_cache.GGUFIndex:
+    """Parse and check the file's metadata: config, tensor places and (with_tokenizer) the tokenizer."""
     reader = _open(path)
     if reader.byte_order != "I":
         raise ValueError(f"{path}: GGUF file has the opposite byte order of this machine; not supported")
@@ -471,7 +521,7 @@ def load_gguf(path: str | os.PathLike, with_tokenizer: bool = True, keep_blocks:
 
     # Map names and check types and shapes before doing any work.
     expected = _expected_shapes(cfg)
-    plan: list[tuple[str, Any]] = []
+    places: list[gguf_cache.TensorPlace] = []
     for t in reader.tensors:
         if t.name in _IGNORED_TENSORS:
             continue
@@ -487,36 +537,12 @@ def load_gguf(path: str | os.PathLike, with_tokenizer: bool = True, keep_blocks:
         if shape != expected[hf]:
             raise ValueError(f"{path}: tensor {t.name!r} has shape {list(shape)}, expected {list(expected[hf])} "
                              f"for {hf} from the GGUF metadata")
-        plan.append((hf, t))
-    missing = sorted(set(expected) - {hf for hf, _ in plan})
+        places.append(gguf_cache.TensorPlace(hf, t.tensor_type.name, int(t.data_offset), t.data.dtype.str,
+                                             tuple(int(d) for d in t.data.shape)))
+    missing = sorted(set(expected) - {p.hf_name for p in places})
     if missing:
         raise ValueError(f"{path}: GGUF lacks tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
 
-    tokenizer = _build_tokenizer(path, meta) if with_tokenizer else None
-
-    n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    tensors: dict[str, torch.Tensor] = {}
-    # The ops here are memory-bound and small; torch's intra-op thread pool gains nothing on them and,
-    # on a machine whose cores are busy with other processes, made them >20x slower (13 s vs 0.5 s).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        for hf, t in plan:
-            try:
-                quantized = t.tensor_type.name in FORMATS and len(expected[hf]) == 2
-                w = _blocks(t.data, t.tensor_type, expected[hf]) if keep_blocks and quantized else \
-                    _dequantize(t.data, t.tensor_type, expected[hf])
-            except (RuntimeError, ValueError) as e:
-                raise ValueError(f"{path}: cannot decode tensor {t.name!r} ({t.tensor_type.name}): {e}") from e
-            rows = w.data if isinstance(w, BlockQuantized) else w  # the permutation moves whole rows
-            if ".q_proj." in hf:
-                rows = _unpermute_rows(rows, n_head)
-            elif ".k_proj." in hf:
-                rows = _unpermute_rows(rows, n_kv)
-            w = w.with_rows(rows) if isinstance(w, BlockQuantized) else rows
-            tensors[hf] = w
-    finally:
-        torch.set_num_threads(threads)
-
+    tokenizer = state_of(_build_tokenizer(path, meta)) if with_tokenizer else None
     name = meta.get("general.name") or Path(path).stem
-    return GGUFCheckpoint(hf_config=cfg, tensors=tensors, tokenizer=tokenizer, name=str(name))
+    return gguf_cache.GGUFIndex(hf_config=cfg, name=str(name), tensors=places, tokenizer=tokenizer)

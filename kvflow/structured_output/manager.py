@@ -20,6 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from kvflow.models.tokenizer import FastTokenizer
 from kvflow.structured_output.grammar import GrammarError, compile_grammar
 from kvflow.structured_output.params import StructuredOutputsParams
 
@@ -108,7 +109,10 @@ class StructuredOutputManager:
         import xgrammar as xgr
 
         t0 = time.perf_counter()
-        info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size,
+        # xgrammar reads a transformers tokenizer (its class tells the vocabulary's encoding); kvflow's
+        # own FastTokenizer gives its transformers twin.
+        hf = self._tokenizer.to_hf() if isinstance(self._tokenizer, FastTokenizer) else self._tokenizer
+        info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=self.vocab_size,
                                                   stop_token_ids=self._stop_ids)
         compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)  # the cache is ours
         logger.info("grammar compiler ready (%d tokens) in %.2f s", self.vocab_size, time.perf_counter() - t0)

@@ -411,14 +411,21 @@ def serve(engine: LLMEngine, config: ServerConfig, *, on_ready: Callable[[str], 
             t.daemon = True
             t.start()
 
-    if engine.structured is not None:
-        engine.structured.warm_up()  # the grammar compiler builds while the server starts
     app = build_app(engine, config, exit_action=exit_action)
     state: ServerState = app.state.kvflow
     url = f"http://{_url_host(config.host)}:{config.port}"
+
+    def ready() -> None:
+        # The grammar compiler (importing xgrammar and transformers, ~1.5 s on 2 cores) builds in the
+        # background from here: started earlier it held the GIL against the start-up itself.
+        if engine.structured is not None:
+            engine.structured.warm_up()
+        if on_ready is not None:
+            on_ready(url)
+
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level="warning", access_log=False,
                                timeout_graceful_shutdown=5, lifespan="on")
-    server = _UvicornServer(uv_config, state, (lambda: on_ready(url)) if on_ready else None)
+    server = _UvicornServer(uv_config, state, ready)
     server.run()
     if state.exit_code is None:  # uvicorn stopped on its own (e.g. the port was taken)
         return 1 if not server.started else 0

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from kvflow.cache import cache_root
+
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
@@ -44,7 +46,7 @@ _cache: dict[str, ctypes.CDLL | None] = {}
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("KVFLOW_CACHE_DIR") or Path.home() / ".cache" / "kvflow") / "kernels"
+    return cache_root() / "kernels"
 
 
 def cpu_id() -> str:
