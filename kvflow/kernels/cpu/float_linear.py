@@ -1,8 +1,9 @@
 """The float linear for few rows on the CPU: `NativeFloatKernel`, csrc/float_linear.cpp's tiled GEMV
-over a packed copy of the weight (read as one stream per thread), with the norm / activation that
-feeds the projection and the residual in the same call. float32 activations and sums; the weight in
-float32, or in bfloat16 (widened in registers: half the bytes a decode step reads). The ``native``
-path of kvflow.layers.linear for float32 and bfloat16 models.
+over a packed copy of the weight (panels of output channels, register tiles of rows x panels),
+with the norm / activation that feeds the projection and the residual in the same call. float32
+sums; the weight in float32, or in bfloat16 (half the bytes a decode step reads: through the CPU's
+bf16 dot product on bf16-rounded inputs where it has AVX512-BF16, `bf16_dot`, else widened in
+registers). The ``native`` path of kvflow.layers.linear for float32 and bfloat16 models.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ _SIGNATURES = {
     "kvflow_float_free": ([_P], None),
     "kvflow_float_unpack": ([_P, _P], None),
     "kvflow_float_linear": ([_P, _P, _L, _I, _I, _P, _F, _P, _P, _L, _P, _I], None),
+    "kvflow_float_bf16_dot": ([], _I),
 }
 WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1}  # enum WeightType in csrc/float_linear.h
 
@@ -31,6 +33,13 @@ WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1}  # enum WeightType in csrc/
 def float_library() -> ctypes.CDLL | None:
     """The native linear library with the float entry points typed, or None when it cannot be built."""
     return native.load("linear", _SIGNATURES)
+
+
+def bf16_dot() -> bool:
+    """Whether bf16 weights go through the CPU's bf16 dot product here (AVX512-BF16: each input row
+    rounded to bf16 once per call), rather than widened to meet float32 inputs."""
+    lib = float_library()
+    return lib is not None and bool(lib.kvflow_float_bf16_dot())
 
 
 class NativeFloatKernel:

@@ -67,9 +67,11 @@ def cpu_id() -> str:
     return f"{fields.get('model name', platform.machine())} | {fields['flags']}"
 
 
-# Sources that need flags of their own: the block kernel's sums must not be reassociated or
-# contracted differently from one tile shape to the next (a token's result would depend on its batch).
-SOURCE_FLAGS = {"block_linear.cpp": ("-fno-associative-math", "-ffp-contract=off")}
+# Sources that need flags of their own: the block and float kernels' sums must not be reassociated
+# (or, for the block kernel, contracted) differently from one tile shape to the next (a token's
+# result would depend on its batch).
+SOURCE_FLAGS = {"block_linear.cpp": ("-fno-associative-math", "-ffp-contract=off"),
+                "float_linear.cpp": ("-fno-associative-math",)}
 
 # Library -> its sources (one language per library). Headers (csrc/*.h) are shared.
 LIBRARIES = {

@@ -63,7 +63,7 @@ struct Float {
   kvflow::FloatWorkspace work;
   void reserve(const DecoderShape* s, int rows, int, int) {
     const int widest = std::max({s->hidden, s->num_heads * s->head_dim, s->intermediate});
-    work.reserve(rows, (widest + kvflow::BLOCK - 1) / kvflow::BLOCK * kvflow::BLOCK);
+    work.reserve(rows, widest + 1);  // (kp: k, or k rounded up to even)
   }
   void operator()(const void* w, const float* x, long ldx, int m, int kind, const float* norm_w, float eps,
                   const float* bias, const float* residual, long ld_res, float* out) {

@@ -1,19 +1,23 @@
-/* Float linear for a few rows (kvflow/kernels/cpu/float_linear.py, NativeFloatKernel):
- * out = residual + W . pre(x) + bias, pre as in linear_ops.h; float32 activations and sums, the
- * weight in float32 or bfloat16.
+/* Float linear (kvflow/kernels/cpu/float_linear.py, NativeFloatKernel): out = residual + W . pre(x)
+ * + bias, pre as in linear_ops.h; float32 sums, the weight in float32 or bfloat16.
  *
- * Decode at small batch is bound by the bytes of weight read. The weight is packed once (see
- * FloatWeight in float_linear.h) so that each thread reads its share as one sequential stream, a
- * quad of output channels at a time, multiplied with all the call's rows while it is in L1. BLAS
- * sgemv / sgemm at 1-4 rows stay well under the read bandwidth on the machines measured (and the
- * Python around one call per op is the rest of a step), so this kernel and the fused decode pass
- * over it (decode_pass.cpp) are the autotune's candidates for few rows
- * (kvflow/kernels/cpu/autotune.py). bfloat16 weights are widened in registers (a shift): the
- * products are those of float32 maths on the bf16 values, and a step reads half the bytes.
+ * Decode at small batch is bound by the bytes of weight read, batched decode by the multiply-adds.
+ * The weight is packed once into panels of LANES_OUT output channels (FloatWeight in
+ * float_linear.h), so a register tile of R rows x J panels loads J weight vectors per input
+ * feature, broadcasts each row's input value, and accumulates R x J vectors of outputs: every
+ * weight load serves R rows, nothing needs a horizontal sum, and a thread reads its panels as J
+ * sequential streams. Rows beyond R reuse the same panels from L2. This kernel and the fused decode
+ * pass over it (decode_pass.cpp) are the autotune's native candidates
+ * (kvflow/kernels/cpu/autotune.py).
  *
- * A row's dot products are summed in the same order whatever the tile or the number of rows (BLOCK
- * lanes over the padded features, then a fixed tree), so a token's result does not depend on its
- * batch.
+ * bfloat16 weights: where the CPU has AVX512-BF16 each row's input is rounded to bf16 once per call
+ * and pairs of features go through vdpbf16ps (two exact products per lane, summed in float32), as
+ * a bf16 model's matmuls round their inputs; elsewhere the weights are widened to float32 in
+ * registers (a shift) and meet float32 inputs.
+ *
+ * Each output's sum runs over the features in order, the same for any tile or number of rows, so
+ * a token's result does not depend on its batch (this file is compiled without reassociation:
+ * kvflow/kernels/cpu/native.py).
  */
 #include "float_linear.h"
 
@@ -23,96 +27,157 @@
 #include <cstdlib>
 #include <cstring>
 
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+#endif
+
 namespace kvflow {
 namespace {
 
-// BLOCK floats, loads and stores unaligned: one ymm on AVX / AVX2 / AVX-512 (gcc's vector
-// extension; scalar code on CPUs without it). (zmm measured no faster on a Zen 4 EPYC, whose
-// AVX-512 units are 256 bits wide, and a decode step is bound by the weights' bytes.)
-typedef float vf __attribute__((vector_size(BLOCK * 4), aligned(4)));
-typedef uint16_t vh __attribute__((vector_size(BLOCK * 2), aligned(2)));
-typedef uint32_t vu __attribute__((vector_size(BLOCK * 4)));
+constexpr int TILE_ROWS = LANES_OUT == 16 ? 4 : 2;  // R x J accumulators + J weights within the registers
+constexpr int TILE_PANELS = 4;
+
+typedef float vf __attribute__((vector_size(LANES_OUT * 4), aligned(4)));
+typedef uint16_t vh __attribute__((vector_size(LANES_OUT * 2), aligned(2)));
+typedef uint32_t vu __attribute__((vector_size(LANES_OUT * 4)));
 
 inline vf load(const float* p) { return *(const vf*)p; }
 // bf16 -> float32: the 16 bits are the float's upper half.
 inline vf load(const uint16_t* p) { return (vf)(__builtin_convertvector(*(const vh*)p, vu) << 16); }
 
-inline float hsum(vf a) {
-  float t[BLOCK];
-  std::memcpy(t, &a, sizeof t);
-  for (int w = BLOCK / 2; w > 0; w /= 2)
-    for (int i = 0; i < w; i++) t[i] += t[i + w];
-  return t[0];
+inline uint16_t to_bf16(float f) {  // round to nearest even, as torch (NaN stays a quiet NaN)
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-/* y[r * ldy + j] = W[q + j] . v[r] for r < R, j < J of the quad q; the quad's data is its packed
- * blocks (see FloatWeight), v rows kp apart (zero-padded like the weight). */
+/* Output vectors of R rows x J panels into y (rows ldy apart; the last panel may be partial: only
+ * `valid` channels written). */
+template <int R, int J>
+inline void store(const vf (&acc)[R][J], float* y, long ldy, int valid) {
+  for (int r = 0; r < R; r++)
+    for (int j = 0; j < J; j++) {
+      float* dst = y + r * ldy + j * LANES_OUT;
+      const int cnt = std::min(LANES_OUT, valid - j * LANES_OUT);
+      if (cnt == LANES_OUT)
+        *(vf*)dst = acc[r][j];
+      else if (cnt > 0)
+        std::memcpy(dst, &acc[r][j], cnt * sizeof(float));
+    }
+}
+
+/* float32 (or widened bf16) panels: w points at the first of J panels, `pstride` elements apart;
+ * v: R input rows ldv apart. */
 template <int R, int J, class T>
-inline void tile(const T* __restrict quad, int kp, const float* __restrict v, float* __restrict y, long ldy) {
+inline void tile(const T* __restrict w, long pstride, int k, const float* __restrict v, long ldv, float* y, long ldy,
+                 int valid) {
   vf acc[R][J];
   for (int r = 0; r < R; r++)
     for (int j = 0; j < J; j++) acc[r][j] = vf{};
-  for (int c = 0; c < kp; c += BLOCK) {
-    const T* blk = quad + (long)c * QUAD;
+  for (int c = 0; c < k; c++) {
     vf wv[J];
-    for (int j = 0; j < J; j++) wv[j] = load(blk + j * BLOCK);
+    for (int j = 0; j < J; j++) wv[j] = load(w + j * pstride + (long)c * LANES_OUT);
     for (int r = 0; r < R; r++) {
-      const vf xv = *(const vf*)(v + (long)r * kp + c);
-      for (int j = 0; j < J; j++) acc[r][j] += wv[j] * xv;
+      const float xs = v[r * ldv + c];
+      for (int j = 0; j < J; j++) acc[r][j] += wv[j] * xs;
     }
   }
+  store<R, J>(acc, y, ldy, valid);
+}
+
+#ifdef __AVX512BF16__
+/* bf16 pairs through vdpbf16ps: v holds each row's inputs as bf16 pairs (one uint32 per pair). */
+template <int R, int J>
+inline void tile_dot(const uint16_t* __restrict w, long pstride, int pairs, const uint32_t* __restrict v, long ldv,
+                     float* y, long ldy, int valid) {
+  __m512 acc[R][J];
   for (int r = 0; r < R; r++)
-    for (int j = 0; j < J; j++) y[r * ldy + j] = hsum(acc[r][j]);
-}
-
-/* Output channels of quads [q0, q1) for all m rows into y (rows n apart; a last partial quad's
- * padding channels go to `spill`). A quad (QUAD x kp elements) is read from memory as one sequential
- * stream by the first pair of input rows, then from L1 by the next pairs: a 2 x 4 tile keeps its
- * accumulators, weight vectors and input vector within 16 vector registers. */
-template <class T>
-void quads(const FloatWeight& p, const float* v, int m, int q0, int q1, float* out) {
-  const int kp = p.kp;
-  const long n = p.n;
-  const T* w = static_cast<const T*>(p.w);
-  float spill[2 * QUAD];
-  for (int q = q0; q < q1; q++) {
-    const T* quad = w + (long)q * QUAD * kp;
-    const bool partial = (q + 1) * QUAD > p.n;
-    for (int r = 0; r < m; r += 2) {
-      const float* vr = v + (long)r * kp;
-      float* y = partial ? spill : out + r * n + (long)q * QUAD;
-      const long ldy = partial ? QUAD : n;
-      const int rows = std::min(2, m - r);
-      if (rows == 2)
-        tile<2, QUAD>(quad, kp, vr, y, ldy);
-      else
-        tile<1, QUAD>(quad, kp, vr, y, ldy);
-      if (partial)
-        for (int i = 0; i < rows; i++)
-          for (int j = q * QUAD; j < p.n; j++) out[(r + i) * n + j] = spill[i * QUAD + j - q * QUAD];
+    for (int j = 0; j < J; j++) acc[r][j] = _mm512_setzero_ps();
+  for (int c = 0; c < pairs; c++) {
+    __m512bh wv[J];
+    for (int j = 0; j < J; j++) wv[j] = (__m512bh)_mm512_loadu_si512(w + j * pstride + (long)c * 2 * LANES_OUT);
+    for (int r = 0; r < R; r++) {
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)v[r * ldv + c]);
+      for (int j = 0; j < J; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], wv[j], xb);
     }
   }
+  vf out[R][J];
+  std::memcpy(out, acc, sizeof out);
+  store<R, J>(out, y, ldy, valid);
+}
+#endif
+
+/* A call's input rows as the tiles read them: float32 (ldf apart), and as bf16 pairs for the dot
+ * product (ldp apart). */
+struct Rows {
+  const float* f;
+  long ldf;
+  const uint32_t* pairs;
+  long ldp;
+};
+
+/* Rows [r, r + R) x panels [pn, pn + J) of the call, the weight's type chosen here. */
+template <int R, int J>
+inline void run(const FloatWeight& p, const Rows& in, int r, int pn, float* out) {
+  const long n = p.n, pstride = (long)p.kp * LANES_OUT, first = (long)pn * LANES_OUT;
+  const int valid = (int)std::min<long>(J * LANES_OUT, n - first);
+  float* y = out + r * n + first;
+  if (p.type == W_F32) {
+    tile<R, J>(static_cast<const float*>(p.w) + pn * pstride, pstride, p.k, in.f + r * in.ldf, in.ldf, y, n, valid);
+    return;
+  }
+  const uint16_t* w = static_cast<const uint16_t*>(p.w) + pn * pstride;
+#ifdef __AVX512BF16__
+  tile_dot<R, J>(w, pstride, p.kp / 2, in.pairs + r * in.ldp, in.ldp, y, n, valid);
+#else
+  tile<R, J>(w, pstride, p.k, in.f + r * in.ldf, in.ldf, y, n, valid);
+#endif
+}
+
+/* `rows` (1..TILE_ROWS) rows from r: the tile of that many rows. */
+template <int J, int R = TILE_ROWS>
+inline void run_rows(int rows, const FloatWeight& p, const Rows& in, int r, int pn, float* out) {
+  if (rows == R)
+    run<R, J>(p, in, r, pn, out);
+  else if constexpr (R > 1)
+    run_rows<J, R - 1>(rows, p, in, r, pn, out);
+}
+
+/* Panels [p0, p1) for all m rows: TILE_PANELS at a time, the call's rows TILE_ROWS at a time over
+ * them (the panels' first pass reads memory, the next ones L2). */
+void panels(const FloatWeight& p, const Rows& in, int m, int p0, int p1, float* out) {
+  int pn = p0;
+  for (; pn + TILE_PANELS <= p1; pn += TILE_PANELS)
+    for (int r = 0; r < m; r += TILE_ROWS) run_rows<TILE_PANELS>(std::min(TILE_ROWS, m - r), p, in, r, pn, out);
+  for (; pn < p1; pn++)
+    for (int r = 0; r < m; r += TILE_ROWS) run_rows<1>(std::min(TILE_ROWS, m - r), p, in, r, pn, out);
 }
 
 template <class T>
-void pack(const T* src, int n, int k, int kp, T* dst) {
-  const int nq = (n + QUAD - 1) / QUAD;
-  for (int q = 0; q < nq; q++)
-    for (int c = 0; c < kp; c += BLOCK)
-      for (int j = 0; j < QUAD; j++)
-        for (int b = 0; b < BLOCK; b++) {
-          const int row = q * QUAD + j, col = c + b;
-          dst[((long)q * kp + c) * QUAD + j * BLOCK + b] = row < n && col < k ? src[(long)row * k + col] : T{};
-        }
+void pack(const T* src, const FloatWeight& p, T* dst) {
+  const int np = (p.n + LANES_OUT - 1) / LANES_OUT;
+  const bool pairs = p.type == W_BF16 && BF16_DOT;
+  for (int q = 0; q < np; q++)
+    for (int c = 0; c < p.kp; c++)
+      for (int j = 0; j < LANES_OUT; j++) {
+        const int row = q * LANES_OUT + j;
+        const long at = pairs ? (((long)q * (p.kp / 2) + c / 2) * LANES_OUT + j) * 2 + c % 2
+                              : ((long)q * p.kp + c) * LANES_OUT + j;
+        dst[at] = row < p.n && c < p.k ? src[(long)row * p.k + c] : T{};
+      }
 }
 
 template <class T>
 void unpack(const FloatWeight& p, T* dst) {
   const T* w = static_cast<const T*>(p.w);
+  const bool pairs = p.type == W_BF16 && BF16_DOT;
   for (int row = 0; row < p.n; row++)
-    for (int col = 0; col < p.k; col++)
-      dst[(long)row * p.k + col] =
-          w[((long)(row / QUAD) * p.kp + col / BLOCK * BLOCK) * QUAD + row % QUAD * BLOCK + col % BLOCK];
+    for (int c = 0; c < p.k; c++) {
+      const int q = row / LANES_OUT, j = row % LANES_OUT;
+      dst[(long)row * p.k + c] = w[pairs ? (((long)q * (p.kp / 2) + c / 2) * LANES_OUT + j) * 2 + c % 2
+                                          : ((long)q * p.kp + c) * LANES_OUT + j];
+    }
 }
 
 thread_local FloatWorkspace t_work;  // per calling thread (the engine's), reused across calls
@@ -120,14 +185,15 @@ thread_local FloatWorkspace t_work;  // per calling thread (the engine's), reuse
 }  // namespace
 
 FloatWeight* float_pack(const void* w, int n, int k, int type) {
-  const int kp = (k + BLOCK - 1) / BLOCK * BLOCK, nq = (n + QUAD - 1) / QUAD;
+  const int kp = type == W_BF16 && BF16_DOT ? (k + 1) / 2 * 2 : k;
+  const int np = (n + LANES_OUT - 1) / LANES_OUT;
   const size_t size = type == W_BF16 ? 2 : 4;
-  const size_t bytes = ((size_t)nq * QUAD * kp * size + 63) / 64 * 64;
+  const size_t bytes = ((size_t)np * LANES_OUT * kp * size + 63) / 64 * 64;
   auto* p = new FloatWeight{std::aligned_alloc(64, bytes), n, k, kp, type};
   if (type == W_BF16)
-    pack(static_cast<const uint16_t*>(w), n, k, kp, static_cast<uint16_t*>(p->w));
+    pack(static_cast<const uint16_t*>(w), *p, static_cast<uint16_t*>(p->w));
   else
-    pack(static_cast<const float*>(w), n, k, kp, static_cast<float*>(p->w));
+    pack(static_cast<const float*>(w), *p, static_cast<float*>(p->w));
   return p;
 }
 
@@ -136,32 +202,42 @@ void float_free(FloatWeight* p) {
   delete p;
 }
 
-void FloatWorkspace::reserve(int m, int kp) { v.resize(std::max(v.size(), (size_t)m * kp)); }
+void FloatWorkspace::reserve(int m, int kp) {
+  v.resize(std::max(v.size(), (size_t)m * kp));
+  if (BF16_DOT) pairs.resize(std::max(pairs.size(), (size_t)m * ((kp + 1) / 2)));
+}
 
 void float_linear_team(const FloatWeight& p, const float* x, long ldx, int m, int kind, const float* norm_w,
                        float eps, const float* bias, const float* residual, long ld_res, float* out,
                        FloatWorkspace& w) {
-  const int n = p.n, k = p.k, kp = p.kp;
-  const float* v = x;  // the rows the tiles read, kp apart
-  if (kind != NONE || ldx != kp || k != kp) {
+  const int n = p.n, k = p.k;
+  const bool dot = p.type == W_BF16 && BF16_DOT;
+  Rows in{x, ldx, nullptr, 0};
+  if (kind != NONE || dot) {
     float* rows = w.v.data();
+    uint32_t* pairs = w.pairs.data();
+    const int np = p.kp / 2;
 #pragma omp for schedule(static)
     for (int i = 0; i < m; i++) {
-      float* vi = rows + (long)i * kp;
-      prologue(kind, x + i * ldx, k, norm_w, eps, vi);
-      std::fill(vi + k, vi + kp, 0.f);
+      const float* src = x + i * ldx;
+      if (kind != NONE) {
+        prologue(kind, src, k, norm_w, eps, rows + (long)i * k);
+        src = rows + (long)i * k;
+      }
+      if (dot)
+        for (int c = 0; c < np; c++) {
+          const uint32_t lo = to_bf16(src[2 * c]), hi = 2 * c + 1 < k ? to_bf16(src[2 * c + 1]) : 0u;
+          pairs[(long)i * np + c] = lo | hi << 16;
+        }
     }
-    v = rows;
+    in = Rows{kind != NONE ? rows : x, kind != NONE ? (long)k : ldx, pairs, np};
   }
   const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
-  // Contiguous ranges of quads, one per thread.
-  const int nq = (n + QUAD - 1) / QUAD, per = (nq + nth - 1) / nth;
-  const int q0 = std::min(nq, tid * per), q1 = std::min(nq, q0 + per);
-  if (p.type == W_BF16)
-    quads<uint16_t>(p, v, m, q0, q1, out);
-  else
-    quads<float>(p, v, m, q0, q1, out);
-  const int j0 = std::min(n, q0 * QUAD), j1 = std::min(n, q1 * QUAD);
+  // Contiguous ranges of panels, one per thread.
+  const int np = (n + LANES_OUT - 1) / LANES_OUT, per = (np + nth - 1) / nth;
+  const int p0 = std::min(np, tid * per), p1 = std::min(np, p0 + per);
+  panels(p, in, m, p0, p1, out);
+  const int j0 = std::min(n, p0 * LANES_OUT), j1 = std::min(n, p1 * LANES_OUT);
   for (int i = 0; i < m; i++)  // (a scale of 1 leaves every sum as it is)
     epilogue(out + (long)i * n, j0, j1, 1.f, bias, residual ? residual + i * ld_res : nullptr);
 #pragma omp barrier
@@ -195,6 +271,9 @@ void kvflow_float_unpack(void* handle, void* w) {
   else
     kvflow::unpack(p, static_cast<float*>(w));
 }
+
+/* 1 when bf16 weights meet bf16-rounded inputs (the CPU's bf16 dot product), 0 when float32 ones. */
+int kvflow_float_bf16_dot(void) { return kvflow::BF16_DOT ? 1 : 0; }
 
 /* out[m, n] = residual + W . pre(x) + bias (see the top of the file). x rows are ldx apart and hold
  * k values (2k for SILU_MUL: gate then up); residual (or null) rows are ld_res apart; out is dense. */

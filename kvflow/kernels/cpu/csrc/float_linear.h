@@ -1,5 +1,5 @@
 /* The float linear's C++ interface inside the "linear" library (float_linear.cpp, decode_pass.cpp):
- * float32 activations and accumulation over float32 or bfloat16 weights. */
+ * float32 or bfloat16 weights, float32 sums. */
 #ifndef KVFLOW_FLOAT_LINEAR_H
 #define KVFLOW_FLOAT_LINEAR_H
 
@@ -10,17 +10,31 @@
 
 namespace kvflow {
 
-constexpr int QUAD = 4;  // output channels per packed group
-constexpr int BLOCK = 8;  // input features per packed run (one 8-float vector)
+// Output channels per panel: one vector register of floats (16 under AVX-512, else 8). The library
+// is compiled for the CPU it runs on, and packs and reads its own layout.
+#ifdef __AVX512F__
+constexpr int LANES_OUT = 16;
+#else
+constexpr int LANES_OUT = 8;
+#endif
+
+// bfloat16 weights meet bfloat16 activations in the CPU's bf16 dot product (AVX512-BF16: two
+// products per lane and instruction) where it has one; elsewhere they are widened to float32 in
+// registers and meet float32 activations.
+#ifdef __AVX512BF16__
+constexpr bool BF16_DOT = true;
+#else
+constexpr bool BF16_DOT = false;
+#endif
 
 enum WeightType { W_F32 = 0, W_BF16 = 1 };
 
-/* A weight [n, k], packed so that a thread's read of it is one sequential stream: quads of QUAD
- * output channels, each stored as runs of BLOCK input features, channel after channel
- * (w[((q * kp + c) * QUAD + j) * BLOCK + b] = W[q * QUAD + j, c + b]), k padded with zeros to kp
- * (a multiple of BLOCK) and n to a multiple of QUAD. Elements are float32, or bfloat16 (the upper
- * half of a float32: widened to float32 in registers, so products are exact float32 ones and a
- * decode step reads half the bytes). */
+/* A weight [n, k] in panels of LANES_OUT output channels (n padded with zero channels), each panel
+ * one contiguous run over k: w[(p * kp + c) * LANES_OUT + j] = W[p * LANES_OUT + j, c] (float32, or
+ * bf16 widened: kp = k), or for the bf16 dot product pairs of features per channel,
+ * w[((p * kp / 2 + c / 2) * LANES_OUT + j) * 2 + c % 2] (kp = k rounded up to even, zero-padded).
+ * A tile reads whole vectors of output channels and broadcasts one input value (or pair): no
+ * horizontal sums, and each output's sum runs over k in order whatever the tile. */
 struct FloatWeight {
   void* w;
   int n, k, kp;
@@ -30,10 +44,11 @@ struct FloatWeight {
 FloatWeight* float_pack(const void* w, int n, int k, int type);
 void float_free(FloatWeight* p);
 
-/* The prologue's rows (zero-padded to kp) of a call, shared by its team; `reserve` before the
- * parallel region. */
+/* The prologue's rows of a call (float32, kp apart; and as bf16 pairs for the dot product), shared
+ * by its team; `reserve` before the parallel region. */
 struct FloatWorkspace {
   std::vector<float> v;
+  std::vector<uint32_t> pairs;
   void reserve(int m, int kp);
 };
 
