@@ -35,7 +35,7 @@ namespace kvflow {
 namespace {
 
 constexpr int TILE_ROWS = LANES_OUT == 16 ? 4 : 2;  // R x J accumulators + J weights within the registers
-constexpr int TILE_PANELS = 4;
+constexpr int GROUP = 4;  // panels per tile (J), stored interleaved
 
 typedef float vf __attribute__((vector_size(LANES_OUT * 4), aligned(4)));
 typedef uint16_t vh __attribute__((vector_size(LANES_OUT * 2), aligned(2)));
@@ -67,17 +67,16 @@ inline void store(const vf (&acc)[R][J], float* y, long ldy, int valid) {
     }
 }
 
-/* float32 (or widened bf16) panels: w points at the first of J panels, `pstride` elements apart;
- * v: R input rows ldv apart. */
+/* float32 (or widened bf16) weights: J panels of a group, interleaved (`kstride` elements from one
+ * input feature to the next, panel j at j * LANES_OUT); v: R input rows ldv apart. */
 template <int R, int J, class T>
-inline void tile(const T* __restrict w, long pstride, int k, const float* __restrict v, long ldv, float* y, long ldy,
-                 int valid) {
+inline void tile(const T* __restrict w, int k, const float* __restrict v, long ldv, float* y, long ldy, int valid) {
   vf acc[R][J];
   for (int r = 0; r < R; r++)
     for (int j = 0; j < J; j++) acc[r][j] = vf{};
   for (int c = 0; c < k; c++) {
     vf wv[J];
-    for (int j = 0; j < J; j++) wv[j] = load(w + j * pstride + (long)c * LANES_OUT);
+    for (int j = 0; j < J; j++) wv[j] = load(w + ((long)c * J + j) * LANES_OUT);
     for (int r = 0; r < R; r++) {
       const float xs = v[r * ldv + c];
       for (int j = 0; j < J; j++) acc[r][j] += wv[j] * xs;
@@ -89,14 +88,14 @@ inline void tile(const T* __restrict w, long pstride, int k, const float* __rest
 #ifdef __AVX512BF16__
 /* bf16 pairs through vdpbf16ps: v holds each row's inputs as bf16 pairs (one uint32 per pair). */
 template <int R, int J>
-inline void tile_dot(const uint16_t* __restrict w, long pstride, int pairs, const uint32_t* __restrict v, long ldv,
-                     float* y, long ldy, int valid) {
+inline void tile_dot(const uint16_t* __restrict w, int pairs, const uint32_t* __restrict v, long ldv, float* y,
+                     long ldy, int valid) {
   __m512 acc[R][J];
   for (int r = 0; r < R; r++)
     for (int j = 0; j < J; j++) acc[r][j] = _mm512_setzero_ps();
   for (int c = 0; c < pairs; c++) {
     __m512bh wv[J];
-    for (int j = 0; j < J; j++) wv[j] = (__m512bh)_mm512_loadu_si512(w + j * pstride + (long)c * 2 * LANES_OUT);
+    for (int j = 0; j < J; j++) wv[j] = (__m512bh)_mm512_loadu_si512(w + ((long)c * J + j) * 2 * LANES_OUT);
     for (int r = 0; r < R; r++) {
       const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)v[r * ldv + c]);
       for (int j = 0; j < J; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], wv[j], xb);
@@ -117,67 +116,69 @@ struct Rows {
   long ldp;
 };
 
-/* Rows [r, r + R) x panels [pn, pn + J) of the call, the weight's type chosen here. */
+/* Where W[row, c] lies in the packed weight: groups of GROUP panels (the last group may hold
+ * fewer), each group's panels interleaved feature by feature (by pairs for the dot product), so a
+ * tile over a group reads one sequential stream. */
+inline long packed_index(const FloatWeight& p, int row, int c) {
+  const int np = (p.n + LANES_OUT - 1) / LANES_OUT, pn = row / LANES_OUT, g = pn / GROUP;
+  const int width = std::min(GROUP, np - g * GROUP);  // panels in this group
+  const long base = (long)g * GROUP * LANES_OUT * p.kp;
+  const int j = pn - g * GROUP, lane = row % LANES_OUT;
+  if (p.type == W_BF16 && BF16_DOT) return base + (((long)(c / 2) * width + j) * LANES_OUT + lane) * 2 + c % 2;
+  return base + ((long)c * width + j) * LANES_OUT + lane;
+}
+
+/* Rows [r, r + R) x the J panels of group g, the weight's type chosen here. */
 template <int R, int J>
-inline void run(const FloatWeight& p, const Rows& in, int r, int pn, float* out) {
-  const long n = p.n, pstride = (long)p.kp * LANES_OUT, first = (long)pn * LANES_OUT;
+inline void run(const FloatWeight& p, const Rows& in, int r, int g, float* out) {
+  const long n = p.n, first = (long)g * GROUP * LANES_OUT, at = first * p.kp;
   const int valid = (int)std::min<long>(J * LANES_OUT, n - first);
   float* y = out + r * n + first;
   if (p.type == W_F32) {
-    tile<R, J>(static_cast<const float*>(p.w) + pn * pstride, pstride, p.k, in.f + r * in.ldf, in.ldf, y, n, valid);
+    tile<R, J>(static_cast<const float*>(p.w) + at, p.k, in.f + r * in.ldf, in.ldf, y, n, valid);
     return;
   }
-  const uint16_t* w = static_cast<const uint16_t*>(p.w) + pn * pstride;
+  const uint16_t* w = static_cast<const uint16_t*>(p.w) + at;
 #ifdef __AVX512BF16__
-  tile_dot<R, J>(w, pstride, p.kp / 2, in.pairs + r * in.ldp, in.ldp, y, n, valid);
+  tile_dot<R, J>(w, p.kp / 2, in.pairs + r * in.ldp, in.ldp, y, n, valid);
 #else
-  tile<R, J>(w, pstride, p.k, in.f + r * in.ldf, in.ldf, y, n, valid);
+  tile<R, J>(w, p.k, in.f + r * in.ldf, in.ldf, y, n, valid);
 #endif
 }
 
 /* `rows` (1..TILE_ROWS) rows from r: the tile of that many rows. */
 template <int J, int R = TILE_ROWS>
-inline void run_rows(int rows, const FloatWeight& p, const Rows& in, int r, int pn, float* out) {
+inline void run_rows(int rows, const FloatWeight& p, const Rows& in, int r, int g, float* out) {
   if (rows == R)
-    run<R, J>(p, in, r, pn, out);
+    run<R, J>(p, in, r, g, out);
   else if constexpr (R > 1)
-    run_rows<J, R - 1>(rows, p, in, r, pn, out);
+    run_rows<J, R - 1>(rows, p, in, r, g, out);
 }
 
-/* Panels [p0, p1) for all m rows: TILE_PANELS at a time, the call's rows TILE_ROWS at a time over
- * them (the panels' first pass reads memory, the next ones L2). */
-void panels(const FloatWeight& p, const Rows& in, int m, int p0, int p1, float* out) {
-  int pn = p0;
-  for (; pn + TILE_PANELS <= p1; pn += TILE_PANELS)
-    for (int r = 0; r < m; r += TILE_ROWS) run_rows<TILE_PANELS>(std::min(TILE_ROWS, m - r), p, in, r, pn, out);
-  for (; pn < p1; pn++)
-    for (int r = 0; r < m; r += TILE_ROWS) run_rows<1>(std::min(TILE_ROWS, m - r), p, in, r, pn, out);
+/* Group g (of `width` panels) for all m rows, TILE_ROWS at a time (the first pass reads the group
+ * from memory, the next ones from L2). */
+template <int J = GROUP>
+inline void group_rows(int width, const FloatWeight& p, const Rows& in, int m, int g, float* out) {
+  if (width == J) {
+    for (int r = 0; r < m; r += TILE_ROWS) run_rows<J>(std::min(TILE_ROWS, m - r), p, in, r, g, out);
+  } else if constexpr (J > 1) {
+    group_rows<J - 1>(width, p, in, m, g, out);
+  }
 }
 
 template <class T>
 void pack(const T* src, const FloatWeight& p, T* dst) {
-  const int np = (p.n + LANES_OUT - 1) / LANES_OUT;
-  const bool pairs = p.type == W_BF16 && BF16_DOT;
-  for (int q = 0; q < np; q++)
-    for (int c = 0; c < p.kp; c++)
-      for (int j = 0; j < LANES_OUT; j++) {
-        const int row = q * LANES_OUT + j;
-        const long at = pairs ? (((long)q * (p.kp / 2) + c / 2) * LANES_OUT + j) * 2 + c % 2
-                              : ((long)q * p.kp + c) * LANES_OUT + j;
-        dst[at] = row < p.n && c < p.k ? src[(long)row * p.k + c] : T{};
-      }
+  const long total = (long)(p.n + LANES_OUT - 1) / LANES_OUT * LANES_OUT * p.kp;
+  std::fill(dst, dst + total, T{});
+  for (int row = 0; row < p.n; row++)
+    for (int c = 0; c < p.k; c++) dst[packed_index(p, row, c)] = src[(long)row * p.k + c];
 }
 
 template <class T>
 void unpack(const FloatWeight& p, T* dst) {
   const T* w = static_cast<const T*>(p.w);
-  const bool pairs = p.type == W_BF16 && BF16_DOT;
   for (int row = 0; row < p.n; row++)
-    for (int c = 0; c < p.k; c++) {
-      const int q = row / LANES_OUT, j = row % LANES_OUT;
-      dst[(long)row * p.k + c] = w[pairs ? (((long)q * (p.kp / 2) + c / 2) * LANES_OUT + j) * 2 + c % 2
-                                          : ((long)q * p.kp + c) * LANES_OUT + j];
-    }
+    for (int c = 0; c < p.k; c++) dst[(long)row * p.k + c] = w[packed_index(p, row, c)];
 }
 
 thread_local FloatWorkspace t_work;  // per calling thread (the engine's), reused across calls
@@ -233,11 +234,11 @@ void float_linear_team(const FloatWeight& p, const float* x, long ldx, int m, in
     in = Rows{kind != NONE ? rows : x, kind != NONE ? (long)k : ldx, pairs, np};
   }
   const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
-  // Contiguous ranges of panels, one per thread.
-  const int np = (n + LANES_OUT - 1) / LANES_OUT, per = (np + nth - 1) / nth;
-  const int p0 = std::min(np, tid * per), p1 = std::min(np, p0 + per);
-  panels(p, in, m, p0, p1, out);
-  const int j0 = std::min(n, p0 * LANES_OUT), j1 = std::min(n, p1 * LANES_OUT);
+  // Contiguous ranges of panel groups, one per thread.
+  const int np = (n + LANES_OUT - 1) / LANES_OUT, ng = (np + GROUP - 1) / GROUP, per = (ng + nth - 1) / nth;
+  const int g0 = std::min(ng, tid * per), g1 = std::min(ng, g0 + per);
+  for (int g = g0; g < g1; g++) group_rows(std::min(GROUP, np - g * GROUP), p, in, m, g, out);
+  const int j0 = std::min(n, g0 * GROUP * LANES_OUT), j1 = std::min(n, g1 * GROUP * LANES_OUT);
   for (int i = 0; i < m; i++)  // (a scale of 1 leaves every sum as it is)
     epilogue(out + (long)i * n, j0, j1, 1.f, bias, residual ? residual + i * ld_res : nullptr);
 #pragma omp barrier
