@@ -4,6 +4,7 @@ head_dim 64) with a warm cache. Prints microseconds per layer, x30 (one step of 
 model) and GFLOP/s (4 flops per query-head x key x dim: the scores and the weighted sum).
 
     python benchmarks/decode_attention.py --rows 32 --context 100 --kv-cache-dtype int8
+    python benchmarks/decode_attention.py --rows 64 --context 300 --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=32)
     ap.add_argument("--context", type=int, default=100)
     ap.add_argument("--kv-cache-dtype", choices=("auto", "int8"), default="auto")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="the model's dtype (with --kv-cache-dtype auto: the cache's)")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--iters", type=int, default=200)
     args = ap.parse_args()
@@ -32,16 +35,17 @@ def main() -> None:
     bs = args.block_size
     per_seq = -(-args.context // bs) + 1
     attn = CpuPagedAttention(bs, None, torch.device("cpu"))
-    cache = attn.allocate_kv_cache(1, args.rows * per_seq, KV_HEADS, HEAD_DIM, torch.float32, args.kv_cache_dtype)[0]
+    dtype = getattr(torch, args.dtype)
+    cache = attn.allocate_kv_cache(1, args.rows * per_seq, KV_HEADS, HEAD_DIM, dtype, args.kv_cache_dtype)[0]
     g = torch.Generator().manual_seed(0)
     if cache.scale is None:
-        cache.data.copy_(torch.randn(cache.data.shape, generator=g))
+        cache.data.copy_(torch.randn(cache.data.shape, generator=g).to(dtype))
     else:
         cache.data.copy_(torch.randint(-100, 100, cache.data.shape, generator=g))
         cache.scale.fill_(0.01)
     seqs = [SeqLayout(args.context - 1, 1, list(range(i * per_seq, (i + 1) * per_seq))) for i in range(args.rows)]
     group = attn.build_metadata(seqs).groups[0]
-    q = torch.randn(args.rows, HEADS, HEAD_DIM, generator=g)
+    q = torch.randn(args.rows, HEADS, HEAD_DIM, generator=g).to(dtype)
 
     for _ in range(20):
         attn._attend(q, cache, group, HEAD_DIM ** -0.5, None)
@@ -52,7 +56,8 @@ def main() -> None:
         times.append(time.perf_counter() - t)
     med = statistics.median(times)
     flops = 4 * args.rows * HEADS * args.context * HEAD_DIM
-    print(f"{args.rows} rows x {args.context}-token contexts, KV {args.kv_cache_dtype}, {torch.get_num_threads()} "
+    kv = args.dtype if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
+    print(f"{args.rows} rows x {args.context}-token contexts, KV {kv}, {torch.get_num_threads()} "
           f"threads: median {med * 1e6:.0f} us a layer (min {min(times) * 1e6:.0f}), x{LAYERS} = "
           f"{med * LAYERS * 1e3:.2f} ms, {flops / med / 1e9:.1f} GFLOP/s")
 

@@ -86,6 +86,11 @@ class AttentionGroup:
     batch: int
     q_len: int
     kv_len: int  # keys gathered per sequence: the longest context of the group
+    # Every sequence's chunk starts at position 0 (a whole prompt, or its first chunk): the mask is
+    # the plain causal one, which SDPA applies itself (its flash kernel skips the masked half)
+    # instead of reading a [B, 1, q_len, kv_len] mask. A shorter sequence's padding keys lie past
+    # its own rows, so causality alone keeps its valid rows off them.
+    causal: bool = False
 
 
 @dataclass
@@ -232,7 +237,8 @@ class TorchPagedAttention:
         slots = torch.where(key_pos[None, :] < ends[:, None], slots, 0)  # past a sequence's end: masked anyway
         # One sequence decoding sees exactly its kv_len keys: no mask needed.
         mask = None
-        if not (batch == 1 and q_len == 1) or self.sliding_window is not None:
+        causal = q_len > 1 and self.sliding_window is None and not bool(g_starts.any())
+        if not (batch == 1 and q_len == 1 or causal) or self.sliding_window is not None:
             q_pos = g_starts[:, None] + q_idx[None, :]
             m = key_pos[None, None, :] <= q_pos[:, :, None]
             if self.sliding_window is not None:
@@ -245,6 +251,7 @@ class TorchPagedAttention:
             dst=None if identity else rows[valid].to(dev),
             slots=slots.flatten().to(dev),
             mask=mask,
+            causal=causal,
             batch=batch,
             q_len=q_len,
             kv_len=kv_len,
@@ -298,7 +305,7 @@ class TorchPagedAttention:
             o = o.view(b, num_heads * head_dim)
         else:
             qg = qg.view(b, n, num_heads, head_dim).transpose(1, 2)
-            o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scale,
+            o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, is_causal=g.causal, scale=scale,
                                                enable_gqa=num_kv != num_heads)
             o = o.transpose(1, 2).reshape(b * n, num_heads * head_dim)
         if g.rows is None:  # the group is the whole step, in order

@@ -1,7 +1,7 @@
 """Native CPU kernels: the C/C++ sources (csrc/) and their ctypes bindings.
 
 * `native`          -- compiles csrc/ into shared libraries at first use (cached) and loads them.
-* `paged_attention` -- csrc/paged_attention.c: `CpuPagedAttention` (decodes read from the paged
+* `paged_attention` -- csrc/paged_attention.cpp: `CpuPagedAttention` (decodes read from the paged
   cache in place), the cache write and the native rotary (`rotary_`).
 * `int8_linear`     -- csrc/int8_linear.cpp: `Int8Kernel`, the W8A8 linear through FBGEMM.
 * `float_linear`      -- csrc/float_linear.cpp: `NativeFloatKernel`, the fp32 tiled GEMV for few rows.

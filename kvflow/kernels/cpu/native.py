@@ -75,7 +75,7 @@ SOURCE_FLAGS = {"block_linear.cpp": ("-fno-associative-math", "-ffp-contract=off
 
 # Library -> its sources (one language per library). Headers (csrc/*.h) are shared.
 LIBRARIES = {
-    "paged_attention": ("paged_attention.c",),
+    "paged_attention": ("paged_attention.cpp",),
     "linear": ("int8_linear.cpp", "float_linear.cpp", "block_linear.cpp", "decode_pass.cpp"),
 }
 

@@ -2,7 +2,7 @@
 
 `CpuPagedAttention` is `TorchPagedAttention` with one change: a group of decode rows (one new
 token per sequence) is not gathered and padded for scaled_dot_product_attention; the native kernel
-(csrc/paged_attention.c) walks each sequence's block table and reads its keys and values where
+(csrc/paged_attention.cpp) walks each sequence's block table and reads its keys and values where
 they lie. A step then reads each sequence's real context once -- the torch path copies it and pads
 the batch to its longest context -- and blocks that several sequences share stay in the CPU's
 cache instead of being copied once per sequence. Prefill chunks keep the torch path (SDPA is
@@ -26,7 +26,7 @@ from kvflow.layers.attention import AttentionGroup, AttentionMetadata, LayerKVCa
 if TYPE_CHECKING:
     from kvflow.kernels.cpu.decode_pass import NativeDecode
 
-MAX_HEAD_DIM = 256  # the kernel's limits (csrc/paged_attention.c)
+MAX_HEAD_DIM = 256  # the kernel's limits (csrc/paged_attention.cpp)
 MAX_GROUP = 32
 # Cache element type -> the kernels' format code (KV_F32 / KV_INT8 / KV_BF16 in csrc/attention.h).
 # Queries, outputs and the maths stay float32; a bfloat16 model's tensors are widened at the call.

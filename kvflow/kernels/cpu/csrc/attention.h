@@ -1,23 +1,29 @@
-/* Attention kernels shared by the C library (paged_attention.c) and the C++ int8 decode pass
+/* Attention kernels shared by the attention library (paged_attention.cpp) and the decode pass
  * (decode_pass.cpp): static inline, compiled into each, so both compute bit for bit the same.
- * See paged_attention.c for the cache layout. Valid C11 and C++17.
+ * See paged_attention.cpp for the cache layout. C++17.
  */
 #ifndef KVFLOW_ATTENTION_H
 #define KVFLOW_ATTENTION_H
 
-#ifdef __cplusplus
 #define restrict __restrict__
-#endif
 
 #include <math.h>
 #include <stdint.h>
 #include <omp.h>
+
+#include <algorithm>
 
 #define MAX_HEAD_DIM 256
 #define MAX_GROUP 32
 #define CHUNK 32 /* keys scored per online-softmax update */
 #define PARALLEL_MIN 65536 /* elements below which rotary / cache writes stay on one thread */
 #define MIN_KV_SCALE 1e-12f /* as kvflow.layers.quant: an all-zero vector quantizes to zeros */
+/* Floats per vector register for the fixed-shape attention: 16 under AVX-512, else 8. */
+#ifdef __AVX512F__
+#define MAX_VEC 16
+#else
+#define MAX_VEC 8
+#endif
 
 /* Element types of a KV cache (`fmt` below; kvflow.kernels.cpu.paged_attention.KV_FORMATS). */
 enum { KV_F32 = 0, KV_INT8 = 1, KV_BF16 = 2 };
@@ -195,6 +201,117 @@ static inline __attribute__((always_inline)) void attend(const float *restrict q
     }
 }
 
+/* The same attention with the head size, the query heads per kv head and the cache format as
+ * template constants, for float32 and bf16 caches of the common shapes (head_dim 64 or 128, groups
+ * up to 8): the group's queries and accumulators live in vector registers, each key and value
+ * is loaded (and widened / dequantized) once for the whole group. Keys are scored in the same
+ * order as `attend`, but its sums run over vector lanes, so the two differ in rounding: a shape
+ * always takes the same one (attend_rows). */
+typedef float kv_vf __attribute__((vector_size(4 * MAX_VEC), aligned(4)));
+
+template <int D, int FMT>
+static inline void load_row(const void *kv, long base, kv_vf (&dst)[D / MAX_VEC]) {
+    constexpr int NV = D / MAX_VEC;
+    if constexpr (FMT == KV_F32) {
+        const float *p = (const float *)kv + base;
+        for (int i = 0; i < NV; i++) dst[i] = *(const kv_vf *)(p + i * MAX_VEC);
+    } else if constexpr (FMT == KV_BF16) {
+        typedef uint16_t vh __attribute__((vector_size(2 * MAX_VEC), aligned(2)));
+        typedef uint32_t vu __attribute__((vector_size(4 * MAX_VEC)));
+        const uint16_t *p = (const uint16_t *)kv + base;
+        for (int i = 0; i < NV; i++) dst[i] = (kv_vf)(__builtin_convertvector(*(const vh *)(p + i * MAX_VEC), vu) << 16);
+    }
+}
+
+static inline float kv_hsum(kv_vf a) {
+    float t[MAX_VEC];
+    __builtin_memcpy(t, &a, sizeof t);
+    for (int w = MAX_VEC / 2; w > 0; w /= 2)
+        for (int i = 0; i < w; i++) t[i] += t[i + w];
+    return t[0];
+}
+
+template <int D, int G, int FMT>
+static inline void attend_fixed(const float *restrict q, const void *kv,
+                                const int32_t *restrict table, int begin, int end, int kv_heads, int block_size,
+                                int h, float scale, float *restrict out) {
+    constexpr int NV = D / MAX_VEC;
+    kv_vf qv[G][NV], acc[G][NV];
+    float m[G], l[G], s[G][CHUNK];
+    const long tok_stride = 2L * kv_heads * D, v_off = (long)kv_heads * D;
+    for (int g = 0; g < G; g++) {
+        for (int i = 0; i < NV; i++) {
+            qv[g][i] = *(const kv_vf *)(q + g * D + i * MAX_VEC) * scale;
+            acc[g][i] = kv_vf{};
+        }
+        m[g] = -1e30f;
+        l[g] = 0.f;
+    }
+    for (int t = begin; t < end;) {
+        const int off = t % block_size;
+        const int n = std::min(std::min(block_size - off, CHUNK), end - t);
+        const long slot0 = (long)table[t / block_size] * block_size + off;
+        for (int j = 0; j < n; j++) {
+            kv_vf k[NV];
+            load_row<D, FMT>(kv, (slot0 + j) * tok_stride + (long)h * D, k);
+            for (int g = 0; g < G; g++) {
+                kv_vf p = qv[g][0] * k[0];
+                for (int i = 1; i < NV; i++) p += qv[g][i] * k[i];
+                s[g][j] = kv_hsum(p);
+            }
+        }
+        for (int g = 0; g < G; g++) {
+            float mx = m[g];
+            for (int j = 0; j < n; j++) mx = s[g][j] > mx ? s[g][j] : mx;
+            const float corr = expf(m[g] - mx);
+            float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+            for (int j = 0; j < n; j++) {
+                s[g][j] = expf(s[g][j] - mx);
+                sum += s[g][j];
+            }
+            l[g] = l[g] * corr + sum;
+            m[g] = mx;
+            for (int i = 0; i < NV; i++) acc[g][i] *= corr;
+        }
+        for (int j = 0; j < n; j++) {
+            kv_vf v[NV];
+            load_row<D, FMT>(kv, (slot0 + j) * tok_stride + v_off + (long)h * D, v);
+            for (int g = 0; g < G; g++)
+                for (int i = 0; i < NV; i++) acc[g][i] += s[g][j] * v[i];
+        }
+        t += n;
+    }
+    for (int g = 0; g < G; g++) {
+        const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
+        for (int i = 0; i < NV; i++) *(kv_vf *)(out + g * D + i * MAX_VEC) = acc[g][i] * inv;
+    }
+}
+
+/* attend_fixed for (D, G) when it is one of the instantiated shapes; false otherwise. */
+template <int FMT>
+static inline bool attend_fast(int head_dim, int group, const float *q, const void *kv, const int32_t *table, int begin, int end, int kv_heads, int block_size, int h,
+                               float scale, float *out) {
+#define KVFLOW_G(D, G)                                                                                 \
+    case G:                                                                                            \
+        attend_fixed<D, G, FMT>(q, kv, table, begin, end, kv_heads, block_size, h, scale, out);         \
+        return true;
+#define KVFLOW_GROUPS(D)                                                                               \
+    switch (group) {                                                                                   \
+        KVFLOW_G(D, 1) KVFLOW_G(D, 2) KVFLOW_G(D, 3) KVFLOW_G(D, 4)                                   \
+        KVFLOW_G(D, 5) KVFLOW_G(D, 6) KVFLOW_G(D, 7) KVFLOW_G(D, 8)                                   \
+        default: return false;                                                                         \
+    }
+    if (head_dim == 64) {
+        KVFLOW_GROUPS(64)
+    } else if (head_dim == 128) {
+        KVFLOW_GROUPS(128)
+    }
+#undef KVFLOW_GROUPS
+#undef KVFLOW_G
+    return false;
+}
+
 static inline int check_shape(int num_heads, int kv_heads, int head_dim) {
     const int group = num_heads / kv_heads;
     return head_dim > MAX_HEAD_DIM || group > MAX_GROUP || group * kv_heads != num_heads ? -1 : 0;
@@ -228,12 +345,17 @@ static inline void attend_rows(const float *q, long q_row_stride, const void *kv
         else                                                                                             \
             attend(qr, kv, scales, F, table, begin, end, kv_heads, head_dim, block_size, group, h, scale, o); \
     } while (0)
-        if (fmt == KV_F32)
-            ATTEND_DIMS(KV_F32);
-        else if (fmt == KV_BF16)
-            ATTEND_DIMS(KV_BF16);
-        else
-            ATTEND_DIMS(KV_INT8);
+        if (fmt == KV_F32) {
+            if (!attend_fast<KV_F32>(head_dim, group, qr, kv, table, begin, end, kv_heads, block_size, h,
+                                     scale, o))
+                ATTEND_DIMS(KV_F32);
+        } else if (fmt == KV_BF16) {
+            if (!attend_fast<KV_BF16>(head_dim, group, qr, kv, table, begin, end, kv_heads, block_size, h,
+                                      scale, o))
+                ATTEND_DIMS(KV_BF16);
+        } else {
+            ATTEND_DIMS(KV_INT8);  // (its dot of int8 codes, scaled once, beats dequantizing each row first)
+        }
     }
 }
 

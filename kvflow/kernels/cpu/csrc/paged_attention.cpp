@@ -1,6 +1,6 @@
 /* Paged attention for query rows that each attend to their sequence's cached keys, read in place.
  *
- * Built at first use by kvflow/kernels/cpu/native.py (gcc -O3 -march=native -fopenmp) and called through
+ * Built at first use by kvflow/kernels/cpu/native.py (g++ -O3 -march=native -fopenmp) and called through
  * ctypes. The torch path gathers (copies) every sequence's KV and pads a batch to its longest
  * context before scaled_dot_product_attention; this kernel walks each sequence's block table and
  * reads K/V where they lie, once, with an online softmax -- so a step costs the KV that is really
@@ -18,6 +18,8 @@
  * cached K/V are bit for bit the same whichever path computed them.
  */
 #include "attention.h"
+
+extern "C" {
 
 /* rows: query rows (one token each). For row r:
  *   q[tokens[r] * q_row_stride + head * head_dim + d]          its query (float32)
@@ -53,3 +55,5 @@ void kvflow_write_kv(const float *kv, long kv_row_stride, const int64_t *slots, 
     for (int t = 0; t < rows; t++)
         write_kv(kv + t * kv_row_stride, slots[t], cache, scales, fmt, kv_heads, head_dim);
 }
+
+}  // extern "C"
