@@ -179,13 +179,18 @@ def test_autotune_cache_is_read_back_and_keyed_by_cpu(monkeypatch, tmp_path):
         assert all(first.choices[s][b] in autotune.candidates(torch.float32) for b in autotune.ROW_BUCKETS)
     second = _plan(shapes, monkeypatch, tmp_path)
     assert second.source == "cache" and len(calls) == 2  # nothing measured again
+    layer = [(48, 16), (16, 16), (64, 16), (16, 32)]  # a decoder layer's qkv, o, gate_up, down
+    _plan(layer, monkeypatch, tmp_path)
+    stored = json.loads(autotune.cache_path("float32").read_text())
+    assert set(map(int, stored["layer_ops"][autotune.layer_key(layer)])) == set(autotune.ROW_BUCKETS)
     assert second.choices == first.choices and second.decode_pass_rows == first.decode_pass_rows
     # one new shape: only it is measured, the others come from the file
     third = _plan([*shapes, (8, 8)], monkeypatch, tmp_path)
-    assert third.source == "measured" and calls[2:] == [(8, 8)]
+    assert third.source == "measured" and calls[-1:] == [(8, 8)]
     # another CPU: a different file, everything measured
+    before = len(calls)
     other = _plan(shapes, monkeypatch, tmp_path, cpu="cpu B")
-    assert other.source == "measured" and len(calls) == 5
+    assert other.source == "measured" and len(calls) == before + 2
     assert len(list(tmp_path.glob("kernels/autotune-*.json"))) == 2
 
 
@@ -210,6 +215,9 @@ def test_decode_pass_rows_from_times():
         for b in (8, 16, 32, 64):
             times[s][b]["native"] = 1.0
     assert autotune.decode_pass_rows(times, layer, 1e-6) == 4
+    # the torch ops the per-layer path runs at 8+ rows cost more than native's extra: the pass goes on
+    ops = {b: (3.0 if b >= 8 else 0.0) for b in autotune.ROW_BUCKETS}
+    assert autotune.decode_pass_rows(times, layer, 1e-6, ops) == autotune.ROW_BUCKETS[-1]
     times[layer[0]][1]["native"] = 1.0  # slower at one row: never
     assert autotune.decode_pass_rows(times, layer, 1e-6) == 0
 

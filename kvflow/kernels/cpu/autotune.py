@@ -11,7 +11,8 @@ flags), torch's version, the thread count, the kernels' sources and the dtype. L
 them; shapes not in the file are timed and added. From the times, `KernelPlan` picks per shape and
 row bucket the fastest path, and the largest row count up to which a decode-only step should run as
 one native pass (kvflow.kernels.cpu.decode_pass): where the native GEMV's time over a layer's
-projections is within the Python calls the pass saves (measured too: `call_overhead_s`).
+projections is within what the pass saves, the Python calls and the torch ops around the matmuls at
+that many rows (measured too: `call_overhead_s`, `layer_ops_s`).
 
 `--kernel-autotune off` uses `default_plan` instead, documented there. The thread count is the
 engine's (one per core it may use); it is part of the key, not a candidate.
@@ -167,9 +168,15 @@ def plan_kernels(shapes: list[Shape], layer_shapes: list[Shape], dtype: torch.dt
         stored["call_overhead_s"] = overhead
         if unloaded:
             _write(path, stored)
+    pass_rows = 0
+    if native_available(dtype) and layer_shapes:
+        key = layer_key(layer_shapes)
+        if key not in stored["layer_ops"] and len(layer_shapes) == 4:  # (qkv, o, gate_up, down)
+            stored["layer_ops"][key] = layer_ops_s(layer_shapes, dtype)
+            _write(path, stored)
+        pass_rows = decode_pass_rows(times, layer_shapes, stored["call_overhead_s"], stored["layer_ops"].get(key))
     seconds = time.perf_counter() - t0
     choices = {s: choose(by_rows) for s, by_rows in times.items()}
-    pass_rows = decode_pass_rows(times, layer_shapes, stored["call_overhead_s"]) if native_available(dtype) else 0
     return KernelPlan(name, choices, pass_rows, "measured" if missing else "cache", tuple(layer_shapes), seconds)
 
 
@@ -202,17 +209,54 @@ def time_shape_unloaded(shape: Shape, dtype: torch.dtype) -> tuple[dict[int, dic
 
 
 def decode_pass_rows(times: dict[Shape, dict[int, dict[str, float]]], layer_shapes: list[Shape],
-                     overhead_s: float) -> int:
+                     overhead_s: float, layer_ops: dict[int, float] | None = None) -> int:
     """The largest bucket up to which (from 1 row, without a gap) a layer's projections on the
-    native GEMV cost no more than the fastest paths plus the per-layer calls the pass saves."""
+    native GEMV cost no more than the fastest paths plus what the pass saves per layer: the
+    per-layer calls (`overhead_s` each) and the torch ops around the matmuls at that many rows
+    (`layer_ops`, measured by `layer_ops_s`; the pass runs them inside its native calls)."""
     rows = 0
     for b in ROW_BUCKETS:
         nat = sum(times[s][b].get("native", float("inf")) for s in layer_shapes)
         best = sum(min(times[s][b].values()) for s in layer_shapes)
-        if nat > best + PASS_CALLS_SAVED * overhead_s:
+        if nat > best + PASS_CALLS_SAVED * overhead_s + (layer_ops or {}).get(b, 0.0):
             break
         rows = b
     return rows
+
+
+def layer_key(layer_shapes: list[Shape]) -> str:
+    return ",".join(f"{n}x{k}" for n, k in layer_shapes)
+
+
+def layer_ops_s(layer_shapes: list[Shape], dtype: torch.dtype, reps: int = 10) -> dict[int, float]:
+    """Seconds per layer, at each row bucket, of the torch ops the per-layer path runs around a
+    layer's matmuls when they are not fused into the native GEMV: the two RMSNorms, rotary on the
+    q / k / v heads (an upper bound: v is not rotated), silu(gate) * up, the two residual adds."""
+    from kvflow.layers.norm import RMSNorm
+    from kvflow.layers.rotary import apply_rotary_
+
+    (qkv_n, hidden), _, (gate_up_n, _), _ = layer_shapes
+    norm = RMSNorm(hidden, 1e-5, dtype, torch.device("cpu"))
+    head = 64  # (the ops' cost follows their element count; the head size only shapes the view)
+    out: dict[int, float] = {}
+    for b in ROW_BUCKETS:
+        x, gate_up = torch.rand(b, hidden, dtype=dtype), torch.rand(b, gate_up_n, dtype=dtype)
+        heads = torch.rand(b, max(1, qkv_n // head), head, dtype=dtype)
+        cos = torch.rand(b, 1, head, dtype=dtype)
+
+        def ops() -> None:
+            norm(x), norm(x)
+            apply_rotary_(heads, cos, cos)
+            gate, up = gate_up.chunk(2, dim=-1)
+            F.silu(gate) * up
+            x + x, x + x
+
+        ops()
+        t = time.perf_counter()
+        for _ in range(reps):
+            ops()
+        out[b] = (time.perf_counter() - t) / reps
+    return out
 
 
 def time_shape(shape: Shape, dtype: torch.dtype) -> dict[int, dict[str, float]]:
@@ -276,15 +320,17 @@ def cache_path(dtype: str) -> Path:
 
 
 def _read(path: Path) -> dict:
-    """The stored times ({"shapes": {(n, k): {rows: {path: s}}}, "call_overhead_s": s}); empty when
+    """The stored times ({"shapes": {(n, k): {rows: {path: s}}}, "call_overhead_s": s, "layer_ops":
+    {layer_key: {rows: s}}}); empty when
     absent or unreadable (a torn or foreign file is re-measured, not trusted)."""
-    empty: dict = {"shapes": {}, "call_overhead_s": None}
+    empty: dict = {"shapes": {}, "call_overhead_s": None, "layer_ops": {}}
     try:
         raw = json.loads(path.read_text())
         shapes = {tuple(map(int, s.split("x"))): {int(b): {p: float(t) for p, t in by.items()}
                                                   for b, by in rows.items()}
                   for s, rows in raw["shapes"].items()}
-        return {"shapes": shapes, "call_overhead_s": float(raw["call_overhead_s"])}
+        layer_ops = {str(k): {int(b): float(t) for b, t in by.items()} for k, by in raw.get("layer_ops", {}).items()}
+        return {"shapes": shapes, "call_overhead_s": float(raw["call_overhead_s"]), "layer_ops": layer_ops}
     except FileNotFoundError:
         return empty
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
@@ -294,7 +340,7 @@ def _read(path: Path) -> dict:
 
 def _write(path: Path, stored: dict) -> None:
     raw = {"cpu": native.cpu_id().split(" | ")[0], "torch": torch.__version__, "threads": torch.get_num_threads(),
-           "call_overhead_s": stored["call_overhead_s"],
+           "call_overhead_s": stored["call_overhead_s"], "layer_ops": stored["layer_ops"],
            "shapes": {f"{n}x{k}": {str(b): by for b, by in rows.items()} for (n, k), rows in stored["shapes"].items()}}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
