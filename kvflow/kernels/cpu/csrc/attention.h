@@ -106,6 +106,23 @@ static inline float dot_i8(const float *restrict a, const int8_t *restrict b, in
     return s;
 }
 
+/* One online-softmax step over a chunk's n scores s (in place: their exponentials, relative to the
+ * running max); m, l: the running max and sum, updated. Returns the factor the accumulator takes. */
+static inline float softmax_chunk(float *restrict s, int n, float *m, float *l) {
+    float mx = *m;
+    for (int j = 0; j < n; j++) mx = s[j] > mx ? s[j] : mx;
+    const float corr = expf(*m - mx);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int j = 0; j < n; j++) {
+        s[j] = expf(s[j] - mx);
+        sum += s[j];
+    }
+    *l = *l * corr + sum;
+    *m = mx;
+    return corr;
+}
+
 /* always_inline: attend_rows instantiates it with head_dim as a constant (see there). */
 static inline __attribute__((always_inline)) void attend(const float *restrict q, const void *kv, const float *scales, int fmt,
                    const int32_t *restrict table, int begin, int end, int kv_heads, int head_dim,
@@ -148,17 +165,7 @@ static inline __attribute__((always_inline)) void attend(const float *restrict q
             }
         }
         for (int g = 0; g < group; g++) {
-            float mx = m[g];
-            for (int j = 0; j < n; j++) mx = s[g][j] > mx ? s[g][j] : mx;
-            const float corr = expf(m[g] - mx);
-            float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-            for (int j = 0; j < n; j++) {
-                s[g][j] = expf(s[g][j] - mx);
-                sum += s[g][j];
-            }
-            l[g] = l[g] * corr + sum;
-            m[g] = mx;
+            const float corr = softmax_chunk(s[g], n, &m[g], &l[g]);
             if (corr != 1.f) {
 #pragma omp simd
                 for (int d = 0; d < head_dim; d++) acc[g][d] *= corr;
@@ -261,17 +268,7 @@ static inline void attend_fixed(const float *restrict q, const void *kv,
             }
         }
         for (int g = 0; g < G; g++) {
-            float mx = m[g];
-            for (int j = 0; j < n; j++) mx = s[g][j] > mx ? s[g][j] : mx;
-            const float corr = expf(m[g] - mx);
-            float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-            for (int j = 0; j < n; j++) {
-                s[g][j] = expf(s[g][j] - mx);
-                sum += s[g][j];
-            }
-            l[g] = l[g] * corr + sum;
-            m[g] = mx;
+            const float corr = softmax_chunk(s[g], n, &m[g], &l[g]);
             for (int i = 0; i < NV; i++) acc[g][i] *= corr;
         }
         for (int j = 0; j < n; j++) {
