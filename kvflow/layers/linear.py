@@ -5,7 +5,7 @@ Backends (`LINEAR_BACKENDS`):
 
 * ``auto``   -- CPU float32 / bfloat16: per projection shape and row count, the path the autotune
   measured fastest on this CPU (`TunedKernel`, kvflow.kernels.cpu.autotune): one of
-* ``native`` -- fp32 through the native tiled GEMV, the weight read in place, norm / activation and
+* ``native`` -- fp32 / bf16 through the native register-tiled GEMM, norm / activation and
   residual in the same call (`NativeFloatKernel` in kvflow.kernels.cpu.float_linear); few rows.
 * ``dense``  -- `F.linear` (MKL sgemm on CPU). Any device, any dtype. The reference path.
 * ``onednn`` -- oneDNN, the weight reordered once into its blocked layout

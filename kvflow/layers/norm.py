@@ -10,13 +10,14 @@ class RMSNorm(torch.nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = torch.nn.Parameter(torch.ones(size, dtype=dtype, device=device), requires_grad=False)
+        self._float_weight: torch.Tensor | None = None  # (see float_weight)
 
     def float_weight(self) -> torch.Tensor:
         """The weight in float32, as the native kernels read it (for other dtypes a copy, made once:
         native kernels only run on prepared models, whose weights no longer change)."""
         if self.weight.dtype == torch.float32:
             return self.weight
-        if getattr(self, "_float_weight", None) is None:
+        if self._float_weight is None:
             self._float_weight = self.weight.detach().float()
         return self._float_weight
 

@@ -3,7 +3,7 @@
 The fastest way to multiply a few rows by a weight differs between CPUs (on the AVX2 Zen 3 the
 notes were written on, MKL's sgemv beat oneDNN at 1-2 rows; on an AVX512 EPYC oneDNN was 1.7x
 faster there), so no rule is written down: at the first start on a machine `tune` times each
-candidate path (`PATHS`: the native tiled GEMV, `F.linear`, oneDNN's blocked layout) on the
+candidate path (`PATHS`: the native float GEMM, `F.linear`, oneDNN's blocked layout) on the
 model's own projection shapes at the row counts of `ROW_BUCKETS`, weights cold (rotated through
 copies larger than the last-level cache, as a decode step streams them), and keeps the times in the
 kernel cache (``$KVFLOW_CACHE_DIR/kernels/autotune-<key>.json``), keyed by the CPU (model and

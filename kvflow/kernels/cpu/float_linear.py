@@ -1,4 +1,4 @@
-"""The float linear for few rows on the CPU: `NativeFloatKernel`, csrc/float_linear.cpp's tiled GEMV
+"""The float linear on the CPU: `NativeFloatKernel`, csrc/float_linear.cpp's register-tiled GEMM
 over a packed copy of the weight (panels of output channels, register tiles of rows x panels),
 with the norm / activation that feeds the projection and the residual in the same call. float32
 sums; the weight in float32, or in bfloat16 (half the bytes a decode step reads: through the CPU's
