@@ -51,7 +51,7 @@ PASS_CALLS_SAVED = 10  # Python-level calls per layer that the fused decode pass
 LOAD_LIMIT = 0.25
 ATTEMPTS = 3
 # Paths built for many rows: beyond the last bucket (prefill chunks) only these run. The native
-# GEMV streams its weight once per pair of rows and never blocks the rows for the cache.
+# GEMM re-reads each group of panels for every 4 rows and never blocks the rows for the cache.
 MANY_ROWS = ("onednn", "dense")
 VERSION = 2  # bump when what is stored changes meaning
 

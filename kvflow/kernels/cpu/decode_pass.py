@@ -7,8 +7,8 @@ At small batch the matmuls take about half of a step; most of the rest was the P
 Here the layers loop in C++ over the same kernels in the same order as the per-layer path (the
 linear with its fused norm / activation, the native rotary, cache write and paged attention), so a
 token's hidden state is bit for bit the same whichever path ran it. Steps with prefill chunks take
-the per-layer path; so do fp32 steps with more rows than the autotune found the native GEMV worth
-running (`max_rows`, from `KernelPlan.decode_pass_rows`). The model gets it from its attention
+the per-layer path; so do fp32 / bf16 steps with more rows than the autotune found the native GEMM
+worth running (`max_rows`, from `KernelPlan.decode_pass_rows`). The model gets it from its attention
 backend (`CpuPagedAttention.decode_pass`), as a `kvflow.layers.attention.DecodePass`.
 
 A bfloat16 model's pass keeps its activations in float32 from the first layer to the last (its
@@ -73,7 +73,7 @@ def native_decode_unsupported(model: torch.nn.Module) -> str | None:
     """Why `model` (a prepared LlamaForCausalLM) cannot use the native decode pass, or None."""
     cfg = model.cfg
     if model.linear_backend not in ("int8", "native", "auto", "gguf", "int4"):
-        return "it serves the int8, native fp32 and block-quantized linear backends only"
+        return "it serves the int8, native float and block-quantized linear backends only"
     if not isinstance(model.attention, CpuPagedAttention):
         return "it needs the native attention backend"
     if cfg.qk_norm or cfg.head_dim > MAX_HEAD_DIM or cfg.head_dim % 2:

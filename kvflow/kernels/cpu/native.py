@@ -1,11 +1,12 @@
 """Native CPU kernels (kvflow/kernels/cpu/csrc/*.c, *.cpp), compiled at first use and called through ctypes.
 
 Small C++ libraries with OpenMP. The attention library includes no torch headers; its fixed-shape
-paths, instantiated per head size, group and cache format, make it the slower one to build (~15 s
-on two cores of a 2026 EPYC). The linear library includes the FBGEMM headers that ship with torch
-and links against torch's own libtorch_cpu (already loaded), to call FBGEMM's kernels directly; its
-sources compile side by side (~17 s there; a torch C++ extension would compile the torch headers
-as well). Both build once per machine and source change. The shared object is cached under `$KVFLOW_CACHE_DIR` (default
+paths are instantiated per head size, group and cache format (and compiled into the decode pass
+too), which is most of a first start's build time (benchmarks/startup.py). The linear library
+includes the FBGEMM headers that ship with torch and links against torch's own libtorch_cpu
+(already loaded), to call FBGEMM's kernels directly; its sources compile side by side (a torch C++
+extension would compile the torch headers as well). Both build once per machine and source
+change. The shared object is cached under `$KVFLOW_CACHE_DIR` (default
 ``~/.cache/kvflow``), named by a hash of the sources and headers, the flags, the compiler, torch's
 version and the CPU (it is built with -march=native), and written atomically, so concurrent
 processes and stale builds are harmless. When there is no compiler the callers fall back to the

@@ -13,32 +13,22 @@
 
 #include <algorithm>
 
+#include "simd.h"
+
+using kvflow::bf16_to_f32;
+using kvflow::f32_to_bf16;
+using kvflow::VEC;
+using kvflow::vfloat;
+
 #define MAX_HEAD_DIM 256
 #define MAX_GROUP 32
 #define CHUNK 32 /* keys scored per online-softmax update */
 #define PARALLEL_MIN 65536 /* elements below which rotary / cache writes stay on one thread */
 #define MIN_KV_SCALE 1e-12f /* as kvflow.layers.quant: an all-zero vector quantizes to zeros */
-/* Floats per vector register for the fixed-shape attention: 16 under AVX-512, else 8. */
-#ifdef __AVX512F__
-#define MAX_VEC 16
-#else
-#define MAX_VEC 8
-#endif
 
 /* Element types of a KV cache (`fmt` below; kvflow.kernels.cpu.paged_attention.KV_FORMATS). */
 enum { KV_F32 = 0, KV_INT8 = 1, KV_BF16 = 2 };
 
-static inline float bf16_to_f32(uint16_t h) {
-    union { uint32_t u; float f; } c = {(uint32_t)h << 16};
-    return c.f;
-}
-
-/* Round to nearest even, as torch's float32 -> bfloat16 (NaN kept a quiet NaN). */
-static inline uint16_t f32_to_bf16(float f) {
-    union { float f; uint32_t u; } c = {f};
-    if ((c.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((c.u >> 16) | 0x40u);
-    return (uint16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);
-}
 
 /* Rotary in place on `heads` contiguous head vectors, rotate-half layout:
  * x = x * cos + roll(x, D/2) * sin_signed (sin_signed: sin with its first half negated). */
@@ -214,26 +204,23 @@ static inline __attribute__((always_inline)) void attend(const float *restrict q
  * is loaded (and widened / dequantized) once for the whole group. Keys are scored in the same
  * order as `attend`, but its sums run over vector lanes, so the two differ in rounding: a shape
  * always takes the same one (attend_rows). */
-typedef float kv_vf __attribute__((vector_size(4 * MAX_VEC), aligned(4)));
 
 template <int D, int FMT>
-static inline void load_row(const void *kv, long base, kv_vf (&dst)[D / MAX_VEC]) {
-    constexpr int NV = D / MAX_VEC;
+static inline void load_row(const void *kv, long base, vfloat (&dst)[D / VEC]) {
+    constexpr int NV = D / VEC;
     if constexpr (FMT == KV_F32) {
         const float *p = (const float *)kv + base;
-        for (int i = 0; i < NV; i++) dst[i] = *(const kv_vf *)(p + i * MAX_VEC);
+        for (int i = 0; i < NV; i++) dst[i] = *(const vfloat *)(p + i * VEC);
     } else if constexpr (FMT == KV_BF16) {
-        typedef uint16_t vh __attribute__((vector_size(2 * MAX_VEC), aligned(2)));
-        typedef uint32_t vu __attribute__((vector_size(4 * MAX_VEC)));
         const uint16_t *p = (const uint16_t *)kv + base;
-        for (int i = 0; i < NV; i++) dst[i] = (kv_vf)(__builtin_convertvector(*(const vh *)(p + i * MAX_VEC), vu) << 16);
+        for (int i = 0; i < NV; i++) dst[i] = kvflow::widen_bf16(p + i * VEC);
     }
 }
 
-static inline float kv_hsum(kv_vf a) {
-    float t[MAX_VEC];
+static inline float kv_hsum(vfloat a) {
+    float t[VEC];
     __builtin_memcpy(t, &a, sizeof t);
-    for (int w = MAX_VEC / 2; w > 0; w /= 2)
+    for (int w = VEC / 2; w > 0; w /= 2)
         for (int i = 0; i < w; i++) t[i] += t[i + w];
     return t[0];
 }
@@ -242,14 +229,14 @@ template <int D, int G, int FMT>
 static inline void attend_fixed(const float *restrict q, const void *kv,
                                 const int32_t *restrict table, int begin, int end, int kv_heads, int block_size,
                                 int h, float scale, float *restrict out) {
-    constexpr int NV = D / MAX_VEC;
-    kv_vf qv[G][NV], acc[G][NV];
+    constexpr int NV = D / VEC;
+    vfloat qv[G][NV], acc[G][NV];
     float m[G], l[G], s[G][CHUNK];
     const long tok_stride = 2L * kv_heads * D, v_off = (long)kv_heads * D;
     for (int g = 0; g < G; g++) {
         for (int i = 0; i < NV; i++) {
-            qv[g][i] = *(const kv_vf *)(q + g * D + i * MAX_VEC) * scale;
-            acc[g][i] = kv_vf{};
+            qv[g][i] = *(const vfloat *)(q + g * D + i * VEC) * scale;
+            acc[g][i] = vfloat{};
         }
         m[g] = -1e30f;
         l[g] = 0.f;
@@ -259,10 +246,10 @@ static inline void attend_fixed(const float *restrict q, const void *kv,
         const int n = std::min(std::min(block_size - off, CHUNK), end - t);
         const long slot0 = (long)table[t / block_size] * block_size + off;
         for (int j = 0; j < n; j++) {
-            kv_vf k[NV];
+            vfloat k[NV];
             load_row<D, FMT>(kv, (slot0 + j) * tok_stride + (long)h * D, k);
             for (int g = 0; g < G; g++) {
-                kv_vf p = qv[g][0] * k[0];
+                vfloat p = qv[g][0] * k[0];
                 for (int i = 1; i < NV; i++) p += qv[g][i] * k[i];
                 s[g][j] = kv_hsum(p);
             }
@@ -272,7 +259,7 @@ static inline void attend_fixed(const float *restrict q, const void *kv,
             for (int i = 0; i < NV; i++) acc[g][i] *= corr;
         }
         for (int j = 0; j < n; j++) {
-            kv_vf v[NV];
+            vfloat v[NV];
             load_row<D, FMT>(kv, (slot0 + j) * tok_stride + v_off + (long)h * D, v);
             for (int g = 0; g < G; g++)
                 for (int i = 0; i < NV; i++) acc[g][i] += s[g][j] * v[i];
@@ -281,7 +268,7 @@ static inline void attend_fixed(const float *restrict q, const void *kv,
     }
     for (int g = 0; g < G; g++) {
         const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
-        for (int i = 0; i < NV; i++) *(kv_vf *)(out + g * D + i * MAX_VEC) = acc[g][i] * inv;
+        for (int i = 0; i < NV; i++) *(vfloat *)(out + g * D + i * VEC) = acc[g][i] * inv;
     }
 }
 

@@ -37,31 +37,19 @@ namespace {
 constexpr int TILE_ROWS = LANES_OUT == 16 ? 4 : 2;  // R x J accumulators + J weights within the registers
 constexpr int GROUP = 4;  // panels per tile (J), stored interleaved
 
-typedef float vf __attribute__((vector_size(LANES_OUT * 4), aligned(4)));
-typedef uint16_t vh __attribute__((vector_size(LANES_OUT * 2), aligned(2)));
-typedef uint32_t vu __attribute__((vector_size(LANES_OUT * 4)));
-
-inline vf load(const float* p) { return *(const vf*)p; }
-// bf16 -> float32: the 16 bits are the float's upper half.
-inline vf load(const uint16_t* p) { return (vf)(__builtin_convertvector(*(const vh*)p, vu) << 16); }
-
-inline uint16_t to_bf16(float f) {  // round to nearest even, as torch (NaN stays a quiet NaN)
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
+inline vfloat load(const float* p) { return *(const vfloat*)p; }
+inline vfloat load(const uint16_t* p) { return widen_bf16(p); }
 
 /* Output vectors of R rows x J panels into y (rows ldy apart; the last panel may be partial: only
  * `valid` channels written). */
 template <int R, int J>
-inline void store(const vf (&acc)[R][J], float* y, long ldy, int valid) {
+inline void store(const vfloat (&acc)[R][J], float* y, long ldy, int valid) {
   for (int r = 0; r < R; r++)
     for (int j = 0; j < J; j++) {
       float* dst = y + r * ldy + j * LANES_OUT;
       const int cnt = std::min(LANES_OUT, valid - j * LANES_OUT);
       if (cnt == LANES_OUT)
-        *(vf*)dst = acc[r][j];
+        *(vfloat*)dst = acc[r][j];
       else if (cnt > 0)
         std::memcpy(dst, &acc[r][j], cnt * sizeof(float));
     }
@@ -71,11 +59,11 @@ inline void store(const vf (&acc)[R][J], float* y, long ldy, int valid) {
  * input feature to the next, panel j at j * LANES_OUT); v: R input rows ldv apart. */
 template <int R, int J, class T>
 inline void tile(const T* __restrict w, int k, const float* __restrict v, long ldv, float* y, long ldy, int valid) {
-  vf acc[R][J];
+  vfloat acc[R][J];
   for (int r = 0; r < R; r++)
-    for (int j = 0; j < J; j++) acc[r][j] = vf{};
+    for (int j = 0; j < J; j++) acc[r][j] = vfloat{};
   for (int c = 0; c < k; c++) {
-    vf wv[J];
+    vfloat wv[J];
     for (int j = 0; j < J; j++) wv[j] = load(w + ((long)c * J + j) * LANES_OUT);
     for (int r = 0; r < R; r++) {
       const float xs = v[r * ldv + c];
@@ -101,7 +89,7 @@ inline void tile_dot(const uint16_t* __restrict w, int pairs, const uint32_t* __
       for (int j = 0; j < J; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], wv[j], xb);
     }
   }
-  vf out[R][J];
+  vfloat out[R][J];
   std::memcpy(out, acc, sizeof out);
   store<R, J>(out, y, ldy, valid);
 }
@@ -227,7 +215,7 @@ void float_linear_team(const FloatWeight& p, const float* x, long ldx, int m, in
       }
       if (dot)
         for (int c = 0; c < np; c++) {
-          const uint32_t lo = to_bf16(src[2 * c]), hi = 2 * c + 1 < k ? to_bf16(src[2 * c + 1]) : 0u;
+          const uint32_t lo = f32_to_bf16(src[2 * c]), hi = 2 * c + 1 < k ? f32_to_bf16(src[2 * c + 1]) : 0u;
           pairs[(long)i * np + c] = lo | hi << 16;
         }
     }

@@ -7,16 +7,13 @@
 #include <vector>
 
 #include "linear_ops.h"
+#include "simd.h"
 
 namespace kvflow {
 
-// Output channels per panel: one vector register of floats (16 under AVX-512, else 8). The library
-// is compiled for the CPU it runs on, and packs and reads its own layout.
-#ifdef __AVX512F__
-constexpr int LANES_OUT = 16;
-#else
-constexpr int LANES_OUT = 8;
-#endif
+// Output channels per panel: one vector register of floats. The library is compiled for the CPU it
+// runs on, and packs and reads its own layout.
+constexpr int LANES_OUT = VEC;
 
 // bfloat16 weights meet bfloat16 activations in the CPU's bf16 dot product (AVX512-BF16: two
 // products per lane and instruction) where it has one; elsewhere they are widened to float32 in
