@@ -178,7 +178,10 @@ def test_engine_greedy_matches_torch_backend(model_factory, torch_llama, arch, k
         path, attention_backend="torch", kv_cache_dtype=kv_dtype, max_num_batched_tokens=32)[0]
     outs, llm = _generate(path, attention_backend="triton", kv_cache_dtype=kv_dtype, max_num_batched_tokens=32)
     assert type(llm.engine.runner.attention).__name__ == "TritonPagedAttention"
-    assert_same_completions(outs, ref, abs_tol=1e-4)
+    # An int8 cache rounds each written key/value to 1/127 of its head's scale: a difference of
+    # 1e-7 in a float summation order can land a value on the other side of a rounding step, and that
+    # step (not the attention) moves later logprobs by up to a few 1e-4 (seen 1.4e-4 on a Xeon).
+    assert_same_completions(outs, ref, abs_tol=1e-3 if kv_dtype == "int8" else 1e-4)
     assert_no_leaks(llm.engine)
 
 
