@@ -152,3 +152,36 @@ def test_admission_and_fault(tiny_llama):
     run(llm, go)
     assert len(fatal) == 1 and "kaput" in str(fatal[0])
     assert metrics.rejected.labels(reason="queue_full")._value.get() == 3
+
+
+def test_engine_thread_builds_and_steps_the_engine(tiny_llama):
+    """kvflow serve builds the engine on an EngineThread and AsyncLLM steps it there: one thread for
+    all of the engine's work (a second OpenMP pool slows every parallel region down)."""
+    import threading
+
+    from kvflow.engine.engine_thread import EngineThread
+
+    thread = EngineThread()
+    seen: list[str] = []
+
+    def build():
+        seen.append(threading.current_thread().name)
+        return LLMEngine(EngineConfig(model=tiny_llama[0], num_kv_blocks=64))
+
+    engine = thread.call(build)
+    step = engine.step
+
+    def recording_step():
+        seen.append(threading.current_thread().name)
+        return step()
+
+    engine.step = recording_step
+    llm = AsyncLLM(engine, engine_thread=thread)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    outs = run(llm, lambda: collect(llm.generate("The quick brown fox", params, "a")))
+    assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 4
+    assert len(seen) > 1 and set(seen) == {"kvflow-engine"}
+    with pytest.raises(ZeroDivisionError):  # a failure reaches the caller; the thread goes on
+        thread.call(lambda: 1 / 0)
+    assert thread.call(lambda: threading.current_thread().name) == "kvflow-engine"
+    assert_no_leaks(engine)

@@ -77,10 +77,13 @@ def run_serve(args: argparse.Namespace) -> int:
                  "--log-level", args.log_level]
         return serve_data_parallel(server_config, engine_config, flags)
 
+    from kvflow.engine.engine_thread import EngineThread
     from kvflow.engine.llm_engine import LLMEngine
     from kvflow.entrypoints.openai.api_server import serve
 
-    engine = LLMEngine(engine_config)
+    # Loaded, warmed up and stepped on one thread (see kvflow.engine.engine_thread for why).
+    engine_thread = EngineThread()
+    engine = engine_thread.call(lambda: LLMEngine(engine_config))
     name = server_config.served_model_name or engine.model_name
 
     def ready(url: str) -> None:
@@ -91,4 +94,4 @@ def run_serve(args: argparse.Namespace) -> int:
               f"-d '{{\"model\": \"{name}\", \"prompt\": \"The capital of France is\", \"max_tokens\": 16}}'",
               file=sys.stderr, flush=True)
 
-    return serve(engine, server_config, on_ready=ready)
+    return serve(engine, server_config, on_ready=ready, engine_thread=engine_thread)

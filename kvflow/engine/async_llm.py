@@ -1,4 +1,5 @@
-"""`AsyncLLM`: an asyncio front over one `LLMEngine` that steps in its own thread.
+"""`AsyncLLM`: an asyncio front over one `LLMEngine` that steps in its own thread (an `EngineThread`,
+best the one that built the engine).
 
 Threads and queues:
 - The event loop (HTTP handlers) never touches the engine. It puts commands (add, abort, call,
@@ -21,16 +22,17 @@ If `step()` raises, the engine thread calls `engine.fail_all(...)`, every in-fli
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import copy
 import logging
 import queue
-import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from kvflow.core.sched import AdmissionRejected
+from kvflow.engine.engine_thread import EngineThread
 from kvflow.engine.llm_engine import EngineStats, LLMEngine
 from kvflow.metrics import EngineMetrics, StatLogger
 from kvflow.outputs import RequestOutput
@@ -146,7 +148,10 @@ class RequestHandle:
 class AsyncLLM:
     def __init__(self, engine: LLMEngine, *, max_waiting_requests: int | None = None,
                  metrics: EngineMetrics | None = None, log_interval_s: float | None = 5.0,
-                 on_fatal: Callable[[BaseException], None] | None = None) -> None:
+                 on_fatal: Callable[[BaseException], None] | None = None,
+                 engine_thread: EngineThread | None = None) -> None:
+        """`engine_thread`: the thread that built `engine` (see kvflow.engine.engine_thread: steps
+        on another thread than the one that loaded the model run slower); default: a new one."""
         self.engine = engine
         self.max_model_len = engine.max_model_len
         self.model_name = engine.model_name
@@ -160,7 +165,8 @@ class AsyncLLM:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._handles: dict[str, RequestHandle] = {}  # loop thread only
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        self._engine_thread = engine_thread
+        self._loop_done: concurrent.futures.Future | None = None  # the engine loop's run on the thread
         self._dead_error: str | None = None  # loop thread's view
         self._engine_dead = False  # engine thread's view
         self._live: set[str] = set()  # engine thread: ids added and not finished yet
@@ -174,21 +180,22 @@ class AsyncLLM:
     # ---- life cycle (event loop) ------------------------------------------------------------------
     def start(self) -> None:
         """Start the engine thread, bound to the running event loop."""
-        if self._thread is not None:
+        if self._loop_done is not None:
             return
         self._loop = asyncio.get_running_loop()
         self._idle = asyncio.Event()
         self._idle.set()
-        self._thread = threading.Thread(target=self._engine_loop, name="kvflow-engine", daemon=True)
-        self._thread.start()
+        if self._engine_thread is None:
+            self._engine_thread = EngineThread()
+        self._loop_done = self._engine_thread.submit(self._engine_loop)
 
     async def shutdown(self) -> None:
         """Abort whatever is left, stop the engine thread and wait for it."""
-        if self._thread is None or self._stopped:
+        if self._loop_done is None or self._stopped:
             return
         self._stopped = True
         self._send(_Stop())
-        await asyncio.to_thread(self._thread.join)
+        await asyncio.wrap_future(self._loop_done)
         for handle in list(self._handles.values()):  # outputs of the final aborts already arrived
             handle._fail("the server shut down")
         self._handles.clear()

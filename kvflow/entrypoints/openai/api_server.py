@@ -38,6 +38,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvflow.config import ServerConfig
 from kvflow.engine.async_llm import AsyncLLM
+from kvflow.engine.engine_thread import EngineThread
 from kvflow.engine.llm_engine import LLMEngine
 from kvflow.entrypoints.openai.openapi import install_openapi, json_body, responses
 from kvflow.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -224,14 +225,15 @@ def _default_exit(code: int) -> None:
 
 
 def build_app(engine: LLMEngine, config: ServerConfig | None = None, *,
-              exit_action: Callable[[int], None] | None = None) -> FastAPI:
-    """The ASGI app. The engine thread starts with the app's lifespan and stops with it.
-    `exit_action(code)` is called once when the process should end (1: the engine failed,
-    0: a graceful shutdown finished)."""
+              exit_action: Callable[[int], None] | None = None,
+              engine_thread: EngineThread | None = None) -> FastAPI:
+    """The ASGI app. The engine loop starts with the app's lifespan (on `engine_thread`, best the
+    one that built the engine) and stops with it. `exit_action(code)` is called once when the
+    process should end (1: the engine failed, 0: a graceful shutdown finished)."""
     config = config or ServerConfig()
     metrics = EngineMetrics()
     llm = AsyncLLM(engine, max_waiting_requests=config.max_waiting_requests, metrics=metrics,
-                   log_interval_s=config.log_interval_s)
+                   log_interval_s=config.log_interval_s, engine_thread=engine_thread)
     served = config.served_model_name or engine.model_name
     state = ServerState(llm, config, metrics, served, exit_action or _default_exit)
     llm.on_fatal = state.on_engine_dead
@@ -396,8 +398,10 @@ class _UvicornServer:
         return Server(*args, **kwargs)
 
 
-def serve(engine: LLMEngine, config: ServerConfig, *, on_ready: Callable[[str], None] | None = None) -> int:
-    """Run the server until SIGTERM (returns 0) or an engine failure (returns 1)."""
+def serve(engine: LLMEngine, config: ServerConfig, *, on_ready: Callable[[str], None] | None = None,
+          engine_thread: EngineThread | None = None) -> int:
+    """Run the server until SIGTERM (returns 0) or an engine failure (returns 1). `engine_thread`:
+    the thread that built `engine`, which then steps it."""
     import uvicorn
 
     server = None
@@ -411,7 +415,7 @@ def serve(engine: LLMEngine, config: ServerConfig, *, on_ready: Callable[[str], 
             t.daemon = True
             t.start()
 
-    app = build_app(engine, config, exit_action=exit_action)
+    app = build_app(engine, config, exit_action=exit_action, engine_thread=engine_thread)
     state: ServerState = app.state.kvflow
     url = f"http://{_url_host(config.host)}:{config.port}"
 

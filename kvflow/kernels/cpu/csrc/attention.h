@@ -12,6 +12,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <utility>
 
 #include "simd.h"
 
@@ -217,12 +218,23 @@ static inline void load_row(const void *kv, long base, vfloat (&dst)[D / VEC]) {
     }
 }
 
-static inline float kv_hsum(vfloat a) {
-    float t[VEC];
-    __builtin_memcpy(t, &a, sizeof t);
-    for (int w = VEC / 2; w > 0; w /= 2)
-        for (int i = 0; i < w; i++) t[i] += t[i + w];
-    return t[0];
+/* One level of a transposed sum: x and y each hold VEC / w partial sums (per key) of 2w lanes
+ * each; returns them as VEC / w sums of w lanes, lanes i and i + w of each added. */
+template <int W, size_t... I>
+static inline vfloat fold_level(vfloat x, vfloat y, std::index_sequence<I...>) {
+    return __builtin_shufflevector(x, y, (I / W * 2 * W + I % W)...) +
+           __builtin_shufflevector(x, y, (I / W * 2 * W + I % W + W)...);
+}
+
+/* The lane sums of VEC vectors p[0..VEC) as one vector (lane j: the sum of p[j]'s lanes), by a
+ * tree of log2(VEC) levels of shuffles and adds instead of one horizontal sum per key. The tree
+ * (lanes i and i + VEC/2, then i and i + VEC/4, ...) is the same for every lane, so a key's score
+ * does not depend on its neighbours. */
+template <int W = VEC / 2>
+static inline void fold_keys(vfloat *p, int count) {
+    for (int i = 0; i < count / 2; i++)
+        p[i] = fold_level<W>(p[2 * i], p[2 * i + 1], std::make_index_sequence<VEC>{});
+    if constexpr (W > 1) fold_keys<W / 2>(p, count / 2);
 }
 
 template <int D, int G, int FMT>
@@ -231,7 +243,7 @@ static inline void attend_fixed(const float *restrict q, const void *kv,
                                 int h, float scale, float *restrict out) {
     constexpr int NV = D / VEC;
     vfloat qv[G][NV], acc[G][NV];
-    float m[G], l[G], s[G][CHUNK];
+    float m[G], l[G], s[G][CHUNK + VEC];
     const long tok_stride = 2L * kv_heads * D, v_off = (long)kv_heads * D;
     for (int g = 0; g < G; g++) {
         for (int i = 0; i < NV; i++) {
@@ -245,13 +257,22 @@ static inline void attend_fixed(const float *restrict q, const void *kv,
         const int off = t % block_size;
         const int n = std::min(std::min(block_size - off, CHUNK), end - t);
         const long slot0 = (long)table[t / block_size] * block_size + off;
-        for (int j = 0; j < n; j++) {
-            vfloat k[NV];
-            load_row<D, FMT>(kv, (slot0 + j) * tok_stride + (long)h * D, k);
+        for (int j0 = 0; j0 < n; j0 += VEC) {  /* VEC keys at a time; past n: zero rows */
+            vfloat k[VEC][NV];
+            for (int j = 0; j < VEC; j++) {
+                if (j0 + j < n)
+                    load_row<D, FMT>(kv, (slot0 + j0 + j) * tok_stride + (long)h * D, k[j]);
+                else
+                    for (int i = 0; i < NV; i++) k[j][i] = vfloat{};
+            }
             for (int g = 0; g < G; g++) {
-                vfloat p = qv[g][0] * k[0];
-                for (int i = 1; i < NV; i++) p += qv[g][i] * k[i];
-                s[g][j] = kv_hsum(p);
+                vfloat p[VEC];
+                for (int j = 0; j < VEC; j++) {
+                    p[j] = qv[g][0] * k[j][0];
+                    for (int i = 1; i < NV; i++) p[j] += qv[g][i] * k[j][i];
+                }
+                fold_keys(p, VEC);
+                *(vfloat *)(s[g] + j0) = p[0];
             }
         }
         for (int g = 0; g < G; g++) {
