@@ -179,11 +179,18 @@ def test_autotune_cache_is_read_back_and_keyed_by_cpu(monkeypatch, tmp_path):
         assert all(first.choices[s][b] in autotune.candidates(torch.float32) for b in autotune.ROW_BUCKETS)
     second = _plan(shapes, monkeypatch, tmp_path)
     assert second.source == "cache" and len(calls) == 2  # nothing measured again
-    layer = [(48, 16), (16, 16), (64, 16), (16, 32)]  # a decoder layer's qkv, o, gate_up, down
-    _plan(layer, monkeypatch, tmp_path)
+    assert second.choices == first.choices
+    # a decoder layer's qkv, o, gate_up, down: the pass limit is still to be timed on the model
+    # (up to where native stayed among the timed paths), until one is stored for those shapes
+    layer = [(48, 16), (16, 16), (64, 16), (16, 32)]
+    unmeasured = _plan(layer, monkeypatch, tmp_path)
+    bound = autotune.pass_bound(autotune._read(autotune.cache_path("float32"))["shapes"], layer)
+    assert unmeasured.decode_pass_rows == bound and unmeasured.pass_unmeasured == (bound > 0)
+    autotune.store_pass_rows(unmeasured, 8)
     stored = json.loads(autotune.cache_path("float32").read_text())
-    assert set(map(int, stored["layer_ops"][autotune.layer_key(layer)])) == set(autotune.ROW_BUCKETS)
-    assert second.choices == first.choices and second.decode_pass_rows == first.decode_pass_rows
+    assert stored["pass_rows"] == {autotune.layer_key(layer): 8}
+    again = _plan(layer, monkeypatch, tmp_path)
+    assert again.source == "cache" and not again.pass_unmeasured and again.decode_pass_rows == 8
     # one new shape: only it is measured, the others come from the file
     third = _plan([*shapes, (8, 8)], monkeypatch, tmp_path)
     assert third.source == "measured" and calls[-1:] == [(8, 8)]
@@ -204,22 +211,46 @@ def test_autotune_ignores_a_torn_cache_file(monkeypatch, tmp_path):
     json.loads(path.read_text())  # rewritten whole
 
 
-def test_decode_pass_rows_from_times():
-    """The pass runs up to the last bucket (from 1, without a gap) where native is within the saved
-    calls of the fastest path over a layer's projections."""
+def test_pass_bound_and_measured_pass_rows(monkeypatch):
+    """The pass is timed up to the last bucket (from 1, without a gap) where native was still timed;
+    its limit is the last bucket where a fused step was no slower than the per-layer one."""
     layer = [(8, 8), (9, 9)]
-    fast = {b: {"native": 1e-5, "onednn": 2e-5} for b in autotune.ROW_BUCKETS}
-    times = {s: {b: dict(t) for b, t in fast.items()} for s in layer}
-    assert autotune.decode_pass_rows(times, layer, 1e-6) == autotune.ROW_BUCKETS[-1]
-    for s in layer:  # native far slower from 8 rows on
-        for b in (8, 16, 32, 64):
-            times[s][b]["native"] = 1.0
-    assert autotune.decode_pass_rows(times, layer, 1e-6) == 4
-    # the torch ops the per-layer path runs at 8+ rows cost more than native's extra: the pass goes on
-    ops = {b: (3.0 if b >= 8 else 0.0) for b in autotune.ROW_BUCKETS}
-    assert autotune.decode_pass_rows(times, layer, 1e-6, ops) == autotune.ROW_BUCKETS[-1]
-    times[layer[0]][1]["native"] = 1.0  # slower at one row: never
-    assert autotune.decode_pass_rows(times, layer, 1e-6) == 0
+    times = {s: {b: {"native": 1e-5, "onednn": 2e-5} for b in autotune.ROW_BUCKETS} for s in layer}
+    assert autotune.pass_bound(times, layer) == autotune.ROW_BUCKETS[-1]
+    del times[layer[1]][16]["native"]  # dropped as twice the best there
+    assert autotune.pass_bound(times, layer) == 8
+    del times[layer[0]][1]["native"]
+    assert autotune.pass_bound(times, layer) == 0
+
+    clock = [0.0]
+    monkeypatch.setattr(autotune.time, "perf_counter", lambda: clock[0])
+    calls = []
+
+    def step(rows, fused):  # fused: 1 s a step up to 4 rows, then 3 s; per layer: 2 s
+        calls.append((rows, fused))
+        clock[0] += (1.0 if rows <= 4 else 3.0) if fused else 2.0
+
+    assert autotune.measure_pass_rows(step, 64)[0] == 4
+    assert max(r for r, _ in calls) == 8  # stopped at the first bucket the pass lost
+    calls.clear()
+    assert autotune.measure_pass_rows(step, 2)[0] == 2 and max(r for r, _ in calls) == 2
+
+
+def test_engine_times_the_decode_pass_once(tiny_llama, monkeypatch, tmp_path):
+    """The first start times decode steps both ways and stores the limit; the next reads it."""
+    from kvflow import LLM
+
+    monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path))
+    timed = []
+    real = autotune.measure_pass_rows
+    monkeypatch.setattr(autotune, "measure_pass_rows", lambda step, bound: timed.append(bound) or real(step, bound))
+    first = LLM(model=tiny_llama[0], num_kv_blocks=64, max_model_len=64).engine.runner
+    assert len(timed) == 1 and not first.kernel_plan.pass_unmeasured
+    rows = first.kernel_plan.decode_pass_rows
+    if first.model.native_decode is not None:
+        assert first.model.native_decode.max_rows == rows
+    second = LLM(model=tiny_llama[0], num_kv_blocks=64, max_model_len=64).engine.runner
+    assert len(timed) == 1 and second.kernel_plan.decode_pass_rows == rows
 
 
 def test_autotune_off_uses_the_documented_default():

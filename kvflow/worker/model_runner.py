@@ -10,6 +10,7 @@ calibration text: the engine reaches none of this tensor code except through the
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("kvflow")
 
 LogprobEntry = tuple[float, int, list[int], list[float]]
+PASS_PROBE_CONTEXT = 64  # tokens of context per row in the decode steps that time the decode pass
 
 
 @dataclass
@@ -133,9 +135,37 @@ class ModelRunner:
 
             self.decode_graphs = DecodeGraphs(self.model, self.attention, self.kv_caches, config.graph_batch_sizes(),
                                               -(-max_model_len // config.block_size) + 1, self.device)
+        if self.kernel_plan is not None and self.kernel_plan.pass_unmeasured and self.model.native_decode is not None:
+            self._time_decode_pass(num_blocks, config.block_size)
         self.sampler = Sampler(config.seed, self.device)
         self.rejection_sampler = RejectionSampler(config.seed + 1, self.device)
         self._generators: dict[str, torch.Generator] = {}
+
+    def _time_decode_pass(self, num_blocks: int, block_size: int) -> None:
+        """The decode pass's row limit, from decode steps of this model timed with and without it
+        (kvflow.kernels.cpu.autotune.measure_pass_rows), stored for later starts. The rows use the
+        first blocks of the new KV cache: nothing holds them yet, and whoever gets them later writes
+        its keys and values before reading them."""
+        from kvflow.kernels.cpu.autotune import LOAD_LIMIT, measure_pass_rows, store_pass_rows
+
+        plan, fused = self.kernel_plan, self.model.native_decode
+        per_row = -(-PASS_PROBE_CONTEXT // block_size)
+
+        def step(rows: int, use_pass: bool) -> None:
+            fused.max_rows = rows if use_pass else 0
+            self.run_model([[1]] * rows, [PASS_PROBE_CONTEXT - 1] * rows,
+                           [list(range(r * per_row, (r + 1) * per_row)) for r in range(rows)])
+
+        t = time.perf_counter()
+        rows, load = measure_pass_rows(step, min(plan.decode_pass_rows, num_blocks // per_row))
+        fused.max_rows = plan.decode_pass_rows = rows
+        plan.pass_unmeasured = False
+        stored = load <= LOAD_LIMIT
+        if stored:
+            store_pass_rows(plan, rows)
+        logger.info("decode pass: %s (timed on the model in %.1f s%s)", f"up to {rows} rows" if rows else "off",
+                    time.perf_counter() - t, "" if stored else f"; other processes used {load:.2f} cores: "
+                    "used now, not stored")
 
     def kernel_summary(self) -> str:
         """The linear paths in use: the autotune's choices per shape and row count, or the backend."""

@@ -9,10 +9,12 @@ copies larger than the last-level cache, as a decode step streams them), and kee
 kernel cache (``$KVFLOW_CACHE_DIR/kernels/autotune-<key>.json``), keyed by the CPU (model and
 flags), torch's version, the thread count, the kernels' sources and the dtype. Later starts read
 them; shapes not in the file are timed and added. From the times, `KernelPlan` picks per shape and
-row bucket the fastest path, and the largest row count up to which a decode-only step should run as
-one native pass (kvflow.kernels.cpu.decode_pass): where the native GEMV's time over a layer's
-projections is within what the pass saves, the Python calls and the torch ops around the matmuls at
-that many rows (measured too: `call_overhead_s`, `layer_ops_s`).
+row bucket the fastest path. Whether a decode-only step of so many rows should run as one native
+pass (kvflow.kernels.cpu.decode_pass) is measured on the model itself, once its KV cache exists:
+`measure_pass_rows` times decode steps both ways (the model runner provides them), because what the
+pass saves -- the per-layer path's Python, its torch ops and the idle threads between its calls --
+was seen to be several times what timing the matmuls alone predicts. That limit is stored beside the
+times (`store_pass_rows`).
 
 `--kernel-autotune off` uses `default_plan` instead, documented there. The thread count is the
 engine's (one per core it may use); it is part of the key, not a candidate.
@@ -26,12 +28,11 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from kvflow.config import KERNEL_AUTOTUNE_MODES
 from kvflow.kernels.cpu import native
@@ -40,10 +41,10 @@ logger = logging.getLogger(__name__)
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # a call with m rows runs the choice of the first bucket >= m
 PATHS = ("native", "dense", "onednn")
-COLD_BYTES = 64 << 20  # weight copies rotated per timing: twice a 32 MB L3, so each call reads DRAM
+COLD_BYTES = 64 << 20  # weight copies rotated per timing (at most 64 copies; see time_shape)
+EVICT_MAX_BYTES = 1 << 30  # the most read to push the copies out of a last-level cache larger than them
 ROUNDS = 3  # interleaved sweeps per (shape, rows)
 WARM_ROWS = 16
-PASS_CALLS_SAVED = 10  # Python-level calls per layer that the fused decode pass replaces
 # Other processes' CPU (in cores) above which a shape's timing is not trusted: an OpenMP team that
 # loses a core for a time slice waits at its barrier, so a loaded machine's times can rank the paths
 # backwards. Such a shape is timed again (ATTEMPTS in all; each path keeps its best), and a timing
@@ -53,7 +54,7 @@ ATTEMPTS = 3
 # Paths built for many rows: beyond the last bucket (prefill chunks) only these run. The native
 # GEMM re-reads each group of panels for every 4 rows and never blocks the rows for the cache.
 MANY_ROWS = ("onednn", "dense")
-VERSION = 2  # bump when what is stored changes meaning
+VERSION = 3  # bump when what is stored changes meaning (3: weights evicted from a large last-level cache)
 
 Shape = tuple[int, int]  # (out_features, in_features)
 
@@ -68,6 +69,8 @@ class KernelPlan:
     source: str  # "measured" (this start), "cache" (an earlier start), "default" (autotune off)
     pass_shapes: tuple[Shape, ...] = ()  # one decoder layer's projections: what the decode pass runs
     seconds: float = 0.0  # spent measuring at this start
+    # decode_pass_rows is only the bound to time the pass up to (measure_pass_rows), not yet a limit
+    pass_unmeasured: bool = False
 
     def choice(self, shape: Shape) -> dict[int, str]:
         return self.choices.get(shape) or default_choice(self.dtype)
@@ -85,7 +88,7 @@ class KernelPlan:
             text = ", ".join(f"{lo}{'' if lo == hi else f'-{hi}'} {path}" for lo, hi, path in spans)
             lines.append(f"{n}x{k}: {text}")
         rows = self.decode_pass_rows
-        lines.append(f"decode pass: {'up to ' + str(rows) + ' rows' if rows else 'off'}")
+        lines.append(f"decode pass: {'off' if not rows else f'timed on the model up to {rows} rows' if self.pass_unmeasured else f'up to {rows} rows'}")
         took = f" in {self.seconds:.1f} s" if self.source == "measured" else ""
         return f"linear kernels ({self.source}{took}, {self.dtype}): " + "; ".join(lines)
 
@@ -155,7 +158,6 @@ def plan_kernels(shapes: list[Shape], layer_shapes: list[Shape], dtype: torch.dt
     if missing:
         logger.info("autotuning linear kernels: %d shapes x %d row counts x %s (first start on this CPU; "
                     "stored in %s)", len(missing), len(ROW_BUCKETS), "/".join(paths), path)
-        overhead = stored.get("call_overhead_s") or call_overhead_s()
         unloaded = []
         for i, shape in enumerate(missing):
             times[shape], load = time_shape_unloaded(shape, dtype)
@@ -165,19 +167,17 @@ def plan_kernels(shapes: list[Shape], layer_shapes: list[Shape], dtype: torch.dt
                         time.perf_counter() - t0, "" if load <= LOAD_LIMIT else
                         f" -- other processes used {load:.2f} cores meanwhile: used now, not stored")
         stored["shapes"].update({s: times[s] for s in unloaded})
-        stored["call_overhead_s"] = overhead
         if unloaded:
             _write(path, stored)
-    pass_rows = 0
-    if native_available(dtype) and layer_shapes:
-        key = layer_key(layer_shapes)
-        if key not in stored["layer_ops"] and len(layer_shapes) == 4:  # (qkv, o, gate_up, down)
-            stored["layer_ops"][key] = layer_ops_s(layer_shapes, dtype)
-            _write(path, stored)
-        pass_rows = decode_pass_rows(times, layer_shapes, stored["call_overhead_s"], stored["layer_ops"].get(key))
+    pass_rows, unmeasured = 0, False
+    if native_available(dtype) and len(layer_shapes) == 4:  # (qkv, o, gate_up, down)
+        pass_rows = stored["pass_rows"].get(layer_key(layer_shapes), -1)
+        if pass_rows < 0:
+            pass_rows, unmeasured = pass_bound(times, layer_shapes), True
     seconds = time.perf_counter() - t0
     choices = {s: choose(by_rows) for s, by_rows in times.items()}
-    return KernelPlan(name, choices, pass_rows, "measured" if missing else "cache", tuple(layer_shapes), seconds)
+    return KernelPlan(name, choices, pass_rows, "measured" if missing else "cache", tuple(layer_shapes), seconds,
+                      pass_unmeasured=unmeasured and pass_rows > 0)
 
 
 def choose(by_rows: dict[int, dict[str, float]]) -> dict[int, str]:
@@ -208,17 +208,13 @@ def time_shape_unloaded(shape: Shape, dtype: torch.dtype) -> tuple[dict[int, dic
     return best, least
 
 
-def decode_pass_rows(times: dict[Shape, dict[int, dict[str, float]]], layer_shapes: list[Shape],
-                     overhead_s: float, layer_ops: dict[int, float] | None = None) -> int:
-    """The largest bucket up to which (from 1 row, without a gap) a layer's projections on the
-    native GEMV cost no more than the fastest paths plus what the pass saves per layer: the
-    per-layer calls (`overhead_s` each) and the torch ops around the matmuls at that many rows
-    (`layer_ops`, measured by `layer_ops_s`; the pass runs them inside its native calls)."""
+def pass_bound(times: dict[Shape, dict[int, dict[str, float]]], layer_shapes: list[Shape]) -> int:
+    """The largest bucket up to which (from 1 row, without a gap) the native GEMV stayed among a
+    layer's timed paths (`time_shape` drops a path twice as slow as the best): what
+    `measure_pass_rows` times the pass up to."""
     rows = 0
     for b in ROW_BUCKETS:
-        nat = sum(times[s][b].get("native", float("inf")) for s in layer_shapes)
-        best = sum(min(times[s][b].values()) for s in layer_shapes)
-        if nat > best + PASS_CALLS_SAVED * overhead_s + (layer_ops or {}).get(b, 0.0):
+        if not all("native" in times[s][b] for s in layer_shapes):
             break
         rows = b
     return rows
@@ -228,35 +224,71 @@ def layer_key(layer_shapes: list[Shape]) -> str:
     return ",".join(f"{n}x{k}" for n, k in layer_shapes)
 
 
-def layer_ops_s(layer_shapes: list[Shape], dtype: torch.dtype, reps: int = 10) -> dict[int, float]:
-    """Seconds per layer, at each row bucket, of the torch ops the per-layer path runs around a
-    layer's matmuls when they are not fused into the native GEMV: the two RMSNorms, rotary on the
-    q / k / v heads (an upper bound: v is not rotated), silu(gate) * up, the two residual adds."""
-    from kvflow.layers.norm import RMSNorm
-    from kvflow.layers.rotary import apply_rotary_
+def measure_pass_rows(step: Callable[[int, bool], None], bound: int) -> tuple[int, float]:
+    """Up to how many rows a decode-only step is faster as the native pass: `step(rows, fused)` runs
+    one step of `rows` decode rows with (fused) or without the pass; each bucket up to `bound` is
+    timed ROUNDS times each way, interleaved, best of each. The limit is the last bucket (from 1,
+    without a gap) where the pass was no slower; with the most CPU other processes used meanwhile."""
+    from kvflow.kernels.cpu.machine_load import ForeignLoad
 
-    (qkv_n, hidden), _, (gate_up_n, _), _ = layer_shapes
-    norm = RMSNorm(hidden, 1e-5, dtype, torch.device("cpu"))
-    head = 64  # (the ops' cost follows their element count; the head size only shapes the view)
-    out: dict[int, float] = {}
-    for b in ROW_BUCKETS:
-        x, gate_up = torch.rand(b, hidden, dtype=dtype), torch.rand(b, gate_up_n, dtype=dtype)
-        heads = torch.rand(b, max(1, qkv_n // head), head, dtype=dtype)
-        cos = torch.rand(b, 1, head, dtype=dtype)
+    rows = 0
+    with ForeignLoad() as load:
+        for b in (b for b in ROW_BUCKETS if b <= bound):
+            best = {True: float("inf"), False: float("inf")}
+            for fused in (True, False):
+                step(b, fused)  # warm: buffers sized, code paths loaded
+            for _ in range(ROUNDS):
+                for fused in (True, False):
+                    t = time.perf_counter()
+                    step(b, fused)
+                    best[fused] = min(best[fused], time.perf_counter() - t)
+            if best[True] > best[False]:
+                break
+            rows = b
+    return rows, load.value
 
-        def ops() -> None:
-            norm(x), norm(x)
-            apply_rotary_(heads, cos, cos)
-            gate, up = gate_up.chunk(2, dim=-1)
-            F.silu(gate) * up
-            x + x, x + x
 
-        ops()
-        t = time.perf_counter()
-        for _ in range(reps):
-            ops()
-        out[b] = (time.perf_counter() - t) / reps
-    return out
+def store_pass_rows(plan: KernelPlan, rows: int) -> None:
+    """Keep the measured pass limit for `plan`'s layer shapes; later starts read it."""
+    path = cache_path(plan.dtype)
+    stored = _read(path)
+    stored["pass_rows"][layer_key(list(plan.pass_shapes))] = rows
+    _write(path, stored)
+
+
+def last_level_cache_bytes() -> int:
+    """Size of this CPU's largest cache (sysfs, else sysconf; 0 when unknown)."""
+    sizes = []
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = f.read_text().strip().upper()
+        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        try:
+            sizes.append(int(text.rstrip("KMG")) * unit)
+        except ValueError:
+            pass
+    if not sizes:
+        try:
+            sizes.append(os.sysconf("SC_LEVEL3_CACHE_SIZE"))
+        except (ValueError, OSError):
+            pass
+    return max(sizes, default=0)
+
+
+class CacheEvictor:
+    """Reads a buffer twice the last-level cache (at most EVICT_MAX_BYTES) where that cache could
+    hold the weight copies a sweep rotates through: on a CPU with a 480 MB L3 (a Xeon seen here) the
+    copies stayed in it, and the paths were timed on cache-hot weights that a decode step, streaming
+    all of a model's weights, never sees (MKL's sgemv, fast on hot weights, was chosen over the native
+    GEMV, faster from DRAM). Elsewhere it does nothing."""
+
+    def __init__(self, copies_bytes: int) -> None:
+        llc = last_level_cache_bytes()
+        n = min(2 * llc, EVICT_MAX_BYTES) if llc > copies_bytes // 2 else 0
+        self._buf = torch.ones(n // 4) if n else None
+
+    def __call__(self) -> None:
+        if self._buf is not None:
+            self._buf.sum()
 
 
 def time_shape(shape: Shape, dtype: torch.dtype) -> dict[int, dict[str, float]]:
@@ -265,7 +297,9 @@ def time_shape(shape: Shape, dtype: torch.dtype) -> dict[int, dict[str, float]]:
     Each call is timed on its own and a path's figure is the lower quartile of its calls over
     ROUNDS interleaved sweeps: another process taking a core for a time slice inflates some calls
     by milliseconds, and would decide a mean or a single sweep. Shapes larger than COLD_BYTES are
-    timed on their first COLD_BYTES of output channels and scaled (the cost is linear in them)."""
+    timed on their first COLD_BYTES of output channels and scaled (the cost is linear in them).
+    Each sweep reads every path's copies once, after a `CacheEvictor` pass where the last-level
+    cache could hold them."""
     from kvflow.layers.linear import make_path_kernel
 
     n, k = shape
@@ -276,6 +310,7 @@ def time_shape(shape: Shape, dtype: torch.dtype) -> dict[int, dict[str, float]]:
     copies = max(1, min(64, -(-COLD_BYTES // (base.numel() * itemsize))))
     weights = [base] + [base.clone() for _ in range(copies - 1)]
     kernels = {p: [make_path_kernel(p, w, None) for w in weights] for p in candidates(dtype)}
+    evict = CacheEvictor(len(kernels) * copies * base.numel() * itemsize)
     out: dict[int, dict[str, float]] = {}
     for m in ROW_BUCKETS:
         x = (torch.rand(m, k, generator=gen) - 0.5).to(dtype)
@@ -290,6 +325,7 @@ def time_shape(shape: Shape, dtype: torch.dtype) -> dict[int, dict[str, float]]:
             if r == 1:  # a path twice as slow as the best after one sweep will not win: drop it
                 best = min(min(v) for v in samples.values())
                 samples = {p: v for p, v in samples.items() if min(v) <= 2 * best}
+            evict()
             for p in samples:
                 for kern in kernels[p][sweep]:
                     t = time.perf_counter()
@@ -297,16 +333,6 @@ def time_shape(shape: Shape, dtype: torch.dtype) -> dict[int, dict[str, float]]:
                     samples[p].append(time.perf_counter() - t)
         out[m] = {p: sorted(v)[len(v) // 4] * n / rows_timed for p, v in samples.items()}
     return out
-
-
-def call_overhead_s(reps: int = 200) -> float:
-    """Seconds of one small torch call from Python (what a fused pass saves per call it replaces)."""
-    w, x = torch.zeros(8, 8), torch.zeros(1, 8)
-    F.linear(x, w)
-    t = time.perf_counter()
-    for _ in range(reps):
-        F.linear(x, w)
-    return (time.perf_counter() - t) / reps
 
 
 def cache_key(dtype: str) -> str:
@@ -320,17 +346,16 @@ def cache_path(dtype: str) -> Path:
 
 
 def _read(path: Path) -> dict:
-    """The stored times ({"shapes": {(n, k): {rows: {path: s}}}, "call_overhead_s": s, "layer_ops":
-    {layer_key: {rows: s}}}); empty when
-    absent or unreadable (a torn or foreign file is re-measured, not trusted)."""
-    empty: dict = {"shapes": {}, "call_overhead_s": None, "layer_ops": {}}
+    """The stored times and pass limits ({"shapes": {(n, k): {rows: {path: s}}}, "pass_rows":
+    {layer_key: rows}}); empty when absent or unreadable (a torn or foreign file is re-measured, not
+    trusted)."""
+    empty: dict = {"shapes": {}, "pass_rows": {}}
     try:
         raw = json.loads(path.read_text())
         shapes = {tuple(map(int, s.split("x"))): {int(b): {p: float(t) for p, t in by.items()}
                                                   for b, by in rows.items()}
                   for s, rows in raw["shapes"].items()}
-        layer_ops = {str(k): {int(b): float(t) for b, t in by.items()} for k, by in raw.get("layer_ops", {}).items()}
-        return {"shapes": shapes, "call_overhead_s": float(raw["call_overhead_s"]), "layer_ops": layer_ops}
+        return {"shapes": shapes, "pass_rows": {str(k): int(v) for k, v in raw.get("pass_rows", {}).items()}}
     except FileNotFoundError:
         return empty
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
@@ -340,7 +365,7 @@ def _read(path: Path) -> dict:
 
 def _write(path: Path, stored: dict) -> None:
     raw = {"cpu": native.cpu_id().split(" | ")[0], "torch": torch.__version__, "threads": torch.get_num_threads(),
-           "call_overhead_s": stored["call_overhead_s"], "layer_ops": stored["layer_ops"],
+           "pass_rows": stored["pass_rows"],
            "shapes": {f"{n}x{k}": {str(b): by for b, by in rows.items()} for (n, k), rows in stored["shapes"].items()}}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
