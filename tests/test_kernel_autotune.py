@@ -147,7 +147,7 @@ def test_autotune_times_again_under_load_and_never_stores_a_loaded_timing(monkey
     shape that never got an unloaded timing is used for this start but measured again at the next."""
     calls = []
     real = autotune.time_shape
-    monkeypatch.setattr(autotune, "time_shape", lambda s, d: calls.append(s) or real(s, d))
+    monkeypatch.setattr(autotune, "time_shape", lambda s, d, evict=None: calls.append(s) or real(s, d, evict))
     shapes = [(24, 16)]
     busy = _plan(shapes, monkeypatch, tmp_path, load=(1.5,))
     assert len(calls) == autotune.ATTEMPTS and busy.source == "measured"
@@ -171,7 +171,7 @@ def test_autotune_cache_is_read_back_and_keyed_by_cpu(monkeypatch, tmp_path):
     shapes = [(24, 16), (16, 24)]
     calls = []
     real = autotune.time_shape
-    monkeypatch.setattr(autotune, "time_shape", lambda s, d: calls.append(s) or real(s, d))
+    monkeypatch.setattr(autotune, "time_shape", lambda s, d, evict=None: calls.append(s) or real(s, d, evict))
     first = _plan(shapes, monkeypatch, tmp_path)
     assert first.source == "measured" and sorted(calls) == sorted(shapes)
     for s in shapes:
@@ -241,14 +241,15 @@ def test_engine_times_the_decode_pass_once(tiny_llama, monkeypatch, tmp_path):
     from kvflow import LLM
 
     monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path))
+    # (on tiny shapes the native GEMV may time out of the running: the pass is timed all the same)
+    monkeypatch.setattr(autotune, "pass_bound", lambda times, layer: 8)
     timed = []
     real = autotune.measure_pass_rows
     monkeypatch.setattr(autotune, "measure_pass_rows", lambda step, bound: timed.append(bound) or real(step, bound))
     first = LLM(model=tiny_llama[0], num_kv_blocks=64, max_model_len=64).engine.runner
-    assert len(timed) == 1 and not first.kernel_plan.pass_unmeasured
+    assert timed == [8] and not first.kernel_plan.pass_unmeasured
     rows = first.kernel_plan.decode_pass_rows
-    if first.model.native_decode is not None:
-        assert first.model.native_decode.max_rows == rows
+    assert rows in (0, *autotune.ROW_BUCKETS[:4]) and first.model.native_decode.max_rows == rows
     second = LLM(model=tiny_llama[0], num_kv_blocks=64, max_model_len=64).engine.runner
     assert len(timed) == 1 and second.kernel_plan.decode_pass_rows == rows
 

@@ -112,7 +112,8 @@ class ModelRunner:
         if self.linear_backend == "auto":
             from kvflow.kernels.cpu.autotune import plan_kernels
 
-            self.kernel_plan = plan_kernels(*self.model.projection_shapes(), self.dtype, config.kernel_autotune)
+            self.kernel_plan = plan_kernels(*self.model.projection_shapes(), self.dtype, config.kernel_autotune,
+                                            num_layers=model_config.num_layers)
         self.model.prepare(self.linear_backend, self.kernel_plan)
         logger.info("%s", self.kernel_summary())
         logger.info("weights: %.1f MB as the kernels hold them (%s)", self.model.weight_bytes() / 1e6,

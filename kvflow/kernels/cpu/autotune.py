@@ -71,6 +71,7 @@ class KernelPlan:
     seconds: float = 0.0  # spent measuring at this start
     # decode_pass_rows is only the bound to time the pass up to (measure_pass_rows), not yet a limit
     pass_unmeasured: bool = False
+    weights_cold: bool = False  # timed with the weights evicted from the last-level cache (plan_kernels)
 
     def choice(self, shape: Shape) -> dict[int, str]:
         return self.choices.get(shape) or default_choice(self.dtype)
@@ -141,15 +142,22 @@ def default_plan(shapes: Iterable[Shape], layer_shapes: list[Shape], dtype: torc
     return KernelPlan(name, {s: dict(choice) for s in shapes}, pass_rows, "default", tuple(layer_shapes))
 
 
-def plan_kernels(shapes: list[Shape], layer_shapes: list[Shape], dtype: torch.dtype, mode: str = "on") -> KernelPlan:
+def plan_kernels(shapes: list[Shape], layer_shapes: list[Shape], dtype: torch.dtype, mode: str = "on",
+                 num_layers: int = 1) -> KernelPlan:
     """The plan for a model whose projections have `shapes` (`layer_shapes`: one decoder layer's
-    qkv, o, gate_up, down, for the decode-pass decision). `mode` "off": `default_plan`."""
+    qkv, o, gate_up, down, for the decode-pass decision; `num_layers` of them). `mode` "off":
+    `default_plan`."""
     if mode not in KERNEL_AUTOTUNE_MODES:
         raise ValueError(f"kernel_autotune must be one of {KERNEL_AUTOTUNE_MODES}, got {mode!r}")
     if mode == "off":
         return default_plan(shapes, layer_shapes, dtype)
     name = dtype_name(dtype)
-    path = cache_path(name)
+    # Timed from memory where a decode step's weights are more than the last-level cache holds.
+    llc = last_level_cache_bytes()
+    step_bytes = dtype.itemsize * (sum(n * k for n, k in shapes if (n, k) not in layer_shapes)
+                                   + num_layers * sum(n * k for n, k in layer_shapes))
+    cold = 0 < llc < step_bytes
+    path = cache_path(name, cold)
     stored = _read(path)
     times: dict[Shape, dict[int, dict[str, float]]] = {s: stored["shapes"][s] for s in shapes if s in stored["shapes"]}
     missing = [s for s in dict.fromkeys(shapes) if s not in times]
@@ -159,8 +167,9 @@ def plan_kernels(shapes: list[Shape], layer_shapes: list[Shape], dtype: torch.dt
         logger.info("autotuning linear kernels: %d shapes x %d row counts x %s (first start on this CPU; "
                     "stored in %s)", len(missing), len(ROW_BUCKETS), "/".join(paths), path)
         unloaded = []
+        evict = CacheEvictor(llc) if cold else None
         for i, shape in enumerate(missing):
-            times[shape], load = time_shape_unloaded(shape, dtype)
+            times[shape], load = time_shape_unloaded(shape, dtype, evict)
             if load <= LOAD_LIMIT:
                 unloaded.append(shape)
             logger.info("autotune %d/%d: %dx%d done (%.1f s)%s", i + 1, len(missing), *shape,
@@ -177,7 +186,7 @@ def plan_kernels(shapes: list[Shape], layer_shapes: list[Shape], dtype: torch.dt
     seconds = time.perf_counter() - t0
     choices = {s: choose(by_rows) for s, by_rows in times.items()}
     return KernelPlan(name, choices, pass_rows, "measured" if missing else "cache", tuple(layer_shapes), seconds,
-                      pass_unmeasured=unmeasured and pass_rows > 0)
+                      pass_unmeasured=unmeasured and pass_rows > 0, weights_cold=cold)
 
 
 def choose(by_rows: dict[int, dict[str, float]]) -> dict[int, str]:
@@ -188,7 +197,8 @@ def choose(by_rows: dict[int, dict[str, float]]) -> dict[int, str]:
             for b, t in by_rows.items()}
 
 
-def time_shape_unloaded(shape: Shape, dtype: torch.dtype) -> tuple[dict[int, dict[str, float]], float]:
+def time_shape_unloaded(shape: Shape, dtype: torch.dtype,
+                        evict: Callable[[], None] | None = None) -> tuple[dict[int, dict[str, float]], float]:
     """`time_shape`, again while other processes took more than LOAD_LIMIT cores (at most ATTEMPTS
     timings, each path keeping its best time: load only ever adds time); with the least load seen."""
     from kvflow.kernels.cpu.machine_load import ForeignLoad
@@ -197,7 +207,7 @@ def time_shape_unloaded(shape: Shape, dtype: torch.dtype) -> tuple[dict[int, dic
     least = float("inf")
     for _ in range(ATTEMPTS):
         with ForeignLoad() as load:
-            times = time_shape(shape, dtype)
+            times = time_shape(shape, dtype, evict)
         for b, by_path in times.items():
             for p, t in by_path.items():
                 best.setdefault(b, {})[p] = min(t, best.get(b, {}).get(p, float("inf")))
@@ -250,7 +260,7 @@ def measure_pass_rows(step: Callable[[int, bool], None], bound: int) -> tuple[in
 
 def store_pass_rows(plan: KernelPlan, rows: int) -> None:
     """Keep the measured pass limit for `plan`'s layer shapes; later starts read it."""
-    path = cache_path(plan.dtype)
+    path = cache_path(plan.dtype, plan.weights_cold)
     stored = _read(path)
     stored["pass_rows"][layer_key(list(plan.pass_shapes))] = rows
     _write(path, stored)
@@ -275,31 +285,27 @@ def last_level_cache_bytes() -> int:
 
 
 class CacheEvictor:
-    """Reads a buffer twice the last-level cache (at most EVICT_MAX_BYTES) where that cache could
-    hold the weight copies a sweep rotates through: on a CPU with a 480 MB L3 (a Xeon seen here) the
-    copies stayed in it, and the paths were timed on cache-hot weights that a decode step, streaming
-    all of a model's weights, never sees (MKL's sgemv, fast on hot weights, was chosen over the native
-    GEMV, faster from DRAM). Elsewhere it does nothing."""
+    """Reads a buffer of twice the last-level cache (at most EVICT_MAX_BYTES): before each sweep
+    where a model's weights are more than that cache holds, so the copies a sweep rotates through are
+    timed from memory, as a decode step streaming all of the weights reads them. On a Xeon with a
+    480 MB L3 (seen here) the copies otherwise stayed in it, and MKL's sgemv, fast on cache-hot
+    weights, was chosen over the native GEMV, faster from memory. A model that fits is timed hot."""
 
-    def __init__(self, copies_bytes: int) -> None:
-        llc = last_level_cache_bytes()
-        n = min(2 * llc, EVICT_MAX_BYTES) if llc > copies_bytes // 2 else 0
-        self._buf = torch.ones(n // 4) if n else None
+    def __init__(self, llc_bytes: int) -> None:
+        self._buf = torch.ones(min(2 * llc_bytes, EVICT_MAX_BYTES) // 4)
 
     def __call__(self) -> None:
-        if self._buf is not None:
-            self._buf.sum()
+        self._buf.sum()
 
 
-def time_shape(shape: Shape, dtype: torch.dtype) -> dict[int, dict[str, float]]:
+def time_shape(shape: Shape, dtype: torch.dtype, evict: Callable[[], None] | None = None) -> dict[int, dict[str, float]]:
     """Seconds per call of each candidate path for `shape` at each row bucket, weights cold.
 
     Each call is timed on its own and a path's figure is the lower quartile of its calls over
     ROUNDS interleaved sweeps: another process taking a core for a time slice inflates some calls
     by milliseconds, and would decide a mean or a single sweep. Shapes larger than COLD_BYTES are
     timed on their first COLD_BYTES of output channels and scaled (the cost is linear in them).
-    Each sweep reads every path's copies once, after a `CacheEvictor` pass where the last-level
-    cache could hold them."""
+    Each sweep reads every path's copies once, after `evict()` where given (a `CacheEvictor`)."""
     from kvflow.layers.linear import make_path_kernel
 
     n, k = shape
@@ -310,7 +316,6 @@ def time_shape(shape: Shape, dtype: torch.dtype) -> dict[int, dict[str, float]]:
     copies = max(1, min(64, -(-COLD_BYTES // (base.numel() * itemsize))))
     weights = [base] + [base.clone() for _ in range(copies - 1)]
     kernels = {p: [make_path_kernel(p, w, None) for w in weights] for p in candidates(dtype)}
-    evict = CacheEvictor(len(kernels) * copies * base.numel() * itemsize)
     out: dict[int, dict[str, float]] = {}
     for m in ROW_BUCKETS:
         x = (torch.rand(m, k, generator=gen) - 0.5).to(dtype)
@@ -325,7 +330,8 @@ def time_shape(shape: Shape, dtype: torch.dtype) -> dict[int, dict[str, float]]:
             if r == 1:  # a path twice as slow as the best after one sweep will not win: drop it
                 best = min(min(v) for v in samples.values())
                 samples = {p: v for p, v in samples.items() if min(v) <= 2 * best}
-            evict()
+            if evict is not None:
+                evict()
             for p in samples:
                 for kern in kernels[p][sweep]:
                     t = time.perf_counter()
@@ -335,14 +341,14 @@ def time_shape(shape: Shape, dtype: torch.dtype) -> dict[int, dict[str, float]]:
     return out
 
 
-def cache_key(dtype: str) -> str:
-    parts = [native.cpu_id(), torch.__version__, str(torch.get_num_threads()), dtype, str(VERSION),
+def cache_key(dtype: str, cold: bool = False) -> str:
+    parts = [native.cpu_id(), torch.__version__, str(torch.get_num_threads()), dtype, str(VERSION), str(cold),
              *(p.read_text() for p in sorted(native.CSRC.glob("float_linear.*")))]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 
-def cache_path(dtype: str) -> Path:
-    return native.cache_dir() / f"autotune-{cache_key(dtype)}.json"
+def cache_path(dtype: str, cold: bool = False) -> Path:
+    return native.cache_dir() / f"autotune-{cache_key(dtype, cold)}.json"
 
 
 def _read(path: Path) -> dict:
