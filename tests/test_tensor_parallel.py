@@ -99,8 +99,16 @@ def test_dead_rank_fails_the_engine(tiny_llama, when):
     if when == "between steps":
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(10)
-    else:
-        threading.Timer(0.5, os.kill, (proc.pid, signal.SIGKILL)).start()
+    else:  # killed on a thread while the tenth step runs (a fixed delay raced a fast machine's whole run)
+        step, steps = llm.engine.step, []
+
+        def step_then_kill():
+            steps.append(1)
+            if len(steps) == 10:
+                threading.Timer(0.001, os.kill, (proc.pid, signal.SIGKILL)).start()
+            return step()
+
+        llm.engine.step = step_then_kill
     t0 = time.monotonic()
     long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
     with pytest.raises(RuntimeError, match="tensor-parallel rank 1 exited"):
