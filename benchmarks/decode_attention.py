@@ -1,6 +1,6 @@
 """The native decode-attention kernel alone: one layer's attention for `--rows` decode rows, each
 with a `--context`-token context, on the default model's shape (9 query heads, 3 KV heads,
-head_dim 64) with a warm cache. Prints microseconds per layer, x30 (one step of the default
+head_dim 64), with a warm cache or (`--caches 30`) rotating through one per layer. Prints microseconds per layer, x30 (one step of the default
 model) and GFLOP/s (4 flops per query-head x key x dim: the scores and the weighted sum).
 
     python benchmarks/decode_attention.py --rows 32 --context 100 --kv-cache-dtype int8
@@ -30,27 +30,32 @@ def main() -> None:
                     help="the model's dtype (with --kv-cache-dtype auto: the cache's)")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--caches", type=int, default=1,
+                    help="layers' caches to rotate through (30: as a decode step of the default model "
+                         "reads them, from memory rather than a warm cache)")
     args = ap.parse_args()
 
     bs = args.block_size
     per_seq = -(-args.context // bs) + 1
     attn = CpuPagedAttention(bs, None, torch.device("cpu"))
     dtype = getattr(torch, args.dtype)
-    cache = attn.allocate_kv_cache(1, args.rows * per_seq, KV_HEADS, HEAD_DIM, dtype, args.kv_cache_dtype)[0]
+    caches = attn.allocate_kv_cache(args.caches, args.rows * per_seq, KV_HEADS, HEAD_DIM, dtype, args.kv_cache_dtype)
     g = torch.Generator().manual_seed(0)
-    if cache.scale is None:
-        cache.data.copy_(torch.randn(cache.data.shape, generator=g).to(dtype))
-    else:
-        cache.data.copy_(torch.randint(-100, 100, cache.data.shape, generator=g))
-        cache.scale.fill_(0.01)
+    for cache in caches:
+        if cache.scale is None:
+            cache.data.copy_(torch.randn(cache.data.shape, generator=g).to(dtype))
+        else:
+            cache.data.copy_(torch.randint(-100, 100, cache.data.shape, generator=g))
+            cache.scale.fill_(0.01)
     seqs = [SeqLayout(args.context - 1, 1, list(range(i * per_seq, (i + 1) * per_seq))) for i in range(args.rows)]
     group = attn.build_metadata(seqs).groups[0]
     q = torch.randn(args.rows, HEADS, HEAD_DIM, generator=g).to(dtype)
 
-    for _ in range(20):
-        attn._attend(q, cache, group, HEAD_DIM ** -0.5, None)
+    for i in range(20):
+        attn._attend(q, caches[i % len(caches)], group, HEAD_DIM ** -0.5, None)
     times = []
-    for _ in range(args.iters):
+    for i in range(args.iters):
+        cache = caches[i % len(caches)]
         t = time.perf_counter()
         attn._attend(q, cache, group, HEAD_DIM ** -0.5, None)
         times.append(time.perf_counter() - t)
