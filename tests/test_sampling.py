@@ -202,3 +202,18 @@ def test_chat_applies_template(llm):
     tok = llm.tokenizer
     want = tok("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
     assert out.prompt_token_ids == want
+
+
+def test_greedy_tokens_is_argmax_with_ties_and_nan():
+    """The sampler's greedy pick (through torch.max, faster on the CPU) is argmax: the first index
+    of the maximum on ties, a NaN counting as the maximum."""
+    from kvflow.sample.sampler import greedy_tokens
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randint(0, 3, (64, 1000), generator=g).float()  # ties in every row
+    logits[5, 17] = float("nan")
+    logits[5, 900] = float("nan")
+    logits[7] = 1.0
+    got = greedy_tokens(logits)
+    assert torch.equal(got, logits.argmax(dim=-1))
+    assert got[5] == 17 and got[7] == 0

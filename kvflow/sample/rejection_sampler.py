@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvflow.sample.sampler import transformed_probs
+from kvflow.sample.sampler import greedy_tokens, transformed_probs
 from kvflow.sampling_params import SamplingParams
 
 # A residual max(p - q, 0) with less mass than this is float noise (p == q in exact arithmetic):
@@ -72,7 +72,7 @@ class RejectionSampler:
         all_greedy = all(p.greedy for p in params)  # on the host: no device sync
         greedy = None if all_greedy else torch.tensor([p.greedy for p in params], dtype=torch.bool, device=dev)
 
-        target_argmax = target_logits.argmax(dim=-1)
+        target_argmax = greedy_tokens(target_logits)
         accept = target_argmax[pos] == draft
         if not all_greedy:
             probs = transformed_probs(target_logits, [p for p, n in zip(params, ks) for _ in range(n + 1)])
