@@ -94,6 +94,10 @@ class ModelRunner:
         `calibration`: the token ids int8 smoothing is calibrated on (`calibration_ids`; every
         rank of a tensor-parallel group gets the same, as the calibration pass is collective)."""
         self.device = torch.device(config.device)
+        if self.device.type == "cpu":
+            from kvflow.kernels.cpu.allocator import keep_freed_memory
+
+            keep_freed_memory()  # before the weights and the first steps allocate
         self.dtype = getattr(torch, config.dtype)
         self.attention = make_attention_backend(
             config.attention_backend, config.block_size, model_config.sliding_window, self.device, self.dtype,
