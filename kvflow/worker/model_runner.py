@@ -150,7 +150,8 @@ class ModelRunner:
         """The decode pass's row limit, from decode steps of this model timed with and without it
         (kvflow.kernels.cpu.autotune.measure_pass_rows), stored for later starts. The rows use the
         first blocks of the new KV cache: nothing holds them yet, and whoever gets them later writes
-        its keys and values before reading them."""
+        its keys and values before reading them. (A limit of 0 leaves the projections' native copies,
+        built for the pass, unused.)"""
         from kvflow.kernels.cpu.autotune import LOAD_LIMIT, measure_pass_rows, store_pass_rows
 
         plan, fused = self.kernel_plan, self.model.native_decode

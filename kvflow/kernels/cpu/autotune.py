@@ -2,12 +2,14 @@
 
 The fastest way to multiply a few rows by a weight differs between CPUs (on the AVX2 Zen 3 the
 notes were written on, MKL's sgemv beat oneDNN at 1-2 rows; on an AVX512 EPYC oneDNN was 1.7x
-faster there), so no rule is written down: at the first start on a machine `tune` times each
-candidate path (`PATHS`: the native float GEMM, `F.linear`, oneDNN's blocked layout) on the
-model's own projection shapes at the row counts of `ROW_BUCKETS`, weights cold (rotated through
-copies larger than the last-level cache, as a decode step streams them), and keeps the times in the
+faster there), so no rule is written down: at the first start on a machine `plan_kernels` times
+each candidate path (`PATHS`: the native float GEMM, `F.linear`, oneDNN's blocked layout) on the
+model's own projection shapes at the row counts of `ROW_BUCKETS`, each call on its own copy of the
+weight, and where a decode step's weights are more than the last-level cache holds, with the copies
+pushed out of it first (`CacheEvictor`: a step streams them from memory); it keeps the times in the
 kernel cache (``$KVFLOW_CACHE_DIR/kernels/autotune-<key>.json``), keyed by the CPU (model and
-flags), torch's version, the thread count, the kernels' sources and the dtype. Later starts read
+flags), torch's version, the thread count, the kernels' sources, the dtype and whether the weights
+were timed from memory. Later starts read
 them; shapes not in the file are timed and added. From the times, `KernelPlan` picks per shape and
 row bucket the fastest path. Whether a decode-only step of so many rows should run as one native
 pass (kvflow.kernels.cpu.decode_pass) is measured on the model itself, once its KV cache exists:

@@ -327,9 +327,10 @@ static inline void attend_rows(const float *q, long q_row_stride, const void *kv
                         const int32_t *tokens, int rows, int num_heads, int kv_heads, int head_dim,
                         int block_size, int window, float scale, float *out) {
     const int group = num_heads / kv_heads;
-    /* A task per row (its kv heads one after another: they share each cache slot's lines, so the row's
-     * blocks are read as one stream) where the rows alone keep every thread busy; else a task per
-     * (row, kv head). Each head's result is the same either way. */
+    /* A task per row (its kv heads one after another on one thread, over the same block table and
+     * the same pages of cache; in the engine ~10% faster than interleaving rows' heads across threads,
+     * session 12) where the rows alone keep every thread busy; else a task per (row, kv head). Each
+     * head's result is the same either way. */
     const int per_task = rows >= 4 * omp_get_num_threads() ? kv_heads : 1;
     const long tasks = (long)rows * kv_heads;
 #pragma omp for schedule(dynamic, 1)
