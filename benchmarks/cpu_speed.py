@@ -6,8 +6,8 @@
 Modes: fp32 (the default: per shape and row count the path the kernel autotune chose), fp32-mkl
 (plain F.linear, i.e. MKL sgemm), fp32-onednn (oneDNN's blocked layout), fp32-native (the native
 GEMV and its fused decode pass at every row count), bf16 / bf16-native (bfloat16 weights and KV
-cache: the autotune's choice, or the native kernels at every row count), int8 (W8A8 through FBGEMM), int8+kv8 (int8
-weights and int8 KV cache), gguf (the GGUF's own blocks, Q4_1 and Q8_0, through the block kernels),
+cache: the autotune's choice, or the native kernels at every row count), int8 (W8A8 through
+FBGEMM), int8+kv8 (int8 weights and int8 KV cache), gguf (the GGUF's own blocks, Q4_1 and Q8_0, through the block kernels),
 int4 (the float weights rounded into Q4_1 blocks at load). The fp32 and int8 modes load the GGUF
 dequantized. All the engines are loaded at once
 and the short measurements go round-robin over them (`--rounds`, median reported), so the drift

@@ -1,7 +1,8 @@
 """The native decode-attention kernel alone: one layer's attention for `--rows` decode rows, each
 with a `--context`-token context, on the default model's shape (9 query heads, 3 KV heads,
-head_dim 64), with a warm cache or (`--caches 30`) rotating through one per layer. Prints microseconds per layer, x30 (one step of the default
-model) and GFLOP/s (4 flops per query-head x key x dim: the scores and the weighted sum).
+head_dim 64), with a warm cache or (`--caches 30`) rotating through one per layer. Prints
+microseconds per layer, x30 (one step of the default model) and GFLOP/s (4 flops per query-head x
+key x dim: the scores and the weighted sum).
 
     python benchmarks/decode_attention.py --rows 32 --context 100 --kv-cache-dtype int8
     python benchmarks/decode_attention.py --rows 64 --context 300 --dtype bfloat16

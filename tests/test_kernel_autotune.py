@@ -253,7 +253,10 @@ def test_engine_times_the_decode_pass_once(tiny_llama, monkeypatch, tmp_path):
     first = LLM(model=tiny_llama[0], num_kv_blocks=64, max_model_len=64).engine.runner
     assert timed == [8] and not first.kernel_plan.pass_unmeasured
     rows = first.kernel_plan.decode_pass_rows
-    assert rows in (0, *autotune.ROW_BUCKETS[:4]) and first.model.native_decode.max_rows == rows
+    assert first.model.native_decode.max_rows == rows  # the limit in force is the one measured
+    plan = first.kernel_plan
+    stored = json.loads(autotune.cache_path(plan.dtype, plan.weights_cold).read_text())
+    assert stored["pass_rows"] == {autotune.layer_key(list(plan.pass_shapes)): rows}
     second = LLM(model=tiny_llama[0], num_kv_blocks=64, max_model_len=64).engine.runner
     assert len(timed) == 1 and second.kernel_plan.decode_pass_rows == rows
 

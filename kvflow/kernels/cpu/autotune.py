@@ -301,7 +301,8 @@ class CacheEvictor:
 
 
 def time_shape(shape: Shape, dtype: torch.dtype, evict: Callable[[], None] | None = None) -> dict[int, dict[str, float]]:
-    """Seconds per call of each candidate path for `shape` at each row bucket, weights cold.
+    """Seconds per call of each candidate path for `shape` at each row bucket, each call on a copy of
+    the weight that no call of the sweep touched before.
 
     Each call is timed on its own and a path's figure is the lower quartile of its calls over
     ROUNDS interleaved sweeps: another process taking a core for a time slice inflates some calls

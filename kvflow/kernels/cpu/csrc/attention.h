@@ -328,9 +328,8 @@ static inline void attend_rows(const float *q, long q_row_stride, const void *kv
                         int block_size, int window, float scale, float *out) {
     const int group = num_heads / kv_heads;
     /* A task per row (its kv heads one after another on one thread, over the same block table and
-     * the same pages of cache; in the engine ~10% faster than interleaving rows' heads across threads,
-     * session 12) where the rows alone keep every thread busy; else a task per (row, kv head). Each
-     * head's result is the same either way. */
+     * the same pages of cache) where the rows alone keep every thread busy; else a task per (row, kv
+     * head). Each head's result is the same either way. */
     const int per_task = rows >= 4 * omp_get_num_threads() ? kv_heads : 1;
     const long tasks = (long)rows * kv_heads;
 #pragma omp for schedule(dynamic, 1)

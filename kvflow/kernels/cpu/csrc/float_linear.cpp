@@ -8,7 +8,7 @@
  * weight load serves R rows, nothing needs a horizontal sum, and a thread reads its panels as J
  * sequential streams. Rows beyond R reuse the same panels from L2, and meanwhile fetch the thread's
  * next group of panels into L2, so reading it from memory overlaps arithmetic (batched decode on a
- * 2-vCPU Xeon: the fp32 projections 9-17% faster). This kernel and the fused decode
+ * 2-vCPU Xeon: the fp32 projections 10-17% faster, benchmarks/cpu_speed.py). This kernel and the fused decode
  * pass over it (decode_pass.cpp) are the autotune's native candidates
  * (kvflow/kernels/cpu/autotune.py).
  *
@@ -57,8 +57,6 @@ inline void store(const vfloat (&acc)[R][J], float* y, long ldy, int valid) {
     }
 }
 
-/* float32 (or widened bf16) weights: J panels of a group, interleaved (`kstride` elements from one
- * input feature to the next, panel j at j * LANES_OUT); v: R input rows ldv apart. */
 /* The next group's weight, `lines` cache lines of it from `at`, fetched into L2 `per` lines per input
  * feature (or pair) while a tile computes from L2 (see group_rows). */
 struct Prefetch {
@@ -71,6 +69,8 @@ struct Prefetch {
   }
 };
 
+/* float32 (or widened bf16) weights: J panels of a group, interleaved (`kstride` elements from one
+ * input feature to the next, panel j at j * LANES_OUT); v: R input rows ldv apart. */
 template <int R, int J, class T>
 inline void tile(const T* __restrict w, int k, const float* __restrict v, long ldv, float* y, long ldy, int valid,
                  Prefetch pf) {
