@@ -23,7 +23,8 @@ pytestmark = pytest.mark.skipif(not autotune.native_available(torch.float32),
                                 reason="no C++ compiler: the native fp32 linear cannot be built")
 
 # Odd shapes: channels not a multiple of the 4-channel quad, features not a multiple of 8.
-SHAPES = [(1, 8), (5, 13), (37, 64), (64, 77), (130, 200)]
+# (520, 96): enough full panel groups per thread for the one-row path's three and two streams
+SHAPES = [(1, 8), (5, 13), (37, 64), (64, 77), (130, 200), (520, 96)]
 
 
 def _ref(w, x, bias=None, residual=None):
@@ -80,10 +81,11 @@ def test_native_gemv_fused_prologues(n, k):
         kern(x, silu_mul=True)
 
 
+@pytest.mark.parametrize("n", [130, 520])
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
-def test_native_gemv_is_batch_invariant(wdtype):
+def test_native_gemv_is_batch_invariant(wdtype, n):
     g = torch.Generator().manual_seed(3)
-    w, x = torch.randn(130, 200, generator=g).to(wdtype), torch.randn(7, 200, generator=g)
+    w, x = torch.randn(n, 200, generator=g).to(wdtype), torch.randn(7, 200, generator=g)
     kern = make_path_kernel("native", w, None)
     together = kern(x)
     for r in range(7):

@@ -65,6 +65,8 @@ class NativeFloatKernel:
         w = weight.detach().contiguous()
         self.native_handle = self._lib.kvflow_float_pack(w.data_ptr(), self.out_features, self.in_features,
                                                          WEIGHT_TYPES[weight.dtype])
+        if not self.native_handle:
+            raise MemoryError(f"no memory for the packed {self.out_features}x{self.in_features} weight")
         weakref.finalize(self, self._lib.kvflow_float_free, self.native_handle)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None, *,

@@ -71,10 +71,11 @@ def cpu_id() -> str:
 
 
 # Sources that need flags of their own: the block and float kernels' sums must not be reassociated
-# (or, for the block kernel, contracted) differently from one tile shape to the next (a token's
-# result would depend on its batch).
+# or contracted differently from one tile shape to the next (a token's result would depend on its
+# batch: gcc fused one float tile shape's multiply-adds and not another's on an AVX2 EPYC); the
+# float kernel's FMAs are written out (simd.h fmadd).
 SOURCE_FLAGS = {"block_linear.cpp": ("-fno-associative-math", "-ffp-contract=off"),
-                "float_linear.cpp": ("-fno-associative-math",)}
+                "float_linear.cpp": ("-fno-associative-math", "-ffp-contract=off")}
 
 # Library -> its sources (one language per library). Headers (csrc/*.h) are shared.
 LIBRARIES = {

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "linear_ops.h"
+#include "weight_memory.h"
 
 namespace kvflow {
 
@@ -26,7 +27,7 @@ struct BlockSegment {
   long row_bytes;
   const uint8_t* data;
   bool x8;
-  std::vector<uint8_t> packed;
+  std::vector<uint8_t, WeightAllocator<uint8_t>> packed;
 };
 
 /* W [n, k] as consecutive segments (a fused projection keeps its parts' formats: q | k | v). */

@@ -36,6 +36,7 @@ struct FloatWeight {
   void* w;
   int n, k, kp;
   int type;  // WeightType
+  size_t bytes;  // of w (weight_memory.h)
 };
 
 FloatWeight* float_pack(const void* w, int n, int k, int type);

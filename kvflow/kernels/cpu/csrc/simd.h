@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <cstring>
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__FMA__)
 #include <immintrin.h>
 #endif
 
@@ -33,6 +33,19 @@ inline vfloat widen_bf16(const uint16_t* p) {
   typedef uint16_t vh __attribute__((vector_size(2 * VEC), aligned(2)));
   typedef uint32_t vu __attribute__((vector_size(4 * VEC)));
   return (vfloat)(__builtin_convertvector(*(const vh*)p, vu) << 16);
+#endif
+}
+
+/* acc + a * b with one rounding where the CPU has FMA. Spelled out rather than left to the compiler's
+ * contraction, which may fuse a sum in one tile shape and not in another (float_linear.cpp is compiled
+ * with -ffp-contract=off so that a row's sums do not depend on its batch). */
+inline vfloat fmadd(vfloat a, vfloat b, vfloat acc) {
+#if defined(__AVX512F__)
+  return (vfloat)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)acc);
+#elif defined(__FMA__)
+  return (vfloat)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)acc);
+#else
+  return acc + a * b;
 #endif
 }
 
