@@ -30,6 +30,8 @@ enum WeightType { W_F32 = 0, W_BF16 = 1 };
  * one contiguous run over k: w[(p * kp + c) * LANES_OUT + j] = W[p * LANES_OUT + j, c] (float32, or
  * bf16 widened: kp = k), or for the bf16 dot product pairs of features per channel,
  * w[((p * kp / 2 + c / 2) * LANES_OUT + j) * 2 + c % 2] (kp = k rounded up to even, zero-padded).
+ * (float_linear.cpp groups panels and interleaves a group's panels feature by feature; under AVX2
+ * bf16 panels go in pairs laid out for two unpacks: packed_index there.)
  * A tile reads whole vectors of output channels and broadcasts one input value (or pair): no
  * horizontal sums, and each output's sum runs over k in order whatever the tile. */
 struct FloatWeight {

@@ -1,8 +1,8 @@
 /* Memory for packed weights (float_linear.cpp, block_linear.cpp): a decode step streams every weight
- * from DRAM once, so each 4 KB page is a TLB miss whose page walk itself misses the caches. Where the
- * kernel's transparent huge pages are on request ("madvise", a common default) buffers of 2 MB and
- * more are 2 MB-aligned and asked for huge pages before their first write: on a 2-vCPU AVX2 EPYC,
- * benchmarks/cpu_speed.py --modes fp32, batch-1 decode steps went from 47.6 to 36.1 ms (README). */
+ * from DRAM once, so with 4 KB pages each page is a TLB miss whose page walk itself misses the
+ * caches. Where the kernel's transparent huge pages are on request ("madvise", a common default)
+ * buffers of 2 MB and more are fresh 2 MB-aligned mappings asked for huge pages before their first
+ * write (README, CPU execution, for what it measured). */
 #ifndef KVFLOW_WEIGHT_MEMORY_H
 #define KVFLOW_WEIGHT_MEMORY_H
 
