@@ -131,7 +131,7 @@ def main() -> None:
               max_num_seqs=max(batches), gguf_weights="dequantize")
     hf = None if args.no_hf else load_hf_model(model)
 
-    # The host's bandwidth drifts (other tenants, by up to ~1.4x within minutes on the AVX2 EPYC):
+    # The host's bandwidth drifts (other tenants; 14.2-23.9 GB/s in one session on the AVX2 EPYC):
     # batch 1 runs `--rounds` times, each right after a bandwidth gauge, and the fastest run is set
     # against the floor from the best reading (the strictest floor).
     wbytes = weight_bytes_per_step(llm.engine.runner.model)

@@ -8,7 +8,9 @@
  * weight load serves R rows, nothing needs a horizontal sum, and a thread reads its panels as J
  * sequential streams. Rows beyond R reuse the same panels from L2, and meanwhile fetch the thread's
  * next group of panels into L2, so reading it from memory overlaps arithmetic (batched decode on a
- * 2-vCPU Xeon: the fp32 projections 10-17% faster, benchmarks/cpu_speed.py). This kernel and the fused decode
+ * 2-vCPU Xeon: the fp32 projections 10-17% faster, benchmarks/cpu_speed.py). A single row, bound by memory
+ * alone, instead reads three of the thread's groups at once: three streams keep more of memory's
+ * bandwidth busy than one. This kernel and the fused decode
  * pass over it (decode_pass.cpp) are the autotune's native candidates
  * (kvflow/kernels/cpu/autotune.py).
  *
@@ -41,6 +43,7 @@ namespace {
 // 256-bit load and two unpacks against zero (which put each bf16 in its float's upper half) give
 // both panels' vectors, instead of a widening load and a shift per panel (packed_index).
 #if defined(__AVX2__) && !defined(__AVX512F__)
+#define KVFLOW_PAIRED_BF16 1
 constexpr bool PAIRED_BF16 = true;
 #else
 constexpr bool PAIRED_BF16 = false;
@@ -63,7 +66,7 @@ inline void load_panels(const float* w, vfloat (&wv)[J]) {
 template <int J>
 inline void load_panels(const uint16_t* w, vfloat (&wv)[J]) {
   int j = 0;
-#if defined(__AVX2__) && !defined(__AVX512F__)
+#ifdef KVFLOW_PAIRED_BF16
   const __m256i zero = _mm256_setzero_si256();
   for (; j + 1 < J; j += 2) {
     const __m256i v = _mm256_loadu_si256((const __m256i*)(w + j * LANES_OUT));
@@ -140,6 +143,8 @@ inline void tile_streams(const T* const (&w)[S], int k, const float* __restrict 
     for (int j = 0; j < J; j++) *(vfloat*)(y[s] + j * LANES_OUT) = acc[s][j];
 }
 
+/* The thread's `full` full groups from g0 for one row, S at a time from S separate parts of the range;
+ * how many it took. */
 template <int S, class T>
 inline int one_row_streams(const FloatWeight& p, const float* v, float* out, int g0, int full) {
   const int len = full / S;
@@ -154,6 +159,13 @@ inline int one_row_streams(const FloatWeight& p, const float* v, float* out, int
     tile_streams<S, GROUP>(w, p.k, v, y);
   }
   return S * len;
+}
+
+/* Three streams, then two over what remains; how many groups that took. */
+template <class T>
+inline int one_row(const FloatWeight& p, const float* v, float* out, int g0, int full) {
+  const int three = one_row_streams<3, T>(p, v, out, g0, full);
+  return three + one_row_streams<2, T>(p, v, out, g0 + three, full - three);
 }
 
 #ifdef __AVX512BF16__
@@ -343,13 +355,7 @@ void float_linear_team(const FloatWeight& p, const float* x, long ldx, int m, in
   if (m == 1 && (p.type == W_F32 || !BF16_DOT)) {
     // One row: the thread's full groups three (then two) at a time, from separate parts of its range.
     const int full = std::max(0, std::min(g1, np / GROUP) - g0);
-    if (p.type == W_F32) {
-      g += one_row_streams<3, float>(p, in.f, out, g, full);
-      g += one_row_streams<2, float>(p, in.f, out, g, g0 + full - g);
-    } else {
-      g += one_row_streams<3, uint16_t>(p, in.f, out, g, full);
-      g += one_row_streams<2, uint16_t>(p, in.f, out, g, g0 + full - g);
-    }
+    g += p.type == W_F32 ? one_row<float>(p, in.f, out, g0, full) : one_row<uint16_t>(p, in.f, out, g0, full);
   }
   for (; g < g1; g++) group_rows(std::min(GROUP, np - g * GROUP), p, in, m, g, g + 1 < g1 ? g + 1 : -1, out);
   const int j0 = std::min(n, g0 * GROUP * LANES_OUT), j1 = std::min(n, g1 * GROUP * LANES_OUT);

@@ -2,7 +2,7 @@
  * from DRAM once, so with 4 KB pages each page is a TLB miss whose page walk itself misses the
  * caches. Where the kernel's transparent huge pages are on request ("madvise", a common default)
  * buffers of 2 MB and more are fresh 2 MB-aligned mappings asked for huge pages before their first
- * write (README, CPU execution, for what it measured). */
+ * write (README, session 13's figures, for what it measured). */
 #ifndef KVFLOW_WEIGHT_MEMORY_H
 #define KVFLOW_WEIGHT_MEMORY_H
 
@@ -17,29 +17,31 @@ namespace kvflow {
 
 constexpr size_t HUGE_PAGE = size_t(2) << 20;
 
+/* Whole huge pages spanning `bytes`. */
+inline size_t huge_span(size_t bytes) { return (bytes + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE; }
+
 /* `bytes` of 64-byte-aligned memory; from 2 MB up a fresh mapping aligned to 2 MB with huge pages
  * requested before anything touches it (reused heap memory would already sit in 4 KB pages). Give it
  * back with free_weights(p, bytes). */
 inline void* alloc_weights(size_t bytes) {
   if (bytes < HUGE_PAGE) return std::aligned_alloc(64, (bytes + 63) / 64 * 64);
-  const size_t rounded = (bytes + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE;
-  void* map = mmap(nullptr, rounded + HUGE_PAGE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  const size_t span = huge_span(bytes);
+  // One huge page more than needed, then the slack before and after the aligned span unmapped.
+  char* map = static_cast<char*>(mmap(nullptr, span + HUGE_PAGE, PROT_READ | PROT_WRITE,
+                                      MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
   if (map == MAP_FAILED) return nullptr;
-  // Keep the 2 MB-aligned span, unmap the slack around it.
-  const uintptr_t start = reinterpret_cast<uintptr_t>(map);
-  const uintptr_t aligned = (start + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE;
-  if (aligned > start) munmap(map, aligned - start);
-  if (HUGE_PAGE - (aligned - start) > 0) munmap(reinterpret_cast<void*>(aligned + rounded), HUGE_PAGE - (aligned - start));
-  void* p = reinterpret_cast<void*>(aligned);
+  const size_t head = (HUGE_PAGE - reinterpret_cast<uintptr_t>(map) % HUGE_PAGE) % HUGE_PAGE;
+  if (head) munmap(map, head);
+  munmap(map + head + span, HUGE_PAGE - head);
   // Only a request: without THP (or with it "never") the buffer keeps 4 KB pages.
-  madvise(p, rounded, MADV_HUGEPAGE);
-  return p;
+  madvise(map + head, span, MADV_HUGEPAGE);
+  return map + head;
 }
 
 inline void free_weights(void* p, size_t bytes) {
   if (!p) return;
   if (bytes < HUGE_PAGE) return std::free(p);
-  munmap(p, (bytes + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE);
+  munmap(p, huge_span(bytes));
 }
 
 /* std::vector's allocator over alloc_weights. */
