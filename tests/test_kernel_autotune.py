@@ -81,6 +81,18 @@ def test_native_gemv_fused_prologues(n, k):
         kern(x, silu_mul=True)
 
 
+def test_native_silu_mul_within_a_few_ulp_over_its_range():
+    """The prologue's own vector exp: through an identity weight each output is silu(g) * u itself,
+    set against float64 over gates from -100 to 100 (past exp's clamp), with a tail of 13 features."""
+    k = 2 * 16 * 64 + 13
+    gate = torch.linspace(-100, 100, k)
+    up = torch.linspace(0.5, 2.0, k).flip(0)
+    kern = make_path_kernel("native", torch.eye(k), None)
+    got = kern(torch.cat([gate, up]).unsqueeze(0), silu_mul=True)[0].double()
+    ref = F.silu(gate.double()) * up.double()
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-30)
+
+
 @pytest.mark.parametrize("n", [130, 520])
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
 def test_native_gemv_is_batch_invariant(wdtype, n):

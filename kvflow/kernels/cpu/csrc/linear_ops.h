@@ -7,6 +7,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+
+#include "simd.h"
 
 namespace kvflow {
 
@@ -30,15 +33,19 @@ inline void prologue(int kind, const float* __restrict x, int k, const float* __
     const float inv = 1.f / std::sqrt(ss / (float)k + eps);
     for (int c = 0; c < k; c++) v[c] = x[c] * inv * norm_w[c];
   } else if (kind == SILU_MUL) {
+    // silu(g) * u = g / (1 + exp(-g)) * u, VEC values at a time; a tail goes through the same
+    // vector code, padded.
     const float* __restrict up = x + k;
-    for (int i = 0; i < k; i += LANES) {
-      float e[LANES];
-      const int n = std::min(LANES, k - i);
-      // exp(80) is finite in float: built with -ffast-math, an inf here would not divide to 0.
-      for (int j = 0; j < LANES; j++) e[j] = j < n ? std::min(-x[i + j], 80.f) : 0.f;
-#pragma omp simd
-      for (int j = 0; j < LANES; j++) e[j] = expf(e[j]);
-      for (int j = 0; j < n; j++) v[i + j] = x[i + j] / (1.f + e[j]) * up[i + j];
+    const auto silu_mul = [](vfloat g, vfloat u) { return g / (1.f + exp_clamped(-g)) * u; };
+    int i = 0;
+    for (; i + VEC <= k; i += VEC)
+      *(vfloat*)(v + i) = silu_mul(*(const vfloat*)(x + i), *(const vfloat*)(up + i));
+    if (i < k) {
+      vfloat g = vfloat{}, u = vfloat{};
+      std::memcpy(&g, x + i, (k - i) * sizeof(float));
+      std::memcpy(&u, up + i, (k - i) * sizeof(float));
+      const vfloat y = silu_mul(g, u);
+      std::memcpy(v + i, &y, (k - i) * sizeof(float));
     }
   } else {
     for (int c = 0; c < k; c++) v[c] = x[c];

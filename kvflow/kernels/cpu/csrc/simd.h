@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 
 #if defined(__AVX512F__) || defined(__FMA__)
 #include <immintrin.h>
@@ -47,6 +48,48 @@ inline vfloat fmadd(vfloat a, vfloat b, vfloat acc) {
 #else
   return acc + a * b;
 #endif
+}
+
+// VEC int32 lanes, as vfloat's.
+typedef int32_t vint __attribute__((vector_size(4 * VEC), aligned(4)));
+
+/* Each lane rounded to the nearest integer (ties to even, the CPU's default rounding). An intrinsic,
+ * not the (t + 1.5 * 2^23) - 1.5 * 2^23 trick, which -ffast-math would fold away. */
+inline vint round_to_int(vfloat t) {
+#if defined(__AVX512F__)
+  return (vint)_mm512_cvtps_epi32((__m512)t);
+#elif defined(__AVX__)
+  return (vint)_mm256_cvtps_epi32((__m256)t);
+#else
+  vint n;
+  for (int j = 0; j < VEC; j++) n[j] = (int32_t)__builtin_lrintf(t[j]);
+  return n;
+#endif
+}
+
+/* exp of each lane, x clamped to [-86, 86]: Cephes' expf -- x = n ln2 + r with |r| <= ln2 / 2, a
+ * degree-7 polynomial in r, 2^n added to the exponent bits -- in vector registers, where glibc's
+ * expf ran one lane at a time in the loops it was called from (2.8 ns an element on the AVX-512
+ * EPYC; this 0.37). Within 1 ulp of exp over the range (checked against double precision). The
+ * steps go through fmadd: -ffast-math may not merge the two parts of ln2 (Cody-Waite) back into one,
+ * which cost 67 ulp at x = -72. Every lane takes the same path, so a value's result does not depend
+ * on its neighbours. */
+inline vfloat exp_clamped(vfloat x) {
+  const vfloat lo = vfloat{} - 86.f, hi = vfloat{} + 86.f;
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+  const vint n = round_to_int(x * 1.44269504088896341f);
+  const vfloat nf = __builtin_convertvector(n, vfloat);
+  vfloat r = fmadd(nf, vfloat{} - 0.693359375f, x);
+#if !defined(__AVX512F__) && !defined(__FMA__)
+  __asm__("" : "+m"(r));  // (fmadd is a plain a * b + c here: keep the two subtractions apart)
+#endif
+  r = fmadd(nf, vfloat{} + 2.12194440e-4f, r);
+  vfloat y = vfloat{} + 1.9875691500E-4f;
+  for (const float c : {1.3981999507E-3f, 8.3334519073E-3f, 4.1665795894E-2f, 1.6666665459E-1f, 5.0000001201E-1f})
+    y = fmadd(y, r, vfloat{} + c);
+  y = fmadd(y, r * r, r) + 1.f;
+  return (vfloat)((vint)y + (n << 23));
 }
 
 inline float bf16_to_f32(uint16_t h) {
