@@ -1,11 +1,13 @@
-"""The native decode-attention kernel alone: one layer's attention for `--rows` decode rows, each
-with a `--context`-token context, on the default model's shape (9 query heads, 3 KV heads,
-head_dim 64), with a warm cache or (`--caches 30`) rotating through one per layer. Prints
-microseconds per layer, x30 (one step of the default model) and GFLOP/s (4 flops per query-head x
-key x dim: the scores and the weighted sum).
+"""The paged-attention kernel alone: one layer's attention for `--rows` sequences of `--context`
+tokens whose last `--chunk` are new (1: decode rows; the context: whole prompts, causal), on the
+default model's shape (9 query heads, 3 KV heads, head_dim 64), with a warm cache or (`--caches
+30`) rotating through one per layer; `--backend torch` runs the gather + SDPA reference path
+instead of the native kernel. Prints microseconds per layer, x30 (one step of the default model)
+and GFLOP/s (4 flops per query-head x key x dim: the scores and the weighted sum).
 
     python benchmarks/decode_attention.py --rows 32 --context 100 --kv-cache-dtype int8
     python benchmarks/decode_attention.py --rows 64 --context 300 --dtype bfloat16
+    python benchmarks/decode_attention.py --rows 11 --context 186 --chunk 186 --backend torch
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import time
 
 import torch
 
-from kvflow.layers.attention import SeqLayout
+from kvflow.layers.attention import SeqLayout, TorchPagedAttention
 from kvflow.kernels.cpu.paged_attention import CpuPagedAttention
 
 HEADS, KV_HEADS, HEAD_DIM, LAYERS = 9, 3, 64, 30  # SmolLM2-135M
@@ -29,6 +31,8 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", choices=("auto", "int8"), default="auto")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                     help="the model's dtype (with --kv-cache-dtype auto: the cache's)")
+    ap.add_argument("--chunk", type=int, default=1, help="new tokens per sequence (1: decode)")
+    ap.add_argument("--backend", choices=("native", "torch"), default="native")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--caches", type=int, default=1,
@@ -37,8 +41,10 @@ def main() -> None:
     args = ap.parse_args()
 
     bs = args.block_size
+    if not 1 <= args.chunk <= args.context:
+        ap.error(f"--chunk must be 1..--context ({args.context}), got {args.chunk}")
     per_seq = -(-args.context // bs) + 1
-    attn = CpuPagedAttention(bs, None, torch.device("cpu"))
+    attn = (CpuPagedAttention if args.backend == "native" else TorchPagedAttention)(bs, None, torch.device("cpu"))
     dtype = getattr(torch, args.dtype)
     caches = attn.allocate_kv_cache(args.caches, args.rows * per_seq, KV_HEADS, HEAD_DIM, dtype, args.kv_cache_dtype)
     g = torch.Generator().manual_seed(0)
@@ -48,22 +54,29 @@ def main() -> None:
         else:
             cache.data.copy_(torch.randint(-100, 100, cache.data.shape, generator=g))
             cache.scale.fill_(0.01)
-    seqs = [SeqLayout(args.context - 1, 1, list(range(i * per_seq, (i + 1) * per_seq))) for i in range(args.rows)]
-    group = attn.build_metadata(seqs).groups[0]
-    q = torch.randn(args.rows, HEADS, HEAD_DIM, generator=g).to(dtype)
+    start = args.context - args.chunk
+    seqs = [SeqLayout(start, args.chunk, list(range(i * per_seq, (i + 1) * per_seq))) for i in range(args.rows)]
+    meta = attn.build_metadata(seqs)
+    q = torch.randn(args.rows * args.chunk, HEADS, HEAD_DIM, generator=g).to(dtype)
+
+    def attend(cache) -> None:
+        out = None
+        for group in meta.groups:
+            out = attn._attend(q, cache, group, HEAD_DIM ** -0.5, out)
 
     for i in range(20):
-        attn._attend(q, caches[i % len(caches)], group, HEAD_DIM ** -0.5, None)
+        attend(caches[i % len(caches)])
     times = []
     for i in range(args.iters):
         cache = caches[i % len(caches)]
         t = time.perf_counter()
-        attn._attend(q, cache, group, HEAD_DIM ** -0.5, None)
+        attend(cache)
         times.append(time.perf_counter() - t)
     med = statistics.median(times)
-    flops = 4 * args.rows * HEADS * args.context * HEAD_DIM
+    keys = sum(p + 1 for p in range(start, args.context))  # per sequence: each new row's context
+    flops = 4 * args.rows * HEADS * keys * HEAD_DIM
     kv = args.dtype if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
-    print(f"{args.rows} rows x {args.context}-token contexts, KV {kv}, {torch.get_num_threads()} "
+    print(f"{args.backend}: {args.rows} x {args.chunk} new of {args.context}-token contexts, KV {kv}, {torch.get_num_threads()} "
           f"threads: median {med * 1e6:.0f} us a layer (min {min(times) * 1e6:.0f}), x{LAYERS} = "
           f"{med * LAYERS * 1e3:.2f} ms, {flops / med / 1e9:.1f} GFLOP/s")
 

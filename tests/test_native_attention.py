@@ -1,5 +1,5 @@
-"""The native CPU paged-attention kernel (decode rows read from the paged cache in place) against a
-float64 brute-force recomputation and against the torch gather+SDPA path."""
+"""The native CPU paged-attention kernel (every query row, decode or prefill, read from the paged
+cache in place) against a float64 brute-force recomputation and against the torch gather+SDPA path."""
 
 from __future__ import annotations
 
@@ -43,6 +43,20 @@ def test_kernel_matches_float64_and_torch(kv_dtype, heads, kv_heads, head_dim, w
     assert (outs["native"].double() - ref).abs().max() < 2e-5
     assert (outs["torch"].double() - ref).abs().max() < 2e-5
     assert (outs["native"] - outs["torch"]).abs().max() < 2e-5
+
+
+def test_native_metadata_is_one_group_and_the_decode_pass_only_takes_decodes():
+    """Every row of a step is one native group; a step carrying any prefill row (even a lone chunk, one
+    group alone) is not handed to the decode pass."""
+    attn = CpuPagedAttention(4, None, CPU)
+    mixed = attn.build_metadata([SeqLayout(5, 1, [3, 1]), SeqLayout(0, 3, [6])])
+    (g,) = mixed.groups
+    assert g.tokens.tolist() == [0, 1, 2, 3] and g.context_lens.tolist() == [6, 1, 2, 3]
+    assert g.tables[:, 0].tolist() == [3, 6, 6, 6]
+    assert attn.decode_group(mixed) is None
+    assert attn.decode_group(attn.build_metadata([SeqLayout(2, 4, [1, 2])])) is None
+    decodes = attn.build_metadata([SeqLayout(5, 1, [3, 1]), SeqLayout(2, 1, [6])])
+    assert attn.decode_group(decodes) is decodes.groups[0]
 
 
 def test_kernel_reads_q_with_a_row_stride():
