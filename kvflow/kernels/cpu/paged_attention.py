@@ -6,9 +6,10 @@ keys of its sequence up to its own position (causal by construction, a sliding w
 start), walked through the block table where they lie. Nothing is gathered, nothing is padded to
 the longest context, and blocks that several sequences share (prefix caching) are read from cache,
 not copied. Prefill rows went through scaled_dot_product_attention before: on the AVX-512 EPYC of
-2026-12-02, 11 chunks of 186 tokens took 10.2 ms a layer there in float32 against 5.1 here (bf16
-cache: 12.4 against 9.7 with the conversions around the call); one 2,040-token prompt about the
-same either way (`benchmarks/prefill_attention.py`). The cache write of every step, and the rotary
+2026-12-02 a layer of eleven 186-token prompts took 7.8 ms there in float32 (8.7 with a bf16 cache)
+against 4.9 (5.0) here; one 2,040-token prompt 53.3 ms against SDPA's 42.0 in float32 (each row
+sweeps a context whose K/V outgrow L2) but 48.1 against 61.8 in bf16 (`benchmarks/decode_attention.py
+--chunk`, README). The cache write of every step, and the rotary
 the native linear paths use, run in the same library with the same code as the native decode pass
 (csrc/attention.h), which the backend hands to a model that can take it (`decode_pass`).
 """
