@@ -7,9 +7,9 @@ start), walked through the block table where they lie. Nothing is gathered, noth
 the longest context, and blocks that several sequences share (prefix caching) are read from cache,
 not copied. Prefill rows went through scaled_dot_product_attention before: on the AVX-512 EPYC of
 2026-12-02 a layer of eleven 186-token prompts took 7.8 ms there in float32 (8.7 with a bf16 cache)
-against 4.9 (5.0) here; one 2,040-token prompt 53.3 ms against SDPA's 42.0 in float32 (each row
-sweeps a context whose K/V outgrow L2) but 48.1 against 61.8 in bf16 (`benchmarks/decode_attention.py
---chunk`, README). The cache write of every step, and the rotary
+against 4.4-4.8 (3.6-4.3) here, one 2,040-token prompt 42.0 (61.8) against 40.0 (38.6)
+(`benchmarks/decode_attention.py --chunk`, README). Rows that share sequences run head-major
+(`head_major`, csrc/attention.h's attend_rows). The cache write of every step, and the rotary
 the native linear paths use, run in the same library with the same code as the native decode pass
 (csrc/attention.h), which the backend hands to a model that can take it (`decode_pass`).
 """
@@ -51,7 +51,7 @@ class NativeGroup:
 
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 _SIGNATURES = {
-    "kvflow_paged_attention": ([_P, _L, _P, _P, _I, _P, _L, _P, _P, _I, _I, _I, _I, _I, _I, _F, _P, _I], _I),
+    "kvflow_paged_attention": ([_P, _L, _P, _P, _I, _P, _L, _P, _P, _I, _I, _I, _I, _I, _I, _F, _P, _I, _I], _I),
     "kvflow_rotary": ([_P, _L, _I, _I, _I, _P, _P, _I], None),
     "kvflow_write_kv": ([_P, _L, _P, _I, _P, _P, _I, _I, _I, _I], None),
 }
@@ -147,7 +147,7 @@ class CpuPagedAttention(TorchPagedAttention):
             q.data_ptr(), q.stride(0), data.data_ptr(), None if scales is None else scales.data_ptr(),
             KV_FORMATS[data.dtype], g.tables.data_ptr(), g.tables.stride(0), g.context_lens.data_ptr(),
             g.tokens.data_ptr(), len(g.tokens), num_heads, data.shape[3], head_dim, self.block_size,
-            self.sliding_window or 0, scale, dst.data_ptr(), torch.get_num_threads())
+            self.sliding_window or 0, scale, dst.data_ptr(), torch.get_num_threads(), int(not g.decode_only))
         if rc != 0:
             raise RuntimeError(f"native paged attention refused head_dim={head_dim}, heads={num_heads}/{data.shape[3]}")
         return dst if dst.dtype == dtype else dst.to(dtype)

@@ -325,17 +325,21 @@ static inline int check_shape(int num_heads, int kv_heads, int head_dim) {
 static inline void attend_rows(const float *q, long q_row_stride, const void *kv, const float *scales, int fmt,
                         const int32_t *tables, long table_stride, const int32_t *context_lens,
                         const int32_t *tokens, int rows, int num_heads, int kv_heads, int head_dim,
-                        int block_size, int window, float scale, float *out) {
+                        int block_size, int window, float scale, float *out, int head_major = 0) {
     const int group = num_heads / kv_heads;
     /* A task per row (its kv heads one after another on one thread, over the same block table and
      * the same pages of cache) where the rows alone keep every thread busy; else a task per (row, kv
-     * head). Each head's result is the same either way. */
-    const int per_task = rows >= 4 * omp_get_num_threads() ? kv_heads : 1;
+     * head). head_major (rows that share their sequences: prefill chunks): a task per (row, kv head),
+     * all rows of head 0 first, so a thread's next rows sweep the same head's keys and values while
+     * they are still in L2 (a row sweeping all its heads outgrew L2 on long float32 contexts). Each
+     * head's result is the same either way. */
+    const int per_task = !head_major && rows >= 4 * omp_get_num_threads() ? kv_heads : 1;
     const long tasks = (long)rows * kv_heads;
 #pragma omp for schedule(dynamic, 1)
     for (long first = 0; first < tasks; first += per_task)
     for (long task = first; task < first + per_task; task++) {
-        const int r = (int)(task / kv_heads), h = (int)(task % kv_heads);
+        const int r = head_major ? (int)(task % rows) : (int)(task / kv_heads);
+        const int h = head_major ? (int)(task / rows) : (int)(task % kv_heads);
         const int end = context_lens[r];
         int begin = window > 0 ? end - window : 0;
         if (begin < 0) begin = 0;
