@@ -18,7 +18,7 @@ of a shared machine falls on every mode alike:
 * offline throughput: 64 requests submitted at once through LLM.generate, prompts 32-256 tokens
   (uniform), outputs 5-256 tokens (log-normal quantiles, median 87), ignore_eos, seeded; output
   tok/s over the whole run;
-* where a decode step's time goes, at batch 1 and 32 (~100-token contexts): matmuls (every
+* where a decode step's time goes, at batch 1 and 32 (`--breakdown-context` prompt tokens, 100 by default): matmuls (every
   projection + lm_head, per-token activation quantization included; int8 also runs the RMSNorms
   and silu*mul inside its projection calls), attention (cache write, then the native decode kernel
   or gather + SDPA), other model ops (norms, rotary, residuals, activation, embedding), attention
@@ -193,9 +193,10 @@ class _TimedPass:
         return self._timed(*a)
 
 
-def breakdown(llm, prompts: Prompts, batch: int, steps: int = 24,
-              per_layer: bool = False) -> tuple[dict[str, float], float, float]:
-    """ms per decode step by component, at `batch` concurrent decodes (context ~100-130 tokens).
+def breakdown(llm, prompts: Prompts, batch: int, steps: int = 24, per_layer: bool = False,
+              context: int = 100) -> tuple[dict[str, float], float, float]:
+    """ms per decode step by component, at `batch` concurrent decodes (`context`-token prompts, then
+    ~30 more).
     per_layer: an int8 engine's decode steps take the per-layer path instead of the one-call native
     pass (whose layers cannot be timed piece by piece from Python)."""
     from kvflow import SamplingParams
@@ -230,7 +231,7 @@ def breakdown(llm, prompts: Prompts, batch: int, steps: int = 24,
 
     params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
     for _ in range(batch):
-        eng.add_request(None, prompts.ids(100), params)
+        eng.add_request(None, prompts.ids(context), params)
     while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in
               list(eng.scheduler.running) + list(eng.scheduler.waiting)):
         eng.step()
@@ -289,6 +290,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument("--breakdown-batches", default="1,32", help="e.g. 1,32 ('' to skip)")
+    ap.add_argument("--breakdown-context", type=int, default=100, help="prompt tokens of each breakdown request")
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds of the decode / prefill measurements")
     ap.add_argument("--kv-cache-gb", type=float, default=2.0, help="KV cache budget of each engine")
     args = ap.parse_args()
@@ -339,9 +341,10 @@ def main() -> int:
     breakdowns = {}
     for b in batches:
         for mode in modes:
-            breakdowns[mode, b] = breakdown(llms[mode], prompts, b)
+            breakdowns[mode, b] = breakdown(llms[mode], prompts, b, context=args.breakdown_context)
             if llms[mode].engine.runner.model.native_decode is not None:
-                breakdowns[f"{mode} (per-layer path)", b] = breakdown(llms[mode], prompts, b, per_layer=True)
+                breakdowns[f"{mode} (per-layer path)", b] = breakdown(llms[mode], prompts, b, per_layer=True,
+                                                                      context=args.breakdown_context)
     rows = []
     for mode in modes:
         eng = llms[mode].engine

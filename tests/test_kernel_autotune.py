@@ -93,16 +93,28 @@ def test_native_silu_mul_within_a_few_ulp_over_its_range():
     torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-30)
 
 
-@pytest.mark.parametrize("n", [130, 520])
+@pytest.mark.parametrize("n,k", [(130, 200), (520, 200), (130, 96)])
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
-def test_native_gemv_is_batch_invariant(wdtype, n):
+def test_native_gemv_is_batch_invariant(wdtype, n, k):
+    """(k = 96: bf16 through AMX tiles where the CPU has them, whose calls pad rows to 16.)"""
     g = torch.Generator().manual_seed(3)
-    w, x = torch.randn(n, 200, generator=g).to(wdtype), torch.randn(7, 200, generator=g)
+    w, x = torch.randn(n, k, generator=g).to(wdtype), torch.randn(21, k, generator=g)
     kern = make_path_kernel("native", w, None)
     together = kern(x)
-    for r in range(7):
+    for r in range(21):
         assert torch.equal(kern(x[r:r + 1]), together[r:r + 1])
     assert torch.equal(kern(x[2:5]), together[2:5])
+    assert torch.equal(kern(x[3:20]), together[3:20])
+
+
+def test_bf16_products_run_where_the_cpu_has_them():
+    """AMX tiles where /proc/cpuinfo lists amx_bf16 (and the kernel asked Linux for them), vdpbf16ps
+    where it lists avx512_bf16, widened weights elsewhere: what the README promises per CPU."""
+    from kvflow.kernels.cpu.float_linear import bf16_amx, bf16_dot
+
+    flags = set(native.cpu_id().split("|", 1)[1].split())
+    assert bf16_dot() == ("avx512_bf16" in flags)
+    assert bf16_amx() == ("amx_bf16" in flags and "amx_tile" in flags and "avx512_bf16" in flags)
 
 
 @pytest.mark.parametrize("path", autotune.candidates(torch.float32))

@@ -45,6 +45,27 @@ def test_kernel_matches_float64_and_torch(kv_dtype, heads, kv_heads, head_dim, w
     assert (outs["native"] - outs["torch"]).abs().max() < 2e-5
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_row_same_bits_alone_or_in_a_batch(dtype):
+    """A decode row alone runs as (row, kv head) tasks; among many rows as one task sweeping all its
+    heads chunk by chunk (the fixed-shape path: head_dim 64, 3 query heads per kv head). Its result
+    is the same bit for bit either way, and matches float64."""
+    gen = torch.Generator().manual_seed(5)
+    bs, rows, ctx = 16, 64, 75  # 75: a partial last block, chunks of 16 keys
+    attn = CpuPagedAttention(bs, None, CPU)
+    per_seq = -(-ctx // bs)
+    cache = random_kv_cache(attn, rows * per_seq, 3, 64, "auto", gen, dtype)
+    perm = torch.randperm(rows * per_seq, generator=gen).tolist()
+    seqs = [SeqLayout(ctx - 1, 1, perm[i * per_seq:(i + 1) * per_seq]) for i in range(rows)]
+    q = torch.randn(rows, 9, 64, generator=gen)
+    together = attn._attend(q, cache, attn.build_metadata(seqs).groups[0], 0.125, None)
+    for r in (0, 7, rows - 1):
+        alone = attn._attend(q[r:r + 1], cache, attn.build_metadata([seqs[r]]).groups[0], 0.125, None)
+        assert torch.equal(alone, together[r:r + 1])
+    ref = paged_attention_reference(q, cache, seqs, bs, 0.125, None).reshape(rows, -1)
+    assert (together.double() - ref).abs().max() < 2e-5
+
+
 def test_native_metadata_is_one_group_and_the_decode_pass_only_takes_decodes():
     """Every row of a step is one native group; a step carrying any prefill row (even a lone chunk, one
     group alone) is not handed to the decode pass."""

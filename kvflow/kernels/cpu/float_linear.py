@@ -2,8 +2,8 @@
 over a packed copy of the weight (panels of output channels, register tiles of rows x panels),
 with the norm / activation that feeds the projection and the residual in the same call. float32
 sums; the weight in float32, or in bfloat16 (half the bytes a decode step reads: through the CPU's
-bf16 dot product on bf16-rounded inputs where it has AVX512-BF16, `bf16_dot`, else widened in
-registers). The ``native`` path of kvflow.layers.linear for float32 and bfloat16 models.
+bf16 dot product on bf16-rounded inputs where it has AVX512-BF16, `bf16_dot` -- on AMX tiles where
+it has those, `bf16_amx` -- else widened in registers). The ``native`` path of kvflow.layers.linear for float32 and bfloat16 models.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ _SIGNATURES = {
     "kvflow_float_unpack": ([_P, _P], None),
     "kvflow_float_linear": ([_P, _P, _L, _I, _I, _P, _F, _P, _P, _L, _P, _I], None),
     "kvflow_float_bf16_dot": ([], _I),
+    "kvflow_float_amx": ([], _I),
 }
 WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1}  # enum WeightType in csrc/float_linear.h
 
@@ -40,6 +41,13 @@ def bf16_dot() -> bool:
     rounded to bf16 once per call), rather than widened to meet float32 inputs."""
     lib = float_library()
     return lib is not None and bool(lib.kvflow_float_bf16_dot())
+
+
+def bf16_amx() -> bool:
+    """Whether those bf16 products run on AMX tiles here (Xeons since Sapphire Rapids; projections
+    whose in_features are a multiple of 32), rather than through vdpbf16ps."""
+    lib = float_library()
+    return lib is not None and bool(lib.kvflow_float_amx())
 
 
 class NativeFloatKernel:

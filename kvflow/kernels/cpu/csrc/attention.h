@@ -24,6 +24,9 @@ using kvflow::vfloat;
 #define MAX_HEAD_DIM 256
 #define MAX_GROUP 32
 #define CHUNK 32 /* keys scored per online-softmax update */
+
+
+#define MAX_SWEEP_HEADS 8 /* kv heads a row task sweeps together (attend_fixed) */
 #define PARALLEL_MIN 65536 /* elements below which rotary / cache writes stay on one thread */
 #define MIN_KV_SCALE 1e-12f /* as kvflow.layers.quant: an all-zero vector quantizes to zeros */
 
@@ -237,69 +240,138 @@ static inline void fold_keys(vfloat *p, int count) {
     if constexpr (W > 1) fold_keys<W / 2>(p, count / 2);
 }
 
+/* One kv head's running attention for its G query heads: the scaled queries, the accumulators,
+ * the running max and sum of the online softmax. */
+template <int D, int G>
+struct HeadState {
+    vfloat qv[G][D / VEC], acc[G][D / VEC];
+    float m[G], l[G];
+
+    inline void start(const float *restrict q, float scale) {
+        for (int g = 0; g < G; g++) {
+            for (int i = 0; i < D / VEC; i++) {
+                qv[g][i] = *(const vfloat *)(q + g * D + i * VEC) * scale;
+                acc[g][i] = vfloat{};
+            }
+            m[g] = -1e30f;
+            l[g] = 0.f;
+        }
+    }
+
+    inline void finish(float *restrict out) const {
+        for (int g = 0; g < G; g++) {
+            const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
+            for (int i = 0; i < D / VEC; i++) *(vfloat *)(out + g * D + i * VEC) = acc[g][i] * inv;
+        }
+    }
+};
+
+/* Keys and values [slot0, slot0 + n) of head h (n <= CHUNK, one block's) into st. always_inline: in
+ * attend_fixed's loop the state stays in registers. */
+template <int D, int G, int FMT>
+static inline __attribute__((always_inline)) void attend_chunk(HeadState<D, G> &st, const void *kv, long slot0,
+                                                               int n, long tok_stride, long v_off, int h) {
+    constexpr int NV = D / VEC;
+    // Register copies for the chunk (gcc may leave a state this large in memory otherwise).
+    vfloat qv[G][NV], acc[G][NV];
+    for (int g = 0; g < G; g++)
+        for (int i = 0; i < NV; i++) {
+            qv[g][i] = st.qv[g][i];
+            acc[g][i] = st.acc[g][i];
+        }
+    float s[G][CHUNK + VEC];
+    for (int j0 = 0; j0 < n; j0 += VEC) {  /* VEC keys at a time; past n: zero rows */
+        vfloat k[VEC][NV];
+        for (int j = 0; j < VEC; j++) {
+            if (j0 + j < n)
+                load_row<D, FMT>(kv, (slot0 + j0 + j) * tok_stride + (long)h * D, k[j]);
+            else
+                for (int i = 0; i < NV; i++) k[j][i] = vfloat{};
+        }
+        for (int g = 0; g < G; g++) {
+            vfloat p[VEC];
+            for (int j = 0; j < VEC; j++) {
+                p[j] = qv[g][0] * k[j][0];
+                for (int i = 1; i < NV; i++) p[j] += qv[g][i] * k[j][i];
+            }
+            fold_keys(p, VEC);
+            *(vfloat *)(s[g] + j0) = p[0];
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        const float corr = softmax_chunk(s[g], n, &st.m[g], &st.l[g]);
+        for (int i = 0; i < NV; i++) acc[g][i] *= corr;
+    }
+    for (int j = 0; j < n; j++) {
+        vfloat v[NV];
+        load_row<D, FMT>(kv, (slot0 + j) * tok_stride + v_off + (long)h * D, v);
+        for (int g = 0; g < G; g++)
+            for (int i = 0; i < NV; i++) acc[g][i] += s[g][j] * v[i];
+    }
+    for (int g = 0; g < G; g++)
+        for (int i = 0; i < NV; i++) st.acc[g][i] = acc[g][i];
+}
+
+template <int D, int G, int FMT>
+static void attend_one(const float *restrict q, const void *kv, const int32_t *restrict table, int begin, int end,
+                       int block_size, long tok_stride, long v_off, int h, float scale, float *restrict out) {
+    HeadState<D, G> st;
+    st.start(q, scale);
+    for (int t = begin; t < end;) {
+        const int off = t % block_size;
+        const int n = std::min(std::min(block_size - off, CHUNK), end - t);
+        attend_chunk<D, G, FMT>(st, kv, (long)table[t / block_size] * block_size + off, n, tok_stride, v_off, h);
+        t += n;
+    }
+    st.finish(out);
+}
+
+/* Keys [begin, end) of kv heads [h, h + heads), chunk by chunk (a block's part at most): each chunk
+ * for every head before the next chunk. With all of a row's heads (heads = kv_heads) the row's
+ * slots are read front to back, each once (a slot holds every head's key and value side by side),
+ * where a head at a time reads a slot's 2 * D elements of each 2 * kv_heads * D in kv_heads separate
+ * sweeps, which the hardware prefetchers follow badly: on a 2-vCPU AMX Xeon a layer of 16 decode
+ * rows over 415-token bf16 contexts read from memory took 491 us against 305 us for the same bytes
+ * with one kv head (benchmarks/decode_attention.py --caches 30). While a chunk computes, the next
+ * one's slots are fetched into L2 (a block's successor lies anywhere in the pool): 469 -> 367 us
+ * there, and 1512 -> 1164 us for 64 rows of 330 tokens; fetching two chunks ahead was no faster.
+ * Each head's sums are the same either way. */
 template <int D, int G, int FMT>
 static inline void attend_fixed(const float *restrict q, const void *kv,
                                 const int32_t *restrict table, int begin, int end, int kv_heads, int block_size,
-                                int h, float scale, float *restrict out) {
-    constexpr int NV = D / VEC;
-    vfloat qv[G][NV], acc[G][NV];
-    float m[G], l[G], s[G][CHUNK + VEC];
+                                int h, int heads, float scale, float *restrict out) {
     const long tok_stride = 2L * kv_heads * D, v_off = (long)kv_heads * D;
-    for (int g = 0; g < G; g++) {
-        for (int i = 0; i < NV; i++) {
-            qv[g][i] = *(const vfloat *)(q + g * D + i * VEC) * scale;
-            acc[g][i] = vfloat{};
-        }
-        m[g] = -1e30f;
-        l[g] = 0.f;
+    if (heads == 1) {
+        attend_one<D, G, FMT>(q, kv, table, begin, end, block_size, tok_stride, v_off, h, scale, out);
+        return;
     }
+    HeadState<D, G> st[MAX_SWEEP_HEADS];
+    for (int i = 0; i < heads; i++) st[i].start(q + (long)i * G * D, scale);
+    const long slot_bytes = tok_stride * (FMT == KV_F32 ? 4 : 2);
     for (int t = begin; t < end;) {
         const int off = t % block_size;
         const int n = std::min(std::min(block_size - off, CHUNK), end - t);
         const long slot0 = (long)table[t / block_size] * block_size + off;
-        for (int j0 = 0; j0 < n; j0 += VEC) {  /* VEC keys at a time; past n: zero rows */
-            vfloat k[VEC][NV];
-            for (int j = 0; j < VEC; j++) {
-                if (j0 + j < n)
-                    load_row<D, FMT>(kv, (slot0 + j0 + j) * tok_stride + (long)h * D, k[j]);
-                else
-                    for (int i = 0; i < NV; i++) k[j][i] = vfloat{};
-            }
-            for (int g = 0; g < G; g++) {
-                vfloat p[VEC];
-                for (int j = 0; j < VEC; j++) {
-                    p[j] = qv[g][0] * k[j][0];
-                    for (int i = 1; i < NV; i++) p[j] += qv[g][i] * k[j][i];
-                }
-                fold_keys(p, VEC);
-                *(vfloat *)(s[g] + j0) = p[0];
-            }
+        if (t + n < end) {  /* the next chunk's slots, every head's, into L2 meanwhile */
+            const int t2 = t + n, n2 = std::min(std::min(block_size - t2 % block_size, CHUNK), end - t2);
+            const char *next = (const char *)kv + ((long)table[t2 / block_size] * block_size + t2 % block_size) * slot_bytes;
+            for (long b = 0; b < n2 * slot_bytes; b += 64) __builtin_prefetch(next + b, 0, 2);
         }
-        for (int g = 0; g < G; g++) {
-            const float corr = softmax_chunk(s[g], n, &m[g], &l[g]);
-            for (int i = 0; i < NV; i++) acc[g][i] *= corr;
-        }
-        for (int j = 0; j < n; j++) {
-            vfloat v[NV];
-            load_row<D, FMT>(kv, (slot0 + j) * tok_stride + v_off + (long)h * D, v);
-            for (int g = 0; g < G; g++)
-                for (int i = 0; i < NV; i++) acc[g][i] += s[g][j] * v[i];
-        }
+        for (int i = 0; i < heads; i++) attend_chunk<D, G, FMT>(st[i], kv, slot0, n, tok_stride, v_off, h + i);
         t += n;
     }
-    for (int g = 0; g < G; g++) {
-        const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
-        for (int i = 0; i < NV; i++) *(vfloat *)(out + g * D + i * VEC) = acc[g][i] * inv;
-    }
+    for (int i = 0; i < heads; i++) st[i].finish(out + (long)i * G * D);
 }
 
-/* attend_fixed for (D, G) when it is one of the instantiated shapes; false otherwise. */
+/* attend_fixed for (D, G) when it is one of the instantiated shapes (and heads <= MAX_SWEEP_HEADS);
+ * false otherwise. */
 template <int FMT>
 static inline bool attend_fast(int head_dim, int group, const float *q, const void *kv, const int32_t *table, int begin, int end, int kv_heads, int block_size, int h,
-                               float scale, float *out) {
+                               int heads, float scale, float *out) {
+    if (heads > MAX_SWEEP_HEADS) return false;
 #define KVFLOW_G(D, G)                                                                                 \
     case G:                                                                                            \
-        attend_fixed<D, G, FMT>(q, kv, table, begin, end, kv_heads, block_size, h, scale, out);         \
+        attend_fixed<D, G, FMT>(q, kv, table, begin, end, kv_heads, block_size, h, heads, scale, out);  \
         return true;
 #define KVFLOW_GROUPS(D)                                                                               \
     switch (group) {                                                                                   \
@@ -336,39 +408,51 @@ static inline void attend_rows(const float *q, long q_row_stride, const void *kv
     const int per_task = !head_major && rows >= 4 * omp_get_num_threads() ? kv_heads : 1;
     const long tasks = (long)rows * kv_heads;
 #pragma omp for schedule(dynamic, 1)
-    for (long first = 0; first < tasks; first += per_task)
-    for (long task = first; task < first + per_task; task++) {
-        const int r = head_major ? (int)(task % rows) : (int)(task / kv_heads);
-        const int h = head_major ? (int)(task / rows) : (int)(task % kv_heads);
+    for (long first = 0; first < tasks; first += per_task) {
+        const int r = head_major ? (int)(first % rows) : (int)(first / kv_heads);
+        const int h0 = head_major ? (int)(first / rows) : (int)(first % kv_heads);
         const int end = context_lens[r];
         int begin = window > 0 ? end - window : 0;
         if (begin < 0) begin = 0;
         const long tok = tokens[r];
-        const float *qr = q + tok * q_row_stride + (long)h * group * head_dim;
+        const float *qr = q + tok * q_row_stride + (long)h0 * group * head_dim;
         const int32_t *table = tables + r * table_stride;
-        float *o = out + (tok * num_heads + (long)h * group) * head_dim;
-        /* The same code with the cache format and the common head sizes as constants, so gcc can
-         * unroll and vectorize the fixed-length loops (benchmarks/decode_attention.py: clearly faster
-         * with an int8 cache). */
+        float *o = out + (tok * num_heads + (long)h0 * group) * head_dim;
+        /* A row task's heads in one sweep over its slots where the fixed-shape path takes them. */
+        if (fmt == KV_F32 && attend_fast<KV_F32>(head_dim, group, qr, kv, table, begin, end, kv_heads, block_size,
+                                                 h0, per_task, scale, o))
+            continue;
+        if (fmt == KV_BF16 && attend_fast<KV_BF16>(head_dim, group, qr, kv, table, begin, end, kv_heads, block_size,
+                                                   h0, per_task, scale, o))
+            continue;
+        for (int h = h0; h < h0 + per_task; h++) {
+            const float *qh = qr + (long)(h - h0) * group * head_dim;
+            float *oh = o + (long)(h - h0) * group * head_dim;
+            /* The same code with the cache format and the common head sizes as constants, so gcc can
+             * unroll and vectorize the fixed-length loops (benchmarks/decode_attention.py: clearly
+             * faster with an int8 cache). */
 #define ATTEND_DIMS(F)                                                                                   \
     do {                                                                                                 \
         if (head_dim == 64)                                                                              \
-            attend(qr, kv, scales, F, table, begin, end, kv_heads, 64, block_size, group, h, scale, o);  \
+            attend(qh, kv, scales, F, table, begin, end, kv_heads, 64, block_size, group, h, scale, oh);  \
         else if (head_dim == 128)                                                                        \
-            attend(qr, kv, scales, F, table, begin, end, kv_heads, 128, block_size, group, h, scale, o); \
+            attend(qh, kv, scales, F, table, begin, end, kv_heads, 128, block_size, group, h, scale, oh); \
         else                                                                                             \
-            attend(qr, kv, scales, F, table, begin, end, kv_heads, head_dim, block_size, group, h, scale, o); \
+            attend(qh, kv, scales, F, table, begin, end, kv_heads, head_dim, block_size, group, h, scale, oh); \
     } while (0)
-        if (fmt == KV_F32) {
-            if (!attend_fast<KV_F32>(head_dim, group, qr, kv, table, begin, end, kv_heads, block_size, h,
-                                     scale, o))
+            if (fmt == KV_F32 && attend_fast<KV_F32>(head_dim, group, qh, kv, table, begin, end, kv_heads,
+                                                     block_size, h, 1, scale, oh))
+                continue;
+            if (fmt == KV_BF16 && attend_fast<KV_BF16>(head_dim, group, qh, kv, table, begin, end, kv_heads,
+                                                       block_size, h, 1, scale, oh))
+                continue;
+            if (fmt == KV_F32)
                 ATTEND_DIMS(KV_F32);
-        } else if (fmt == KV_BF16) {
-            if (!attend_fast<KV_BF16>(head_dim, group, qr, kv, table, begin, end, kv_heads, block_size, h,
-                                      scale, o))
+            else if (fmt == KV_BF16)
                 ATTEND_DIMS(KV_BF16);
-        } else {
-            ATTEND_DIMS(KV_INT8);  // (its dot of int8 codes, scaled once, beats dequantizing each row first)
+            else
+                ATTEND_DIMS(KV_INT8);  // (its dot of int8 codes, scaled once, beats dequantizing each row first)
+#undef ATTEND_DIMS
         }
     }
 }
