@@ -197,113 +197,6 @@ inline void tile_dot(const uint16_t* __restrict w, int pairs, const uint32_t* __
 }
 #endif
 
-#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
-#define KVFLOW_AMX 1
-/* AMX (Xeons since Sapphire Rapids): where the CPU has its bf16 tiles, bf16 weights in the
- * vdpbf16ps layout go through TDPBF16PS instead -- a B tile is 16 pairs of features x 16 output
- * channels, exactly one panel's 16 consecutive pairs, so the packed weight loads as it is (rows
- * GROUP panels apart). A 16 x 16 x 32 tile product is 16 cycles where vdpbf16ps takes 32
- * instructions for the same products, so batched decode and prefill are no longer bound by the
- * multiply-adds but by reading the weight. The sums are float32 as with vdpbf16ps (in a different
- * order within a pair of features), each output row from its own input row only. */
-
-// Linux gives a process the tiles' register state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM
-// for XFEATURE_XTILEDATA); KVFLOW_AMX=0 turns the path off (benchmarks).
-bool amx_permitted() {
-  static const bool ok = [] {
-    const char* env = std::getenv("KVFLOW_AMX");
-    if (env && env[0] == '0') return false;
-    return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  }();
-  return ok;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Tiles 0-3: the accumulators of a row block x a group's panels; 4: the rows' inputs; 5, 6: weights.
-// Every tile 16 rows of 64 bytes; a call's last row block is computed whole from padded input rows.
-constexpr int AMX_ROWS = 16, AMX_PAIRS = 16;
-
-inline void amx_configure() {
-  TileConfig c;
-  for (int t = 0; t < 7; t++) {
-    c.colsb[t] = 64;
-    c.rows[t] = AMX_ROWS;
-  }
-  _tile_loadconfig(&c);
-}
-
-/* One row block (16 input rows from a, lda bytes apart, as bf16 pairs) x the W panels of a group
- * (w: the group's packed weight) over `chunks` chunks of 16 pairs; the sums into tmp [16][W * 16]. */
-template <int W>
-inline void amx_block(const uint16_t* w, int chunks, const uint32_t* a, long lda, float* tmp) {
-  constexpr long ldw = W * 2 * LANES_OUT * 2;  // bytes from one pair's panel row to the next
-  _tile_zero(0);
-  if constexpr (W > 1) _tile_zero(1);
-  if constexpr (W > 2) _tile_zero(2);
-  if constexpr (W > 3) _tile_zero(3);
-  for (int c = 0; c < chunks; c++) {
-    const uint16_t* b = w + (long)c * AMX_PAIRS * W * 2 * LANES_OUT;
-    _tile_loadd(4, a + c * AMX_PAIRS, lda);
-    _tile_loadd(5, b, ldw);
-    _tile_dpbf16ps(0, 4, 5);
-    if constexpr (W > 1) {
-      _tile_loadd(6, b + 2 * LANES_OUT, ldw);
-      _tile_dpbf16ps(1, 4, 6);
-    }
-    if constexpr (W > 2) {
-      _tile_loadd(5, b + 4 * LANES_OUT, ldw);
-      _tile_dpbf16ps(2, 4, 5);
-    }
-    if constexpr (W > 3) {
-      _tile_loadd(6, b + 6 * LANES_OUT, ldw);
-      _tile_dpbf16ps(3, 4, 6);
-    }
-  }
-  constexpr long ldt = W * LANES_OUT * 4;
-  _tile_stored(0, tmp, ldt);
-  if constexpr (W > 1) _tile_stored(1, tmp + LANES_OUT, ldt);
-  if constexpr (W > 2) _tile_stored(2, tmp + 2 * LANES_OUT, ldt);
-  if constexpr (W > 3) _tile_stored(3, tmp + 3 * LANES_OUT, ldt);
-}
-
-/* Groups [g0, g1) for all m rows (pairs: m rows rounded up to 16, ldp apart). */
-inline void amx_groups(const FloatWeight& p, const uint32_t* pairs, long ldp, int m, int g0, int g1, float* out) {
-  static_assert(LANES_OUT == 16 && GROUP == 4, "AMX tiles hold 16 channels; amx_block takes up to 4 panels");
-  amx_configure();
-  alignas(64) float tmp[AMX_ROWS * GROUP * LANES_OUT];
-  const int np = (p.n + LANES_OUT - 1) / LANES_OUT, chunks = p.kp / 2 / AMX_PAIRS;
-  for (int g = g0; g < g1; g++) {
-    const int width = std::min(GROUP, np - g * GROUP);
-    const long first = (long)g * GROUP * LANES_OUT;
-    const int valid = (int)std::min<long>(width * LANES_OUT, p.n - first);
-    const uint16_t* w = static_cast<const uint16_t*>(p.w) + first * p.kp;
-    for (int r = 0; r < m; r += AMX_ROWS) {
-      const uint32_t* a = pairs + r * ldp;
-      switch (width) {
-        case 4: amx_block<4>(w, chunks, a, ldp * 4, tmp); break;
-        case 3: amx_block<3>(w, chunks, a, ldp * 4, tmp); break;
-        case 2: amx_block<2>(w, chunks, a, ldp * 4, tmp); break;
-        default: amx_block<1>(w, chunks, a, ldp * 4, tmp); break;
-      }
-      for (int i = 0; i < std::min(AMX_ROWS, m - r); i++)
-        std::memcpy(out + (long)(r + i) * p.n + first, tmp + i * width * LANES_OUT, valid * sizeof(float));
-    }
-  }
-  _tile_release();
-}
-
-inline bool use_amx(const FloatWeight& p) {
-  return p.type == W_BF16 && p.kp % (2 * AMX_PAIRS) == 0 && amx_permitted();
-}
-#else
-inline bool use_amx(const FloatWeight&) { return false; }
-#endif
 
 /* A call's input rows as the tiles read them: float32 (ldf apart), and as bf16 pairs for the dot
  * product (ldp apart). */
@@ -394,6 +287,125 @@ inline void group_rows(int width, const FloatWeight& p, const Rows& in, int m, i
     group_rows<J - 1>(width, p, in, m, g, next, out);
   }
 }
+
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+#define KVFLOW_AMX 1
+/* AMX (Xeons since Sapphire Rapids): where the CPU has its bf16 tiles, bf16 weights in the
+ * vdpbf16ps layout go through TDPBF16PS instead -- a B tile is 16 pairs of features x 16 output
+ * channels, exactly one panel's 16 consecutive pairs, so the packed weight loads as it is (rows
+ * GROUP panels apart). A 16 x 16 x 32 tile product is 16 cycles where vdpbf16ps takes 32
+ * instructions for the same products, so batched decode and prefill are no longer bound by the
+ * multiply-adds but by reading the weight. The sums are float32 as with vdpbf16ps (in a different
+ * order within a pair of features), each output row from its own input row only. */
+
+// Linux gives a process the tiles' register state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM
+// for XFEATURE_XTILEDATA); KVFLOW_AMX=0 turns the path off (benchmarks).
+bool amx_permitted() {
+  static const bool ok = [] {
+    const char* env = std::getenv("KVFLOW_AMX");
+    if (env && env[0] == '0') return false;
+    return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  }();
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-3: the accumulators of a row block x a group's panels; 4: the rows' inputs; 5, 6: weights.
+// Every tile 16 rows of 64 bytes; a call's last row block is computed whole from padded input rows.
+constexpr int AMX_ROWS = 16, AMX_PAIRS = 16;
+
+inline void amx_configure() {
+  TileConfig c;
+  for (int t = 0; t < 7; t++) {
+    c.colsb[t] = 64;
+    c.rows[t] = AMX_ROWS;
+  }
+  _tile_loadconfig(&c);
+}
+
+/* One row block (16 input rows from a, lda bytes apart, as bf16 pairs) x the W panels of a group
+ * (w: the group's packed weight) over `chunks` chunks of 16 pairs; the sums into tmp [16][W * 16]. */
+template <int W>
+inline void amx_block(const uint16_t* w, int chunks, const uint32_t* a, long lda, float* tmp, Prefetch pf) {
+  constexpr long ldw = W * 2 * LANES_OUT * 2;  // bytes from one pair's panel row to the next
+  _tile_zero(0);
+  if constexpr (W > 1) _tile_zero(1);
+  if constexpr (W > 2) _tile_zero(2);
+  if constexpr (W > 3) _tile_zero(3);
+  for (int c = 0; c < chunks; c++) {
+    const uint16_t* b = w + (long)c * AMX_PAIRS * W * 2 * LANES_OUT;
+    pf.step(c);
+    _tile_loadd(4, a + c * AMX_PAIRS, lda);
+    _tile_loadd(5, b, ldw);
+    _tile_dpbf16ps(0, 4, 5);
+    if constexpr (W > 1) {
+      _tile_loadd(6, b + 2 * LANES_OUT, ldw);
+      _tile_dpbf16ps(1, 4, 6);
+    }
+    if constexpr (W > 2) {
+      _tile_loadd(5, b + 4 * LANES_OUT, ldw);
+      _tile_dpbf16ps(2, 4, 5);
+    }
+    if constexpr (W > 3) {
+      _tile_loadd(6, b + 6 * LANES_OUT, ldw);
+      _tile_dpbf16ps(3, 4, 6);
+    }
+  }
+  constexpr long ldt = W * LANES_OUT * 4;
+  _tile_stored(0, tmp, ldt);
+  if constexpr (W > 1) _tile_stored(1, tmp + LANES_OUT, ldt);
+  if constexpr (W > 2) _tile_stored(2, tmp + 2 * LANES_OUT, ldt);
+  if constexpr (W > 3) _tile_stored(3, tmp + 3 * LANES_OUT, ldt);
+}
+
+/* Groups [g0, g1) for all m rows (pairs: m rows rounded up to 16, ldp apart). A group's first row
+ * block reads its weight from memory, the later ones from L2 -- and meanwhile fetch the next group
+ * into L2, a share each, so memory stays busy while they compute (as group_rows does). */
+inline void amx_groups(const FloatWeight& p, const uint32_t* pairs, long ldp, int m, int g0, int g1, float* out) {
+  static_assert(LANES_OUT == 16 && GROUP == 4, "AMX tiles hold 16 channels; amx_block takes up to 4 panels");
+  amx_configure();
+  alignas(64) float tmp[AMX_ROWS * GROUP * LANES_OUT];
+  const int np = (p.n + LANES_OUT - 1) / LANES_OUT, chunks = p.kp / 2 / AMX_PAIRS;
+  for (int g = g0; g < g1; g++) {
+    const int width = std::min(GROUP, np - g * GROUP);
+    const long first = (long)g * GROUP * LANES_OUT;
+    const int valid = (int)std::min<long>(width * LANES_OUT, p.n - first);
+    const uint16_t* w = static_cast<const uint16_t*>(p.w) + first * p.kp;
+    const int passes = (m + AMX_ROWS - 1) / AMX_ROWS;
+    const int lines = g + 1 < g1 && passes > 1 ? (int)((group_bytes(p, g + 1) + 63) / 64) : 0;
+    const int share = passes > 1 ? (lines + passes - 2) / (passes - 1) : 0;  // lines per later pass
+    for (int r = 0, t = 0; r < m; r += AMX_ROWS, t++) {
+      const uint32_t* a = pairs + r * ldp;
+      Prefetch pf;
+      if (t > 0 && lines > 0) {
+        const int first_line = std::min(lines, (t - 1) * share), count = std::min(share, lines - first_line);
+        pf = Prefetch{group_start(p, g + 1) + first_line * 64L, count, (count + chunks - 1) / chunks};
+      }
+      switch (width) {
+        case 4: amx_block<4>(w, chunks, a, ldp * 4, tmp, pf); break;
+        case 3: amx_block<3>(w, chunks, a, ldp * 4, tmp, pf); break;
+        case 2: amx_block<2>(w, chunks, a, ldp * 4, tmp, pf); break;
+        default: amx_block<1>(w, chunks, a, ldp * 4, tmp, pf); break;
+      }
+      for (int i = 0; i < std::min(AMX_ROWS, m - r); i++)
+        std::memcpy(out + (long)(r + i) * p.n + first, tmp + i * width * LANES_OUT, valid * sizeof(float));
+    }
+  }
+  _tile_release();
+}
+
+inline bool use_amx(const FloatWeight& p) {
+  return p.type == W_BF16 && p.kp % (2 * AMX_PAIRS) == 0 && amx_permitted();
+}
+#else
+inline bool use_amx(const FloatWeight&) { return false; }
+#endif
 
 template <class T>
 void pack(const T* src, const FloatWeight& p, T* dst) {
