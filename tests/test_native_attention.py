@@ -20,11 +20,14 @@ pytestmark = pytest.mark.skipif(native_unsupported(CPU, torch.float32, 4, 2, 16)
 @pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 16), (6, 2, 32), (8, 1, 64), (9, 3, 64), (4, 2, 128), (2, 1, 15)])
 @pytest.mark.parametrize("window", [None, 5])
-def test_kernel_matches_float64_and_torch(kv_dtype, heads, kv_heads, head_dim, window):
+@pytest.mark.parametrize("prefill_path", ["native", "torch"])
+def test_kernel_matches_float64_and_torch(kv_dtype, heads, kv_heads, head_dim, window, prefill_path):
+    """prefill_path "torch": the step's prefill chunk through SDPA, its decodes still native."""
     gen = torch.Generator().manual_seed(heads * 100 + head_dim)
     bs, num_blocks = 4, 48
     torch_attn = TorchPagedAttention(bs, window, CPU)
     native_attn = CpuPagedAttention(bs, window, CPU)
+    native_attn.prefill_path = prefill_path
     cache = random_kv_cache(torch_attn, num_blocks, kv_heads, head_dim, kv_dtype, gen)
     perm = torch.randperm(num_blocks, generator=gen).tolist()
     # Decodes at block boundaries and mid-block, a 1-token context, and a prefill chunk in between:
@@ -110,12 +113,15 @@ def test_backend_selection():
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 16), (9, 3, 64), (4, 2, 128), (2, 1, 15)])
-def test_bf16_cache_matches_float64(heads, kv_heads, head_dim):
+@pytest.mark.parametrize("prefill_path", ["native", "torch"])
+def test_bf16_cache_matches_float64(heads, kv_heads, head_dim, prefill_path):
     """A bfloat16 model: its cache holds bf16 K/V (written by the kernel, rounded to nearest even as
-    torch rounds), the maths runs in float32 on them; the torch path computes in bf16 throughout."""
+    torch rounds), the maths runs in float32 on them; the torch path computes in bf16 throughout.
+    (prefill_path "torch": the prefill chunk's rows as the torch path computes them.)"""
     gen = torch.Generator().manual_seed(heads * 10 + head_dim)
     bs, num_blocks = 4, 48
     native_attn, torch_attn = CpuPagedAttention(bs, None, CPU), TorchPagedAttention(bs, None, CPU)
+    native_attn.prefill_path = prefill_path
     cache = random_kv_cache(native_attn, num_blocks, kv_heads, head_dim, "auto", gen, torch.bfloat16)
     assert cache.data.dtype == torch.bfloat16
     perm = torch.randperm(num_blocks, generator=gen).tolist()
@@ -134,6 +140,9 @@ def test_bf16_cache_matches_float64(heads, kv_heads, head_dim):
         slots = attn.build_metadata(seqs).slot_mapping
         assert torch.equal(c.slots[slots], kv.bfloat16())
     ref = paged_attention_reference(q, c, seqs, bs, scale, None)
+    if prefill_path == "torch":  # the chunk's rows (1..6) as the torch path's; the decodes native, held below
+        torch.testing.assert_close(outs["native"][1:7], outs["torch"][1:7], rtol=2e-2, atol=2e-2)
+        outs["native"][1:7] = ref[1:7].to(torch.bfloat16)
     # native: float32 maths on bf16 inputs, one rounding of the output; torch: bf16 SDPA
     assert (outs["native"].double() - ref).abs().max() < 1e-2
     assert (outs["native"].double() - ref).abs().max() <= (outs["torch"].double() - ref).abs().max() + 1e-3

@@ -37,6 +37,7 @@ logger = logging.getLogger("kvflow")
 
 LogprobEntry = tuple[float, int, list[int], list[float]]
 PASS_PROBE_CONTEXT = 64  # tokens of context per row in the decode steps that time the decode pass
+PREFILL_PROBE = (2, 256)  # prefill chunks (sequences, tokens each) that time the attention paths for prefill rows
 
 
 @dataclass
@@ -142,6 +143,8 @@ class ModelRunner:
                                               -(-max_model_len // config.block_size) + 1, self.device)
         if self.kernel_plan is not None and self.kernel_plan.pass_unmeasured and self.model.native_decode is not None:
             self._time_decode_pass(num_blocks, config.block_size)
+        if self.kernel_plan is not None and hasattr(self.attention, "prefill_path"):
+            self._choose_prefill_attention(model_config, num_blocks, config.block_size)
         self.sampler = Sampler(config.seed, self.device)
         self.rejection_sampler = RejectionSampler(config.seed + 1, self.device)
         self._generators: dict[str, torch.Generator] = {}
@@ -173,10 +176,47 @@ class ModelRunner:
                     time.perf_counter() - t, "" if stored else f"; other processes used {load:.2f} cores: "
                     "used now, not stored")
 
+    def _choose_prefill_attention(self, model_config, num_blocks: int, block_size: int) -> None:
+        """The path prefill rows take (the CPU attention's `prefill_path`): stored for this CPU and
+        attention shape, else measured now on PREFILL_PROBE chunks written into the first blocks of
+        layer 0's cache (nothing holds them yet) and stored."""
+        from kvflow.kernels.cpu.autotune import (LOAD_LIMIT, measure_prefill_attention, store_prefill_attention,
+                                                 stored_prefill_attention)
+
+        heads, kv_heads, head_dim = model_config.num_heads, model_config.num_kv_heads, model_config.head_dim
+        cache = self.kv_caches[0]
+        key = f"{heads}x{kv_heads}x{head_dim}:{str(cache.data.dtype).removeprefix('torch.')}"
+        path = stored_prefill_attention(self.kernel_plan, key)
+        if path is None:
+            seqs_n, length = PREFILL_PROBE
+            per_seq = -(-length // block_size)
+            if seqs_n * per_seq > num_blocks:
+                return
+            gen = torch.Generator().manual_seed(0)
+            q = torch.randn(seqs_n * length, heads, head_dim, generator=gen).to(self.dtype)
+            kv = torch.randn(seqs_n * length, 2, kv_heads, head_dim, generator=gen).to(self.dtype)
+            seqs = [SeqLayout(0, length, list(range(i * per_seq, (i + 1) * per_seq))) for i in range(seqs_n)]
+
+            def run(p: str) -> None:
+                self.attention.prefill_path = p
+                self.attention.forward(q, kv, cache, self.attention.build_metadata(seqs), head_dim ** -0.5)
+
+            t = time.perf_counter()
+            with torch.inference_mode():
+                path, load = measure_prefill_attention(run)
+            if load <= LOAD_LIMIT:
+                store_prefill_attention(self.kernel_plan, key, path)
+            logger.info("prefill attention: %s (timed in %.2f s%s)", path, time.perf_counter() - t,
+                        "" if load <= LOAD_LIMIT else f"; other processes used {load:.2f} cores: not stored")
+        else:
+            logger.info("prefill attention: %s (stored for this CPU)", path)
+        self.attention.prefill_path = path
+
     def kernel_summary(self) -> str:
         """The linear paths in use: the autotune's choices per shape and row count, or the backend."""
         if self.kernel_plan is not None:
-            return self.kernel_plan.describe()
+            prefill = getattr(getattr(self, "attention", None), "prefill_path", None)
+            return self.kernel_plan.describe() + (f"; prefill attention: {prefill}" if prefill else "")
         return f"linear kernels: {self.linear_backend}"
 
     @torch.inference_mode()

@@ -267,6 +267,40 @@ def store_pass_rows(plan: KernelPlan, rows: int) -> None:
     _write(path, stored)
 
 
+PREFILL_PATHS = ("native", "torch")  # kvflow.kernels.cpu.paged_attention.CpuPagedAttention.prefill_path
+
+
+def stored_prefill_attention(plan: KernelPlan, key: str) -> str | None:
+    """The path stored for prefill rows of attention shape `key` on this CPU, or None."""
+    return _read(cache_path(plan.dtype, plan.weights_cold))["prefill_attention"].get(key)
+
+
+def measure_prefill_attention(run: Callable[[str], None]) -> tuple[str, float]:
+    """Which path runs a prefill chunk's attention faster here: `run(path)` runs one probe through
+    it; ROUNDS times each, interleaved, best of each. With the most CPU other processes used
+    meanwhile. (The native kernel won on the AVX-512 EPYC; gather + SDPA, through oneDNN's bf16
+    kernels, on the AMX Xeon in bf16.)"""
+    from kvflow.kernels.cpu.machine_load import ForeignLoad
+
+    best = dict.fromkeys(PREFILL_PATHS, float("inf"))
+    with ForeignLoad() as load:
+        for p in PREFILL_PATHS:
+            run(p)  # warm
+        for _ in range(ROUNDS):
+            for p in PREFILL_PATHS:
+                t = time.perf_counter()
+                run(p)
+                best[p] = min(best[p], time.perf_counter() - t)
+    return min(best, key=best.get), load.value
+
+
+def store_prefill_attention(plan: KernelPlan, key: str, path: str) -> None:
+    file = cache_path(plan.dtype, plan.weights_cold)
+    stored = _read(file)
+    stored["prefill_attention"][key] = path
+    _write(file, stored)
+
+
 def last_level_cache_bytes() -> int:
     """Size of this CPU's largest cache (sysfs, else sysconf; 0 when unknown)."""
     sizes = []
@@ -358,16 +392,18 @@ def cache_path(dtype: str, cold: bool = False) -> Path:
 
 
 def _read(path: Path) -> dict:
-    """The stored times and pass limits ({"shapes": {(n, k): {rows: {path: s}}}, "pass_rows":
-    {layer_key: rows}}); empty when absent or unreadable (a torn or foreign file is re-measured, not
+    """The stored times, pass limits and prefill-attention paths ({"shapes": {(n, k): {rows: {path:
+    s}}}, "pass_rows": {layer_key: rows}, "prefill_attention": {key: path}}); empty when absent or unreadable (a torn or foreign file is re-measured, not
     trusted)."""
-    empty: dict = {"shapes": {}, "pass_rows": {}}
+    empty: dict = {"shapes": {}, "pass_rows": {}, "prefill_attention": {}}
     try:
         raw = json.loads(path.read_text())
         shapes = {tuple(map(int, s.split("x"))): {int(b): {p: float(t) for p, t in by.items()}
                                                   for b, by in rows.items()}
                   for s, rows in raw["shapes"].items()}
-        return {"shapes": shapes, "pass_rows": {str(k): int(v) for k, v in raw.get("pass_rows", {}).items()}}
+        prefill = {str(k): str(v) for k, v in raw.get("prefill_attention", {}).items() if v in PREFILL_PATHS}
+        return {"shapes": shapes, "pass_rows": {str(k): int(v) for k, v in raw.get("pass_rows", {}).items()},
+                "prefill_attention": prefill}
     except FileNotFoundError:
         return empty
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
@@ -377,7 +413,7 @@ def _read(path: Path) -> dict:
 
 def _write(path: Path, stored: dict) -> None:
     raw = {"cpu": native.cpu_id().split(" | ")[0], "torch": torch.__version__, "threads": torch.get_num_threads(),
-           "pass_rows": stored["pass_rows"],
+           "pass_rows": stored["pass_rows"], "prefill_attention": stored["prefill_attention"],
            "shapes": {f"{n}x{k}": {str(b): by for b, by in rows.items()} for (n, k), rows in stored["shapes"].items()}}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")

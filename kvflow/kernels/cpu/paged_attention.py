@@ -9,7 +9,11 @@ not copied. Prefill rows went through scaled_dot_product_attention before: on th
 2026-12-02 a layer of eleven 186-token prompts took 7.8 ms there in float32 (8.7 with a bf16 cache)
 against 4.4-4.8 (3.6-4.3) here, one 2,040-token prompt 42.0 (61.8) against 40.0 (38.6)
 (`benchmarks/decode_attention.py --chunk`, README). Rows that share sequences run head-major
-(`head_major`, csrc/attention.h's attend_rows). The cache write of every step, and the rotary
+(`head_major`, csrc/attention.h's attend_rows). On the AMX Xeon of 2026-12-03, though, SDPA took
+the eleven prompts in 3.1 ms with a bf16 cache (oneDNN's bf16 kernels) against 6.3 here, so which
+path runs prefill rows (`prefill_path`) is measured at the first start on a CPU
+(kvflow.kernels.cpu.autotune.measure_prefill_attention); with "torch", a step's prefill chunks go
+through the torch groups and its decodes still through the native kernel. The cache write of every step, and the rotary
 the native linear paths use, run in the same library with the same code as the native decode pass
 (csrc/attention.h), which the backend hands to a model that can take it (`decode_pass`).
 """
@@ -24,7 +28,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvflow.kernels.cpu import native
-from kvflow.layers.attention import AttentionMetadata, LayerKVCache, SeqLayout, TokenLayout, TorchPagedAttention
+from kvflow.layers.attention import (AttentionGroup, AttentionMetadata, LayerKVCache, SeqLayout, TokenLayout,
+                                     TorchPagedAttention, partition_groups)
 
 if TYPE_CHECKING:
     from kvflow.kernels.cpu.decode_pass import NativeDecode
@@ -99,17 +104,38 @@ class CpuPagedAttention(TorchPagedAttention):
         if lib is None:
             raise RuntimeError("the native paged-attention kernel could not be built")
         self._lib = lib
+        self.prefill_path = "native"  # or "torch": see the top of the file
 
     def build_metadata(self, seqs: list[SeqLayout]) -> AttentionMetadata:
-        """One NativeGroup for the whole step: every new token a row (see the top of the file)."""
+        """One NativeGroup for the whole step: every new token a row (see the top of the file); with
+        prefill_path "torch" and prefill chunks in the step, a NativeGroup of its decodes and torch
+        groups of the rest."""
         t = TokenLayout.of(seqs, self.block_size)
         total = t.positions.shape[0]
         decode_only = total == len(seqs)
+        if not decode_only and self.prefill_path == "torch":
+            return self._split_metadata(seqs, t)
         tables = t.tables if decode_only else t.tables[torch.repeat_interleave(torch.arange(len(seqs)), t.lens)]
         group = NativeGroup(tables=tables.to(torch.int32).contiguous(),
                             context_lens=(t.positions + 1).to(torch.int32),
                             tokens=torch.arange(total, dtype=torch.int32), decode_only=decode_only)
         return AttentionMetadata(positions=t.positions, slot_mapping=t.slot_mapping, groups=[group])
+
+    def _split_metadata(self, seqs: list[SeqLayout], t: TokenLayout) -> AttentionMetadata:
+        total = t.positions.shape[0]
+        decodes = [i for i, s in enumerate(seqs) if s.num_new == 1]
+        chunks = [i for i, s in enumerate(seqs) if s.num_new > 1]
+        groups: list = []
+        if decodes:
+            idx = torch.tensor(decodes)
+            groups.append(NativeGroup(tables=t.tables[idx].to(torch.int32).contiguous(),
+                                      context_lens=(t.starts[idx] + 1).to(torch.int32),
+                                      tokens=t.offsets[idx].to(torch.int32)))
+        for members in partition_groups([seqs[i].num_new for i in chunks],
+                                        [seqs[i].start_pos + seqs[i].num_new for i in chunks]):
+            groups.append(self._group(torch.tensor([chunks[j] for j in members]), t.starts, t.lens, t.offsets,
+                                      t.tables, total))
+        return AttentionMetadata(positions=t.positions, slot_mapping=t.slot_mapping, groups=groups)
 
     def _write_kv(self, kv: torch.Tensor, kv_cache: LayerKVCache, meta: AttentionMetadata) -> None:
         # The same C code as the native decode pass's write (int8 / bf16 caches: the same rounding).
@@ -135,13 +161,15 @@ class CpuPagedAttention(TorchPagedAttention):
 
         return NativeDecode(model) if native_decode_unsupported(model) is None else None
 
-    def _attend(self, q: torch.Tensor, kv_cache: LayerKVCache, g: NativeGroup, scale: float,
+    def _attend(self, q: torch.Tensor, kv_cache: LayerKVCache, g: NativeGroup | AttentionGroup, scale: float,
                 out: torch.Tensor | None) -> torch.Tensor:
+        if not isinstance(g, NativeGroup):
+            return super()._attend(q, kv_cache, g, scale, out)
         t, num_heads, head_dim = q.shape
         dtype = q.dtype
         if q.stride(2) != 1 or q.stride(1) != head_dim or dtype != torch.float32:
             q = q.float().contiguous()
-        dst = torch.empty(t, num_heads * head_dim)  # (the step's one group: `out` is None)
+        dst = out if out is not None and out.dtype == torch.float32 else torch.empty(t, num_heads * head_dim)
         data, scales = kv_cache.data, kv_cache.scale
         rc = self._lib.kvflow_paged_attention(
             q.data_ptr(), q.stride(0), data.data_ptr(), None if scales is None else scales.data_ptr(),
@@ -150,4 +178,10 @@ class CpuPagedAttention(TorchPagedAttention):
             self.sliding_window or 0, scale, dst.data_ptr(), torch.get_num_threads(), int(not g.decode_only))
         if rc != 0:
             raise RuntimeError(f"native paged attention refused head_dim={head_dim}, heads={num_heads}/{data.shape[3]}")
-        return dst if dst.dtype == dtype else dst.to(dtype)
+        if dst.dtype == dtype:
+            return dst
+        if out is None:  # (the other groups' rows are written over by them)
+            return dst.to(dtype)
+        rows = g.tokens.long()
+        out[rows] = dst[rows].to(dtype)
+        return out
