@@ -6,6 +6,17 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The kernel autotune's timings go to a directory of this run's, not the user's kernel cache: timed
+# beside the suite's own threads and servers, they would become the user's kernel choices (a
+# default-model float32 plan timed there once bounded the decode pass at 16 rows instead of 64).
+# The compiled libraries stay shared.
+if "KVFLOW_AUTOTUNE_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    os.environ["KVFLOW_AUTOTUNE_DIR"] = tempfile.mkdtemp(prefix="kvflow-autotune-")
+    atexit.register(shutil.rmtree, os.environ["KVFLOW_AUTOTUNE_DIR"], True)
 
 import pytest
 import torch

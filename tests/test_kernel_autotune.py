@@ -162,6 +162,7 @@ def _plan(shapes, monkeypatch, tmp_path, cpu="cpu A", load=(0.0,)):
     from kvflow.kernels.cpu import machine_load
 
     monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("KVFLOW_AUTOTUNE_DIR", raising=False)  # (the kernel cache's own place)
     monkeypatch.setattr(native, "cpu_id", lambda: cpu)
     monkeypatch.setattr(machine_load, "ForeignLoad", _Load)
     _Load.values, _Load.seen = list(load), 0
@@ -227,6 +228,18 @@ def test_autotune_cache_is_read_back_and_keyed_by_cpu(monkeypatch, tmp_path):
     assert len(list(tmp_path.glob("kernels/autotune-*.json"))) == 2
 
 
+def test_the_suites_timings_stay_out_of_the_kernel_cache(monkeypatch, tmp_path):
+    """conftest points KVFLOW_AUTOTUNE_DIR at a directory of the run's own; without it the files are
+    the kernel cache's."""
+    import os
+    from pathlib import Path
+
+    assert autotune.cache_path("float32").parent == Path(os.environ["KVFLOW_AUTOTUNE_DIR"]) != native.cache_dir()
+    monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("KVFLOW_AUTOTUNE_DIR")
+    assert autotune.cache_path("float32").parent == native.cache_dir() == tmp_path / "kernels"
+
+
 def test_autotune_ignores_a_torn_cache_file(monkeypatch, tmp_path):
     shapes = [(24, 16)]
     _plan(shapes, monkeypatch, tmp_path)
@@ -267,6 +280,7 @@ def test_engine_times_the_decode_pass_once(tiny_llama, monkeypatch, tmp_path):
     from kvflow import LLM
 
     monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("KVFLOW_AUTOTUNE_DIR", raising=False)
     # (on tiny shapes the native GEMV may time out of the running: the pass is timed all the same)
     monkeypatch.setattr(autotune, "pass_bound", lambda times, layer: 8)
     from kvflow.kernels.cpu import machine_load
