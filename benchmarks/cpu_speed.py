@@ -18,9 +18,9 @@ of a shared machine falls on every mode alike:
 * offline throughput: 64 requests submitted at once through LLM.generate, prompts 32-256 tokens
   (uniform), outputs 5-256 tokens (log-normal quantiles, median 87), ignore_eos, seeded; output
   tok/s over the whole run;
-* where a decode step's time goes, at batch 1 and 32 (`--breakdown-context` prompt tokens, 100 by default): matmuls (every
-  projection + lm_head, per-token activation quantization included; int8 also runs the RMSNorms
-  and silu*mul inside its projection calls), attention (cache write, then the native decode kernel
+* where a decode step's time goes, at batch 1 and 32 (`--breakdown-context` prompt tokens, 100 by
+  default): matmuls (every projection + lm_head, per-token activation quantization included; int8
+  also runs the RMSNorms and silu*mul inside its projection calls), attention (cache write, then the native decode kernel
   or gather + SDPA), other model ops (norms, rotary, residuals, activation, embedding), attention
   metadata, sampling, the rest of the runner and the engine outside it (scheduler, outputs,
   detokenize). Measured by timing wrappers around those pieces (~0.5 us each), not the profiler.

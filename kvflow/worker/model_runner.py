@@ -37,7 +37,8 @@ logger = logging.getLogger("kvflow")
 
 LogprobEntry = tuple[float, int, list[int], list[float]]
 PASS_PROBE_CONTEXT = 64  # tokens of context per row in the decode steps that time the decode pass
-PREFILL_PROBE = (2, 256)  # prefill chunks (sequences, tokens each) that time the attention paths for prefill rows
+# prefill chunks (sequences, tokens each) that time the attention paths for prefill rows
+PREFILL_PROBE = (2, 256)
 
 
 @dataclass
@@ -120,7 +121,6 @@ class ModelRunner:
             self.kernel_plan = plan_kernels(*self.model.projection_shapes(), self.dtype, config.kernel_autotune,
                                             num_layers=model_config.num_layers)
         self.model.prepare(self.linear_backend, self.kernel_plan)
-        logger.info("%s", self.kernel_summary())
         logger.info("weights: %.1f MB as the kernels hold them (%s)", self.model.weight_bytes() / 1e6,
                     self.linear_backend)
         self.kv_cache_dtype = config.kv_cache_dtype
@@ -145,6 +145,7 @@ class ModelRunner:
             self._time_decode_pass(num_blocks, config.block_size)
         if self.kernel_plan is not None and hasattr(self.attention, "prefill_path"):
             self._choose_prefill_attention(model_config, num_blocks, config.block_size)
+        logger.info("%s", self.kernel_summary())  # (once every choice is made)
         self.sampler = Sampler(config.seed, self.device)
         self.rejection_sampler = RejectionSampler(config.seed + 1, self.device)
         self._generators: dict[str, torch.Generator] = {}
@@ -215,7 +216,7 @@ class ModelRunner:
     def kernel_summary(self) -> str:
         """The linear paths in use: the autotune's choices per shape and row count, or the backend."""
         if self.kernel_plan is not None:
-            prefill = getattr(getattr(self, "attention", None), "prefill_path", None)
+            prefill = getattr(self.attention, "prefill_path", None)
             return self.kernel_plan.describe() + (f"; prefill attention: {prefill}" if prefill else "")
         return f"linear kernels: {self.linear_backend}"
 

@@ -56,7 +56,9 @@ ATTEMPTS = 3
 # Paths built for many rows: beyond the last bucket (prefill chunks) only these run. The native
 # GEMM re-reads each group of panels for every 4 rows and never blocks the rows for the cache.
 MANY_ROWS = ("onednn", "dense")
-VERSION = 4  # bump when what is stored changes meaning (3: weights evicted from a large last-level cache; 4: native never dropped)
+# bump when what is stored changes meaning (3: weights evicted from a large last-level cache; 4: the
+# native GEMM timed at every row count)
+VERSION = 4
 
 Shape = tuple[int, int]  # (out_features, in_features)
 
@@ -245,26 +247,38 @@ def measure_pass_rows(step: Callable[[int, bool], None], bound: int) -> tuple[in
     rows = 0
     with ForeignLoad() as load:
         for b in (b for b in ROW_BUCKETS if b <= bound):
-            best = {True: float("inf"), False: float("inf")}
-            for fused in (True, False):
-                step(b, fused)  # warm: buffers sized, code paths loaded
-            for _ in range(ROUNDS):
-                for fused in (True, False):
-                    t = time.perf_counter()
-                    step(b, fused)
-                    best[fused] = min(best[fused], time.perf_counter() - t)
+            best = _best_times(lambda fused: step(b, fused), (True, False))
             if best[True] > best[False]:
                 break
             rows = b
     return rows, load.value
 
 
-def store_pass_rows(plan: KernelPlan, rows: int) -> None:
-    """Keep the measured pass limit for `plan`'s layer shapes; later starts read it."""
+def _best_times(run: Callable, variants: Iterable) -> dict:
+    """Seconds of `run(v)` for each variant: once each to warm (buffers sized, code paths loaded),
+    then ROUNDS times each, interleaved, the best of each."""
+    best = dict.fromkeys(variants, float("inf"))
+    for v in best:
+        run(v)
+    for _ in range(ROUNDS):
+        for v in best:
+            t = time.perf_counter()
+            run(v)
+            best[v] = min(best[v], time.perf_counter() - t)
+    return best
+
+
+def _store(plan: KernelPlan, section: str, key: str, value) -> None:
+    """One measured choice beside `plan`'s stored times ("pass_rows" or "prefill_attention")."""
     path = cache_path(plan.dtype, plan.weights_cold)
     stored = _read(path)
-    stored["pass_rows"][layer_key(list(plan.pass_shapes))] = rows
+    stored[section][key] = value
     _write(path, stored)
+
+
+def store_pass_rows(plan: KernelPlan, rows: int) -> None:
+    """Keep the measured pass limit for `plan`'s layer shapes; later starts read it."""
+    _store(plan, "pass_rows", layer_key(list(plan.pass_shapes)), rows)
 
 
 PREFILL_PATHS = ("native", "torch")  # kvflow.kernels.cpu.paged_attention.CpuPagedAttention.prefill_path
@@ -282,23 +296,13 @@ def measure_prefill_attention(run: Callable[[str], None]) -> tuple[str, float]:
     kernels, on the AMX Xeon in bf16.)"""
     from kvflow.kernels.cpu.machine_load import ForeignLoad
 
-    best = dict.fromkeys(PREFILL_PATHS, float("inf"))
     with ForeignLoad() as load:
-        for p in PREFILL_PATHS:
-            run(p)  # warm
-        for _ in range(ROUNDS):
-            for p in PREFILL_PATHS:
-                t = time.perf_counter()
-                run(p)
-                best[p] = min(best[p], time.perf_counter() - t)
+        best = _best_times(run, PREFILL_PATHS)
     return min(best, key=best.get), load.value
 
 
 def store_prefill_attention(plan: KernelPlan, key: str, path: str) -> None:
-    file = cache_path(plan.dtype, plan.weights_cold)
-    stored = _read(file)
-    stored["prefill_attention"][key] = path
-    _write(file, stored)
+    _store(plan, "prefill_attention", key, path)
 
 
 def last_level_cache_bytes() -> int:
@@ -396,8 +400,8 @@ def cache_path(dtype: str, cold: bool = False) -> Path:
 
 def _read(path: Path) -> dict:
     """The stored times, pass limits and prefill-attention paths ({"shapes": {(n, k): {rows: {path:
-    s}}}, "pass_rows": {layer_key: rows}, "prefill_attention": {key: path}}); empty when absent or unreadable (a torn or foreign file is re-measured, not
-    trusted)."""
+    s}}}, "pass_rows": {layer_key: rows}, "prefill_attention": {key: path}}); empty when absent or
+    unreadable (a torn or foreign file is re-measured, not trusted)."""
     empty: dict = {"shapes": {}, "pass_rows": {}, "prefill_attention": {}}
     try:
         raw = json.loads(path.read_text())

@@ -3,7 +3,8 @@ over a packed copy of the weight (panels of output channels, register tiles of r
 with the norm / activation that feeds the projection and the residual in the same call. float32
 sums; the weight in float32, or in bfloat16 (half the bytes a decode step reads: through the CPU's
 bf16 dot product on bf16-rounded inputs where it has AVX512-BF16, `bf16_dot` -- on AMX tiles where
-it has those, `bf16_amx` -- else widened in registers). The ``native`` path of kvflow.layers.linear for float32 and bfloat16 models.
+it has those, `bf16_amx` -- else widened in registers). The ``native`` path of kvflow.layers.linear
+for float32 and bfloat16 models.
 """
 
 from __future__ import annotations

@@ -13,9 +13,10 @@ against 4.4-4.8 (3.6-4.3) here, one 2,040-token prompt 42.0 (61.8) against 40.0 
 the eleven prompts in 3.1 ms with a bf16 cache (oneDNN's bf16 kernels) against 6.3 here, so which
 path runs prefill rows (`prefill_path`) is measured at the first start on a CPU
 (kvflow.kernels.cpu.autotune.measure_prefill_attention); with "torch", a step's prefill chunks go
-through the torch groups and its decodes still through the native kernel. The cache write of every step, and the rotary
-the native linear paths use, run in the same library with the same code as the native decode pass
-(csrc/attention.h), which the backend hands to a model that can take it (`decode_pass`).
+through the torch groups and its decodes still through the native kernel. The cache write of
+every step, and the rotary the native linear paths use, run in the same library with the same code
+as the native decode pass (csrc/attention.h), which the backend hands to a model that can take it
+(`decode_pass`).
 """
 
 from __future__ import annotations
@@ -125,16 +126,15 @@ class CpuPagedAttention(TorchPagedAttention):
         total = t.positions.shape[0]
         decodes = [i for i, s in enumerate(seqs) if s.num_new == 1]
         chunks = [i for i, s in enumerate(seqs) if s.num_new > 1]
-        groups: list = []
-        if decodes:
+        groups: list[AttentionGroup | NativeGroup] = [
+            self._group(torch.tensor([chunks[j] for j in members]), t.starts, t.lens, t.offsets, t.tables, total)
+            for members in partition_groups([seqs[i].num_new for i in chunks],
+                                            [seqs[i].start_pos + seqs[i].num_new for i in chunks])]
+        if decodes:  # last: its rows go into the output the torch groups made (a bf16 model's: those rows only)
             idx = torch.tensor(decodes)
             groups.append(NativeGroup(tables=t.tables[idx].to(torch.int32).contiguous(),
                                       context_lens=(t.starts[idx] + 1).to(torch.int32),
                                       tokens=t.offsets[idx].to(torch.int32)))
-        for members in partition_groups([seqs[i].num_new for i in chunks],
-                                        [seqs[i].start_pos + seqs[i].num_new for i in chunks]):
-            groups.append(self._group(torch.tensor([chunks[j] for j in members]), t.starts, t.lens, t.offsets,
-                                      t.tables, total))
         return AttentionMetadata(positions=t.positions, slot_mapping=t.slot_mapping, groups=groups)
 
     def _write_kv(self, kv: torch.Tensor, kv_cache: LayerKVCache, meta: AttentionMetadata) -> None:
@@ -180,7 +180,7 @@ class CpuPagedAttention(TorchPagedAttention):
             raise RuntimeError(f"native paged attention refused head_dim={head_dim}, heads={num_heads}/{data.shape[3]}")
         if dst.dtype == dtype:
             return dst
-        if out is None:  # (the other groups' rows are written over by them)
+        if out is None:  # (the step's one group)
             return dst.to(dtype)
         rows = g.tokens.long()
         out[rows] = dst[rows].to(dtype)

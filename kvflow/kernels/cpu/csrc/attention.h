@@ -24,8 +24,6 @@ using kvflow::vfloat;
 #define MAX_HEAD_DIM 256
 #define MAX_GROUP 32
 #define CHUNK 32 /* keys scored per online-softmax update */
-
-
 #define MAX_SWEEP_HEADS 8 /* kv heads a row task sweeps together (attend_fixed) */
 #define PARALLEL_MIN 65536 /* elements below which rotary / cache writes stay on one thread */
 #define MIN_KV_SCALE 1e-12f /* as kvflow.layers.quant: an all-zero vector quantizes to zeros */
@@ -312,20 +310,6 @@ static inline __attribute__((always_inline)) void attend_chunk(HeadState<D, G> &
         for (int i = 0; i < NV; i++) st.acc[g][i] = acc[g][i];
 }
 
-template <int D, int G, int FMT>
-static void attend_one(const float *restrict q, const void *kv, const int32_t *restrict table, int begin, int end,
-                       int block_size, long tok_stride, long v_off, int h, float scale, float *restrict out) {
-    HeadState<D, G> st;
-    st.start(q, scale);
-    for (int t = begin; t < end;) {
-        const int off = t % block_size;
-        const int n = std::min(std::min(block_size - off, CHUNK), end - t);
-        attend_chunk<D, G, FMT>(st, kv, (long)table[t / block_size] * block_size + off, n, tok_stride, v_off, h);
-        t += n;
-    }
-    st.finish(out);
-}
-
 /* Keys [begin, end) of kv heads [h, h + heads), chunk by chunk (a block's part at most): each chunk
  * for every head before the next chunk. With all of a row's heads (heads = kv_heads) the row's
  * slots are read front to back, each once (a slot holds every head's key and value side by side),
@@ -341,10 +325,6 @@ static inline void attend_fixed(const float *restrict q, const void *kv,
                                 const int32_t *restrict table, int begin, int end, int kv_heads, int block_size,
                                 int h, int heads, float scale, float *restrict out) {
     const long tok_stride = 2L * kv_heads * D, v_off = (long)kv_heads * D;
-    if (heads == 1) {
-        attend_one<D, G, FMT>(q, kv, table, begin, end, block_size, tok_stride, v_off, h, scale, out);
-        return;
-    }
     HeadState<D, G> st[MAX_SWEEP_HEADS];
     for (int i = 0; i < heads; i++) st[i].start(q + (long)i * G * D, scale);
     const long slot_bytes = tok_stride * (FMT == KV_F32 ? 4 : 2);
@@ -352,7 +332,7 @@ static inline void attend_fixed(const float *restrict q, const void *kv,
         const int off = t % block_size;
         const int n = std::min(std::min(block_size - off, CHUNK), end - t);
         const long slot0 = (long)table[t / block_size] * block_size + off;
-        if (t + n < end) {  /* the next chunk's slots, every head's, into L2 meanwhile */
+        if (heads > 1 && t + n < end) {  /* the next chunk's slots, every head's, into L2 meanwhile */
             const int t2 = t + n, n2 = std::min(std::min(block_size - t2 % block_size, CHUNK), end - t2);
             const char *next = (const char *)kv + ((long)table[t2 / block_size] * block_size + t2 % block_size) * slot_bytes;
             for (long b = 0; b < n2 * slot_bytes; b += 64) __builtin_prefetch(next + b, 0, 2);
@@ -418,16 +398,20 @@ static inline void attend_rows(const float *q, long q_row_stride, const void *kv
         const float *qr = q + tok * q_row_stride + (long)h0 * group * head_dim;
         const int32_t *table = tables + r * table_stride;
         float *o = out + (tok * num_heads + (long)h0 * group) * head_dim;
-        /* A row task's heads in one sweep over its slots where the fixed-shape path takes them. */
-        if (fmt == KV_F32 && attend_fast<KV_F32>(head_dim, group, qr, kv, table, begin, end, kv_heads, block_size,
-                                                 h0, per_task, scale, o))
-            continue;
-        if (fmt == KV_BF16 && attend_fast<KV_BF16>(head_dim, group, qr, kv, table, begin, end, kv_heads, block_size,
-                                                   h0, per_task, scale, o))
-            continue;
+        /* The fixed-shape path where it takes the shape: a row task's heads in one sweep over its
+         * slots, else a head at a time. */
+        const auto fast = [&](int h, int heads, const float *qh, float *oh) {
+            return fmt == KV_F32 ? attend_fast<KV_F32>(head_dim, group, qh, kv, table, begin, end, kv_heads,
+                                                       block_size, h, heads, scale, oh)
+                 : fmt == KV_BF16 ? attend_fast<KV_BF16>(head_dim, group, qh, kv, table, begin, end, kv_heads,
+                                                         block_size, h, heads, scale, oh)
+                                  : false;
+        };
+        if (per_task > 1 && fast(h0, per_task, qr, o)) continue;
         for (int h = h0; h < h0 + per_task; h++) {
             const float *qh = qr + (long)(h - h0) * group * head_dim;
             float *oh = o + (long)(h - h0) * group * head_dim;
+            if (fast(h, 1, qh, oh)) continue;
             /* The same code with the cache format and the common head sizes as constants, so gcc can
              * unroll and vectorize the fixed-length loops (benchmarks/decode_attention.py: clearly
              * faster with an int8 cache). */
@@ -440,12 +424,6 @@ static inline void attend_rows(const float *q, long q_row_stride, const void *kv
         else                                                                                             \
             attend(qh, kv, scales, F, table, begin, end, kv_heads, head_dim, block_size, group, h, scale, oh); \
     } while (0)
-            if (fmt == KV_F32 && attend_fast<KV_F32>(head_dim, group, qh, kv, table, begin, end, kv_heads,
-                                                     block_size, h, 1, scale, oh))
-                continue;
-            if (fmt == KV_BF16 && attend_fast<KV_BF16>(head_dim, group, qh, kv, table, begin, end, kv_heads,
-                                                       block_size, h, 1, scale, oh))
-                continue;
             if (fmt == KV_F32)
                 ATTEND_DIMS(KV_F32);
             else if (fmt == KV_BF16)

@@ -197,7 +197,6 @@ inline void tile_dot(const uint16_t* __restrict w, int pairs, const uint32_t* __
 }
 #endif
 
-
 /* A call's input rows as the tiles read them: float32 (ldf apart), and as bf16 pairs for the dot
  * product (ldp apart). */
 struct Rows {
@@ -262,26 +261,28 @@ inline const char* group_start(const FloatWeight& p, int g) {
   return static_cast<const char*>(p.w) + (long)g * GROUP * LANES_OUT * p.kp * (p.type == W_BF16 ? 2 : 4);
 }
 
+/* What pass t of `passes` over a group fetches of the thread's next group `next` (-1: none) into L2,
+ * spread over the pass's `steps` loop steps: an even share of it for each pass after the first,
+ * which reads its own group from memory. */
+inline Prefetch next_group_share(const FloatWeight& p, int next, int passes, int t, int steps) {
+  if (t == 0 || next < 0 || passes < 2) return {};
+  const int lines = (int)((group_bytes(p, next) + 63) / 64), share = (lines + passes - 2) / (passes - 1);
+  const int first = std::min(lines, (t - 1) * share), count = std::min(share, lines - first);
+  return Prefetch{group_start(p, next) + first * 64L, count, (count + steps - 1) / steps};
+}
+
 /* Group g (of `width` panels) for all m rows, TILE_ROWS at a time: the first pass reads the group
  * from memory, the next ones from L2 and meanwhile fetch group `next` (the thread's next one; -1:
  * none) into L2, a share per pass, so its first pass does not wait on memory. */
 template <int J = GROUP>
 inline void group_rows(int width, const FloatWeight& p, const Rows& in, int m, int g, int next, float* out) {
   if (width == J) {
-    const int passes = (m + TILE_ROWS - 1) / TILE_ROWS;
-    const int lines = next >= 0 && passes > 1 ? (int)((group_bytes(p, next) + 63) / 64) : 0;
-    const int share = passes > 1 ? (lines + passes - 2) / (passes - 1) : 0;  // lines per later pass
+    const int passes = (m + TILE_ROWS - 1) / TILE_ROWS, steps = p.type == W_BF16 && BF16_DOT ? p.kp / 2 : p.k;
     // The passes split the rows evenly (8 rows: 4 + 4, not 7 + 1, whose second pass would read the
     // group again for one row).
     for (int r = 0, t = 0, rows = 0; r < m; r += rows, t++) {
       rows = (m - r + passes - t - 1) / (passes - t);
-      Prefetch pf;
-      if (t > 0 && lines > 0) {
-        const int first = std::min(lines, (t - 1) * share);
-        const int count = std::min(share, lines - first), steps = p.type == W_BF16 && BF16_DOT ? p.kp / 2 : p.k;
-        pf = Prefetch{group_start(p, next) + first * 64L, count, (count + steps - 1) / steps};
-      }
-      run_rows<J>(rows, p, in, r, g, out, pf);
+      run_rows<J>(rows, p, in, r, g, out, next_group_share(p, next, passes, t, steps));
     }
   } else if constexpr (J > 1) {
     group_rows<J - 1>(width, p, in, m, g, next, out);
@@ -378,15 +379,9 @@ inline void amx_groups(const FloatWeight& p, const uint32_t* pairs, long ldp, in
     const int valid = (int)std::min<long>(width * LANES_OUT, p.n - first);
     const uint16_t* w = static_cast<const uint16_t*>(p.w) + first * p.kp;
     const int passes = (m + AMX_ROWS - 1) / AMX_ROWS;
-    const int lines = g + 1 < g1 && passes > 1 ? (int)((group_bytes(p, g + 1) + 63) / 64) : 0;
-    const int share = passes > 1 ? (lines + passes - 2) / (passes - 1) : 0;  // lines per later pass
     for (int r = 0, t = 0; r < m; r += AMX_ROWS, t++) {
       const uint32_t* a = pairs + r * ldp;
-      Prefetch pf;
-      if (t > 0 && lines > 0) {
-        const int first_line = std::min(lines, (t - 1) * share), count = std::min(share, lines - first_line);
-        pf = Prefetch{group_start(p, g + 1) + first_line * 64L, count, (count + chunks - 1) / chunks};
-      }
+      const Prefetch pf = next_group_share(p, g + 1 < g1 ? g + 1 : -1, passes, t, chunks);
       switch (width) {
         case 4: amx_block<4>(w, chunks, a, ldp * 4, tmp, pf); break;
         case 3: amx_block<3>(w, chunks, a, ldp * 4, tmp, pf); break;
