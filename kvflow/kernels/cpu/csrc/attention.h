@@ -238,6 +238,49 @@ static inline void fold_keys(vfloat *p, int count) {
     if constexpr (W > 1) fold_keys<W / 2>(p, count / 2);
 }
 
+/* Key j's products with the G queries (lanes still to be summed) folded into `stack`, the pending
+ * levels of fold_keys's tree: the same pairs added in the same order, so the same scores, but each
+ * key's row is consumed as it is loaded instead of VEC rows being held (they outnumber the vector
+ * registers, so they were spilled and reloaded). */
+template <int D, int G, int FMT, int J>
+static inline __attribute__((always_inline)) void score_key(const vfloat (&qv)[G][D / VEC], const void *kv,
+                                                            long slot, bool valid, long tok_stride, int h,
+                                                            vfloat (&stack)[G][5]) {
+    constexpr int NV = D / VEC;
+    vfloat k[NV];
+    if (valid)
+        load_row<D, FMT>(kv, slot * tok_stride + (long)h * D, k);
+    else
+        for (int i = 0; i < NV; i++) k[i] = vfloat{};
+    for (int g = 0; g < G; g++) {
+        vfloat p = qv[g][0] * k[0];
+        for (int i = 1; i < NV; i++) p += qv[g][i] * k[i];
+        /* key J completes the tree's nodes whose span ends at J: level L (width VEC >> (L + 1)) when
+         * J + 1 is a multiple of 2^(L + 1) */
+        int level = 0;
+        for (int span = 2; span <= VEC && (J + 1) % span == 0; span *= 2, level++) {
+            switch (span) {
+                case 2: p = fold_level<VEC / 2>(stack[g][0], p, std::make_index_sequence<VEC>{}); break;
+                case 4: p = fold_level<(VEC >= 4 ? VEC / 4 : 1)>(stack[g][1], p, std::make_index_sequence<VEC>{}); break;
+                case 8: p = fold_level<(VEC >= 8 ? VEC / 8 : 1)>(stack[g][2], p, std::make_index_sequence<VEC>{}); break;
+                case 16: p = fold_level<(VEC >= 16 ? VEC / 16 : 1)>(stack[g][3], p, std::make_index_sequence<VEC>{}); break;
+            }
+        }
+        stack[g][level] = p;
+    }
+}
+
+template <int D, int G, int FMT, int... J>
+static inline __attribute__((always_inline)) void score_keys(const vfloat (&qv)[G][D / VEC], const void *kv,
+                                                             long slot0, int n, long tok_stride, int h,
+                                                             float (&s)[G][CHUNK + VEC], int j0,
+                                                             std::integer_sequence<int, J...>) {
+    vfloat stack[G][5];
+    (score_key<D, G, FMT, J>(qv, kv, slot0 + J, J < n, tok_stride, h, stack), ...);
+    constexpr int top = __builtin_ctz(VEC);
+    for (int g = 0; g < G; g++) *(vfloat *)(s[g] + j0) = stack[g][top];
+}
+
 /* One kv head's running attention for its G query heads: the scaled queries, the accumulators,
  * the running max and sum of the online softmax. */
 template <int D, int G>
@@ -264,11 +307,41 @@ struct HeadState {
     }
 };
 
-/* Keys and values [slot0, slot0 + n) of head h (n <= CHUNK, one block's) into st. always_inline: in
- * attend_fixed's loop the state stays in registers. */
+/* The next chunk's keys and values of the heads a task reads (each slot's K lines of those heads,
+ * then its V lines), fetched into L2 `per` lines at a time between the current chunk's keys. Issued
+ * in one burst, the prefetches held the thread on its fill buffers until most of the chunk had
+ * arrived, and then it computed with nothing in flight: fetch and compute took turns (on the 2-vCPU
+ * AMX Xeon, 32 rows x 222 fp32 tokens from memory: 584 -> 535 us a layer;
+ * benchmarks/decode_attention.py --caches 30). */
+struct FetchAhead {
+    const char *at = nullptr;  /* the chunk's first slot */
+    long slot_bytes = 0, k_off = 0, v_off = 0;  /* where the heads' K and V lines start in a slot */
+    int span = 0;  /* lines of K (and of V) per slot */
+    int lines = 0, per = 0, done = 0;
+    int slot = 0, line = 0;  /* the next line: of slot `slot`, the `line`-th of its K then V lines */
+
+    inline void step() {
+        for (const int e = std::min(lines, done + per); done < e; done++) {
+            const long off = line < span ? k_off + line * 64L : v_off + (line - span) * 64L;
+            __builtin_prefetch(at + slot * slot_bytes + off, 0, 2);
+            if (++line == 2 * span) {
+                line = 0;
+                slot++;
+            }
+        }
+    }
+    inline void rest() {
+        per = lines;
+        step();
+    }
+};
+
+/* Keys and values [slot0, slot0 + n) of head h (n <= CHUNK, one block's) into st, fetching ahead
+ * a share per key. always_inline: in attend_fixed's loop the state stays in registers. */
 template <int D, int G, int FMT>
 static inline __attribute__((always_inline)) void attend_chunk(HeadState<D, G> &st, const void *kv, long slot0,
-                                                               int n, long tok_stride, long v_off, int h) {
+                                                               int n, long tok_stride, long v_off, int h,
+                                                               FetchAhead &ahead) {
     constexpr int NV = D / VEC;
     // Register copies for the chunk (gcc may leave a state this large in memory otherwise).
     vfloat qv[G][NV], acc[G][NV];
@@ -278,24 +351,8 @@ static inline __attribute__((always_inline)) void attend_chunk(HeadState<D, G> &
             acc[g][i] = st.acc[g][i];
         }
     float s[G][CHUNK + VEC];
-    for (int j0 = 0; j0 < n; j0 += VEC) {  /* VEC keys at a time; past n: zero rows */
-        vfloat k[VEC][NV];
-        for (int j = 0; j < VEC; j++) {
-            if (j0 + j < n)
-                load_row<D, FMT>(kv, (slot0 + j0 + j) * tok_stride + (long)h * D, k[j]);
-            else
-                for (int i = 0; i < NV; i++) k[j][i] = vfloat{};
-        }
-        for (int g = 0; g < G; g++) {
-            vfloat p[VEC];
-            for (int j = 0; j < VEC; j++) {
-                p[j] = qv[g][0] * k[j][0];
-                for (int i = 1; i < NV; i++) p[j] += qv[g][i] * k[j][i];
-            }
-            fold_keys(p, VEC);
-            *(vfloat *)(s[g] + j0) = p[0];
-        }
-    }
+    for (int j0 = 0; j0 < n; j0 += VEC)  /* VEC keys at a time; past n: zero rows */
+        score_keys<D, G, FMT>(qv, kv, slot0 + j0, n - j0, tok_stride, h, s, j0, std::make_integer_sequence<int, VEC>{});
     for (int g = 0; g < G; g++) {
         const float corr = softmax_chunk(s[g], n, &st.m[g], &st.l[g]);
         for (int i = 0; i < NV; i++) acc[g][i] *= corr;
@@ -303,6 +360,7 @@ static inline __attribute__((always_inline)) void attend_chunk(HeadState<D, G> &
     for (int j = 0; j < n; j++) {
         vfloat v[NV];
         load_row<D, FMT>(kv, (slot0 + j) * tok_stride + v_off + (long)h * D, v);
+        ahead.step();
         for (int g = 0; g < G; g++)
             for (int i = 0; i < NV; i++) acc[g][i] += s[g][j] * v[i];
     }
@@ -317,9 +375,10 @@ static inline __attribute__((always_inline)) void attend_chunk(HeadState<D, G> &
  * sweeps, which the hardware prefetchers follow badly: on a 2-vCPU AMX Xeon a layer of 16 decode
  * rows over 415-token bf16 contexts read from memory took 491 us against 305 us for the same bytes
  * with one kv head (benchmarks/decode_attention.py --caches 30). While a chunk computes, the next
- * one's slots are fetched into L2 (a block's successor lies anywhere in the pool): 469 -> 367 us
- * there, and 1512 -> 1164 us for 64 rows of 330 tokens; fetching two chunks ahead was no faster.
- * Each head's sums are the same either way. */
+ * one's keys and values are fetched into L2 (a block's successor lies anywhere in the pool), spread
+ * over its keys (FetchAhead): 469 -> 367 us there as one burst, and 1512 -> 1164 us for 64 rows of
+ * 330 tokens; spread, that case 1136 -> 985-1049 us. Fetching two chunks ahead, or the share of the
+ * next chunk in the first half of this one, was no faster. Each head's sums are the same either way. */
 template <int D, int G, int FMT>
 static inline void attend_fixed(const float *restrict q, const void *kv,
                                 const int32_t *restrict table, int begin, int end, int kv_heads, int block_size,
@@ -327,17 +386,26 @@ static inline void attend_fixed(const float *restrict q, const void *kv,
     const long tok_stride = 2L * kv_heads * D, v_off = (long)kv_heads * D;
     HeadState<D, G> st[MAX_SWEEP_HEADS];
     for (int i = 0; i < heads; i++) st[i].start(q + (long)i * G * D, scale);
-    const long slot_bytes = tok_stride * (FMT == KV_F32 ? 4 : 2);
+    constexpr long esize = FMT == KV_F32 ? 4 : 2;
+    const long slot_bytes = tok_stride * esize;
     for (int t = begin; t < end;) {
         const int off = t % block_size;
         const int n = std::min(std::min(block_size - off, CHUNK), end - t);
         const long slot0 = (long)table[t / block_size] * block_size + off;
-        if (heads > 1 && t + n < end) {  /* the next chunk's slots, every head's, into L2 meanwhile */
+        FetchAhead ahead;
+        if (t + n < end) {  /* the next chunk's keys and values of these heads, into L2 meanwhile */
             const int t2 = t + n, n2 = std::min(std::min(block_size - t2 % block_size, CHUNK), end - t2);
-            const char *next = (const char *)kv + ((long)table[t2 / block_size] * block_size + t2 % block_size) * slot_bytes;
-            for (long b = 0; b < n2 * slot_bytes; b += 64) __builtin_prefetch(next + b, 0, 2);
+            const long head_bytes = (long)D * esize;
+            ahead.at = (const char *)kv + ((long)table[t2 / block_size] * block_size + t2 % block_size) * slot_bytes;
+            ahead.slot_bytes = slot_bytes;
+            ahead.k_off = h * head_bytes;
+            ahead.v_off = v_off * esize + h * head_bytes;
+            ahead.span = (int)((heads * head_bytes + 63) / 64);
+            ahead.lines = n2 * 2 * ahead.span;
+            ahead.per = (ahead.lines + heads * n - 1) / (heads * n);
         }
-        for (int i = 0; i < heads; i++) attend_chunk<D, G, FMT>(st[i], kv, slot0, n, tok_stride, v_off, h + i);
+        for (int i = 0; i < heads; i++) attend_chunk<D, G, FMT>(st[i], kv, slot0, n, tok_stride, v_off, h + i, ahead);
+        ahead.rest();
         t += n;
     }
     for (int i = 0; i < heads; i++) st[i].finish(out + (long)i * G * D);
