@@ -217,3 +217,42 @@ def test_greedy_tokens_is_argmax_with_ties_and_nan():
     got = greedy_tokens(logits)
     assert torch.equal(got, logits.argmax(dim=-1))
     assert got[5] == 17 and got[7] == 0
+
+
+def test_bf16_logits_sample_as_their_float32_copy():
+    """A bf16 model's logits reach the sampler as they are: a greedy batch takes their argmax
+    directly, any other batch (random rows, logprobs, penalties) their float32 copy; either way
+    the result is the float32 copy's, ties included."""
+    g = torch.Generator().manual_seed(1)
+    logits = (torch.randn(16, 500, generator=g) * 4).bfloat16()
+    logits[3, 10] = logits[3, 400] = logits[3].max() + 1  # a tie: the first index wins
+    wide = logits.float()
+    sampler = Sampler(0, torch.device("cpu"))
+    greedy = [SamplingParams(temperature=0.0)] * 16
+    assert torch.equal(sampler(logits, _batch(greedy)).token_ids, wide.argmax(dim=-1))
+    assert sampler(logits, _batch(greedy)).token_ids[3] == 10
+    with_logprobs = [SamplingParams(temperature=0.0, logprobs=2)] * 16
+    out, ref = sampler(logits, _batch(with_logprobs)), sampler(wide, _batch(with_logprobs))
+    assert torch.equal(out.token_ids, ref.token_ids) and out.logprobs == ref.logprobs
+    mixed = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=5)] * 8
+    a, b = Sampler(3, torch.device("cpu")), Sampler(3, torch.device("cpu"))
+    assert torch.equal(a(logits, _batch(mixed)).token_ids, b(wide, _batch(mixed)).token_ids)
+
+
+def test_bf16_engine_greedy_matches_float32_logits(tiny_llama):
+    """Through the engine: a bf16 model's first greedy token is the argmax of the same prefill's
+    float32 logits, recomputed here through the same runner."""
+    from kvflow.layers.attention import SeqLayout
+
+    llm = LLM(tiny_llama[0], num_kv_blocks=64, max_model_len=128, dtype="bfloat16")
+    runner = llm.engine.executor.runner
+    prompts = [[5, 9, 23, 7, 81], [300, 2, 2, 41], [17] * 20]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1))
+    for prompt, out in zip(prompts, outs):
+        meta = runner.attention.build_metadata([SeqLayout(0, len(prompt), list(range(-(-len(prompt) // 16))))])
+        with torch.inference_mode():
+            hidden = runner.model(torch.tensor(prompt), meta.positions, runner.kv_caches, meta)
+            raw = runner.model.compute_logits(hidden[-1:], float32=False)
+            logits = runner.model.compute_logits(hidden[-1:])
+        assert raw.dtype == torch.bfloat16 and logits.dtype == torch.float32
+        assert out.outputs[0].token_ids == logits.argmax(dim=-1).tolist()

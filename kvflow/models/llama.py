@@ -234,12 +234,15 @@ class LlamaForCausalLM(torch.nn.Module):
                 x = layer(x, cos, sin_signed, kv, meta)
         return self.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """Logits [rows, vocab] in float32. Under tensor parallelism every rank calls it with the
-        same rows; the first rank gets the logits, the others None."""
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor | None:
+        """Logits [rows, vocab], in float32 or (`float32=False`, one rank) as the lm_head gives them:
+        a bf16 model's argmax needs no float copy. Under tensor parallelism every rank calls it with
+        the same rows; the first rank gets the logits, the others None."""
         if self.logits_kernel is None:
             self.prepare(self.linear_backend, self.kernel_plan)
-        logits = self.logits_kernel(hidden).float()
+        logits = self.logits_kernel(hidden)
+        if float32 or self.tp.size > 1:
+            logits = logits.float()
         return self.tp.gather_first(logits, self._vocab_widths) if self.tp.size > 1 else logits
 
     # ---- weights ---------------------------------------------------------------------------

@@ -91,6 +91,10 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         params = batch.params
+        # An argmax is the same over a bf16 model's logits as over their float32 copy (widening is
+        # exact): a greedy batch skips the copy (at 64 rows: 12.6 MB written, then read by the max).
+        if any(not p.greedy or p.logprobs is not None or p.has_penalties for p in params):
+            logits = logits.float()
         n, vocab = logits.shape
         dev = logits.device
         raw_logprobs = (

@@ -235,7 +235,8 @@ class ModelRunner:
         sampling = [s for s in seqs if s.sample]
         if not sampling:
             return RunnerOutput()
-        logits = self.model.compute_logits(hidden[torch.tensor(logits_rows(seqs), device=self.device)])
+        # (in the model's dtype: the sampler widens them where it needs more than an argmax)
+        logits = self.model.compute_logits(hidden[torch.tensor(logits_rows(seqs), device=self.device)], float32=False)
         return self._sample(self._constrain(logits, sampling, grammar), sampling)
 
     @torch.inference_mode()
@@ -264,6 +265,8 @@ class ModelRunner:
         """logit_bias, then the grammar's mask (disallowed tokens get -inf), on every row a
         sequence samples from (draft positions included), before the sampler or the verifier:
         both then see the same distribution, so speculative decoding stays exact under them."""
+        if grammar is not None or any(s.params.logit_bias for s in seqs):
+            logits = logits.float()
         start = 0
         for s in seqs:
             n = 1 + len(s.spec_token_ids)
@@ -327,7 +330,7 @@ class ModelRunner:
         spec = [i for i, s in enumerate(seqs) if s.spec_token_ids]
         if spec:
             sub = [seqs[i] for i in spec]
-            target = logits[[r for i in spec for r in range(*spans[i])]] if plain else logits
+            target = (logits[[r for i in spec for r in range(*spans[i])]] if plain else logits).float()
             verified = self.rejection_sampler(
                 target, [s.spec_token_ids for s in sub], [None] * len(sub), [s.params for s in sub],
                 [self._generator(s.request_id, s.params.seed) for s in sub])
