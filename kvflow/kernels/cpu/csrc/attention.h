@@ -227,25 +227,29 @@ static inline vfloat fold_level(vfloat x, vfloat y, std::index_sequence<I...>) {
            __builtin_shufflevector(x, y, (I / W * 2 * W + I % W + W)...);
 }
 
-/* The lane sums of VEC vectors p[0..VEC) as one vector (lane j: the sum of p[j]'s lanes), by a
- * tree of log2(VEC) levels of shuffles and adds instead of one horizontal sum per key. The tree
- * (lanes i and i + VEC/2, then i and i + VEC/4, ...) is the same for every lane, so a key's score
- * does not depend on its neighbours. */
-template <int W = VEC / 2>
-static inline void fold_keys(vfloat *p, int count) {
-    for (int i = 0; i < count / 2; i++)
-        p[i] = fold_level<W>(p[2 * i], p[2 * i + 1], std::make_index_sequence<VEC>{});
-    if constexpr (W > 1) fold_keys<W / 2>(p, count / 2);
+/* The lane sums of VEC keys' product vectors as one vector (lane j: the sum of key j's lanes), by
+ * a tree of log2(VEC) levels of shuffles and adds instead of one horizontal sum per key: keys j and
+ * j + 1 are folded at level 0 (lanes i and i + VEC/2 added), then pairs of those at level 1 (i and
+ * i + VEC/4), ... The tree is the same for every lane, so a key's score does not depend on its
+ * neighbours. Built as the keys arrive: `stack[L]` holds the pending node of level L, and key J's
+ * vector p climbs while it completes a node (J + 1 a multiple of 2^(L + 1)), so each key's row is
+ * consumed as it is loaded instead of VEC rows being held at once (more than the vector registers:
+ * they were spilled and reloaded). The last key leaves the whole sum in stack[log2(VEC)]. */
+constexpr int FOLD_LEVELS = __builtin_ctz(VEC) + 1;
+
+template <int J, int L = 0>
+static inline __attribute__((always_inline)) void fold_key(vfloat (&stack)[FOLD_LEVELS], vfloat p) {
+    if constexpr ((((J + 1) >> L) & 1) == 0)
+        fold_key<J, L + 1>(stack, fold_level<(VEC >> (L + 1))>(stack[L], p, std::make_index_sequence<VEC>{}));
+    else
+        stack[L] = p;
 }
 
-/* Key j's products with the G queries (lanes still to be summed) folded into `stack`, the pending
- * levels of fold_keys's tree: the same pairs added in the same order, so the same scores, but each
- * key's row is consumed as it is loaded instead of VEC rows being held (they outnumber the vector
- * registers, so they were spilled and reloaded). */
+/* Key J's products with the G queries (zeros past the chunk's n keys) into each query's tree. */
 template <int D, int G, int FMT, int J>
 static inline __attribute__((always_inline)) void score_key(const vfloat (&qv)[G][D / VEC], const void *kv,
                                                             long slot, bool valid, long tok_stride, int h,
-                                                            vfloat (&stack)[G][5]) {
+                                                            vfloat (&stack)[G][FOLD_LEVELS]) {
     constexpr int NV = D / VEC;
     vfloat k[NV];
     if (valid)
@@ -255,18 +259,7 @@ static inline __attribute__((always_inline)) void score_key(const vfloat (&qv)[G
     for (int g = 0; g < G; g++) {
         vfloat p = qv[g][0] * k[0];
         for (int i = 1; i < NV; i++) p += qv[g][i] * k[i];
-        /* key J completes the tree's nodes whose span ends at J: level L (width VEC >> (L + 1)) when
-         * J + 1 is a multiple of 2^(L + 1) */
-        int level = 0;
-        for (int span = 2; span <= VEC && (J + 1) % span == 0; span *= 2, level++) {
-            switch (span) {
-                case 2: p = fold_level<VEC / 2>(stack[g][0], p, std::make_index_sequence<VEC>{}); break;
-                case 4: p = fold_level<(VEC >= 4 ? VEC / 4 : 1)>(stack[g][1], p, std::make_index_sequence<VEC>{}); break;
-                case 8: p = fold_level<(VEC >= 8 ? VEC / 8 : 1)>(stack[g][2], p, std::make_index_sequence<VEC>{}); break;
-                case 16: p = fold_level<(VEC >= 16 ? VEC / 16 : 1)>(stack[g][3], p, std::make_index_sequence<VEC>{}); break;
-            }
-        }
-        stack[g][level] = p;
+        fold_key<J>(stack[g], p);
     }
 }
 
@@ -275,10 +268,9 @@ static inline __attribute__((always_inline)) void score_keys(const vfloat (&qv)[
                                                              long slot0, int n, long tok_stride, int h,
                                                              float (&s)[G][CHUNK + VEC], int j0,
                                                              std::integer_sequence<int, J...>) {
-    vfloat stack[G][5];
+    vfloat stack[G][FOLD_LEVELS];
     (score_key<D, G, FMT, J>(qv, kv, slot0 + J, J < n, tok_stride, h, stack), ...);
-    constexpr int top = __builtin_ctz(VEC);
-    for (int g = 0; g < G; g++) *(vfloat *)(s[g] + j0) = stack[g][top];
+    for (int g = 0; g < G; g++) *(vfloat *)(s[g] + j0) = stack[g][FOLD_LEVELS - 1];
 }
 
 /* One kv head's running attention for its G query heads: the scaled queries, the accumulators,
@@ -311,7 +303,7 @@ struct HeadState {
  * then its V lines), fetched into L2 `per` lines at a time between the current chunk's keys. Issued
  * in one burst, the prefetches held the thread on its fill buffers until most of the chunk had
  * arrived, and then it computed with nothing in flight: fetch and compute took turns (on the 2-vCPU
- * AMX Xeon, 32 rows x 222 fp32 tokens from memory: 584 -> 535 us a layer;
+ * AMX Xeon, 32 rows x 222 fp32 tokens from memory: 584 -> 554 us a layer;
  * benchmarks/decode_attention.py --caches 30). */
 struct FetchAhead {
     const char *at = nullptr;  /* the chunk's first slot */
@@ -377,7 +369,7 @@ static inline __attribute__((always_inline)) void attend_chunk(HeadState<D, G> &
  * with one kv head (benchmarks/decode_attention.py --caches 30). While a chunk computes, the next
  * one's keys and values are fetched into L2 (a block's successor lies anywhere in the pool), spread
  * over its keys (FetchAhead): 469 -> 367 us there as one burst, and 1512 -> 1164 us for 64 rows of
- * 330 tokens; spread, that case 1136 -> 985-1049 us. Fetching two chunks ahead, or the share of the
+ * 330 tokens; spread, that case 1136 -> 985 us. Fetching two chunks ahead, or the share of the
  * next chunk in the first half of this one, was no faster. Each head's sums are the same either way. */
 template <int D, int G, int FMT>
 static inline void attend_fixed(const float *restrict q, const void *kv,
