@@ -14,6 +14,6 @@ mkdir -p "$OUT"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import sys, torch, triton, transformers; print(sys.version.split()[0], torch.__version__, torch.version.cuda, triton.__version__, transformers.__version__)"
 } 2>&1 | tee "$OUT/env.txt"
-KVFLOW_TEST_DEVICE=cuda timeout 180 python3 -m pytest -q -p no:cacheprovider -x tests/test_triton_attention.py 2>&1 \
+KVFLOW_TEST_DEVICE=cuda timeout 180 python3 -m pytest -q -p no:cacheprovider -x tests/kernels/test_triton_attention.py 2>&1 \
   | tail -40 | tee "$OUT/tests.txt"
 timeout 420 python3 benchmarks/gpu_offline.py --out "$OUT/gpu_results.json" "$@" 2>&1 | tee "$OUT/gpu_log.txt"

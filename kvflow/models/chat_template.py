@@ -5,7 +5,7 @@ tools: the same sandboxed Jinja environment (trim_blocks, lstrip_blocks, loopcon
 `{% generation %}` tag, `tojson` without HTML escaping, `raise_exception`, `strftime_now`, the
 restricted `dict` and `namespace`), the same message normalization (objects to dicts, None-valued
 keys dropped, reasoning aliases) and the same template variables. `renders_here` says which calls
-this covers; `FastTokenizer` sends the others to transformers. tests/test_gguf.py compares the two.
+this covers; `FastTokenizer` sends the others to transformers. tests/models/test_gguf.py compares the two.
 """
 
 from __future__ import annotations

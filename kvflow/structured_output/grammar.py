@@ -18,7 +18,7 @@ from kvflow.structured_output.params import StructuredOutputsParams
 # and four levels of four-space indentation still fit.
 MAX_WHITESPACE = 20
 # Keywords xgrammar 0.2.8 accepts without enforcing them: a schema using one is refused rather than
-# answered with output that may not validate (tests/test_structured_output.py shows each refusal).
+# answered with output that may not validate (tests/structured_output/test_structured_output.py shows each refusal).
 UNENFORCED_KEYWORDS = frozenset({
     "contains", "minContains", "maxContains", "dependentRequired", "dependentSchemas", "dependencies",
     "unevaluatedProperties", "unevaluatedItems", "if", "then", "else", "not"})

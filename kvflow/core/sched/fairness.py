@@ -7,7 +7,7 @@ requests are admitted client by client, least counter first (the policy's order 
 A client that was idle rejoins at the least counter among the backlogged clients, so it cannot
 bank idle time and then crowd the others out. Two backlogged clients' counters then differ by at
 most about one request's worth of service (the paper's bound: 2 x (w_in x max prompt + w_out x
-max output), tested in tests/test_scheduling_policies.py).
+max output), tested in tests/core/test_scheduling_policies.py).
 """
 
 from __future__ import annotations

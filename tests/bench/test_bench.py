@@ -649,7 +649,7 @@ def harness():
     import pathlib
     import sys
 
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks"))
     try:
         yield importlib.import_module("slo_scheduling")
     finally:

@@ -199,7 +199,7 @@ def test_default_model_native_gguf_agrees_with_dequantized():
 
     from kvflow import LLM
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     from quality import eval_text, window_logits
 
     llms = {mode: LLM(max_model_len=1024, num_kv_blocks=80, enable_prefix_caching=False, **opts)
@@ -272,7 +272,7 @@ def test_engine_on_a_k_quant_gguf(tmp_path):
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     from quality import window_logits
 
     native, ref = (window_logits(llms[m], prompt) for m in ("native", "dequantize"))

@@ -3,7 +3,7 @@
 brute force, against the torch backend inside the engine, with mutated copies of the kernels that
 must fail, and the CUDA-graph buffer path (padding, static metadata) run eagerly.
 
-On a GPU machine `KVFLOW_TEST_DEVICE=cuda pytest tests/test_triton_attention.py` runs the same
+On a GPU machine `KVFLOW_TEST_DEVICE=cuda pytest tests/kernels/test_triton_attention.py` runs the same
 tests with the kernels compiled for the GPU (benchmarks/gpu_check.sh does)."""
 
 from __future__ import annotations
@@ -236,7 +236,7 @@ def test_gpu_benchmark_script_smoke(tmp_path):
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     out = tmp_path / "gpu.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, str(root / "benchmarks" / "gpu_offline.py"), "--device", "cpu", "--smoke",

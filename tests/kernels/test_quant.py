@@ -240,7 +240,7 @@ def test_default_model_int8_perplexity_within_bounds():
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     from quality import eval_text
 
     llms = {name: LLM(max_model_len=1024, num_kv_blocks=64, enable_prefix_caching=False, **opts)
