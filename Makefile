@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup test test-fast demo serve bench-decode clean
+.PHONY: setup test test-fast lint format demo serve bench-decode clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -26,8 +26,17 @@ setup: $(STAMP)
 test: setup
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
+# the inner loop: leaves out the tests that load the real default model or start servers and processes
 test-fast: setup
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow"
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow and not server"
+
+lint: setup
+	$(BIN)/ruff check kvflow tests benchmarks tools
+	$(BIN)/ruff format --check kvflow tests benchmarks tools
+
+format: setup
+	$(BIN)/ruff check --fix kvflow tests benchmarks tools
+	$(BIN)/ruff format kvflow tests benchmarks tools
 
 serve: setup
 	$(BIN)/kvflow serve

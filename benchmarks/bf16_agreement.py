@@ -38,9 +38,10 @@ def hf_greedy(model, ids: list[int], new_tokens: int) -> list[int]:
     gc = copy.deepcopy(model.generation_config)
     gc.eos_token_id, gc.pad_token_id, gc.do_sample = None, 0, False
     with torch.inference_mode():
-        out = model.generate(torch.tensor([ids]), generation_config=gc, max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens)
-    return out[0, len(ids):].tolist()
+        out = model.generate(
+            torch.tensor([ids]), generation_config=gc, max_new_tokens=new_tokens, min_new_tokens=new_tokens
+        )
+    return out[0, len(ids) :].tolist()
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> tuple[float, float, float]:
@@ -67,8 +68,10 @@ def main() -> int:
     for dtype in ("bfloat16", "float32"):
         llm = LLM(args.model, dtype=dtype, gguf_weights="dequantize", max_model_len=1024, num_kv_blocks=256)
         tok = llm.engine.tokenizer
-        chats = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
-                 for p in _prompts()[: args.prompts]]
+        chats = [
+            tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+            for p in _prompts()[: args.prompts]
+        ]
         prompt_ids = [tok.encode(c, add_special_tokens=False) for c in chats]
         params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
         outs = llm.generate(prompt_ids, params, use_tqdm=False)
@@ -82,8 +85,12 @@ def main() -> int:
     print(f"\n{args.prompts} chat prompts x {args.new_tokens} greedy tokens\n")
     print("| pair | tokens identical | prompts identical throughout | mean common prefix |")
     print("|---|---|---|---|")
-    for a, b in (("kvflow bfloat16", "HF bfloat16"), ("HF bfloat16", "HF float32"),
-                 ("kvflow bfloat16", "kvflow float32"), ("kvflow float32", "HF float32")):
+    for a, b in (
+        ("kvflow bfloat16", "HF bfloat16"),
+        ("HF bfloat16", "HF float32"),
+        ("kvflow bfloat16", "kvflow float32"),
+        ("kvflow float32", "HF float32"),
+    ):
         same, whole, prefix = agreement(runs[a], runs[b])
         print(f"| {a} vs {b} | {100 * same:.1f}% | {100 * whole:.0f}% | {prefix:.1f} |")
     return 0

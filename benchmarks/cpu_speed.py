@@ -26,7 +26,7 @@ of a shared machine falls on every mode alike:
   detokenize). Measured by timing wrappers around those pieces (~0.5 us each), not the profiler.
   Where the native kernels serve them (int8; fp32 up to the autotune's row limit) decode steps run
   all decoder layers in one native call
-  (kvflow.kernels.cpu.decode_pass), timed as one piece and, inside it, per phase by the native code
+  (kvflow.models.decode_pass), timed as one piece and, inside it, per phase by the native code
   (omp_get_wtime); its table is followed by one of the same engine on the per-layer path.
 
 The machine is shared: the script prints the load average and, per mode, the CPU time other
@@ -50,7 +50,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import numpy as np
 import torch
 
-from kvflow.kernels.cpu.machine_load import ForeignLoad
+from kvflow.worker.machine_load import ForeignLoad
 
 _FLOAT = {"gguf_weights": "dequantize"}
 MODES = {
@@ -193,8 +193,9 @@ class _TimedPass:
         return self._timed(*a)
 
 
-def breakdown(llm, prompts: Prompts, batch: int, steps: int = 24, per_layer: bool = False,
-              context: int = 100) -> tuple[dict[str, float], float, float]:
+def breakdown(
+    llm, prompts: Prompts, batch: int, steps: int = 24, per_layer: bool = False, context: int = 100
+) -> tuple[dict[str, float], float, float]:
     """ms per decode step by component, at `batch` concurrent decodes (`context`-token prompts, then
     ~30 more).
     per_layer: an int8 engine's decode steps take the per-layer path instead of the one-call native
@@ -232,8 +233,10 @@ def breakdown(llm, prompts: Prompts, batch: int, steps: int = 24, per_layer: boo
     params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
     for _ in range(batch):
         eng.add_request(None, prompts.ids(context), params)
-    while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in
-              list(eng.scheduler.running) + list(eng.scheduler.waiting)):
+    while any(
+        r.num_computed_tokens < len(r.prompt_token_ids)
+        for r in list(eng.scheduler.running) + list(eng.scheduler.waiting)
+    ):
         eng.step()
     for _ in range(3):
         eng.step()
@@ -268,12 +271,17 @@ def breakdown(llm, prompts: Prompts, batch: int, steps: int = 24, per_layer: boo
         "decoder layers in one native call (the decode pass: all of the above but the lm_head)": t["native layers"],
         **phases,
         # forward = its projections (not the lm_head: that runs after it) + attention + the rest
-        "other model ops (norms, rotary, residual, silu, embedding)": t["model forward"] - t["matmul"] - t["attention"]
-                                                                      - t["native layers"],
+        "other model ops (norms, rotary, residual, silu, embedding)": t["model forward"]
+        - t["matmul"]
+        - t["attention"]
+        - t["native layers"],
         "attention metadata (once per step)": t["metadata"],
         "sampling": t["sampling"],
-        "rest of the runner (input tensors, logits rows)": t["runner"] - t["model forward"] - t["lm_head"]
-                                                           - t["metadata"] - t["sampling"],
+        "rest of the runner (input tensors, logits rows)": t["runner"]
+        - t["model forward"]
+        - t["lm_head"]
+        - t["metadata"]
+        - t["sampling"],
         "engine outside the runner (scheduler, outputs, detokenize)": step_ms - t["runner"],
     }
     return parts, step_ms, fo.value
@@ -302,8 +310,10 @@ def main() -> int:
         if m not in MODES:
             raise SystemExit(f"unknown mode {m!r}; choose from {', '.join(MODES)}")
     batches = [int(b) for b in args.breakdown_batches.split(",") if b.strip()]
-    print(f"# {cpu_name()}, {os.cpu_count()} CPUs, torch {torch.__version__} ({torch.get_num_threads()} threads), "
-          f"load average at start {os.getloadavg()[0]:.2f}")
+    print(
+        f"# {cpu_name()}, {os.cpu_count()} CPUs, torch {torch.__version__} ({torch.get_num_threads()} threads), "
+        f"load average at start {os.getloadavg()[0]:.2f}"
+    )
     # All engines stay loaded, and the short measurements go round-robin over them: the machine's
     # speed drifts (other tenants), and interleaving spreads the drift evenly over the modes.
     llms, load_s = {}, {}
@@ -343,31 +353,52 @@ def main() -> int:
         for mode in modes:
             breakdowns[mode, b] = breakdown(llms[mode], prompts, b, context=args.breakdown_context)
             if llms[mode].engine.runner.model.native_decode is not None:
-                breakdowns[f"{mode} (per-layer path)", b] = breakdown(llms[mode], prompts, b, per_layer=True,
-                                                                      context=args.breakdown_context)
+                breakdowns[f"{mode} (per-layer path)", b] = breakdown(
+                    llms[mode], prompts, b, per_layer=True, context=args.breakdown_context
+                )
     rows = []
     for mode in modes:
         eng = llms[mode].engine
         t_ = tput.get(mode, (float("nan"), float("nan"), 0.0, 0))
-        rows.append((mode, eng.runner.linear_backend, eng.kv_bytes_per_token, load_s[mode], dec[mode], pre[mode],
-                     t_[0], t_[1], t_[3], foreign[mode]))
+        rows.append(
+            (
+                mode,
+                eng.runner.linear_backend,
+                eng.kv_bytes_per_token,
+                load_s[mode],
+                dec[mode],
+                pre[mode],
+                t_[0],
+                t_[1],
+                t_[3],
+                foreign[mode],
+            )
+        )
 
     print()
-    print(f"| mode | linear backend | KV bytes/token | load s | batch-1 decode tok/s | prefill {args.prefill_len} tok/s | "
-          f"{args.requests} requests: output tok/s | req/s | preemptions | foreign CPU (max) |")
+    print(
+        f"| mode | linear backend | KV bytes/token | load s | batch-1 decode tok/s | prefill {args.prefill_len} tok/s | "
+        f"{args.requests} requests: output tok/s | req/s | preemptions | foreign CPU (max) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
 
     def med(v: list[float], fmt: str) -> str:
         return f"{statistics.median(v):{fmt}} ({min(v):{fmt}}-{max(v):{fmt}})"
 
     for mode, be, kvb, ld, d, p, tp, rps, preempt, fo in rows:
-        print(f"| {mode} | {be} | {kvb} | {ld:.1f} | {med(d, '.1f')} | {med(p, '.0f')} | {tp:.1f} | {rps:.2f} | "
-              f"{preempt} | {fo:.2f} |")
-    print(f"\n# decode and prefill: median (min-max) of {args.rounds} rounds, modes interleaved; decode = "
-          f"{args.decode_tokens} greedy tokens after a 32-token prompt, one request alone")
+        print(
+            f"| {mode} | {be} | {kvb} | {ld:.1f} | {med(d, '.1f')} | {med(p, '.0f')} | {tp:.1f} | {rps:.2f} | "
+            f"{preempt} | {fo:.2f} |"
+        )
+    print(
+        f"\n# decode and prefill: median (min-max) of {args.rounds} rounds, modes interleaved; decode = "
+        f"{args.decode_tokens} greedy tokens after a 32-token prompt, one request alone"
+    )
     for (mode, b), (parts, step_ms, fo) in breakdowns.items():
-        print(f"\n{mode}, decode step at batch {b}: {step_ms:.2f} ms/step ({b * 1000 / step_ms:.1f} tok/s), "
-              f"foreign CPU {fo:.2f}")
+        print(
+            f"\n{mode}, decode step at batch {b}: {step_ms:.2f} ms/step ({b * 1000 / step_ms:.1f} tok/s), "
+            f"foreign CPU {fo:.2f}"
+        )
         print("| component | ms/step | share |")
         print("|---|---|---|")
         for name, ms in parts.items():
@@ -375,8 +406,10 @@ def main() -> int:
                 print(f"| {name} | {ms:.2f} | {ms / step_ms:.0%} |")
     if not args.skip_throughput:
         ins, outs = workload_lengths(args.requests, args.seed)
-        print(f"\n# throughput workload: {len(outs)} requests, prompts {min(ins)}-{max(ins)} tokens, outputs "
-              f"{min(outs)}-{max(outs)} (median {statistics.median(outs):.0f}, total {sum(outs)})")
+        print(
+            f"\n# throughput workload: {len(outs)} requests, prompts {min(ins)}-{max(ins)} tokens, outputs "
+            f"{min(outs)}-{max(outs)} (median {statistics.median(outs):.0f}, total {sum(outs)})"
+        )
     print(f"# load average at end {os.getloadavg()[0]:.2f}")
     return 0
 

@@ -18,8 +18,9 @@ import time
 
 import torch
 
-from kvflow.layers.attention import SeqLayout, TorchPagedAttention
-from kvflow.kernels.cpu.paged_attention import CpuPagedAttention
+from kvflow.attention.backend import SeqLayout
+from kvflow.attention.backends.cpu import CpuPagedAttention
+from kvflow.attention.backends.torch import TorchPagedAttention
 
 HEADS, KV_HEADS, HEAD_DIM, LAYERS = 9, 3, 64, 30  # SmolLM2-135M
 
@@ -29,15 +30,23 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=32)
     ap.add_argument("--context", type=int, default=100)
     ap.add_argument("--kv-cache-dtype", choices=("auto", "int8"), default="auto")
-    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                    help="the model's dtype (with --kv-cache-dtype auto: the cache's)")
+    ap.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="the model's dtype (with --kv-cache-dtype auto: the cache's)",
+    )
     ap.add_argument("--chunk", type=int, default=1, help="new tokens per sequence (1: decode)")
     ap.add_argument("--backend", choices=("native", "torch"), default="native")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--iters", type=int, default=200)
-    ap.add_argument("--caches", type=int, default=1,
-                    help="layers' caches to rotate through (30: as a decode step of the default model "
-                         "reads them, from memory rather than a warm cache)")
+    ap.add_argument(
+        "--caches",
+        type=int,
+        default=1,
+        help="layers' caches to rotate through (30: as a decode step of the default model "
+        "reads them, from memory rather than a warm cache)",
+    )
     args = ap.parse_args()
 
     bs = args.block_size
@@ -62,7 +71,7 @@ def main() -> None:
     def attend(cache) -> None:
         out = None
         for group in meta.groups:
-            out = attn._attend(q, cache, group, HEAD_DIM ** -0.5, out)
+            out = attn._attend(q, cache, group, HEAD_DIM**-0.5, out)
 
     for i in range(20):
         attend(caches[i % len(caches)])
@@ -76,9 +85,11 @@ def main() -> None:
     keys = sum(p + 1 for p in range(start, args.context))  # per sequence: each new row's context
     flops = 4 * args.rows * HEADS * keys * HEAD_DIM
     kv = args.dtype if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
-    print(f"{args.backend}: {args.rows} x {args.chunk} new of {args.context}-token contexts, KV {kv}, {torch.get_num_threads()} "
-          f"threads: median {med * 1e6:.0f} us a layer (min {min(times) * 1e6:.0f}), x{LAYERS} = "
-          f"{med * LAYERS * 1e3:.2f} ms, {flops / med / 1e9:.1f} GFLOP/s")
+    print(
+        f"{args.backend}: {args.rows} x {args.chunk} new of {args.context}-token contexts, KV {kv}, {torch.get_num_threads()} "
+        f"threads: median {med * 1e6:.0f} us a layer (min {min(times) * 1e6:.0f}), x{LAYERS} = "
+        f"{med * LAYERS * 1e3:.2f} ms, {flops / med / 1e9:.1f} GFLOP/s"
+    )
 
 
 if __name__ == "__main__":

@@ -26,9 +26,16 @@ import torch
 def random_llama(path: str) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
-                      intermediate_size=2048, vocab_size=32000, max_position_embeddings=2048,
-                      tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        hidden_size=768,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        intermediate_size=2048,
+        vocab_size=32000,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).save_pretrained(path)
 
@@ -42,7 +49,7 @@ def _buffer(n: int, huge_pages: bool) -> torch.Tensor:
     m.madvise(mmap.MADV_HUGEPAGE)
     t = torch.frombuffer(m, dtype=torch.float32)
     start = (-t.data_ptr() % (2 << 20)) // 4
-    return t[start:start + n].fill_(1.0)
+    return t[start : start + n].fill_(1.0)
 
 
 def read_bandwidth_gbs(size_mb: int = 512, reps: int = 5) -> tuple[float, float]:
@@ -54,8 +61,12 @@ def read_bandwidth_gbs(size_mb: int = 512, reps: int = 5) -> tuple[float, float]
         y = torch.empty_like(x)
         x.sum(), y.copy_(x)
         for _ in range(reps):
-            t = time.perf_counter(); x.sum(); best_read = min(best_read, time.perf_counter() - t)
-            t = time.perf_counter(); y.copy_(x); best_copy = min(best_copy, time.perf_counter() - t)
+            t = time.perf_counter()
+            x.sum()
+            best_read = min(best_read, time.perf_counter() - t)
+            t = time.perf_counter()
+            y.copy_(x)
+            best_copy = min(best_copy, time.perf_counter() - t)
         nbytes = x.numel() * 4
         del x, y
     return nbytes / best_read / 1e9, nbytes / best_copy / 1e9
@@ -82,8 +93,10 @@ def kvflow_decode(llm, batch: int, prompt_len: int, new_tokens: int) -> float:
         engine.add_request(None, [(7 * i + j) % 1000 + 2 for j in range(prompt_len)], params)
     decode_time, decode_tokens = 0.0, 0
     while engine.has_unfinished_requests():
-        all_decode = all(r.num_computed_tokens == r.num_tokens - 1 for r in engine.scheduler.running) and \
-            not engine.scheduler.waiting
+        all_decode = (
+            all(r.num_computed_tokens == r.num_tokens - 1 for r in engine.scheduler.running)
+            and not engine.scheduler.waiting
+        )
         t = time.perf_counter()
         outs = engine.step()
         dt = time.perf_counter() - t
@@ -97,17 +110,22 @@ def hf_decode(model, batch: int, prompt_len: int, new_tokens: int) -> float:
     ids = torch.tensor([[(7 * i + j) % 1000 + 2 for j in range(prompt_len)] for i in range(batch)])
     kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
     with torch.inference_mode():
-        t = time.perf_counter(); model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
+        t = time.perf_counter()
+        model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
         t_prefill = time.perf_counter() - t
-        t = time.perf_counter(); model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
+        t = time.perf_counter()
+        model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
         t_total = time.perf_counter() - t
     return batch * (new_tokens - 1) / (t_total - t_prefill)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="model path, or 'default' for the embedded GGUF "
-                    "(default: a random ~100M Llama made here)")
+    ap.add_argument(
+        "--model",
+        default=None,
+        help="model path, or 'default' for the embedded GGUF (default: a random ~100M Llama made here)",
+    )
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=128)
@@ -127,16 +145,23 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     max_len = args.prompt_len + args.new_tokens
     # float32 weights (a GGUF dequantized at load): the comparison is with HF on the same floats
-    llm = LLM(model, max_model_len=max_len, num_kv_blocks=(max(batches) + 1) * (max_len // 16 + 1),
-              max_num_seqs=max(batches), gguf_weights="dequantize")
+    llm = LLM(
+        model,
+        max_model_len=max_len,
+        num_kv_blocks=(max(batches) + 1) * (max_len // 16 + 1),
+        max_num_seqs=max(batches),
+        gguf_weights="dequantize",
+    )
     hf = None if args.no_hf else load_hf_model(model)
 
-    # The host's bandwidth drifts (other tenants; 14.2-23.9 GB/s in one session on the AVX2 EPYC):
+    # The host's bandwidth drifts (other tenants; figures: docs/benchmarks/results/):
     # batch 1 runs `--rounds` times, each right after a bandwidth gauge, and the fastest run is set
     # against the floor from the best reading (the strictest floor).
     wbytes = weight_bytes_per_step(llm.engine.runner.model)
-    print(f"threads {torch.get_num_threads()}, torch {torch.__version__}; weights read per decode step: "
-          f"{wbytes / 1e6:.1f} MB")
+    print(
+        f"threads {torch.get_num_threads()}, torch {torch.__version__}; weights read per decode step: "
+        f"{wbytes / 1e6:.1f} MB"
+    )
     gauges: list[tuple[float, float]] = []
 
     def floor_ms() -> float:
@@ -158,8 +183,10 @@ def main() -> None:
     print(f"{'batch':>5} {'kvflow tok/s':>13} {'HF tok/s':>9} {'ratio':>6} {'kvflow % floor':>15} {'HF % floor':>11}")
     for b, ours, ref in rows:
         floor_tps = b * 1e3 / floor_ms()  # weights dominate at small batch; KV reads are ignored here
-        print(f"{b:>5} {ours:>13.1f} {ref:>9.1f} {ours / ref:>6.2f} {100 * ours / floor_tps:>14.0f}% "
-              f"{100 * ref / floor_tps:>10.0f}%")
+        print(
+            f"{b:>5} {ours:>13.1f} {ref:>9.1f} {ours / ref:>6.2f} {100 * ours / floor_tps:>14.0f}% "
+            f"{100 * ref / floor_tps:>10.0f}%"
+        )
 
 
 if __name__ == "__main__":

@@ -52,17 +52,25 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from kvflow.bench.report import cpu_line, percent, ratio
 from kvflow.bench.report import fmt_num as _f
 from kvflow.bench.servers import (
-    ManagedProcess, ServerError, add_harness_args, by_label, exit_on_sigterm, free_port, harness_tokenizer,
-    parse_prometheus, parse_server_flags, pinned, pinning_cpus, sample_sum, scrape, served_model,
-    server_max_model_len, thread_env,
+    add_harness_args,
+    harness_tokenizer,
+    parse_server_flags,
+    pinning_cpus,
+    scrape,
+    served_model,
+    server_max_model_len,
+    thread_env,
 )
 from kvflow.cli.bench import _positive_float, _positive_int
+from kvflow.utils.processes import ManagedProcess, ServerError, exit_on_sigterm, free_port, pinned
+from kvflow.utils.prometheus import by_label, parse_prometheus, sample_sum
 
 PARTS = ("prefix", "throughput")
 DP_POLICIES = ("round_robin", "least_loaded", "cache_aware")
@@ -118,31 +126,50 @@ def parse_cpus(spec: str) -> list[int]:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", type=parse_parts, default=list(PARTS),
-                    help="comma-separated, run in this order: prefix (router policies), throughput (DP vs "
-                         "one engine) (default prefix,throughput)")
-    ap.add_argument("--cpus", type=parse_cpus, default=None,
-                    help="CPUs every server is pinned to, e.g. 0,1 (default: the first two usable CPUs)")
+    ap.add_argument(
+        "--parts",
+        type=parse_parts,
+        default=list(PARTS),
+        help="comma-separated, run in this order: prefix (router policies), throughput (DP vs "
+        "one engine) (default prefix,throughput)",
+    )
+    ap.add_argument(
+        "--cpus",
+        type=parse_cpus,
+        default=None,
+        help="CPUs every server is pinned to, e.g. 0,1 (default: the first two usable CPUs)",
+    )
     ap.add_argument("--data-parallel-size", type=_positive_int, default=2, help="replicas (default 2)")
     g = ap.add_argument_group("part prefix")
-    g.add_argument("--policies", type=parse_policies, default=["round_robin", "cache_aware"],
-                   help="router policies compared, in this order (default round_robin,cache_aware)")
+    g.add_argument(
+        "--policies",
+        type=parse_policies,
+        default=["round_robin", "cache_aware"],
+        help="router policies compared, in this order (default round_robin,cache_aware)",
+    )
     g.add_argument("--groups", type=_positive_int, default=8, help="system prompts (default 8)")
     g.add_argument("--prefix-len", type=_positive_int, default=1024, help="tokens per system prompt (default 1024)")
     g.add_argument("--per-group", type=_positive_int, default=16, help="questions per system prompt (default 16)")
     g.add_argument("--question-len", type=_positive_int, default=32, help="tokens per question (default 32)")
     g.add_argument("--prefix-output-len", type=_positive_int, default=32, help="max_tokens (default 32)")
-    g.add_argument("--prefix-rate", type=_positive_float, default=math.inf,
-                   help="requests per second, Poisson; inf: all at once (default inf)")
-    g.add_argument("--prefix-concurrency", type=_positive_int, default=16,
-                   help="most requests in flight (default 16)")
+    g.add_argument(
+        "--prefix-rate",
+        type=_positive_float,
+        default=math.inf,
+        help="requests per second, Poisson; inf: all at once (default inf)",
+    )
+    g.add_argument("--prefix-concurrency", type=_positive_int, default=16, help="most requests in flight (default 16)")
     g = ap.add_argument_group("part throughput")
     g.add_argument("--tp-requests", type=_positive_int, default=64, help="requests (default 64)")
     g.add_argument("--tp-concurrency", type=_positive_int, default=64, help="most in flight (default 64)")
     g.add_argument("--tp-input-len", type=_positive_int, default=256, help="prompt tokens (default 256)")
     g.add_argument("--tp-output-len", type=_positive_int, default=128, help="max_tokens (default 128)")
-    g.add_argument("--dp-policy", choices=DP_POLICIES, default="cache_aware",
-                   help="--router-policy of the data-parallel server (default cache_aware, kvflow serve's)")
+    g.add_argument(
+        "--dp-policy",
+        choices=DP_POLICIES,
+        default="cache_aware",
+        help="--router-policy of the data-parallel server (default cache_aware, kvflow serve's)",
+    )
     add_harness_args(ap, stop_timeout_s=60.0)
     return ap
 
@@ -164,18 +191,30 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def prefix_workload(args: argparse.Namespace, tokenizer: Any, builder: Any = None) -> list[Any]:
     from kvflow.bench.datasets import WorkloadSpec, generate_requests
 
-    spec = WorkloadSpec(dataset="shared-prefix", num_prompts=args.groups * args.per_group,
-                        seed=_seed(args.seed, PREFIX_WORKLOAD), prefix_len=args.prefix_len,
-                        question_len=args.question_len, num_groups=args.groups, prompts_per_group=args.per_group,
-                        output_len=args.prefix_output_len, shared_prefix_order="shuffled")
+    spec = WorkloadSpec(
+        dataset="shared-prefix",
+        num_prompts=args.groups * args.per_group,
+        seed=_seed(args.seed, PREFIX_WORKLOAD),
+        prefix_len=args.prefix_len,
+        question_len=args.question_len,
+        num_groups=args.groups,
+        prompts_per_group=args.per_group,
+        output_len=args.prefix_output_len,
+        shared_prefix_order="shuffled",
+    )
     return generate_requests(spec, tokenizer, builder)
 
 
 def throughput_workload(args: argparse.Namespace, tokenizer: Any, builder: Any = None) -> list[Any]:
     from kvflow.bench.datasets import WorkloadSpec, generate_requests
 
-    spec = WorkloadSpec(dataset="random", num_prompts=args.tp_requests, seed=_seed(args.seed, THROUGHPUT_WORKLOAD),
-                        input_len=args.tp_input_len, output_len=args.tp_output_len)
+    spec = WorkloadSpec(
+        dataset="random",
+        num_prompts=args.tp_requests,
+        seed=_seed(args.seed, THROUGHPUT_WORKLOAD),
+        input_len=args.tp_input_len,
+        output_len=args.tp_output_len,
+    )
     return generate_requests(spec, tokenizer, builder)
 
 
@@ -218,8 +257,14 @@ class ServerSpec:
         return f"http://127.0.0.1:{self.port}"
 
 
-def server_spec(name: str, cpus: Sequence[int] | None, server_flags: Sequence[str], *,
-                data_parallel_size: int = 1, policy: str | None = None) -> ServerSpec:
+def server_spec(
+    name: str,
+    cpus: Sequence[int] | None,
+    server_flags: Sequence[str],
+    *,
+    data_parallel_size: int = 1,
+    policy: str | None = None,
+) -> ServerSpec:
     port = free_port()
     argv = [*PYTHON_CMD, "serve", "--port", str(port)]
     if data_parallel_size > 1:
@@ -238,8 +283,9 @@ def replica_urls(base_url: str) -> list[str]:
         data = httpx.get(base_url + "/replicas", timeout=30, trust_env=False).json()
         return [str(r["url"]) for r in data["replicas"]]
     except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
-        raise ServerError(f"GET {base_url}/replicas failed ({type(e).__name__}: {e}): not a data-parallel "
-                          "kvflow server?") from None
+        raise ServerError(
+            f"GET {base_url}/replicas failed ({type(e).__name__}: {e}): not a data-parallel kvflow server?"
+        ) from None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -265,8 +311,13 @@ class CacheCounters:
         return self.queries - self.hits
 
     def to_dict(self) -> dict:
-        return {"queries": self.queries, "hits": self.hits, "hit_rate": self.hit_rate, "computed": self.computed,
-                "per_replica": {u: {"queries": q, "hits": h} for u, (q, h) in self.per_replica.items()}}
+        return {
+            "queries": self.queries,
+            "hits": self.hits,
+            "hit_rate": self.hit_rate,
+            "computed": self.computed,
+            "per_replica": {u: {"queries": q, "hits": h} for u, (q, h) in self.per_replica.items()},
+        }
 
 
 def cache_counters(texts: dict[str, str]) -> CacheCounters:
@@ -301,8 +352,10 @@ def router_cache_aware(text: str) -> tuple[float, float] | None:
     s = parse_prometheus(text)
     if not any(n == "kvflow_router:cache_aware_hits_total" for n, _, _ in s):
         return None
-    return (sample_sum(s, "kvflow_router:cache_aware_hits_total"),
-            sample_sum(s, "kvflow_router:cache_aware_misses_total"))
+    return (
+        sample_sum(s, "kvflow_router:cache_aware_hits_total"),
+        sample_sum(s, "kvflow_router:cache_aware_misses_total"),
+    )
 
 
 def split_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -335,19 +388,36 @@ class SetupResult:
             d = r.to_dict()
             d.pop("generated_text", None)
             recs.append(d)
-        return {"part": self.part, "setup": self.name, "label": self.label, "pinned": self.pinned,
-                "metrics": self.m.to_dict(), "cache": self.cache.to_dict() if self.cache is not None else None,
-                "router_split": self.split, "router_cache_aware_hits_misses": self.router_hits_misses,
-                "requests": recs}
+        return {
+            "part": self.part,
+            "setup": self.name,
+            "label": self.label,
+            "pinned": self.pinned,
+            "metrics": self.m.to_dict(),
+            "cache": self.cache.to_dict() if self.cache is not None else None,
+            "router_split": self.split,
+            "router_cache_aware_hits_misses": self.router_hits_misses,
+            "requests": recs,
+        }
 
 
-def _client_config(base_url: str, model: str, args: argparse.Namespace, rate: float, concurrency: int,
-                   seed: int) -> Any:
+def _client_config(
+    base_url: str, model: str, args: argparse.Namespace, rate: float, concurrency: int, seed: int
+) -> Any:
     from kvflow.bench.serve_client import ServeConfig
 
-    return ServeConfig(base_url=base_url, endpoint="completions", model=model, request_rate=rate,
-                       max_concurrency=concurrency, seed=seed, ignore_eos=True, temperature=0.0,
-                       request_timeout=args.request_timeout, disable_tqdm=True)
+    return ServeConfig(
+        base_url=base_url,
+        endpoint="completions",
+        model=model,
+        request_rate=rate,
+        max_concurrency=concurrency,
+        seed=seed,
+        ignore_eos=True,
+        temperature=0.0,
+        request_timeout=args.request_timeout,
+        disable_tqdm=True,
+    )
 
 
 def warm_up(urls: Sequence[str], model: str, warm: Sequence[Any], args: argparse.Namespace, tokenizer: Any) -> None:
@@ -361,15 +431,31 @@ def warm_up(urls: Sequence[str], model: str, warm: Sequence[Any], args: argparse
             raise ServerError(f"a warm-up request to {url} failed: {bad[0].error}")
 
 
-def run_setup(part: str, spec: ServerSpec, label: str, requests: Sequence[Any], warm: Sequence[Any],
-              args: argparse.Namespace, tokenizer: Any, log_dir: str, pinned: bool, rate: float,
-              concurrency: int) -> SetupResult:
+def run_setup(
+    part: str,
+    spec: ServerSpec,
+    label: str,
+    requests: Sequence[Any],
+    warm: Sequence[Any],
+    args: argparse.Namespace,
+    tokenizer: Any,
+    log_dir: str,
+    pinned: bool,
+    rate: float,
+    concurrency: int,
+) -> SetupResult:
     from kvflow.bench.serve_client import run_benchmark
 
     print(f"\n=== {part}: {label} ===", flush=True)
-    proc = ManagedProcess(spec.argv, spec.port, name=spec.name, env=spec.env,
-                          log_path=os.path.join(log_dir, f"{spec.name}.log"),
-                          startup_timeout=args.startup_timeout, stop_timeout=args.stop_timeout)
+    proc = ManagedProcess(
+        spec.argv,
+        spec.port,
+        name=spec.name,
+        env=spec.env,
+        log_path=os.path.join(log_dir, f"{spec.name}.log"),
+        startup_timeout=args.startup_timeout,
+        stop_timeout=args.stop_timeout,
+    )
     with proc:
         url = spec.url
         model = served_model(url)
@@ -377,8 +463,10 @@ def run_setup(part: str, spec: ServerSpec, label: str, requests: Sequence[Any], 
         max_len = server_max_model_len(url, timeout=30.0)
         need = max(r.prompt_len + r.output_len for r in [*requests, *warm]) + 1  # +1: a BOS
         if max_len is not None and need > max_len:
-            raise ServerError(f"the longest request needs {need} tokens but max_model_len is {max_len}: shorten "
-                              "the workload or serve a longer --max-model-len")
+            raise ServerError(
+                f"the longest request needs {need} tokens but max_model_len is {max_len}: shorten "
+                "the workload or serve a longer --max-model-len"
+            )
         print(f"engines: {', '.join(engines)}; warming up", flush=True)
         warm_up(engines, model, warm, args, tokenizer)
         cache0 = cache_counters({e: scrape(e) for e in engines})
@@ -420,9 +508,11 @@ def setup_report(r: SetupResult) -> str:
     ]
     c = r.cache
     if c is not None and r.part == "prefix":
-        pairs += [("prefix-cache hit rate (%)", _f(percent(c.hit_rate), 1)),
-                  ("prompt tokens looked up / hit", f"{c.queries:,.0f} / {c.hits:,.0f}"),
-                  ("prompt tokens computed", f"{c.computed:,.0f}")]
+        pairs += [
+            ("prefix-cache hit rate (%)", _f(percent(c.hit_rate), 1)),
+            ("prompt tokens looked up / hit", f"{c.queries:,.0f} / {c.hits:,.0f}"),
+            ("prompt tokens computed", f"{c.computed:,.0f}"),
+        ]
     if c is not None and r.split is not None:
         for url, (q, h) in c.per_replica.items():
             hits = f", prefix-cache hit rate {_f(percent(h / q) if q else None, 1)} %" if r.part == "prefix" else ""
@@ -433,19 +523,23 @@ def setup_report(r: SetupResult) -> str:
     return setup_block(pairs, f"{r.part}: {r.label}{pin}", r.run.records)
 
 
-PREFIX_ROWS = (("prefix-cache hit rate (%)", lambda r: percent(r.cache.hit_rate) if r.cache else None),
-               ("prompt tokens computed", lambda r: r.cache.computed if r.cache else None),
-               ("TTFT p50 (ms)", lambda r: r.m.ttft_ms.get("p50")),
-               ("TTFT p99 (ms)", lambda r: r.m.ttft_ms.get("p99")),
-               ("TPOT p50 (ms)", lambda r: r.m.tpot_ms.get("p50")),
-               ("output throughput (tok/s)", lambda r: r.m.output_throughput),
-               ("request throughput (req/s)", lambda r: r.m.request_throughput))
-THROUGHPUT_ROWS = (("output throughput (tok/s)", lambda r: r.m.output_throughput),
-                   ("TTFT p50 (ms)", lambda r: r.m.ttft_ms.get("p50")),
-                   ("TTFT p99 (ms)", lambda r: r.m.ttft_ms.get("p99")),
-                   ("TPOT p50 (ms)", lambda r: r.m.tpot_ms.get("p50")),
-                   ("TPOT p99 (ms)", lambda r: r.m.tpot_ms.get("p99")),
-                   ("duration (s)", lambda r: r.m.duration_s))
+PREFIX_ROWS = (
+    ("prefix-cache hit rate (%)", lambda r: percent(r.cache.hit_rate) if r.cache else None),
+    ("prompt tokens computed", lambda r: r.cache.computed if r.cache else None),
+    ("TTFT p50 (ms)", lambda r: r.m.ttft_ms.get("p50")),
+    ("TTFT p99 (ms)", lambda r: r.m.ttft_ms.get("p99")),
+    ("TPOT p50 (ms)", lambda r: r.m.tpot_ms.get("p50")),
+    ("output throughput (tok/s)", lambda r: r.m.output_throughput),
+    ("request throughput (req/s)", lambda r: r.m.request_throughput),
+)
+THROUGHPUT_ROWS = (
+    ("output throughput (tok/s)", lambda r: r.m.output_throughput),
+    ("TTFT p50 (ms)", lambda r: r.m.ttft_ms.get("p50")),
+    ("TTFT p99 (ms)", lambda r: r.m.ttft_ms.get("p99")),
+    ("TPOT p50 (ms)", lambda r: r.m.tpot_ms.get("p50")),
+    ("TPOT p99 (ms)", lambda r: r.m.tpot_ms.get("p99")),
+    ("duration (s)", lambda r: r.m.duration_s),
+)
 
 
 def comparison(results: Sequence[SetupResult], rows: Sequence[tuple[str, Any]]) -> tuple[list[str], list[list[Any]]]:
@@ -468,25 +562,45 @@ def tables(results: Sequence[SetupResult], args: argparse.Namespace) -> list[str
     prefix = [r for r in results if r.part == "prefix"]
     if prefix:
         h, rows = comparison(prefix, PREFIX_ROWS)
-        out.append(format_table(h, rows, digits=2, title=(
-            f"multi-prefix: {args.groups} system prompts x {args.prefix_len} tokens, {args.groups * args.per_group} "
-            f"questions of {args.question_len} -> {args.prefix_output_len} tokens, --data-parallel-size "
-            f"{args.data_parallel_size} by router policy")))
+        out.append(
+            format_table(
+                h,
+                rows,
+                digits=2,
+                title=(
+                    f"multi-prefix: {args.groups} system prompts x {args.prefix_len} tokens, {args.groups * args.per_group} "
+                    f"questions of {args.question_len} -> {args.prefix_output_len} tokens, --data-parallel-size "
+                    f"{args.data_parallel_size} by router policy"
+                ),
+            )
+        )
     tp = [r for r in results if r.part == "throughput"]
     if tp:
         h, rows = comparison(tp, THROUGHPUT_ROWS)
         n = args.data_parallel_size
         cpus = getattr(args, "pinned_cpus", None)
-        threads = (f"one engine {len(cpus)} threads, DP {n}: {max(1, len(cpus) // n)} thread(s) per replica "
-                   f"({args.dp_policy})" if cpus else f"unpinned, DP {n} ({args.dp_policy})")
-        out.append(format_table(h, rows, digits=2, title=(
-            f"DP throughput: {args.tp_requests} requests ({args.tp_input_len} -> {args.tp_output_len} tokens, "
-            f"{args.tp_concurrency} in flight); {threads}")))
+        threads = (
+            f"one engine {len(cpus)} threads, DP {n}: {max(1, len(cpus) // n)} thread(s) per replica ({args.dp_policy})"
+            if cpus
+            else f"unpinned, DP {n} ({args.dp_policy})"
+        )
+        out.append(
+            format_table(
+                h,
+                rows,
+                digits=2,
+                title=(
+                    f"DP throughput: {args.tp_requests} requests ({args.tp_input_len} -> {args.tp_output_len} tokens, "
+                    f"{args.tp_concurrency} in flight); {threads}"
+                ),
+            )
+        )
     return out
 
 
-def write_json(path: str, args: argparse.Namespace, results: Sequence[SetupResult], cpu: str, pinning: str,
-               texts: Sequence[str]) -> None:
+def write_json(
+    path: str, args: argparse.Namespace, results: Sequence[SetupResult], cpu: str, pinning: str, texts: Sequence[str]
+) -> None:
     from kvflow.bench.report import dump_json
 
     conf = {k: v for k, v in vars(args).items() if k != "server_flags"}
@@ -520,12 +634,22 @@ def plan(args: argparse.Namespace, cpus: Sequence[int] | None) -> list[tuple[str
     out = []
     if "prefix" in args.parts:
         for policy in args.policies:
-            out.append(("prefix", server_spec(f"prefix-dp{n}-{policy}", cpus, args.server_flags, data_parallel_size=n,
-                                              policy=policy), policy))
+            out.append(
+                (
+                    "prefix",
+                    server_spec(f"prefix-dp{n}-{policy}", cpus, args.server_flags, data_parallel_size=n, policy=policy),
+                    policy,
+                )
+            )
     if "throughput" in args.parts:
         out.append(("throughput", server_spec("throughput-one-engine", cpus, args.server_flags), "one engine"))
-        out.append(("throughput", server_spec(f"throughput-dp{n}", cpus, args.server_flags, data_parallel_size=n,
-                                              policy=args.dp_policy), f"DP {n}"))
+        out.append(
+            (
+                "throughput",
+                server_spec(f"throughput-dp{n}", cpus, args.server_flags, data_parallel_size=n, policy=args.dp_policy),
+                f"DP {n}",
+            )
+        )
     return out
 
 
@@ -533,9 +657,11 @@ def pinning_line(cpus: Sequence[int] | None, n: int) -> str:
     if cpus is None:
         return "pinning: NONE (taskset missing or fewer than 2 usable CPUs): servers run unpinned"
     cs = ",".join(map(str, cpus))
-    return (f"pinning: every server taskset -c {cs}; a data-parallel server splits them over its {n} replicas "
-            f"(OMP_NUM_THREADS = each share), its router in the same process; the one engine OMP_NUM_THREADS="
-            f"{len(cpus)}; the client unpinned")
+    return (
+        f"pinning: every server taskset -c {cs}; a data-parallel server splits them over its {n} replicas "
+        f"(OMP_NUM_THREADS = each share), its router in the same process; the one engine OMP_NUM_THREADS="
+        f"{len(cpus)}; the client unpinned"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -563,24 +689,43 @@ def main(argv: Sequence[str] | None = None) -> int:
             workloads["prefix"] = prefix_workload(args, tokenizer, builder)
         if "throughput" in args.parts:
             workloads["throughput"] = throughput_workload(args, tokenizer, builder)
-        warm = {part: warm_requests(builder, max(r.prompt_len for r in reqs), args.seed)
-                for part, reqs in workloads.items()}
+        warm = {
+            part: warm_requests(builder, max(r.prompt_len for r in reqs), args.seed) for part, reqs in workloads.items()
+        }
     except ValueError as e:
         print(f"dp_router: error: {e}", file=sys.stderr)
         return 2
     if "prefix" in workloads:
-        print(f"prefix workload: {args.groups} system prompts x {args.prefix_len} tokens, {len(workloads['prefix'])} "
-              f"requests (+{args.question_len} -> {args.prefix_output_len} tokens), seed {args.seed}")
+        print(
+            f"prefix workload: {args.groups} system prompts x {args.prefix_len} tokens, {len(workloads['prefix'])} "
+            f"requests (+{args.question_len} -> {args.prefix_output_len} tokens), seed {args.seed}"
+        )
     if "throughput" in workloads:
-        print(f"throughput workload: {args.tp_requests} random prompts ({args.tp_input_len} -> "
-              f"{args.tp_output_len} tokens), at most {args.tp_concurrency} in flight, seed {args.seed}")
+        print(
+            f"throughput workload: {args.tp_requests} random prompts ({args.tp_input_len} -> "
+            f"{args.tp_output_len} tokens), at most {args.tp_concurrency} in flight, seed {args.seed}"
+        )
     results: list[SetupResult] = []
     try:
         for part, spec, label in plan(args, cpus):
-            rate, conc = ((args.prefix_rate, args.prefix_concurrency) if part == "prefix"
-                          else (math.inf, args.tp_concurrency))
-            results.append(run_setup(part, spec, label, workloads[part], warm[part], args, tokenizer, log_dir,
-                                     cpus is not None, rate, conc))
+            rate, conc = (
+                (args.prefix_rate, args.prefix_concurrency) if part == "prefix" else (math.inf, args.tp_concurrency)
+            )
+            results.append(
+                run_setup(
+                    part,
+                    spec,
+                    label,
+                    workloads[part],
+                    warm[part],
+                    args,
+                    tokenizer,
+                    log_dir,
+                    cpus is not None,
+                    rate,
+                    conc,
+                )
+            )
     except ServerError as e:
         print(f"dp_router: error: {e}", file=sys.stderr)
         return 1

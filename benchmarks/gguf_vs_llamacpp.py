@@ -29,14 +29,19 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 sys.path.insert(0, str(Path(__file__).parent))
-from cpu_speed import Prompts, cpu_name, decode_tok_s, prefill_tok_s  # noqa: E402
+from cpu_speed import Prompts, cpu_name, decode_tok_s, prefill_tok_s
 
 MODES = {"gguf": {"gguf_weights": "native"}, "fp32": {"gguf_weights": "dequantize"}, "int8": {"quantization": "int8"}}
 
 
 def llama_bench(binary: str, model: str, threads: int, timeout_s: float) -> dict[str, float]:
-    out = subprocess.run([binary, "-m", model, "-t", str(threads), "-p", "128", "-n", "128", "-o", "json"],
-                         capture_output=True, text=True, timeout=timeout_s, check=True).stdout
+    out = subprocess.run(
+        [binary, "-m", model, "-t", str(threads), "-p", "128", "-n", "128", "-o", "json"],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=True,
+    ).stdout
     result = {}
     for row in json.loads(out):
         test = f"pp{row['n_prompt']}" if row["n_prompt"] else f"tg{row['n_gen']}"
@@ -61,17 +66,23 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     model = args.model or default_model_path()
     modes = [m.strip() for m in args.modes.split(",")]
-    llms = {m: LLM(model, max_model_len=1024, num_kv_blocks=64, enable_prefix_caching=False, **MODES[m])
-            for m in modes}
+    llms = {m: LLM(model, max_model_len=1024, num_kv_blocks=64, enable_prefix_caching=False, **MODES[m]) for m in modes}
     first = llms[modes[0]]
     prompts = Prompts(first.tokenizer, seed=0)
-    flags = sorted({f for f in open("/proc/cpuinfo").read().split() if f.startswith(("avx", "amx", "fma", "f16c"))}) \
-        if os.path.exists("/proc/cpuinfo") else []
-    print(f"# {cpu_name()} ({', '.join(flags)}), {args.threads} threads; torch {torch.__version__}; "
-          f"Python {platform.python_version()}; model {Path(model).name}")
+    flags = (
+        sorted({f for f in open("/proc/cpuinfo").read().split() if f.startswith(("avx", "amx", "fma", "f16c"))})
+        if os.path.exists("/proc/cpuinfo")
+        else []
+    )
+    print(
+        f"# {cpu_name()} ({', '.join(flags)}), {args.threads} threads; torch {torch.__version__}; "
+        f"Python {platform.python_version()}; model {Path(model).name}"
+    )
     for m, llm in llms.items():
         runner = llm.engine.runner
-        print(f"# kvflow {m}: linear backend {runner.linear_backend}, weights {runner.model.weight_bytes() / 1e6:.1f} MB")
+        print(
+            f"# kvflow {m}: linear backend {runner.linear_backend}, weights {runner.model.weight_bytes() / 1e6:.1f} MB"
+        )
 
     for llm in llms.values():  # warm-up: first calls build caches and fault pages in
         decode_tok_s(llm, prompts.ids(8), 16)
@@ -89,12 +100,18 @@ def main() -> int:
     med = {k: statistics.median(v) for k, v in runs.items()}
     print("\n| engine | batch-1 decode tok/s | vs llama.cpp tg128 | prefill (128 tokens) tok/s | vs llama.cpp pp128 |")
     print("|---|---|---|---|---|")
-    print(f"| llama.cpp (llama-bench -t {args.threads}) | {med['llama.cpp tg128']:.1f} | | {med['llama.cpp pp128']:.1f} | |")
+    print(
+        f"| llama.cpp (llama-bench -t {args.threads}) | {med['llama.cpp tg128']:.1f} | | {med['llama.cpp pp128']:.1f} | |"
+    )
     for m in modes:
         d, p = med[f"kvflow {m} decode"], med[f"kvflow {m} prefill"]
-        print(f"| kvflow {m} | {d:.1f} | {d / med['llama.cpp tg128']:.2f}x | {p:.1f} | {p / med['llama.cpp pp128']:.2f}x |")
-    print(f"\n# medians of {args.rounds} rounds; every round: " + "; ".join(
-        f"{k} " + "/".join(f"{x:.1f}" for x in v) for k, v in runs.items()))
+        print(
+            f"| kvflow {m} | {d:.1f} | {d / med['llama.cpp tg128']:.2f}x | {p:.1f} | {p / med['llama.cpp pp128']:.2f}x |"
+        )
+    print(
+        f"\n# medians of {args.rounds} rounds; every round: "
+        + "; ".join(f"{k} " + "/".join(f"{x:.1f}" for x in v) for k, v in runs.items())
+    )
     return 0
 
 

@@ -39,14 +39,38 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import torch
 
 # SmolLM2-135M-Instruct's architecture (the embedded default model).
-SMOLLM2_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                     num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192, rope_theta=100000.0,
-                     rms_norm_eps=1e-5, tie_word_embeddings=True)
-LLAMA_05B_SHAPE = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
-                       num_key_value_heads=4, vocab_size=32000, max_position_embeddings=4096,
-                       tie_word_embeddings=False)
-SMOKE_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                   num_key_value_heads=2, vocab_size=512, max_position_embeddings=2048, tie_word_embeddings=False)
+SMOLLM2_SHAPE = dict(
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    vocab_size=49152,
+    max_position_embeddings=8192,
+    rope_theta=100000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+)
+LLAMA_05B_SHAPE = dict(
+    hidden_size=1024,
+    intermediate_size=4096,
+    num_hidden_layers=24,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    vocab_size=32000,
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
+)
+SMOKE_SHAPE = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=512,
+    max_position_embeddings=2048,
+    tie_word_embeddings=False,
+)
 
 
 def write_model(path: str, shape: dict, dtype: torch.dtype, use_default_weights: bool) -> str:
@@ -61,8 +85,9 @@ def write_model(path: str, shape: dict, dtype: torch.dtype, use_default_weights:
             from kvflow.models.default_model import default_model_path
 
             gguf = default_model_path()
-            model = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf),
-                                                         dtype=dtype)
+            model = AutoModelForCausalLM.from_pretrained(
+                os.path.dirname(gguf), gguf_file=os.path.basename(gguf), dtype=dtype
+            )
             model.save_pretrained(path)
             return "SmolLM2-135M-Instruct (the embedded GGUF, dequantized)"
         except Exception as e:  # not installed here: same shape, random weights
@@ -108,20 +133,36 @@ def equivalence(args, workdir: str) -> dict:
         for p in prompts:
             with torch.no_grad():
                 ids = torch.tensor([p], device=args.device)
-                g = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
-                                do_sample=False, pad_token_id=0)
-            ref.append(g[0, len(p):].tolist())
+                g = hf.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=new,
+                    min_new_tokens=new,
+                    do_sample=False,
+                    pad_token_id=0,
+                )
+            ref.append(g[0, len(p) :].tolist())
         del hf
         llm = kvflow_llm(path, dtype, args.device, max_model_len=1024)
-        got = [o.outputs[0].token_ids for o in
-               llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True), use_tqdm=False)]
+        got = [
+            o.outputs[0].token_ids
+            for o in llm.generate(
+                prompts, SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True), use_tqdm=False
+            )
+        ]
         del llm
         same = sum(g == r for g, r in zip(got, ref))
         prefix = sum(next((i for i, (a, b) in enumerate(zip(g, r)) if a != b), len(r)) for g, r in zip(got, ref))
-        out[str(dtype)] = dict(model=name, identical_sequences=f"{same}/{len(ref)}",
-                               tokens_before_first_difference=f"{prefix}/{sum(map(len, ref))}")
-        print(f"  {dtype}: {same}/{len(ref)} sequences identical; {prefix}/{sum(map(len, ref))} tokens agree "
-              "before the first difference", flush=True)
+        out[str(dtype)] = dict(
+            model=name,
+            identical_sequences=f"{same}/{len(ref)}",
+            tokens_before_first_difference=f"{prefix}/{sum(map(len, ref))}",
+        )
+        print(
+            f"  {dtype}: {same}/{len(ref)} sequences identical; {prefix}/{sum(map(len, ref))} tokens agree "
+            "before the first difference",
+            flush=True,
+        )
         free(args.device)
     return out
 
@@ -135,8 +176,16 @@ def workload(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> tuple[list[
 def kvflow_throughput(path: str, prompts, outs, args, **kw) -> dict:
     from kvflow import SamplingParams
 
-    llm = kvflow_llm(path, torch.bfloat16, args.device, max_model_len=2048, max_num_seqs=256,
-                     max_num_batched_tokens=16384, kv_cache_memory_gb=args.kv_cache_gb, **kw)
+    llm = kvflow_llm(
+        path,
+        torch.bfloat16,
+        args.device,
+        max_model_len=2048,
+        max_num_seqs=256,
+        max_num_batched_tokens=16384,
+        kv_cache_memory_gb=args.kv_cache_gb,
+        **kw,
+    )
     llm.generate([prompts[0][:32]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in outs]
     sync(args.device)
@@ -147,8 +196,12 @@ def kvflow_throughput(path: str, prompts, outs, args, **kw) -> dict:
     produced = sum(len(r.outputs[0].token_ids) for r in res)
     stats = llm.get_stats()
     del llm
-    return dict(seconds=round(dt, 2), output_tokens=produced, output_tok_s=round(produced / dt, 1),
-                preemptions=getattr(stats, "num_preemptions", None))
+    return dict(
+        seconds=round(dt, 2),
+        output_tokens=produced,
+        output_tok_s=round(produced / dt, 1),
+        preemptions=getattr(stats, "num_preemptions", None),
+    )
 
 
 def hf_throughput(path: str, prompts, outs, args) -> dict:
@@ -158,13 +211,14 @@ def hf_throughput(path: str, prompts, outs, args) -> dict:
     hf = hf_model(path, torch.bfloat16, args.device)
     useful, t = 0, time.perf_counter()
     for i in range(0, len(prompts), args.hf_batch):
-        batch, lens = prompts[i:i + args.hf_batch], outs[i:i + args.hf_batch]
+        batch, lens = prompts[i : i + args.hf_batch], outs[i : i + args.hf_batch]
         width, new = max(map(len, batch)), max(lens)
         ids = torch.tensor([[0] * (width - len(p)) + p for p in batch], device=args.device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=args.device)
         with torch.no_grad():
-            hf.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                        pad_token_id=0)
+            hf.generate(
+                ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0
+            )
         useful += sum(lens)
     sync(args.device)
     dt = time.perf_counter() - t
@@ -173,7 +227,9 @@ def hf_throughput(path: str, prompts, outs, args) -> dict:
 
 
 def throughput(args, workdir: str) -> dict:
-    shapes = [("smoke", SMOKE_SHAPE)] if args.smoke else [("default-shape", SMOLLM2_SHAPE), ("llama-0.43b", LLAMA_05B_SHAPE)]
+    shapes = (
+        [("smoke", SMOKE_SHAPE)] if args.smoke else [("default-shape", SMOLLM2_SHAPE), ("llama-0.43b", LLAMA_05B_SHAPE)]
+    )
     n, lo, hi = (8, 10, 40) if args.smoke else (args.num_seqs, 100, 1024)
     out = {}
     for key, shape in shapes:
@@ -184,10 +240,19 @@ def throughput(args, workdir: str) -> dict:
         free(args.device)
         hf = hf_throughput(path, prompts, outs, args)
         free(args.device)
-        out[key] = dict(model=name, sequences=n, lengths=f"uniform {lo}-{hi}", kvflow=kv, hf=hf,
-                        speedup=round(kv["output_tok_s"] / hf["output_tok_s"], 2))
-        print(f"  {name}: kvflow {kv['output_tok_s']} tok/s ({kv['seconds']} s), HF static batches of "
-              f"{args.hf_batch} {hf['output_tok_s']} tok/s ({hf['seconds']} s): {out[key]['speedup']}x", flush=True)
+        out[key] = dict(
+            model=name,
+            sequences=n,
+            lengths=f"uniform {lo}-{hi}",
+            kvflow=kv,
+            hf=hf,
+            speedup=round(kv["output_tok_s"] / hf["output_tok_s"], 2),
+        )
+        print(
+            f"  {name}: kvflow {kv['output_tok_s']} tok/s ({kv['seconds']} s), HF static batches of "
+            f"{args.hf_batch} {hf['output_tok_s']} tok/s ({hf['seconds']} s): {out[key]['speedup']}x",
+            flush=True,
+        )
     return out
 
 
@@ -195,14 +260,24 @@ def decode_step_ms(path: str, batch: int, args, **kw) -> float:
     """Median time of a decode-only engine step with `batch` sequences (32-token prompts)."""
     from kvflow import SamplingParams
 
-    llm = kvflow_llm(path, torch.bfloat16, args.device, max_model_len=1024, max_num_seqs=max(batch, 1),
-                     kv_cache_memory_gb=args.kv_cache_gb, **kw)
+    llm = kvflow_llm(
+        path,
+        torch.bfloat16,
+        args.device,
+        max_model_len=1024,
+        max_num_seqs=max(batch, 1),
+        kv_cache_memory_gb=args.kv_cache_gb,
+        **kw,
+    )
     engine = llm.engine
     steps = 16 if args.smoke else 64
     rng = random.Random(batch)
     for _ in range(batch):
-        engine.add_request(None, [rng.randrange(2, 500) for _ in range(32)],
-                           SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True))
+        engine.add_request(
+            None,
+            [rng.randrange(2, 500) for _ in range(32)],
+            SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True),
+        )
     times = []
     while engine.has_unfinished_requests():
         sync(args.device)
@@ -219,15 +294,19 @@ def graphs(args, workdir: str) -> dict:
     shape = SMOKE_SHAPE if args.smoke else SMOLLM2_SHAPE
     name = write_model(path, shape, torch.bfloat16, use_default_weights=not args.smoke)
     out = {"model": name}
-    for b in ((1, 4) if args.smoke else (1, 16, 64, 256)):
+    for b in (1, 4) if args.smoke else (1, 16, 64, 256):
         eager = decode_step_ms(path, b, args, enforce_eager=True)
         free(args.device)
         graphed = decode_step_ms(path, b, args)
         free(args.device)
-        out[f"batch {b}"] = dict(eager_ms=round(eager, 3), graphs_ms=round(graphed, 3),
-                                 speedup=round(eager / graphed, 2))
-        print(f"  batch {b}: decode step {eager:.2f} ms eager, {graphed:.2f} ms with CUDA graphs "
-              f"({eager / graphed:.2f}x)", flush=True)
+        out[f"batch {b}"] = dict(
+            eager_ms=round(eager, 3), graphs_ms=round(graphed, 3), speedup=round(eager / graphed, 2)
+        )
+        print(
+            f"  batch {b}: decode step {eager:.2f} ms eager, {graphed:.2f} ms with CUDA graphs "
+            f"({eager / graphed:.2f}x)",
+            flush=True,
+        )
     return out
 
 
@@ -255,8 +334,12 @@ def environment(device: str) -> dict:
         pass
     if device.startswith("cuda"):
         p = torch.cuda.get_device_properties(0)
-        env.update(gpu=p.name, gpu_memory_gib=round(p.total_memory / 2**30, 1), sms=p.multi_processor_count,
-                   cuda=torch.version.cuda)
+        env.update(
+            gpu=p.name,
+            gpu_memory_gib=round(p.total_memory / 2**30, 1),
+            sms=p.multi_processor_count,
+            cuda=torch.version.cuda,
+        )
     else:
         env["cpu"] = platform.processor() or platform.machine()
     return env

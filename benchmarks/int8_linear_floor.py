@@ -17,7 +17,7 @@ import time
 import torch
 
 from kvflow.kernels.cpu.int8_linear import Int8Kernel, activation_qparams, fbgemm_prepack
-from kvflow.layers.quant import quantize_weight_per_channel
+from kvflow.quantization.int8 import quantize_weight_per_channel
 
 HIDDEN, INTER, Q, KV, LAYERS = 576, 1536, 576, 192, 30  # SmolLM2-135M
 
@@ -31,7 +31,10 @@ def main() -> None:
     del weights
     inputs = [torch.randn(1, k) for _, k in shapes]
     scaled = [x / x.abs().amax() for x in inputs]
-    op, (x_scale, x_zero_point) = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32, activation_qparams()
+    op, (x_scale, x_zero_point) = (
+        torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32,
+        activation_qparams(),
+    )
 
     def bare() -> None:
         for p, x in zip(packed, scaled):
@@ -42,8 +45,10 @@ def main() -> None:
             kern(x)
 
     mb = sum(k.nbytes for k in kernels) / 1e6
-    print(f"{len(kernels)} int8 projections at batch 1 ({mb:.0f} MB of weights), {torch.get_num_threads()} threads, "
-          f"Int8Kernel native: {kernels[0].native}")
+    print(
+        f"{len(kernels)} int8 projections at batch 1 ({mb:.0f} MB of weights), {torch.get_num_threads()} threads, "
+        f"Int8Kernel native: {kernels[0].native}"
+    )
     for name, step in (("torch quantized op", bare), ("Int8Kernel", through_kernel)):
         for _ in range(5):
             step()
@@ -53,8 +58,10 @@ def main() -> None:
             step()
             times.append(time.perf_counter() - t)
         med = statistics.median(times)
-        print(f"  {name:<20} median {med * 1e3:.2f} ms (min {min(times) * 1e3:.2f}, max {max(times) * 1e3:.2f}) "
-              f"= {mb / 1e3 / med:.1f} GB/s")
+        print(
+            f"  {name:<20} median {med * 1e3:.2f} ms (min {min(times) * 1e3:.2f}, max {max(times) * 1e3:.2f}) "
+            f"= {mb / 1e3 / med:.1f} GB/s"
+        )
 
 
 if __name__ == "__main__":

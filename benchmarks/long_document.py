@@ -21,8 +21,15 @@ def tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(100, 40000) for _ in range(n)]
 
 
-def run(label: str, llm_kwargs: dict, doc: list[int], questions: list[list[int]], fillers: list[list[int]],
-        answer_tokens: int, persist: bool = False) -> dict:
+def run(
+    label: str,
+    llm_kwargs: dict,
+    doc: list[int],
+    questions: list[list[int]],
+    fillers: list[list[int]],
+    answer_tokens: int,
+    persist: bool = False,
+) -> dict:
     from kvflow import LLM, SamplingParams
 
     llm = LLM(**llm_kwargs)
@@ -38,10 +45,16 @@ def run(label: str, llm_kwargs: dict, doc: list[int], questions: list[list[int]]
     if persist:
         llm.shutdown()
     off = stats.kv_offload
-    return {"label": label, "ttft_mean": statistics.mean(ttfts), "ttft_first": ttfts[0],
-            "ttft_rest": statistics.mean(ttfts[1:]) if len(ttfts) > 1 else float("nan"),
-            "cached_mean": statistics.mean(cached), "loaded": off.loaded if off else 0,
-            "cpu_hits": off.cpu.hits if off else 0, "disk_hits": off.disk.hits if off else 0}
+    return {
+        "label": label,
+        "ttft_mean": statistics.mean(ttfts),
+        "ttft_first": ttfts[0],
+        "ttft_rest": statistics.mean(ttfts[1:]) if len(ttfts) > 1 else float("nan"),
+        "cached_mean": statistics.mean(cached),
+        "loaded": off.loaded if off else 0,
+        "cpu_hits": off.cpu.hits if off else 0,
+        "disk_hits": off.disk.hits if off else 0,
+    }
 
 
 def main() -> None:
@@ -59,25 +72,47 @@ def main() -> None:
     doc = tokens(rng, args.doc_tokens)
     questions = [tokens(rng, args.question_tokens) for _ in range(args.questions)]
     fillers = [tokens(rng, args.filler_tokens) for _ in range(args.questions)]
-    base = dict(model=args.model, max_model_len=args.doc_tokens + args.question_tokens + args.answer_tokens + 16,
-                num_kv_blocks=args.pool_blocks)
+    base = dict(
+        model=args.model,
+        max_model_len=args.doc_tokens + args.question_tokens + args.answer_tokens + 16,
+        num_kv_blocks=args.pool_blocks,
+    )
     doc_gb = 1.2 * args.doc_tokens * 46080 / 2**30  # room for the document in a tier (default model)
     disk = tempfile.mkdtemp(prefix="kvflow-disk-tier-")
     results = [
         run("no tier", base, doc, questions, fillers, args.answer_tokens),
         run("CPU tier", {**base, "kv_offload_cpu_gb": max(doc_gb, 0.5)}, doc, questions, fillers, args.answer_tokens),
-        run("disk tier", {**base, "kv_offload_disk_dir": disk}, doc, questions, fillers, args.answer_tokens,
-            persist=True),
-        run("disk tier after restart", {**base, "kv_offload_disk_dir": disk}, doc, questions, fillers,
-            args.answer_tokens),
+        run(
+            "disk tier",
+            {**base, "kv_offload_disk_dir": disk},
+            doc,
+            questions,
+            fillers,
+            args.answer_tokens,
+            persist=True,
+        ),
+        run(
+            "disk tier after restart",
+            {**base, "kv_offload_disk_dir": disk},
+            doc,
+            questions,
+            fillers,
+            args.answer_tokens,
+        ),
     ]
-    print(f"document {args.doc_tokens} tokens, {args.questions} questions of {args.question_tokens} tokens, "
-          f"{args.filler_tokens} filler tokens between questions, main pool {args.pool_blocks} x 16 tokens")
-    print(f"{'tier':<24} {'TTFT mean s':>11} {'1st q s':>8} {'later q s':>9} {'cached tok':>10} "
-          f"{'blocks loaded':>13} {'cpu hits':>8} {'disk hits':>9}")
+    print(
+        f"document {args.doc_tokens} tokens, {args.questions} questions of {args.question_tokens} tokens, "
+        f"{args.filler_tokens} filler tokens between questions, main pool {args.pool_blocks} x 16 tokens"
+    )
+    print(
+        f"{'tier':<24} {'TTFT mean s':>11} {'1st q s':>8} {'later q s':>9} {'cached tok':>10} "
+        f"{'blocks loaded':>13} {'cpu hits':>8} {'disk hits':>9}"
+    )
     for r in results:
-        print(f"{r['label']:<24} {r['ttft_mean']:>11.3f} {r['ttft_first']:>8.3f} {r['ttft_rest']:>9.3f} "
-              f"{r['cached_mean']:>10.0f} {r['loaded']:>13} {r['cpu_hits']:>8} {r['disk_hits']:>9}")
+        print(
+            f"{r['label']:<24} {r['ttft_mean']:>11.3f} {r['ttft_first']:>8.3f} {r['ttft_rest']:>9.3f} "
+            f"{r['cached_mean']:>10.0f} {r['loaded']:>13} {r['cpu_hits']:>8} {r['disk_hits']:>9}"
+        )
 
 
 if __name__ == "__main__":

@@ -56,18 +56,29 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any
 
-from kvflow.bench.servers import (
-    ManagedProcess, ServerError, add_harness_args, by_label, exit_on_sigterm, flag_value, free_port,
-    harness_tokenizer, parse_server_flags,
-    nonneg_finite_float, nonneg_int, parse_prometheus, positive_finite_float, sample_sum, scrape,
-    server_max_model_len, served_model, started, pinned, pinning_cpus, thread_env,
-)
 from kvflow.bench.report import cpu_line, percent, ratio  # tests read cpu_line and ratio here too
 from kvflow.bench.report import fmt_num as _f
+from kvflow.bench.servers import (
+    add_harness_args,
+    flag_value,
+    harness_tokenizer,
+    nonneg_finite_float,
+    nonneg_int,
+    parse_server_flags,
+    pinning_cpus,
+    positive_finite_float,
+    scrape,
+    served_model,
+    server_max_model_len,
+    thread_env,
+)
 from kvflow.cli.bench import _positive_int
+from kvflow.utils.processes import ManagedProcess, ServerError, exit_on_sigterm, free_port, pinned, started
+from kvflow.utils.prometheus import by_label, parse_prometheus, sample_sum
 
 SETUPS = ("agg", "pd")
 SETUP_LABELS = {"agg": "aggregated", "pd": "1P1D"}
@@ -95,23 +106,40 @@ def parse_setups(spec: str) -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--setups", type=parse_setups, default=list(SETUPS),
-                    help="comma-separated, run in this order: agg (one 2-core engine), pd (1P1D) (default agg,pd)")
+    ap.add_argument(
+        "--setups",
+        type=parse_setups,
+        default=list(SETUPS),
+        help="comma-separated, run in this order: agg (one 2-core engine), pd (1P1D) (default agg,pd)",
+    )
     ap.add_argument("--connector", choices=CONNECTORS, default="tcp", help="pd: kv_connector (default tcp)")
-    ap.add_argument("--chunk-size", type=_positive_int, default=512,
-                    help="--max-num-batched-tokens of every engine (default 512)")
-    ap.add_argument("--duration-s", type=positive_finite_float, default=120.0,
-                    help="seconds during which new requests start (default 120)")
+    ap.add_argument(
+        "--chunk-size", type=_positive_int, default=512, help="--max-num-batched-tokens of every engine (default 512)"
+    )
+    ap.add_argument(
+        "--duration-s",
+        type=positive_finite_float,
+        default=120.0,
+        help="seconds during which new requests start (default 120)",
+    )
     ap.add_argument("--chat-users", type=nonneg_int, default=4, help="closed-loop chat clients (default 4)")
     ap.add_argument("--chat-prompt-len", type=_positive_int, default=64, help="chat prompt tokens (default 64)")
     ap.add_argument("--chat-output-len", type=_positive_int, default=128, help="chat max_tokens (default 128)")
-    ap.add_argument("--doc-rate", type=nonneg_finite_float, default=0.1,
-                    help="long documents per second, Poisson (0: none) (default 0.1)")
+    ap.add_argument(
+        "--doc-rate",
+        type=nonneg_finite_float,
+        default=0.1,
+        help="long documents per second, Poisson (0: none) (default 0.1)",
+    )
     ap.add_argument("--doc-min-len", type=_positive_int, default=2048, help="shortest document prompt (default 2048)")
     ap.add_argument("--doc-max-len", type=_positive_int, default=4096, help="longest document prompt (default 4096)")
     ap.add_argument("--doc-output-len", type=_positive_int, default=32, help="document max_tokens (default 32)")
-    ap.add_argument("--drain-timeout-s", type=positive_finite_float, default=600.0,
-                    help="after --duration-s, seconds to wait for requests in flight (default 600)")
+    ap.add_argument(
+        "--drain-timeout-s",
+        type=positive_finite_float,
+        default=600.0,
+        help="after --duration-s, seconds to wait for requests in flight (default 600)",
+    )
     add_harness_args(ap, stop_timeout_s=30.0)
     return ap
 
@@ -206,14 +234,18 @@ def build_workload(args: argparse.Namespace, tokenizer: Any) -> Workload:
     docs = []
     for off, n in zip(offsets, lengths):
         prompt, plen = builder.build(n, rng)
-        docs.append(DocArrival(off, BenchRequest(prompt=prompt, prompt_len=plen, output_len=args.doc_output_len,
-                                                 request_class="doc")))
+        docs.append(
+            DocArrival(
+                off, BenchRequest(prompt=prompt, prompt_len=plen, output_len=args.doc_output_len, request_class="doc")
+            )
+        )
     warm_rng = np.random.default_rng([args.seed, WARM_PROMPTS])
     warm = []
     if args.chat_users:
         prompt, plen = builder.build(args.chat_prompt_len, warm_rng)
-        warm.append(BenchRequest(prompt=prompt, prompt_len=plen, output_len=min(8, args.chat_output_len),
-                                 request_class="chat"))
+        warm.append(
+            BenchRequest(prompt=prompt, prompt_len=plen, output_len=min(8, args.chat_output_len), request_class="chat")
+        )
     if args.doc_rate > 0:
         prompt, plen = builder.build(args.doc_min_len, warm_rng)
         warm.append(BenchRequest(prompt=prompt, prompt_len=plen, output_len=2, request_class="doc"))
@@ -239,8 +271,15 @@ class ProcSpec:
         return f"http://127.0.0.1:{self.port}"
 
 
-def serve_spec(name: str, port: int, cpus: Sequence[int] | None, threads: int, chunk: int,
-               server_flags: Sequence[str], kv_config: str | None = None) -> ProcSpec:
+def serve_spec(
+    name: str,
+    port: int,
+    cpus: Sequence[int] | None,
+    threads: int,
+    chunk: int,
+    server_flags: Sequence[str],
+    kv_config: str | None = None,
+) -> ProcSpec:
     argv = [*PYTHON_CMD, "serve", "--port", str(port), "--max-num-batched-tokens", str(chunk), *server_flags]
     if kv_config is not None:
         argv += ["--kv-transfer-config", kv_config]
@@ -258,13 +297,31 @@ def setup_specs(setup: str, args: argparse.Namespace, cpus: Sequence[int] | None
     if setup == "agg":
         return [serve_spec("agg-serve", free_port(), cpus, 2, args.chunk_size, args.server_flags)]
     p_cpus, d_cpus = ([cpus[0]], [cpus[1]]) if cpus is not None else (None, None)
-    prefill = serve_spec("pd-prefill", free_port(), p_cpus, 1, args.chunk_size, args.server_flags,
-                         kv_config(args.connector, "kv_producer"))
-    decode = serve_spec("pd-decode", free_port(), d_cpus, 1, args.chunk_size, args.server_flags,
-                        kv_config(args.connector, "kv_consumer"))
+    prefill = serve_spec(
+        "pd-prefill",
+        free_port(),
+        p_cpus,
+        1,
+        args.chunk_size,
+        args.server_flags,
+        kv_config(args.connector, "kv_producer"),
+    )
+    decode = serve_spec(
+        "pd-decode",
+        free_port(),
+        d_cpus,
+        1,
+        args.chunk_size,
+        args.server_flags,
+        kv_config(args.connector, "kv_consumer"),
+    )
     port = free_port()
-    router = ProcSpec("pd-router", [*PYTHON_CMD, "router", "--port", str(port), "--prefill", prefill.url,
-                                    "--decode", decode.url], thread_env(1), port)
+    router = ProcSpec(
+        "pd-router",
+        [*PYTHON_CMD, "router", "--port", str(port), "--prefill", prefill.url, "--decode", decode.url],
+        thread_env(1),
+        port,
+    )
     return [prefill, decode, router]
 
 
@@ -272,8 +329,18 @@ def setup_specs(setup: str, args: argparse.Namespace, cpus: Sequence[int] | None
 def running(specs: Sequence[ProcSpec], log_dir: str, args: argparse.Namespace) -> Iterator[list[ManagedProcess]]:
     """Start every process in order (each healthy before the next), its log `<log_dir>/<name>.log`;
     stop them in reverse order."""
-    procs = [ManagedProcess(s.argv, s.port, name=s.name, env=s.env, log_path=os.path.join(log_dir, f"{s.name}.log"),
-                            startup_timeout=args.startup_timeout, stop_timeout=args.stop_timeout) for s in specs]
+    procs = [
+        ManagedProcess(
+            s.argv,
+            s.port,
+            name=s.name,
+            env=s.env,
+            log_path=os.path.join(log_dir, f"{s.name}.log"),
+            startup_timeout=args.startup_timeout,
+            stop_timeout=args.stop_timeout,
+        )
+        for s in specs
+    ]
     with started(procs):
         yield procs
 
@@ -313,7 +380,8 @@ def transfer_counters(text: str) -> TransferStats:
         blocks_received=sample_sum(s, "kvflow:kv_transfer_blocks_total", direction="received"),
         fetches=sample_sum(s, "kvflow:kv_transfer_seconds_count"),
         seconds=sample_sum(s, "kvflow:kv_transfer_seconds_sum"),
-        failures=by_label(s, "kvflow:kv_transfer_failures_total", "reason"))
+        failures=by_label(s, "kvflow:kv_transfer_failures_total", "reason"),
+    )
 
 
 def router_fallbacks(text: str) -> float | None:
@@ -331,9 +399,11 @@ def transfer_delta(before: TransferStats, after: TransferStats) -> TransferStats
     return TransferStats(
         bytes_received=after.bytes_received - before.bytes_received,
         blocks_received=after.blocks_received - before.blocks_received,
-        fetches=after.fetches - before.fetches, seconds=after.seconds - before.seconds,
+        fetches=after.fetches - before.fetches,
+        seconds=after.seconds - before.seconds,
         failures={r: after.failures.get(r, 0.0) - before.failures.get(r, 0.0) for r in reasons},
-        prefill_fallbacks=fb)
+        prefill_fallbacks=fb,
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -377,14 +447,21 @@ def summarize_load(records: Sequence[Any], duration_s: float) -> LoadSummary:
     ttfts = [v for v in map(ttft, ok_docs) if v is not None]
     out_tokens = sum(r.output_tokens for r in records if r.success)
     return LoadSummary(
-        chats_finished=len(ok_chats), chats_failed=len(chats) - len(ok_chats),
-        chat_itl_ms_p50=_percentile(gaps, 50, 1e3), chat_itl_ms_p99=_percentile(gaps, 99, 1e3),
-        chat_tpot_ms_p50=_percentile(tpots, 50, 1e3), chat_tpot_ms_p99=_percentile(tpots, 99, 1e3),
-        docs_finished=len(ok_docs), docs_failed=len(docs) - len(ok_docs),
-        doc_ttft_s_p50=_percentile(ttfts, 50), doc_ttft_s_p99=_percentile(ttfts, 99),
+        chats_finished=len(ok_chats),
+        chats_failed=len(chats) - len(ok_chats),
+        chat_itl_ms_p50=_percentile(gaps, 50, 1e3),
+        chat_itl_ms_p99=_percentile(gaps, 99, 1e3),
+        chat_tpot_ms_p50=_percentile(tpots, 50, 1e3),
+        chat_tpot_ms_p99=_percentile(tpots, 99, 1e3),
+        docs_finished=len(ok_docs),
+        docs_failed=len(docs) - len(ok_docs),
+        doc_ttft_s_p50=_percentile(ttfts, 50),
+        doc_ttft_s_p99=_percentile(ttfts, 99),
         doc_ttft_s_mean=sum(ttfts) / len(ttfts) if ttfts else None,
-        output_tokens=out_tokens, duration_s=duration_s,
-        output_throughput=out_tokens / duration_s if duration_s > 0 else None)
+        output_tokens=out_tokens,
+        duration_s=duration_s,
+        output_throughput=out_tokens / duration_s if duration_s > 0 else None,
+    )
 
 
 @dataclass
@@ -407,8 +484,9 @@ def moved_blocks(prompt_len: int, block_size: int) -> int:
     return max(0, (prompt_len - 1) // block_size)
 
 
-def doc_transfer(stats: TransferStats, records: Sequence[Any], doc_ttft_mean_s: float | None,
-                 block_size: int = 16) -> DocTransfer:
+def doc_transfer(
+    stats: TransferStats, records: Sequence[Any], doc_ttft_mean_s: float | None, block_size: int = 16
+) -> DocTransfer:
     ok = [r for r in records if r.success]
     docs = [r for r in ok if r.request_class == "doc"]
     all_blocks = sum(moved_blocks(r.prompt_len, block_size) for r in ok)
@@ -420,8 +498,12 @@ def doc_transfer(stats: TransferStats, records: Sequence[Any], doc_ttft_mean_s: 
     return DocTransfer(share, low, high, ratio(low, doc_ttft_mean_s), ratio(high, doc_ttft_mean_s))
 
 
-COMPARED = (("chat ITL p99 (ms)", "chat_itl_ms_p99"), ("chat TPOT p99 (ms)", "chat_tpot_ms_p99"),
-            ("doc TTFT p50 (s)", "doc_ttft_s_p50"), ("output throughput (tok/s)", "output_throughput"))
+COMPARED = (
+    ("chat ITL p99 (ms)", "chat_itl_ms_p99"),
+    ("chat TPOT p99 (ms)", "chat_tpot_ms_p99"),
+    ("doc TTFT p50 (s)", "doc_ttft_s_p50"),
+    ("output throughput (tok/s)", "output_throughput"),
+)
 
 
 def comparison_rows(agg: LoadSummary, pd: LoadSummary) -> list[list[Any]]:
@@ -450,8 +532,9 @@ async def _send(client: Any, cfg: Any, req: Any, rec: Any, model: str, tokenizer
     return await send_request(client, cfg, req, rec, model, tokenizer)
 
 
-async def _chat_user(client: Any, cfg: Any, w: Workload, user: int, deadline: float, model: str,
-                     tokenizer: Any, records: list[Any]) -> None:
+async def _chat_user(
+    client: Any, cfg: Any, w: Workload, user: int, deadline: float, model: str, tokenizer: Any, records: list[Any]
+) -> None:
     from kvflow.bench.serve_client import new_record
 
     index = 0
@@ -466,8 +549,9 @@ async def _chat_user(client: Any, cfg: Any, w: Workload, user: int, deadline: fl
         index += 1
 
 
-async def _doc(client: Any, cfg: Any, i: int, d: DocArrival, start: float, model: str, tokenizer: Any,
-               records: list[Any]) -> None:
+async def _doc(
+    client: Any, cfg: Any, i: int, d: DocArrival, start: float, model: str, tokenizer: Any, records: list[Any]
+) -> None:
     from kvflow.bench.serve_client import new_record
 
     delay = start + d.offset_s - time.perf_counter()
@@ -485,23 +569,30 @@ async def _progress(records: list[Any], start: float, every_s: float = 30.0) -> 
         chats = sum(1 for r in done if r.request_class == "chat" and r.success)
         docs = sum(1 for r in done if r.request_class == "doc" and r.success)
         failed = sum(1 for r in done if not r.success)
-        print(f"  {time.perf_counter() - start:6.0f} s: {chats} chats, {docs} docs finished, {failed} failed",
-              flush=True)
+        print(
+            f"  {time.perf_counter() - start:6.0f} s: {chats} chats, {docs} docs finished, {failed} failed", flush=True
+        )
 
 
 def _client(n: int, timeout: float) -> Any:
     import httpx
 
     limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
-    return httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout, connect=min(60.0, timeout)),
-                             trust_env=False)
+    return httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout, connect=min(60.0, timeout)), trust_env=False)
 
 
 def _config(base_url: str, model: str, args: argparse.Namespace) -> Any:
     from kvflow.bench.serve_client import ServeConfig
 
-    return ServeConfig(base_url=base_url, endpoint="completions", model=model, ignore_eos=True, temperature=0.0,
-                       request_timeout=args.request_timeout, disable_tqdm=True)
+    return ServeConfig(
+        base_url=base_url,
+        endpoint="completions",
+        model=model,
+        ignore_eos=True,
+        temperature=0.0,
+        request_timeout=args.request_timeout,
+        disable_tqdm=True,
+    )
 
 
 async def run_load(base_url: str, model: str, w: Workload, args: argparse.Namespace, tokenizer: Any) -> LoadRun:
@@ -511,10 +602,13 @@ async def run_load(base_url: str, model: str, w: Workload, args: argparse.Namesp
     async with _client(w.chat_users + len(w.docs) + 4, args.request_timeout) as client:
         start = time.perf_counter()
         deadline = start + args.duration_s
-        tasks = [asyncio.create_task(_chat_user(client, cfg, w, u, deadline, model, tokenizer, records))
-                 for u in range(w.chat_users)]
-        tasks += [asyncio.create_task(_doc(client, cfg, i, d, start, model, tokenizer, records))
-                  for i, d in enumerate(w.docs)]
+        tasks = [
+            asyncio.create_task(_chat_user(client, cfg, w, u, deadline, model, tokenizer, records))
+            for u in range(w.chat_users)
+        ]
+        tasks += [
+            asyncio.create_task(_doc(client, cfg, i, d, start, model, tokenizer, records)) for i, d in enumerate(w.docs)
+        ]
         ticker = asyncio.create_task(_progress(records, start))
         try:
             _, pending = await asyncio.wait(tasks, timeout=args.duration_s + args.drain_timeout_s)
@@ -569,15 +663,20 @@ class SetupResult:
             d = r.to_dict()
             d.pop("generated_text", None)
             recs.append(d)
-        return {"setup": self.setup, "label": SETUP_LABELS[self.setup], "pinned": self.pinned,
-                "summary": asdict(self.summary),
-                "transfer": self.transfer.to_dict() if self.transfer is not None else None,
-                "doc_transfer": asdict(self.doc_transfer) if self.doc_transfer is not None else None,
-                "requests": recs}
+        return {
+            "setup": self.setup,
+            "label": SETUP_LABELS[self.setup],
+            "pinned": self.pinned,
+            "summary": asdict(self.summary),
+            "transfer": self.transfer.to_dict() if self.transfer is not None else None,
+            "doc_transfer": asdict(self.doc_transfer) if self.doc_transfer is not None else None,
+            "requests": recs,
+        }
 
 
-def run_setup(setup: str, w: Workload, args: argparse.Namespace, tokenizer: Any, log_dir: str,
-              cpus: Sequence[int] | None) -> SetupResult:
+def run_setup(
+    setup: str, w: Workload, args: argparse.Namespace, tokenizer: Any, log_dir: str, cpus: Sequence[int] | None
+) -> SetupResult:
     specs = setup_specs(setup, args, cpus)
     print(f"\n=== {SETUP_LABELS[setup]} ===", flush=True)
     with running(specs, log_dir, args) as procs:
@@ -585,8 +684,10 @@ def run_setup(setup: str, w: Workload, args: argparse.Namespace, tokenizer: Any,
         model, max_len = served_model(url), server_max_model_len(url, timeout=30.0)
         need = w.longest_request() + 1  # +1: a BOS the server may add
         if max_len is not None and need > max_len:
-            raise ServerError(f"the longest request needs {need} tokens but max_model_len is {max_len}: lower "
-                              "--doc-max-len / the output lengths, or serve a longer --max-model-len")
+            raise ServerError(
+                f"the longest request needs {need} tokens but max_model_len is {max_len}: lower "
+                "--doc-max-len / the output lengths, or serve a longer --max-model-len"
+            )
         asyncio.run(warm_up(url, model, w, args, tokenizer))
         before = transfer_snapshot(specs[1].url, url) if setup == "pd" else None
         print(f"timed run: {args.duration_s:g} s, {w.chat_users} chat clients, {len(w.docs)} documents", flush=True)
@@ -598,8 +699,7 @@ def run_setup(setup: str, w: Workload, args: argparse.Namespace, tokenizer: Any,
             time.sleep(0.5)  # the engine publishes its counters between steps
             result.transfer = transfer_delta(before, transfer_snapshot(specs[1].url, url))
             block_size = int(flag_value(args.server_flags, "--block-size") or DEFAULT_BLOCK_SIZE)
-            result.doc_transfer = doc_transfer(result.transfer, run.records, result.summary.doc_ttft_s_mean,
-                                               block_size)
+            result.doc_transfer = doc_transfer(result.transfer, run.records, result.summary.doc_ttft_s_mean, block_size)
     return result
 
 
@@ -642,10 +742,14 @@ def setup_report(r: SetupResult) -> str:
     if d is not None:
         pairs += [
             ("doc share of moved blocks (%)", _f(percent(d.block_share), 1)),
-            ("KV transfer per doc (ms)", f"{_f(_ms(d.per_doc_s_low))} - {_f(_ms(d.per_doc_s_high))} "
-                                         "(mean fetch - by blocks)"),
-            ("  share of doc mean TTFT (%)", f"{_f(percent(d.share_of_ttft_low), 1)} - "
-                                             f"{_f(percent(d.share_of_ttft_high), 1)}"),
+            (
+                "KV transfer per doc (ms)",
+                f"{_f(_ms(d.per_doc_s_low))} - {_f(_ms(d.per_doc_s_high))} (mean fetch - by blocks)",
+            ),
+            (
+                "  share of doc mean TTFT (%)",
+                f"{_f(percent(d.share_of_ttft_low), 1)} - {_f(percent(d.share_of_ttft_high), 1)}",
+            ),
         ]
     pin = "" if r.pinned else " (NOT pinned: taskset missing or < 2 CPUs)"
     return setup_block(pairs, f"{SETUP_LABELS[r.setup]}{pin}", r.records)
@@ -656,23 +760,30 @@ def comparison_table(results: dict[str, SetupResult]) -> str | None:
 
     if "agg" not in results or "pd" not in results:
         return None
-    return format_table(["", "aggregated", "1P1D", "1P1D / agg"],
-                        comparison_rows(results["agg"].summary, results["pd"].summary), digits=2,
-                        title="1P1D (one core each) vs aggregated (two cores, chunked prefill)")
+    return format_table(
+        ["", "aggregated", "1P1D", "1P1D / agg"],
+        comparison_rows(results["agg"].summary, results["pd"].summary),
+        digits=2,
+        title="1P1D (one core each) vs aggregated (two cores, chunked prefill)",
+    )
 
 
-def write_json(path: str, args: argparse.Namespace, results: dict[str, SetupResult], cpu: str,
-               pinning: str) -> None:
+def write_json(path: str, args: argparse.Namespace, results: dict[str, SetupResult], cpu: str, pinning: str) -> None:
     from kvflow.bench.report import dump_json
 
     conf = {k: v for k, v in vars(args).items() if k != "server_flags"}
     comparison = None
     if "agg" in results and "pd" in results:
-        comparison = {key: {"aggregated": a, "1P1D": p, "ratio": q}
-                      for (_, key), (_, a, p, q) in zip(COMPARED, comparison_rows(results["agg"].summary,
-                                                                                  results["pd"].summary))}
-    dump_json(path, conf, [r.to_dict() for r in results.values()],
-              extra={"cpu": cpu, "pinning": pinning, "comparison": comparison})
+        comparison = {
+            key: {"aggregated": a, "1P1D": p, "ratio": q}
+            for (_, key), (_, a, p, q) in zip(COMPARED, comparison_rows(results["agg"].summary, results["pd"].summary))
+        }
+    dump_json(
+        path,
+        conf,
+        [r.to_dict() for r in results.values()],
+        extra={"cpu": cpu, "pinning": pinning, "comparison": comparison},
+    )
     print(f"wrote {path}")
 
 
@@ -700,9 +811,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, exit_on_sigterm)  # unwinds through running(), which stops the servers
     cpu = cpu_line()
     cpus = pinning_cpus()
-    pinning = (f"pinning: agg taskset -c {cpus[0]},{cpus[1]} (2 threads); pd prefill -c {cpus[0]}, "
-               f"decode -c {cpus[1]} (1 thread each); router and client unpinned" if cpus is not None else
-               "pinning: NONE (taskset missing or fewer than 2 usable CPUs): servers run unpinned")
+    pinning = (
+        f"pinning: agg taskset -c {cpus[0]},{cpus[1]} (2 threads); pd prefill -c {cpus[0]}, "
+        f"decode -c {cpus[1]} (1 thread each); router and client unpinned"
+        if cpus is not None
+        else "pinning: NONE (taskset missing or fewer than 2 usable CPUs): servers run unpinned"
+    )
     print(cpu)
     print(pinning)
     log_dir = tempfile.mkdtemp(prefix="pd_disagg-")
@@ -713,9 +827,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         print(f"pd_disagg: error: {e}", file=sys.stderr)
         return 2
-    print(f"workload: {args.chat_users} chat clients ({args.chat_prompt_len} -> {args.chat_output_len} tokens), "
-          f"{len(w.docs)} documents in {args.duration_s:g} s ([{args.doc_min_len}, {args.doc_max_len}] -> "
-          f"{args.doc_output_len} tokens), seed {args.seed}")
+    print(
+        f"workload: {args.chat_users} chat clients ({args.chat_prompt_len} -> {args.chat_output_len} tokens), "
+        f"{len(w.docs)} documents in {args.duration_s:g} s ([{args.doc_min_len}, {args.doc_max_len}] -> "
+        f"{args.doc_output_len} tokens), seed {args.seed}"
+    )
     results: dict[str, SetupResult] = {}
     try:
         for setup in args.setups:

@@ -44,10 +44,42 @@ MODES = {
 
 # Fixed order. Only docstrings whose object is defined in the module itself; doctest paragraphs
 # (lines starting with >>>) are dropped so the text is mostly English prose.
-TEXT_MODULES = ("textwrap", "string", "functools", "itertools", "collections", "heapq", "bisect", "statistics",
-                "fractions", "decimal", "random", "json", "csv", "argparse", "logging", "pathlib", "shutil",
-                "tempfile", "subprocess", "threading", "queue", "contextlib", "dataclasses", "enum", "abc",
-                "typing", "difflib", "calendar", "datetime", "inspect", "pickle", "zipfile", "tarfile", "socket")
+TEXT_MODULES = (
+    "textwrap",
+    "string",
+    "functools",
+    "itertools",
+    "collections",
+    "heapq",
+    "bisect",
+    "statistics",
+    "fractions",
+    "decimal",
+    "random",
+    "json",
+    "csv",
+    "argparse",
+    "logging",
+    "pathlib",
+    "shutil",
+    "tempfile",
+    "subprocess",
+    "threading",
+    "queue",
+    "contextlib",
+    "dataclasses",
+    "enum",
+    "abc",
+    "typing",
+    "difflib",
+    "calendar",
+    "datetime",
+    "inspect",
+    "pickle",
+    "zipfile",
+    "tarfile",
+    "socket",
+)
 
 PROMPTS = [
     "Explain how a hash table works.",
@@ -95,7 +127,7 @@ def eval_text() -> str:
 
 def window_logits(llm, ids: list[int]) -> torch.Tensor:
     """Logits at every position of `ids`, one sequence starting at position 0, one forward pass."""
-    from kvflow.layers.attention import SeqLayout
+    from kvflow.attention.backend import SeqLayout
 
     runner = llm.engine.runner
     bs = llm.engine.config.block_size
@@ -122,23 +154,31 @@ def main() -> int:
     if modes[0] != "fp32":
         raise SystemExit("the first mode must be fp32 (the reference)")
     t0 = time.perf_counter()
-    llms = {m: LLM(args.model, max_model_len=max(args.window, 1024), num_kv_blocks=640,
-                   enable_prefix_caching=False, **MODES[m]) for m in modes}
+    llms = {
+        m: LLM(
+            args.model, max_model_len=max(args.window, 1024), num_kv_blocks=640, enable_prefix_caching=False, **MODES[m]
+        )
+        for m in modes
+    }
     tok = llms["fp32"].tokenizer
     text = eval_text()
     ids = tok(text, add_special_tokens=False)["input_ids"][: args.tokens]
     digest = hashlib.sha256(tok.decode(ids).encode()).hexdigest()[:12]
-    print(f"# model {llms['fp32'].engine.model_name}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
-          f"Python {platform.python_version()}")
-    print(f"# text: docstrings of {len(TEXT_MODULES)} stdlib modules, first {len(ids)} tokens "
-          f"(sha256 {digest}), windows of {args.window}")
+    print(
+        f"# model {llms['fp32'].engine.model_name}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
+        f"Python {platform.python_version()}"
+    )
+    print(
+        f"# text: docstrings of {len(TEXT_MODULES)} stdlib modules, first {len(ids)} tokens "
+        f"(sha256 {digest}), windows of {args.window}"
+    )
 
-    nll = {m: 0.0 for m in modes}
-    kl = {m: 0.0 for m in modes}
-    top1 = {m: 0 for m in modes}
+    nll = dict.fromkeys(modes, 0.0)
+    kl = dict.fromkeys(modes, 0.0)
+    top1 = dict.fromkeys(modes, 0)
     count = 0
     for start in range(0, len(ids) - 1, args.window):
-        w = ids[start:start + args.window]
+        w = ids[start : start + args.window]
         if len(w) < 2:
             break
         target = torch.tensor(w[1:])
@@ -163,8 +203,10 @@ def main() -> int:
 
     ppl_ref = math.exp(nll["fp32"] / count)
     print()
-    print(f"| mode | perplexity | vs fp32 | mean KL vs fp32 (nats) | top-1 next token = fp32 | "
-          f"greedy tokens = fp32 ({args.prompts} prompts x {args.new_tokens}) | mean common prefix |")
+    print(
+        f"| mode | perplexity | vs fp32 | mean KL vs fp32 (nats) | top-1 next token = fp32 | "
+        f"greedy tokens = fp32 ({args.prompts} prompts x {args.new_tokens}) | mean common prefix |"
+    )
     print("|---|---|---|---|---|---|---|")
     for m in modes:
         ppl = math.exp(nll[m] / count)
@@ -177,9 +219,11 @@ def main() -> int:
                 n += 1
             prefix.append(n)
         ref = m == "fp32"
-        print(f"| {m} | {ppl:.3f} | {'' if ref else f'{100 * (ppl / ppl_ref - 1):+.2f}%'} | "
-              f"{'' if ref else f'{kl[m] / count:.4f}'} | {'' if ref else f'{top1[m] / count:.2%}'} | "
-              f"{'' if ref else f'{same / total:.2%}'} | {'' if ref else f'{sum(prefix) / len(prefix):.1f}'} |")
+        print(
+            f"| {m} | {ppl:.3f} | {'' if ref else f'{100 * (ppl / ppl_ref - 1):+.2f}%'} | "
+            f"{'' if ref else f'{kl[m] / count:.4f}'} | {'' if ref else f'{top1[m] / count:.2%}'} | "
+            f"{'' if ref else f'{same / total:.2%}'} | {'' if ref else f'{sum(prefix) / len(prefix):.1f}'} |"
+        )
     print(f"\n# {count} scored positions; text part {t_text:.0f} s, total {time.perf_counter() - t0:.0f} s")
     return 0
 

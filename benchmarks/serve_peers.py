@@ -54,25 +54,72 @@ def write_hf_copy(path: Path) -> None:
 def server_argv(which: str, args: argparse.Namespace, dtype: str, port: int) -> tuple[list[str], dict[str, str]]:
     env = dict(os.environ)
     if which == "kvflow":
-        return ([sys.executable, "-m", "kvflow.cli.main", "serve", "--model", str(args.hf_dir), "--dtype", dtype,
-                 "--port", str(port), "--kv-cache-memory-gb", str(args.vllm_kv_gib),
-                 "--max-model-len", str(args.max_model_len)], env)
+        return (
+            [
+                sys.executable,
+                "-m",
+                "kvflow.cli.main",
+                "serve",
+                "--model",
+                str(args.hf_dir),
+                "--dtype",
+                dtype,
+                "--port",
+                str(port),
+                "--kv-cache-memory-gb",
+                str(args.vllm_kv_gib),
+                "--max-model-len",
+                str(args.max_model_len),
+            ],
+            env,
+        )
     env["VLLM_CPU_KVCACHE_SPACE"] = str(args.vllm_kv_gib)
-    return ([args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(args.hf_dir),
-             "--dtype", dtype, "--port", str(port), "--max-model-len", str(args.max_model_len)], env)
+    return (
+        [
+            args.vllm_python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(args.hf_dir),
+            "--dtype",
+            dtype,
+            "--port",
+            str(port),
+            "--max-model-len",
+            str(args.max_model_len),
+        ],
+        env,
+    )
 
 
 def bench(url: str, args: argparse.Namespace, out: Path) -> dict:
-    cmd = [sys.executable, "-m", "kvflow.cli.main", "bench", "serve", "--base-url", url, "--dataset", "sharegpt-like",
-           "--num-prompts", str(args.num_prompts), "--tokenizer", str(args.hf_dir), "--seed", str(args.seed),
-           "--disable-tqdm", "--result-json", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvflow.cli.main",
+        "bench",
+        "serve",
+        "--base-url",
+        url,
+        "--dataset",
+        "sharegpt-like",
+        "--num-prompts",
+        str(args.num_prompts),
+        "--tokenizer",
+        str(args.hf_dir),
+        "--seed",
+        str(args.seed),
+        "--disable-tqdm",
+        "--result-json",
+        str(out),
+    ]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     doc = json.loads(out.read_text())
     return doc["results"][0]["metrics"]
 
 
 def main() -> int:
-    from kvflow.bench.servers import ManagedProcess, free_port
+    from kvflow.utils.processes import ManagedProcess, free_port
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--vllm-python", help="python of a virtualenv with vllm-cpu (omit: kvflow only)")
@@ -84,9 +131,13 @@ def main() -> int:
     ap.add_argument("--vllm-kv-gib", type=int, default=4)
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--startup-timeout", type=float, default=600.0)
-    ap.add_argument("--rounds", type=int, default=1,
-                    help="run every (server, dtype) this many times, round after round, so the host's "
-                         "drift falls on all of them alike; the medians are compared")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every (server, dtype) this many times, round after round, so the host's "
+        "drift falls on all of them alike; the medians are compared",
+    )
     args = ap.parse_args()
     if args.rounds < 1:
         ap.error(f"--rounds must be at least 1, got {args.rounds}")
@@ -105,25 +156,41 @@ def main() -> int:
                     port = free_port()
                     argv, env = server_argv(which, args, dtype, port)
                     t0 = time.monotonic()
-                    with ManagedProcess(argv, port, startup_timeout=args.startup_timeout, stop_timeout=30.0,
-                                        name=f"{which} {dtype}", env=env) as server:
+                    with ManagedProcess(
+                        argv,
+                        port,
+                        startup_timeout=args.startup_timeout,
+                        stop_timeout=30.0,
+                        name=f"{which} {dtype}",
+                        env=env,
+                    ) as server:
                         ready = time.monotonic() - t0
                         m = bench(server.url, args, Path(tmp) / f"{which}-{dtype}-{rnd}.json")
                     rows.append((rnd, which, dtype, ready, m))
-                    print(f"round {rnd}: {which} {dtype}: ready {ready:.1f} s, {m['output_throughput']:.1f} "
-                          f"output tok/s", flush=True)
-    print("\n| round | server | dtype | ready s | completed | output tok/s | TTFT median ms | TPOT median ms | ITL median ms |")
+                    print(
+                        f"round {rnd}: {which} {dtype}: ready {ready:.1f} s, {m['output_throughput']:.1f} output tok/s",
+                        flush=True,
+                    )
+    print(
+        "\n| round | server | dtype | ready s | completed | output tok/s | TTFT median ms | TPOT median ms | ITL median ms |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for rnd, which, dtype, ready, m in rows:
-        print(f"| {rnd} | {which} | {dtype} | {ready:.1f} | {m['completed']}/{m['num_requests']} | "
-              f"{m['output_throughput']:.1f} | {m['ttft_ms']['median']:.0f} | {m['tpot_ms']['median']:.1f} | "
-              f"{m['itl_ms']['median']:.1f} |")
-    med = {(w, d): statistics.median(m["output_throughput"] for _, w2, d2, _, m in rows if (w2, d2) == (w, d))
-           for _, w, d, _, _ in rows}
+        print(
+            f"| {rnd} | {which} | {dtype} | {ready:.1f} | {m['completed']}/{m['num_requests']} | "
+            f"{m['output_throughput']:.1f} | {m['ttft_ms']['median']:.0f} | {m['tpot_ms']['median']:.1f} | "
+            f"{m['itl_ms']['median']:.1f} |"
+        )
+    med = {
+        (w, d): statistics.median(m["output_throughput"] for _, w2, d2, _, m in rows if (w2, d2) == (w, d))
+        for _, w, d, _, _ in rows
+    }
     for dtype in args.dtypes.split(","):
         if ("kvflow", dtype) in med and ("vllm", dtype) in med:
-            print(f"{dtype}: kvflow / vLLM = {med['kvflow', dtype]:.1f} / {med['vllm', dtype]:.1f} = "
-                  f"{med['kvflow', dtype] / med['vllm', dtype]:.2f}x (medians over {args.rounds} round(s))")
+            print(
+                f"{dtype}: kvflow / vLLM = {med['kvflow', dtype]:.1f} / {med['vllm', dtype]:.1f} = "
+                f"{med['kvflow', dtype] / med['vllm', dtype]:.2f}x (medians over {args.rounds} round(s))"
+            )
     return 0
 
 

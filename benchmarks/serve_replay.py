@@ -32,11 +32,14 @@ def main() -> int:
     ap.add_argument("--max-model-len", type=int, default=4096)
     args = ap.parse_args()
     print(cpu_line())
-    llm = LLM(args.model, dtype=args.dtype, kv_cache_memory_gb=args.kv_cache_memory_gb,
-              max_model_len=args.max_model_len)
+    llm = LLM(
+        args.model, dtype=args.dtype, kv_cache_memory_gb=args.kv_cache_memory_gb, max_model_len=args.max_model_len
+    )
     engine = llm.engine
-    reqs = generate_requests(WorkloadSpec(dataset="sharegpt-like", num_prompts=args.num_prompts, seed=args.seed,
-                                          token_ids=True), engine.tokenizer)
+    reqs = generate_requests(
+        WorkloadSpec(dataset="sharegpt-like", num_prompts=args.num_prompts, seed=args.seed, token_ids=True),
+        engine.tokenizer,
+    )
     for r in reqs:
         engine.add_request(None, r.prompt, SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True))
     bins: dict[tuple[str, int], list[float]] = collections.defaultdict(list)
@@ -48,15 +51,20 @@ def main() -> int:
         t = time.perf_counter()
         engine.step()
         bins[("decode" if decode_only else "with prefill", 1 << (rows - 1).bit_length())].append(
-            time.perf_counter() - t)
+            time.perf_counter() - t
+        )
     total = time.perf_counter() - t0
     out = sum(r.output_len for r in reqs)
-    print(f"{args.dtype}: {len(reqs)} requests, {sum(r.prompt_len for r in reqs)} prompt / {out} output tokens in "
-          f"{total:.1f} s = {out / total:.1f} output tok/s")
+    print(
+        f"{args.dtype}: {len(reqs)} requests, {sum(r.prompt_len for r in reqs)} prompt / {out} output tokens in "
+        f"{total:.1f} s = {out / total:.1f} output tok/s"
+    )
     print("\n| steps | running (up to) | count | seconds | share | ms/step |\n|---|---|---|---|---|---|")
     for (kind, rows), ts in sorted(bins.items()):
-        print(f"| {kind} | {rows} | {len(ts)} | {sum(ts):.1f} | {100 * sum(ts) / total:.0f}% | "
-              f"{1e3 * sum(ts) / len(ts):.1f} |")
+        print(
+            f"| {kind} | {rows} | {len(ts)} | {sum(ts):.1f} | {100 * sum(ts) / total:.0f}% | "
+            f"{1e3 * sum(ts) / len(ts):.1f} |"
+        )
     return 0
 
 

@@ -30,17 +30,17 @@ import os
 import shlex
 import signal
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Sequence
+from typing import Any
 
 from kvflow.bench.metrics import GroupMetrics
 from kvflow.bench.report import format_table, line_plot, percent
 from kvflow.bench.serve_client import RunResult, parse_rates
-from kvflow.bench.servers import (
-    ManagedProcess, ServerError, exit_on_sigterm, flag_value, free_port, harness_tokenizer, indented_tail,
-    parse_prometheus, scrape, server_max_model_len,
-)
+from kvflow.bench.servers import flag_value, harness_tokenizer, scrape, server_max_model_len
 from kvflow.cli.bench import _positive_float, add_client_args, add_dataset_args
+from kvflow.utils.processes import ManagedProcess, ServerError, exit_on_sigterm, free_port, indented_tail
+from kvflow.utils.prometheus import parse_prometheus
 
 POLICIES = ("fcfs", "priority", "slo")
 SCHEDULING_FLAGS = ("--scheduling-policy", "--fairness", "--default-ttft-slo-ms", "--default-tpot-slo-ms")
@@ -94,9 +94,12 @@ def vtc_variants(requests: list, light: str = "light") -> list[ServerVariant]:
     # Its share of the requests is exact (the mixed dataset assigns clients by exact counts), so
     # alone it arrives at the same mean rate as it does inside the mixed stream.
     share = len(alone) / len(requests)
-    return [ServerVariant("no VTC", ["--fairness", "none"],
-                          [Workload("light only", alone, share), Workload("mixed", requests)]),
-            ServerVariant("VTC", ["--fairness", "vtc"], [Workload("mixed", requests)])]
+    return [
+        ServerVariant(
+            "no VTC", ["--fairness", "none"], [Workload("light only", alone, share), Workload("mixed", requests)]
+        ),
+        ServerVariant("VTC", ["--fairness", "vtc"], [Workload("mixed", requests)]),
+    ]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -124,22 +127,46 @@ def _rates(spec: str) -> list[float]:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--scenario", choices=("policies", "vtc"), default="policies",
-                    help="policies: one server per --policies; vtc: fairness none vs vtc (default policies)")
-    ap.add_argument("--policies", type=_policies, default=list(POLICIES),
-                    help=f"comma-separated scheduling policies (default {','.join(POLICIES)})")
-    ap.add_argument("--rates", type=_rates, default=[0.5, 1.0, 1.5, 2.0],
-                    help="comma-separated request rates, req/s (default 0.5,1,1.5,2)")
-    ap.add_argument("--server-args", default="", help="more `kvflow serve` flags, one string (e.g. \"--model DIR\")")
-    ap.add_argument("--server-cmd", default=DEFAULT_SERVER_CMD,
-                    help="the command that starts the server, before its flags (default: this python's "
-                         "`-m kvflow.cli.main serve`; e.g. `taskset -c 0-7 kvflow serve`)")
-    ap.add_argument("--startup-timeout", type=_positive_float, default=600.0,
-                    help="seconds to wait for /health (default 600)")
-    ap.add_argument("--stop-timeout", type=_positive_float, default=30.0,
-                    help="seconds after SIGTERM before the server is killed (default 30)")
-    ap.add_argument("--vtc-ratio", type=_positive_float, default=10.0,
-                    help="vtc: the heavy client's rate over the light one's (default 10)")
+    ap.add_argument(
+        "--scenario",
+        choices=("policies", "vtc"),
+        default="policies",
+        help="policies: one server per --policies; vtc: fairness none vs vtc (default policies)",
+    )
+    ap.add_argument(
+        "--policies",
+        type=_policies,
+        default=list(POLICIES),
+        help=f"comma-separated scheduling policies (default {','.join(POLICIES)})",
+    )
+    ap.add_argument(
+        "--rates",
+        type=_rates,
+        default=[0.5, 1.0, 1.5, 2.0],
+        help="comma-separated request rates, req/s (default 0.5,1,1.5,2)",
+    )
+    ap.add_argument("--server-args", default="", help='more `kvflow serve` flags, one string (e.g. "--model DIR")')
+    ap.add_argument(
+        "--server-cmd",
+        default=DEFAULT_SERVER_CMD,
+        help="the command that starts the server, before its flags (default: this python's "
+        "`-m kvflow.cli.main serve`; e.g. `taskset -c 0-7 kvflow serve`)",
+    )
+    ap.add_argument(
+        "--startup-timeout", type=_positive_float, default=600.0, help="seconds to wait for /health (default 600)"
+    )
+    ap.add_argument(
+        "--stop-timeout",
+        type=_positive_float,
+        default=30.0,
+        help="seconds after SIGTERM before the server is killed (default 30)",
+    )
+    ap.add_argument(
+        "--vtc-ratio",
+        type=_positive_float,
+        default=10.0,
+        help="vtc: the heavy client's rate over the light one's (default 10)",
+    )
     ap.add_argument("--plot-dir", default=None, help="write the goodput (vtc: light TTFT p99) vs rate PNG here")
     ap.add_argument("--result-json", default=None, help="write config, machine info and every run here")
     add_client_args(ap, default_timeout=600.0)
@@ -153,8 +180,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.server_flags = shlex.split(args.server_args)
     own = "--fairness" if args.scenario == "vtc" else "--scheduling-policy"
     if flag_value(args.server_flags, own) is not None:  # the harness sets it, one server per value
-        raise SystemExit(f"slo_scheduling: error: the {args.scenario} scenario sets {own} itself; "
-                         "drop it from --server-args")
+        raise SystemExit(
+            f"slo_scheduling: error: the {args.scenario} scenario sets {own} itself; drop it from --server-args"
+        )
     if args.scenario == "vtc" and not args.mixed_users:
         args.mixed_users = f"heavy:{args.vtc_ratio:g},light:1"
     return args
@@ -170,9 +198,11 @@ def start_failure_message(log: str, returncode: int | None) -> str:
     lines = log.strip().splitlines()
     for line in lines:
         if ("unrecognized arguments" in line or "invalid choice" in line) and any(f in line for f in SCHEDULING_FLAGS):
-            return (f"kvflow serve does not accept the scheduling flags ({line.strip()}). The harness needs a server "
-                    "with --scheduling-policy fcfs|priority|slo and --fairness none|vtc: the SLO-aware scheduling "
-                    "work has not landed in this checkout, or this environment runs another kvflow.")
+            return (
+                f"kvflow serve does not accept the scheduling flags ({line.strip()}). The harness needs a server "
+                "with --scheduling-policy fcfs|priority|slo and --fairness none|vtc: the SLO-aware scheduling "
+                "work has not landed in this checkout, or this environment runs another kvflow."
+            )
     how = f"exited with code {returncode}" if returncode is not None else "did not answer /health in time"
     return f"kvflow serve {how}; last lines of its log:\n{indented_tail(log)}"
 
@@ -183,8 +213,9 @@ class ManagedServer(ManagedProcess):
 
     def __init__(self, cmd: Sequence[str], flags: Sequence[str], startup_timeout: float, stop_timeout: float):
         port = free_port()
-        super().__init__([*cmd, "--port", str(port), *flags], port, startup_timeout=startup_timeout,
-                         stop_timeout=stop_timeout)
+        super().__init__(
+            [*cmd, "--port", str(port), *flags], port, startup_timeout=startup_timeout, stop_timeout=stop_timeout
+        )
 
     def failure(self, returncode: int | None) -> ServerError:
         return ServerError(start_failure_message(self.log_text() or "", returncode))
@@ -196,9 +227,11 @@ def check_fits(requests: Sequence[Any], max_model_len: int | None) -> None:
         return
     need = max(r.prompt_len + r.output_len + 1 for r in requests)  # +1: a BOS the server may add
     if need > max_model_len:
-        raise ServerError(f"the longest request needs {need} tokens but the server's max_model_len is "
-                          f"{max_model_len}: lower --scale or --max-input-len/--max-output-len, or serve a "
-                          "longer --max-model-len")
+        raise ServerError(
+            f"the longest request needs {need} tokens but the server's max_model_len is "
+            f"{max_model_len}: lower --scale or --max-input-len/--max-output-len, or serve a "
+            "longer --max-model-len"
+        )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -235,8 +268,9 @@ def run_variant(variant: ServerVariant, args: argparse.Namespace, tokenizer: Any
     runs = []
     for w in variant.workloads:
         for rate in args.rates:
-            with ManagedServer(shlex.split(args.server_cmd), variant.flags + args.server_flags,
-                               args.startup_timeout, args.stop_timeout) as server:
+            with ManagedServer(
+                shlex.split(args.server_cmd), variant.flags + args.server_flags, args.startup_timeout, args.stop_timeout
+            ) as server:
                 cfg = serve_config(args, server.url)
                 check_fits(w.requests, server_max_model_len(server.url))
                 warm_up(cfg, tokenizer, w.requests)
@@ -244,20 +278,23 @@ def run_variant(variant: ServerVariant, args: argparse.Namespace, tokenizer: Any
                 server.check_alive()
                 error = step_cost_error(server.url)
             runs.append(Run(variant.label, w.name, rate, res))
-            print(f"\n{variant.label}, {w.name}, rate {rate:g} req/s: {res.metrics.completed}/"
-                  f"{res.metrics.num_requests} ok in {res.duration_s:.1f} s")
+            print(
+                f"\n{variant.label}, {w.name}, rate {rate:g} req/s: {res.metrics.completed}/"
+                f"{res.metrics.num_requests} ok in {res.duration_s:.1f} s"
+            )
             print(slo_tables(res.metrics))
             if error is not None:
-                print(f"{variant.label}: the step-time model's median prediction error over the last steps: "
-                      f"{100 * error:.1f}%")
+                print(
+                    f"{variant.label}: the step-time model's median prediction error over the last steps: "
+                    f"{100 * error:.1f}%"
+                )
     return runs
 
 
 def step_cost_error(base_url: str) -> float | None:
     """The server's kvflow:step_cost_prediction_error gauge (None if it does not export it)."""
     samples = parse_prometheus(scrape(base_url, timeout=5.0))
-    return next((v for name, labels, v in samples if name == "kvflow:step_cost_prediction_error" and not labels),
-                None)
+    return next((v for name, labels, v in samples if name == "kvflow:step_cost_prediction_error" and not labels), None)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -285,19 +322,44 @@ def policy_row(run: Run) -> PolicyRow:
         return g.attainment if g is not None else None
 
     return PolicyRow(
-        policy=run.server, rate=run.rate, goodput=overall.goodput if overall is not None else None,
-        attainment=attained(overall), interactive=attained(inter), batch=attained(batch),
+        policy=run.server,
+        rate=run.rate,
+        goodput=overall.goodput if overall is not None else None,
+        attainment=attained(overall),
+        interactive=attained(inter),
+        batch=attained(batch),
         interactive_ttft_p99_ms=inter.ttft_ms.get("p99") if inter is not None else None,
-        batch_finished=batch.completed / batch.sent if batch is not None and batch.sent else None)
+        batch_finished=batch.completed / batch.sent if batch is not None and batch.sent else None,
+    )
 
 
 def policy_table(rows: Sequence[PolicyRow]) -> str:
     return format_table(
-        ["policy", "rate", "goodput", "attain %", "interactive %", "batch %", "interactive TTFT p99 ms",
-         "batch finished %"],
-        [[r.policy, f"{r.rate:g}", r.goodput, percent(r.attainment), percent(r.interactive), percent(r.batch),
-          r.interactive_ttft_p99_ms, percent(r.batch_finished)] for r in rows],
-        title="SLO-aware scheduling: mixed workload, each request against its own SLO (goodput in req/s)")
+        [
+            "policy",
+            "rate",
+            "goodput",
+            "attain %",
+            "interactive %",
+            "batch %",
+            "interactive TTFT p99 ms",
+            "batch finished %",
+        ],
+        [
+            [
+                r.policy,
+                f"{r.rate:g}",
+                r.goodput,
+                percent(r.attainment),
+                percent(r.interactive),
+                percent(r.batch),
+                r.interactive_ttft_p99_ms,
+                percent(r.batch_finished),
+            ]
+            for r in rows
+        ],
+        title="SLO-aware scheduling: mixed workload, each request against its own SLO (goodput in req/s)",
+    )
 
 
 @dataclass
@@ -318,15 +380,23 @@ def light_ttft_p99(run: Run | None, light: str = "light") -> float | None:
 def vtc_rows(runs: Sequence[Run], light: str = "light") -> list[VtcRow]:
     by_key = {(r.server, r.workload, r.rate): r for r in runs}
     rates = list(dict.fromkeys(r.rate for r in runs))
-    return [VtcRow(rate, light_ttft_p99(by_key.get(("no VTC", "light only", rate)), light),
-                   light_ttft_p99(by_key.get(("no VTC", "mixed", rate)), light),
-                   light_ttft_p99(by_key.get(("VTC", "mixed", rate)), light)) for rate in rates]
+    return [
+        VtcRow(
+            rate,
+            light_ttft_p99(by_key.get(("no VTC", "light only", rate)), light),
+            light_ttft_p99(by_key.get(("no VTC", "mixed", rate)), light),
+            light_ttft_p99(by_key.get(("VTC", "mixed", rate)), light),
+        )
+        for rate in rates
+    ]
 
 
 def vtc_table(rows: Sequence[VtcRow]) -> str:
-    return format_table(["rate", "light alone", "mixed, no VTC", "mixed, VTC"],
-                        [[f"{r.rate:g}", r.alone, r.mixed, r.mixed_vtc] for r in rows],
-                        title="VTC fairness: the light client's TTFT p99 (ms); rate = both clients' req/s")
+    return format_table(
+        ["rate", "light alone", "mixed, no VTC", "mixed, VTC"],
+        [[f"{r.rate:g}", r.alone, r.mixed, r.mixed_vtc] for r in rows],
+        title="VTC fairness: the light client's TTFT p99 (ms); rate = both clients' req/s",
+    )
 
 
 def plot_policies(rows: Sequence[PolicyRow], out_dir: str) -> str | None:
@@ -335,16 +405,29 @@ def plot_policies(rows: Sequence[PolicyRow], out_dir: str) -> str | None:
         xs, ys = series.setdefault(r.policy, ([], []))
         xs.append(r.rate)
         ys.append(r.goodput)
-    return line_plot(series, "request rate (req/s)", "goodput (req/s meeting their own SLO)",
-                     "Goodput by scheduling policy", os.path.join(out_dir, "slo_goodput.png"))
+    return line_plot(
+        series,
+        "request rate (req/s)",
+        "goodput (req/s meeting their own SLO)",
+        "Goodput by scheduling policy",
+        os.path.join(out_dir, "slo_goodput.png"),
+    )
 
 
 def plot_vtc(rows: Sequence[VtcRow], out_dir: str) -> str | None:
     xs = [r.rate for r in rows]
-    series = {"light alone": (xs, [r.alone for r in rows]), "mixed, no VTC": (xs, [r.mixed for r in rows]),
-              "mixed, VTC": (xs, [r.mixed_vtc for r in rows])}
-    return line_plot(series, "total request rate (req/s)", "light client TTFT p99 (ms)",
-                     "VTC fairness", os.path.join(out_dir, "vtc_light_ttft.png"))
+    series = {
+        "light alone": (xs, [r.alone for r in rows]),
+        "mixed, no VTC": (xs, [r.mixed for r in rows]),
+        "mixed, VTC": (xs, [r.mixed_vtc for r in rows]),
+    }
+    return line_plot(
+        series,
+        "total request rate (req/s)",
+        "light client TTFT p99 (ms)",
+        "VTC fairness",
+        os.path.join(out_dir, "vtc_light_ttft.png"),
+    )
 
 
 # ----------------------------------------------------------------------------------------------

@@ -44,7 +44,8 @@ CODE2 = (
     "        return sorted(self.counts.items(), key=lambda kv: -kv[1])[:n]\n"
 )
 # Tasks whose answer is mostly in the prompt. (Asking SmolLM2-135M to quote sentences out of order
-# or to add docstrings gets new text instead: 1.17x and 1.21x with prompt lookup at batch 1.)
+# or to add docstrings gets new text instead, which prompt lookup barely speeds up; figures:
+# docs/benchmarks/results/.)
 GROUNDED = [
     f"Repeat the following text exactly, word for word:\n\n{PASSAGE}",
     f"Rewrite this code with the function `mean` renamed to `average`, changing nothing else:\n\n{CODE}",
@@ -64,7 +65,7 @@ def run(llm: LLM, prompts: list[str], batch: int, max_tokens: int) -> tuple[list
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     tokens, decoded, seconds = [], 0, 0.0
     for i in range(0, len(prompts), batch):
-        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts[i:i + batch]], params, use_tqdm=False)
+        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts[i : i + batch]], params, use_tqdm=False)
         seconds += max(o.metrics.last_token_time for o in outs) - min(o.metrics.first_token_time for o in outs)
         decoded += sum(len(o.outputs[0].token_ids) - 1 for o in outs)
         tokens += [o.outputs[0].token_ids for o in outs]
@@ -108,13 +109,19 @@ def main() -> None:
         "ngram": {**ngram, "num_speculative_tokens": args.k},
         "ngram fixed": {**ngram, "num_speculative_tokens": args.k, "adaptive": False},
         "int8 draft": {"method": "draft_model", "quantization": "int8", "num_speculative_tokens": args.k},
-        "int8 fixed": {"method": "draft_model", "quantization": "int8", "num_speculative_tokens": args.k,
-                       "adaptive": False},
+        "int8 fixed": {
+            "method": "draft_model",
+            "quantization": "int8",
+            "num_speculative_tokens": args.k,
+            "adaptive": False,
+        },
     }
     methods = {k: v for k, v in methods.items() if k == "none" or k.split()[0] in args.methods.split(",")}
     engines = {name: LLM(speculative_config=cfg, **common) for name, cfg in methods.items()}
-    print(f"{'workload':9} {'batch':>5} {'method':12} {'tok/s':>8} {'x':>6} {'accept len':>10} "
-          f"{'alpha':>6} {'tok/pass':>8} {'formula':>8}  per-position acceptance")
+    print(
+        f"{'workload':9} {'batch':>5} {'method':12} {'tok/s':>8} {'x':>6} {'accept len':>10} "
+        f"{'alpha':>6} {'tok/pass':>8} {'formula':>8}  per-position acceptance"
+    )
     for workload in args.workloads.split(","):
         base_prompts = GROUNDED if workload == "grounded" else CHAT
         for b in (int(x) for x in args.batches.split(",")):
@@ -143,10 +150,12 @@ def main() -> None:
                 k = args.k
                 formula = (1 - alpha ** (k + 1)) / (1 - alpha) if alpha < 1 else k + 1
                 per_pass = generated / max(1, passes)  # tokens per target pass of a request, all passes
-                print(f"{workload:9} {b:>5} {name:12} {speed:8.1f} {speed / ref:6.2f} "
-                      f"{(1 + acc / drafts) if drafts else 0:10.2f} {alpha:6.2f} {per_pass:8.2f} {formula:8.2f}  "
-                      f"[{', '.join(f'{p / drafts if drafts else 0:.2f}' for p in per_pos)}] ({dtok} drafts; "
-                      f"x per round {', '.join(f'{v / r:.2f}' for v, r in zip(speeds[name], speeds['none']))}){same}")
+                print(
+                    f"{workload:9} {b:>5} {name:12} {speed:8.1f} {speed / ref:6.2f} "
+                    f"{(1 + acc / drafts) if drafts else 0:10.2f} {alpha:6.2f} {per_pass:8.2f} {formula:8.2f}  "
+                    f"[{', '.join(f'{p / drafts if drafts else 0:.2f}' for p in per_pos)}] ({dtok} drafts; "
+                    f"x per round {', '.join(f'{v / r:.2f}' for v, r in zip(speeds[name], speeds['none']))}){same}"
+                )
             sys.stdout.flush()
 
 

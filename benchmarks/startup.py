@@ -60,7 +60,7 @@ def wait_ready(server, deadline_s: float) -> None:
 
 def main() -> int:
     from kvflow.bench.report import cpu_line
-    from kvflow.bench.servers import ManagedProcess, free_port
+    from kvflow.utils.processes import ManagedProcess, free_port
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--starts", type=int, default=3, help="starts in all, the first on an empty cache (default 3)")
@@ -73,8 +73,15 @@ def main() -> int:
         env = {**os.environ, "KVFLOW_CACHE_DIR": cache}
         for i in range(args.starts):
             port = free_port()
-            argv = [sys.executable, "-m", "kvflow.cli.main", "serve", "--port", str(port),
-                    *shlex.split(args.server_args)]
+            argv = [
+                sys.executable,
+                "-m",
+                "kvflow.cli.main",
+                "serve",
+                "--port",
+                str(port),
+                *shlex.split(args.server_args),
+            ]
             server = ManagedProcess(argv, port, startup_timeout=600.0, stop_timeout=30.0, env=env, echo=False)
             t = time.monotonic()
             try:
@@ -82,13 +89,18 @@ def main() -> int:
                 wait_ready(server, 600.0)
                 ready = time.monotonic() - t
                 t = time.monotonic()
-                status = _get(port, "/v1/chat/completions", {
-                    "messages": [{"role": "user", "content": "What is the capital of Japan?"}], "max_tokens": 8})
+                status = _get(
+                    port,
+                    "/v1/chat/completions",
+                    {"messages": [{"role": "user", "content": "What is the capital of Japan?"}], "max_tokens": 8},
+                )
                 first = time.monotonic() - t
             finally:
                 server.stop()
-            print(f"start {i + 1} ({'empty kvflow cache' if i == 0 else 'cache from start 1'}): ready in {ready:.2f} s; "
-                  f"first chat completion (8 tokens) {first:.2f} s later (HTTP {status})")
+            print(
+                f"start {i + 1} ({'empty kvflow cache' if i == 0 else 'cache from start 1'}): ready in {ready:.2f} s; "
+                f"first chat completion (8 tokens) {first:.2f} s later (HTTP {status})"
+            )
     return 0
 
 

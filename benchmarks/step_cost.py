@@ -44,8 +44,10 @@ def main() -> None:
     print(cpu_line(None))
     for b in (int(x) for x in args.batches.split(",")):
         prompts = [GROUNDED[i % len(GROUNDED)] for i in range(max(b, len(GROUNDED)))]
-        for name, spec in (("plain", None), (f"ngram k={args.k}", {
-                "method": "ngram", "num_speculative_tokens": args.k, "adaptive": False})):
+        for name, spec in (
+            ("plain", None),
+            (f"ngram k={args.k}", {"method": "ngram", "num_speculative_tokens": args.k, "adaptive": False}),
+        ):
             llm = LLM(max_model_len=2048, num_kv_blocks=1024, speculative_config=spec)
             samples = timed(llm)
             run(llm, prompts, b, 128)
@@ -55,12 +57,16 @@ def main() -> None:
             print(f"batch {b}, {name}: median step time by shape (steps with >= 3 samples)")
             for (tokens, chunks), times in sorted(shapes.items()):
                 if len(times) >= 3:
-                    print(f"  {tokens:4d} tokens, {chunks:3d} multi-token sequences: "
-                          f"{1000 * statistics.median(times):7.1f} ms ({len(times)} steps)")
+                    print(
+                        f"  {tokens:4d} tokens, {chunks:3d} multi-token sequences: "
+                        f"{1000 * statistics.median(times):7.1f} ms ({len(times)} steps)"
+                    )
             if spec is not None:
                 a, b_, c, m, *_ = llm.engine.speculator.cost.coefficients
-                print(f"  fitted step-cost model: a {1000 * a:.1f} ms, b {1000 * b_:.2f} ms/token, "
-                      f"c {1000 * c:.2f} ms/multi-token sequence, m {1000 * m:.2f} ms")
+                print(
+                    f"  fitted step-cost model: a {1000 * a:.1f} ms, b {1000 * b_:.2f} ms/token, "
+                    f"c {1000 * c:.2f} ms/multi-token sequence, m {1000 * m:.2f} ms"
+                )
 
 
 if __name__ == "__main__":

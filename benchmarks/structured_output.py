@@ -26,28 +26,53 @@ SCHEMA = {
         "invoice_id": {"type": "string", "pattern": "INV-[0-9]{6}"},
         "date": {"type": "string", "pattern": "[0-9]{4}-[0-9]{2}-[0-9]{2}"},
         "currency": {"enum": ["EUR", "USD", "GBP", "JPY"]},
-        "customer": {"type": "object", "properties": {
-            "name": {"type": "string", "maxLength": 40},
-            "email": {"type": "string", "maxLength": 60},
-            "address": {"type": "object", "properties": {
-                "street": {"type": "string", "maxLength": 60},
-                "city": {"type": "string", "maxLength": 40},
-                "country": {"type": "string", "enum": ["FR", "DE", "GB", "US", "JP"]}},
-                "required": ["street", "city", "country"]}},
-            "required": ["name", "address"]},
-        "items": {"type": "array", "minItems": 1, "maxItems": 5, "items": {"type": "object", "properties": {
-            "sku": {"type": "string", "maxLength": 16},
-            "quantity": {"type": "integer", "minimum": 1, "maximum": 1000},
-            "unit_price": {"type": "number", "minimum": 0},
-            "category": {"enum": ["book", "food", "tool", "other"]}},
-            "required": ["sku", "quantity", "unit_price"]}},
+        "customer": {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "maxLength": 40},
+                "email": {"type": "string", "maxLength": 60},
+                "address": {
+                    "type": "object",
+                    "properties": {
+                        "street": {"type": "string", "maxLength": 60},
+                        "city": {"type": "string", "maxLength": 40},
+                        "country": {"type": "string", "enum": ["FR", "DE", "GB", "US", "JP"]},
+                    },
+                    "required": ["street", "city", "country"],
+                },
+            },
+            "required": ["name", "address"],
+        },
+        "items": {
+            "type": "array",
+            "minItems": 1,
+            "maxItems": 5,
+            "items": {
+                "type": "object",
+                "properties": {
+                    "sku": {"type": "string", "maxLength": 16},
+                    "quantity": {"type": "integer", "minimum": 1, "maximum": 1000},
+                    "unit_price": {"type": "number", "minimum": 0},
+                    "category": {"enum": ["book", "food", "tool", "other"]},
+                },
+                "required": ["sku", "quantity", "unit_price"],
+            },
+        },
         "paid": {"type": "boolean"},
         "notes": {"anyOf": [{"type": "string", "maxLength": 80}, {"type": "null"}]},
     },
     "required": ["invoice_id", "date", "currency", "customer", "items", "paid"],
 }
-TOPICS = ["a bookshop in Paris", "a hardware store in Berlin", "a bakery in London", "a toy shop in Tokyo",
-          "a garden centre in Lyon", "a bike repair shop in Boston", "a tea shop in Kyoto", "a print shop in Leeds"]
+TOPICS = [
+    "a bookshop in Paris",
+    "a hardware store in Berlin",
+    "a bakery in London",
+    "a toy shop in Tokyo",
+    "a garden centre in Lyon",
+    "a bike repair shop in Boston",
+    "a tea shop in Kyoto",
+    "a print shop in Leeds",
+]
 
 
 def _without(schema, keyword: str):
@@ -59,8 +84,10 @@ def _without(schema, keyword: str):
 
 
 def prompts(n: int) -> list[list[dict[str, str]]]:
-    return [[{"role": "user", "content": f"Write the invoice of order {i} from {TOPICS[i % len(TOPICS)]} as JSON."}]
-            for i in range(n)]
+    return [
+        [{"role": "user", "content": f"Write the invoice of order {i} from {TOPICS[i % len(TOPICS)]} as JSON."}]
+        for i in range(n)
+    ]
 
 
 class StepTimer:
@@ -100,10 +127,15 @@ def run(llm: LLM, timer: StepTimer, batch: int, max_tokens: int, constrained: bo
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     decode_s = max(o.metrics.last_token_time for o in outs) - min(o.metrics.first_token_time for o in outs)
     fill = so.stats.mask_seconds_total - fill0
-    return {"step_ms": 1000 * timer.step_s / max(steps, 1), "fill_ms": 1000 * fill / max(steps, 1),
-            "apply_ms": 1000 * timer.apply_s / max(steps, 1), "share": (fill + timer.apply_s) / timer.step_s,
-            "tok_s": tokens / max(decode_s, 1e-9), "mask_steps": so.stats.mask_steps_total - masks0,
-            "finished": sum(o.outputs[0].finish_reason == "stop" for o in outs) / len(outs)}
+    return {
+        "step_ms": 1000 * timer.step_s / max(steps, 1),
+        "fill_ms": 1000 * fill / max(steps, 1),
+        "apply_ms": 1000 * timer.apply_s / max(steps, 1),
+        "share": (fill + timer.apply_s) / timer.step_s,
+        "tok_s": tokens / max(decode_s, 1e-9),
+        "mask_steps": so.stats.mask_steps_total - masks0,
+        "finished": sum(o.outputs[0].finish_reason == "stop" for o in outs) / len(outs),
+    }
 
 
 def kernels(vocab: int, batch: int = 32) -> None:
@@ -117,9 +149,13 @@ def kernels(vocab: int, batch: int = 32) -> None:
     mask = torch.zeros(batch, xgr.get_bitmask_shape(1, vocab)[1], dtype=torch.int32)
     mask[:, 5] = 0x0F0F0F0F
     rows, logits = list(range(batch)), torch.randn(batch, vocab)
-    for name, fn in (("xgrammar apply_token_bitmask_inplace",
-                      lambda: xgr.apply_token_bitmask_inplace(logits, mask, indices=rows, vocab_size=vocab)),
-                     ("kvflow apply_bitmask", lambda: apply_bitmask(logits, GrammarBitmask(mask, rows)))):
+    for name, fn in (
+        (
+            "xgrammar apply_token_bitmask_inplace",
+            lambda: xgr.apply_token_bitmask_inplace(logits, mask, indices=rows, vocab_size=vocab),
+        ),
+        ("kvflow apply_bitmask", lambda: apply_bitmask(logits, GrammarBitmask(mask, rows))),
+    ):
         fn()
         t = time.perf_counter()
         for _ in range(30):
@@ -139,8 +175,10 @@ def main() -> None:
 
     t = time.perf_counter()
     so.warm_up().result()
-    print(f"compiler (vocabulary of {llm.engine.model_config.vocab_size} tokens, once per model): "
-          f"{1000 * (time.perf_counter() - t):.0f} ms")
+    print(
+        f"compiler (vocabulary of {llm.engine.model_config.vocab_size} tokens, once per model): "
+        f"{1000 * (time.perf_counter() - t):.0f} ms"
+    )
     # xgrammar expands a maxLength string into one state per character: those dominate compile time
     for name, schema in (("invoice schema", SCHEMA), ("the same without maxLength", _without(SCHEMA, "maxLength"))):
         t = time.perf_counter()
@@ -151,14 +189,15 @@ def main() -> None:
             t = time.perf_counter()
             so.compiled(StructuredOutputsParams(json=json.loads(json.dumps(schema))))  # equal, a new object
             cached.append(time.perf_counter() - t)
-        print(f"{name} ({len(json.dumps(schema))} characters): first compile {1000 * first:.1f} ms, "
-              f"cached lookup {1e6 * statistics.median(cached):.0f} us")
+        print(
+            f"{name} ({len(json.dumps(schema))} characters): first compile {1000 * first:.1f} ms, "
+            f"cached lookup {1e6 * statistics.median(cached):.0f} us"
+        )
 
     kernels(llm.engine.model_config.vocab_size)
     timer = StepTimer(llm)
     run(llm, timer, 2, 8, True)  # warm-up
-    print("batch | mode        | step ms | mask fill ms | mask apply ms | mask share of step | decode tok/s | "
-          "finished")
+    print("batch | mode        | step ms | mask fill ms | mask apply ms | mask share of step | decode tok/s | finished")
     for batch in (int(b) for b in args.batches.split(",")):
         rows: dict[bool, list[dict[str, float]]] = {True: [], False: []}
         for _ in range(args.rounds):
@@ -167,13 +206,15 @@ def main() -> None:
         for constrained in (True, False):
             r = rows[constrained]
 
-            def med(k: str) -> float:
+            def med(k: str, r: list[dict] = r) -> float:
                 return statistics.median(x[k] for x in r)
 
             share = "/".join(f"{100 * x['share']:.1f}" for x in r)
-            print(f"{batch:5d} | {'constrained' if constrained else 'free':11s} | {med('step_ms'):7.1f} | "
-                  f"{med('fill_ms'):12.2f} | {med('apply_ms'):13.2f} | {100 * med('share'):5.1f}% ({share}) | "
-                  f"{med('tok_s'):12.1f} | {med('finished'):.0%}")
+            print(
+                f"{batch:5d} | {'constrained' if constrained else 'free':11s} | {med('step_ms'):7.1f} | "
+                f"{med('fill_ms'):12.2f} | {med('apply_ms'):13.2f} | {100 * med('share'):5.1f}% ({share}) | "
+                f"{med('tok_s'):12.1f} | {med('finished'):.0%}"
+            )
 
 
 if __name__ == "__main__":

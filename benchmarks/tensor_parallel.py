@@ -28,9 +28,16 @@ def random_llama(path: str) -> str:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=32000, hidden_size=1280, intermediate_size=3584, num_hidden_layers=20,
-                      num_attention_heads=20, num_key_value_heads=4, max_position_embeddings=2048,
-                      tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=1280,
+        intermediate_size=3584,
+        num_hidden_layers=20,
+        num_attention_heads=20,
+        num_key_value_heads=4,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+    )
     model = LlamaForCausalLM(cfg)
     model.save_pretrained(path)
     return path
@@ -52,7 +59,7 @@ class AllReduceTimer:
         self.calls = 0
         self._orig = TPGroup.all_reduce
 
-    def __enter__(self) -> "AllReduceTimer":
+    def __enter__(self) -> AllReduceTimer:
         timer, orig = self, self._orig
 
         def timed(group, t):
@@ -69,8 +76,9 @@ class AllReduceTimer:
         TPGroup.all_reduce = self._orig
 
 
-def decode_rate(llm: LLM, ar: AllReduceTimer, batch: int, prompt_len: int, steps: int, vocab: int,
-                seed: int) -> tuple[float, float, int]:
+def decode_rate(
+    llm: LLM, ar: AllReduceTimer, batch: int, prompt_len: int, steps: int, vocab: int, seed: int
+) -> tuple[float, float, int]:
     """(decode tok/s, all-reduce seconds per step, steps timed)."""
     rng = random.Random(seed)
     engine = llm.engine
@@ -114,8 +122,11 @@ def main() -> None:
             rate, ar, n = decode_rate(llm, timer, b, args.prompt_len, args.decode_steps, vocab, seed=b)
             step = b / rate
             rows.append((tp, b, rate, step * 1000, ar * 1000, 100 * ar / step if step else 0.0))
-            print(f"TP={tp} batch={b}: {rate:.1f} tok/s, {step * 1000:.1f} ms/step, all-reduce "
-                  f"{ar * 1000:.2f} ms/step ({100 * ar / step:.1f}%) over {n} steps", flush=True)
+            print(
+                f"TP={tp} batch={b}: {rate:.1f} tok/s, {step * 1000:.1f} ms/step, all-reduce "
+                f"{ar * 1000:.2f} ms/step ({100 * ar / step:.1f}%) over {n} steps",
+                flush=True,
+            )
         llm.shutdown()
     print(f"\nmodel: {args.model}; prompt {args.prompt_len} tokens, {args.decode_steps} decode steps timed")
     print(f"{'TP':>3} {'batch':>5} {'tok/s':>8} {'ms/step':>8} {'allreduce ms':>12} {'share':>6} {'vs TP=1':>7}")

@@ -4,8 +4,17 @@ from kvflow.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOut
 from kvflow.sampling_params import SamplingParams
 from kvflow.structured_output.params import StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "RequestMetrics", "Logprob",
-           "LLMEngine", "EngineConfig"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "EngineConfig",
+    "LLMEngine",
+    "Logprob",
+    "RequestMetrics",
+    "RequestOutput",
+    "SamplingParams",
+    "StructuredOutputsParams",
+]
 __version__ = "0.1.0"
 
 

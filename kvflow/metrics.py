@@ -19,15 +19,77 @@ from kvflow.outputs import RequestOutput
 
 logger = logging.getLogger("kvflow")
 
-_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-                 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0)
+_TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+_ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 _COMPILE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _MASK_BUCKETS = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1)
 _TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-                    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_REQUEST_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 
 
 class EngineMetrics:
@@ -42,68 +104,122 @@ class EngineMetrics:
             return Histogram(f"kvflow:{name}", doc, buckets=buckets, registry=r)
 
         self.ttft = hist("time_to_first_token_seconds", "Arrival to first output token.", _TTFT_BUCKETS)
-        self.itl = hist("inter_token_latency_seconds", "Time between successive output steps of a request.",
-                        _ITL_BUCKETS)
+        self.itl = hist(
+            "inter_token_latency_seconds", "Time between successive output steps of a request.", _ITL_BUCKETS
+        )
         self.e2e = hist("e2e_request_latency_seconds", "Arrival to finish.", _REQUEST_BUCKETS)
         self.queue_time = hist("request_queue_time_seconds", "Arrival to first scheduled.", _REQUEST_BUCKETS)
-        self.prefill_time = hist("request_prefill_time_seconds", "First scheduled to first token.",
-                                 _REQUEST_BUCKETS)
+        self.prefill_time = hist("request_prefill_time_seconds", "First scheduled to first token.", _REQUEST_BUCKETS)
         self.decode_time = hist("request_decode_time_seconds", "First token to last token.", _REQUEST_BUCKETS)
         self.num_running = Gauge("kvflow:num_requests_running", "Sequences in the running batch.", registry=r)
         self.num_waiting = Gauge("kvflow:num_requests_waiting", "Sequences waiting to be scheduled.", registry=r)
         self.kv_usage = Gauge("kvflow:kv_cache_usage_perc", "Fraction of KV blocks in use (0..1).", registry=r)
         self.prompt_tokens = Counter("kvflow:prompt_tokens", "Prompt tokens admitted.", registry=r)
         self.generation_tokens = Counter("kvflow:generation_tokens", "Tokens generated.", registry=r)
-        self.success = Counter("kvflow:request_success", "Finished requests by finish reason.",
-                               ["finished_reason"], registry=r)
+        self.success = Counter(
+            "kvflow:request_success", "Finished requests by finish reason.", ["finished_reason"], registry=r
+        )
         self.preemptions = Counter("kvflow:num_preemptions", "Sequences preempted (recomputed later).", registry=r)
-        self.rejected = Counter("kvflow:request_rejected", "Requests refused by admission control (HTTP 503), by "
-                                "reason: queue_full (max_waiting_requests), slo (predicted TTFT past the SLO).",
-                                ["reason"], registry=r)
-        self.prefix_queries = Counter("kvflow:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                                      registry=r)
-        self.prefix_hits = Counter("kvflow:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                                   registry=r)
-        self.spec_drafts = Counter("kvflow:spec_decode_num_drafts", "Request-steps that verified draft tokens.",
-                                   registry=r)
+        self.rejected = Counter(
+            "kvflow:request_rejected",
+            "Requests refused by admission control (HTTP 503), by "
+            "reason: queue_full (max_waiting_requests), slo (predicted TTFT past the SLO).",
+            ["reason"],
+            registry=r,
+        )
+        self.prefix_queries = Counter(
+            "kvflow:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", registry=r
+        )
+        self.prefix_hits = Counter("kvflow:prefix_cache_hits", "Prompt tokens found in the prefix cache.", registry=r)
+        self.spec_drafts = Counter(
+            "kvflow:spec_decode_num_drafts", "Request-steps that verified draft tokens.", registry=r
+        )
         self.spec_draft_tokens = Counter("kvflow:spec_decode_num_draft_tokens", "Draft tokens verified.", registry=r)
         self.spec_accepted = Counter("kvflow:spec_decode_num_accepted_tokens", "Draft tokens accepted.", registry=r)
-        self.spec_accepted_pos = Counter("kvflow:spec_decode_num_accepted_tokens_per_pos",
-                                         "Draft tokens accepted, by depth in the draft (0 = first).", ["position"],
-                                         registry=r)
+        self.spec_accepted_pos = Counter(
+            "kvflow:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by depth in the draft (0 = first).",
+            ["position"],
+            registry=r,
+        )
         self._seen_spec: tuple[int, int, int, list[int]] = (0, 0, 0, [])
-        self.grammar_compile = hist("structured_output_compile_seconds", "Time to compile one grammar "
-                                    "(JSON schema, regex, choice, EBNF, tool calls).", _COMPILE_BUCKETS)
-        self.grammar_mask = hist("structured_output_mask_seconds", "Time per step to fill the constrained rows' "
-                                 "token bitmasks.", _MASK_BUCKETS)
-        self.grammar_requests = Counter("kvflow:structured_output_requests", "Sequences constrained by a grammar.",
-                                        registry=r)
-        self.grammar_cache_hits = Counter("kvflow:structured_output_cache_hits",
-                                          "Constrained sequences whose grammar was already compiled.", registry=r)
+        self.grammar_compile = hist(
+            "structured_output_compile_seconds",
+            "Time to compile one grammar (JSON schema, regex, choice, EBNF, tool calls).",
+            _COMPILE_BUCKETS,
+        )
+        self.grammar_mask = hist(
+            "structured_output_mask_seconds",
+            "Time per step to fill the constrained rows' token bitmasks.",
+            _MASK_BUCKETS,
+        )
+        self.grammar_requests = Counter(
+            "kvflow:structured_output_requests", "Sequences constrained by a grammar.", registry=r
+        )
+        self.grammar_cache_hits = Counter(
+            "kvflow:structured_output_cache_hits",
+            "Constrained sequences whose grammar was already compiled.",
+            registry=r,
+        )
         self._seen_grammar = (0, 0)
-        self.slo_attained = Counter("kvflow:request_slo_attained", "Finished requests that met their SLO "
-                                    "(ttft, tpot, all: both).", ["slo"], registry=r)
-        self.slo_missed = Counter("kvflow:request_slo_missed", "Finished requests that missed their SLO "
-                                  "(ttft, tpot, all), failed ones included.", ["slo"], registry=r)
-        self.goodput = Gauge("kvflow:goodput_requests_per_second", "Requests per second that met all their SLOs, "
-                             "over the last minute.", registry=r)
-        self.queue_time_by_priority = Histogram("kvflow:request_queue_time_by_priority_seconds",
-                                                "Arrival to first scheduled, by request priority.", ["priority"],
-                                                buckets=_REQUEST_BUCKETS, registry=r)
+        self.slo_attained = Counter(
+            "kvflow:request_slo_attained",
+            "Finished requests that met their SLO (ttft, tpot, all: both).",
+            ["slo"],
+            registry=r,
+        )
+        self.slo_missed = Counter(
+            "kvflow:request_slo_missed",
+            "Finished requests that missed their SLO (ttft, tpot, all), failed ones included.",
+            ["slo"],
+            registry=r,
+        )
+        self.goodput = Gauge(
+            "kvflow:goodput_requests_per_second",
+            "Requests per second that met all their SLOs, over the last minute.",
+            registry=r,
+        )
+        self.queue_time_by_priority = Histogram(
+            "kvflow:request_queue_time_by_priority_seconds",
+            "Arrival to first scheduled, by request priority.",
+            ["priority"],
+            buckets=_REQUEST_BUCKETS,
+            registry=r,
+        )
         self._seen_slo: dict[str, dict[str, int]] = {"attained": {}, "missed": {}}
-        self.step_cost_error = Gauge("kvflow:step_cost_prediction_error", "Median relative error of the step-time "
-                                     "model's predictions (scheduling, speculation), over recent steps.", registry=r)
-        self.kv_transfer_bytes = Counter("kvflow:kv_transfer_bytes", "KV bytes moved to or from another engine "
-                                         "(P/D disaggregation), by direction.", ["direction"], registry=r)
-        self.kv_transfer_blocks = Counter("kvflow:kv_transfer_blocks", "KV blocks moved to or from another engine, "
-                                          "by direction.", ["direction"], registry=r)
-        self.kv_transfer_time = hist("kv_transfer_seconds", "Time to fetch one request's KV blocks from the "
-                                     "producer engine (connect, manifest, payload, checksum).", _TRANSFER_BUCKETS)
-        self.kv_transfer_failures = Counter("kvflow:kv_transfer_failures", "KV fetches that failed (then recomputed "
-                                            "or failed per kv_load_failure_policy), by reason.", ["reason"],
-                                            registry=r)
-        self.kv_leases_expired = Counter("kvflow:kv_transfer_leases_expired", "Held KV transfers freed because no "
-                                         "consumer fetched them within the lease.", registry=r)
+        self.step_cost_error = Gauge(
+            "kvflow:step_cost_prediction_error",
+            "Median relative error of the step-time model's predictions (scheduling, speculation), over recent steps.",
+            registry=r,
+        )
+        self.kv_transfer_bytes = Counter(
+            "kvflow:kv_transfer_bytes",
+            "KV bytes moved to or from another engine (P/D disaggregation), by direction.",
+            ["direction"],
+            registry=r,
+        )
+        self.kv_transfer_blocks = Counter(
+            "kvflow:kv_transfer_blocks",
+            "KV blocks moved to or from another engine, by direction.",
+            ["direction"],
+            registry=r,
+        )
+        self.kv_transfer_time = hist(
+            "kv_transfer_seconds",
+            "Time to fetch one request's KV blocks from the producer engine (connect, manifest, payload, checksum).",
+            _TRANSFER_BUCKETS,
+        )
+        self.kv_transfer_failures = Counter(
+            "kvflow:kv_transfer_failures",
+            "KV fetches that failed (then recomputed or failed per kv_load_failure_policy), by reason.",
+            ["reason"],
+            registry=r,
+        )
+        self.kv_leases_expired = Counter(
+            "kvflow:kv_transfer_leases_expired",
+            "Held KV transfers freed because no consumer fetched them within the lease.",
+            registry=r,
+        )
         self._seen_transfer: dict[str, int] = {}
         for reason in ("stop", "length", "abort", "error"):
             self.success.labels(finished_reason=reason)  # export zeros from the start
@@ -140,7 +256,8 @@ class EngineMetrics:
         if m.first_scheduled_time is not None:
             self.queue_time.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
             self.queue_time_by_priority.labels(priority=str(m.priority)).observe(
-                max(0.0, m.first_scheduled_time - m.arrival_time))
+                max(0.0, m.first_scheduled_time - m.arrival_time)
+            )
             if m.first_token_time is not None:
                 self.prefill_time.observe(max(0.0, m.first_token_time - m.first_scheduled_time))
         if m.first_token_time is not None and m.last_token_time is not None:
@@ -158,8 +275,11 @@ class EngineMetrics:
             self.generation_tokens.inc(stats.generation_tokens_total - seen_g)
         if stats.num_preemptions > seen_pre:
             self.preemptions.inc(stats.num_preemptions - seen_pre)
-        self._seen = (max(seen_p, stats.prompt_tokens_total), max(seen_g, stats.generation_tokens_total),
-                      max(seen_pre, stats.num_preemptions))
+        self._seen = (
+            max(seen_p, stats.prompt_tokens_total),
+            max(seen_g, stats.generation_tokens_total),
+            max(seen_pre, stats.num_preemptions),
+        )
         queries, hits = getattr(stats, "prefix_cache_queries", 0), getattr(stats, "prefix_cache_hits", 0)
         if queries > self._seen_prefix[0]:
             self.prefix_queries.inc(queries - self._seen_prefix[0])
@@ -168,8 +288,10 @@ class EngineMetrics:
         self._seen_prefix = (max(queries, self._seen_prefix[0]), max(hits, self._seen_prefix[1]))
         slo = getattr(stats, "slo", None)
         if slo is not None:
-            for name, totals, counter in (("attained", slo.attained, self.slo_attained),
-                                          ("missed", slo.missed, self.slo_missed)):
+            for name, totals, counter in (
+                ("attained", slo.attained, self.slo_attained),
+                ("missed", slo.missed, self.slo_missed),
+            ):
                 seen = self._seen_slo[name]
                 for kind, n in totals.items():
                     counter.labels(slo=kind).inc(max(0, n - seen.get(kind, 0)))
@@ -186,8 +308,12 @@ class EngineMetrics:
             self.spec_accepted.inc(max(0, spec.num_accepted_tokens - accepted))
             for j, n in enumerate(spec.accepted_per_pos):
                 self.spec_accepted_pos.labels(position=str(j)).inc(max(0, n - (per_pos[j] if j < len(per_pos) else 0)))
-            self._seen_spec = (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
-                               list(spec.accepted_per_pos))
+            self._seen_spec = (
+                spec.num_drafts,
+                spec.num_draft_tokens,
+                spec.num_accepted_tokens,
+                list(spec.accepted_per_pos),
+            )
 
     def record_structured(self, stats, timings: tuple[list[float], list[float]]) -> None:
         """`stats`: a StructuredOutputStats; `timings`: (compile, mask) durations since the last call."""
@@ -243,20 +369,29 @@ class StatLogger:
         p, g = stats.prompt_tokens_total, stats.generation_tokens_total
         hit_rate = getattr(stats, "prefix_cache_hit_rate", None)
         slo = getattr(stats, "slo", None)
-        slo_text = "" if slo is None else (f", goodput: {slo.goodput:.2f} req/s, SLO attainment: "
-                                           f"{100 * slo.attainment:.1f}%")
+        slo_text = (
+            "" if slo is None else (f", goodput: {slo.goodput:.2f} req/s, SLO attainment: {100 * slo.attainment:.1f}%")
+        )
         spec = getattr(stats, "spec_decode", None)
         spec_text = ""
         if spec is not None and spec.num_drafts:
             per_pos = ", ".join(f"{n / spec.num_drafts:.2f}" for n in spec.accepted_per_pos)
-            spec_text = (f", spec decode: mean acceptance length {spec.mean_acceptance_length:.2f}, "
-                         f"acceptance rate {100 * spec.acceptance_rate:.1f}%, per position [{per_pos}]")
+            spec_text = (
+                f", spec decode: mean acceptance length {spec.mean_acceptance_length:.2f}, "
+                f"acceptance rate {100 * spec.acceptance_rate:.1f}%, per position [{per_pos}]"
+            )
         logger.info(
             "running: %d reqs, waiting: %d reqs, prompt throughput: %.1f tok/s, generation throughput: "
             "%.1f tok/s, KV cache usage: %.1f%%, preemptions: %d%s%s%s",
-            stats.num_running, stats.num_waiting, (p - self._last[0]) / elapsed, (g - self._last[1]) / elapsed,
-            100 * stats.kv_cache_usage, stats.num_preemptions,
-            "" if hit_rate is None else f", prefix cache hit rate: {100 * hit_rate:.1f}%", slo_text, spec_text,
+            stats.num_running,
+            stats.num_waiting,
+            (p - self._last[0]) / elapsed,
+            (g - self._last[1]) / elapsed,
+            100 * stats.kv_cache_usage,
+            stats.num_preemptions,
+            "" if hit_rate is None else f", prefix cache hit rate: {100 * hit_rate:.1f}%",
+            slo_text,
+            spec_text,
         )
         self._last_time, self._last = now, (p, g)
         return True

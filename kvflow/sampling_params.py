@@ -7,9 +7,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvflow.structured_output.params import StructuredOutputsParams
+from kvflow.utils.validation import is_int
 
 _GREEDY_EPS = 1e-5
-# Limits a request can reach (the server's and the offline API's alike; the README lists them).
+# Limits a request can reach (the server's and the offline API's alike; docs/serving.md lists them).
 MAX_N = 128
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 64
@@ -105,8 +106,9 @@ class SamplingParams:
                 raise ValueError(f"stop must be non-empty strings, got {_short(s)}")
             check_text(s, "stop")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise ValueError(f"stop_token_ids holds {len(self.stop_token_ids)} ids; at most "
-                             f"{MAX_STOP_TOKEN_IDS} are allowed")
+            raise ValueError(
+                f"stop_token_ids holds {len(self.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} are allowed"
+            )
         if any(not is_int(t) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {_short(self.stop_token_ids)}")
         self._validate_logit_bias()
@@ -116,8 +118,9 @@ class SamplingParams:
             if getattr(self, name) is not None:
                 number(name, 0, None, lo_open=True)
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
-            raise ValueError("structured_outputs must be a StructuredOutputsParams, got "
-                             f"{type(self.structured_outputs).__name__}")
+            raise ValueError(
+                f"structured_outputs must be a StructuredOutputsParams, got {type(self.structured_outputs).__name__}"
+            )
         if self.kv_transfer_params is not None:
             if not isinstance(self.kv_transfer_params, dict):
                 raise bad("kv_transfer_params", "a JSON object")
@@ -135,10 +138,16 @@ class SamplingParams:
         for token, value in bias.items():
             if not is_int(token) or token < 0:
                 raise ValueError(f"logit_bias keys must be non-negative token ids, got {_short(token)}")
-            if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
-                    or abs(value) > LOGIT_BIAS_LIMIT):
-                raise ValueError(f"logit_bias for token {token} must be a number in [-{LOGIT_BIAS_LIMIT:g}, "
-                                 f"{LOGIT_BIAS_LIMIT:g}], got {_short(value)}")
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+                or abs(value) > LOGIT_BIAS_LIMIT
+            ):
+                raise ValueError(
+                    f"logit_bias for token {token} must be a number in [-{LOGIT_BIAS_LIMIT:g}, "
+                    f"{LOGIT_BIAS_LIMIT:g}], got {_short(value)}"
+                )
 
     @property
     def greedy(self) -> bool:
@@ -148,7 +157,7 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
-    def for_child(self, index: int) -> "SamplingParams":
+    def for_child(self, index: int) -> SamplingParams:
         """Params of the index-th of n completions: each gets its own seed stream (seed + index,
         wrapped into int64)."""
         seed = None if self.seed is None else (self.seed + index - SEED_MIN) % 2**64 + SEED_MIN
@@ -161,12 +170,9 @@ def check_text(text: str, what: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise ValueError(f"{what} is not valid Unicode: a lone surrogate {text[e.start]!r} at character "
-                         f"{e.start}") from None
-
-
-def is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+        raise ValueError(
+            f"{what} is not valid Unicode: a lone surrogate {text[e.start]!r} at character {e.start}"
+        ) from None
 
 
 def _range(lo: float | None, hi: float | None, lo_open: bool) -> str:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import re
 import socket
 import threading
 import time
@@ -11,6 +10,8 @@ from collections.abc import Callable
 from typing import Any
 
 import httpx
+
+from kvflow.utils.prometheus import parse_prometheus
 
 
 class LiveServer:
@@ -31,8 +32,9 @@ class LiveServer:
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="on",
-                                                    timeout_graceful_shutdown=2))
+        self.server = uvicorn.Server(
+            uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="on", timeout_graceful_shutdown=2)
+        )
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
         wait_for(lambda: self.server.started, 20, "the server did not start")
@@ -62,15 +64,44 @@ class LiveServer:
 
     def wait_engine_idle(self, timeout: float = 10) -> None:
         """No request left in the engine and every KV block free (polled, not slept)."""
+
         def idle() -> bool:
-            return self.call(lambda e: not e.has_unfinished_requests()
-                             and e.kv_cache.pool.num_free_blocks == e.kv_cache.pool.num_blocks)
+            return self.call(
+                lambda e: (
+                    not e.has_unfinished_requests() and e.kv_cache.pool.num_free_blocks == e.kv_cache.pool.num_blocks
+                )
+            )
+
         wait_for(idle, timeout, "the engine still holds requests or blocks")
 
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(15)
         assert not self.thread.is_alive(), "the server thread did not stop"
+
+
+class ThreadServer:
+    """An ASGI app on uvicorn in a daemon thread, on a free 127.0.0.1 port."""
+
+    def __init__(self, app) -> None:
+        import uvicorn
+
+        self.app = app
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on", timeout_graceful_shutdown=1)
+        )
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        wait_for(lambda: self.server.started, 10, "a test server did not start")
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        assert not self.thread.is_alive(), "a test server thread did not stop"
 
 
 def wait_for(cond: Callable[[], bool], timeout: float, message: str, interval: float = 0.02) -> None:
@@ -83,13 +114,15 @@ def wait_for(cond: Callable[[], bool], timeout: float, message: str, interval: f
         time.sleep(interval)
 
 
-_LINE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*(?:\{[^}]*\})?)\s+(\S+)$')
-
-
 def parse_metrics(text: str) -> dict[str, float]:
-    out = {}
-    for line in text.splitlines():
-        m = _LINE.match(line)
-        if m:
-            out[m.group(1)] = float(m.group(2))
-    return out
+    """Prometheus text as {'name{label="value",...}': value}, the keys written as the exposition
+    writes them (labels in their order, values escaped), so a test indexes by the line it expects.
+    The parsing is kvflow.utils.prometheus's."""
+    return {_sample_key(name, labels): value for name, labels, value in parse_prometheus(text)}
+
+
+def _sample_key(name: str, labels: dict[str, str]) -> str:
+    if not labels:
+        return name
+    escaped = (v.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"') for v in labels.values())
+    return name + "{" + ",".join(f'{k}="{v}"' for k, v in zip(labels, escaped)) + "}"

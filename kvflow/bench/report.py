@@ -11,7 +11,8 @@ import math
 import os
 import platform
 import sys
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 from kvflow.bench.metrics import BenchmarkMetrics, GroupMetrics, RequestRecord, tpot, ttft
 
@@ -37,17 +38,22 @@ def fmt_num(x: Any, digits: int = 2) -> str:
     return str(x)
 
 
-def format_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], digits: int = 2,
-                 title: str | None = None) -> str:
+def format_table(
+    headers: Sequence[str], rows: Iterable[Sequence[Any]], digits: int = 2, title: str | None = None
+) -> str:
     """Plain-text table: text columns left-aligned, numeric columns right-aligned."""
     rows = [list(r) for r in rows]
     cells = [[c if isinstance(c, str) else fmt_num(c, digits) for c in r] for r in rows]
-    numeric = [all(not isinstance(r[i], str) or r[i] in ("-", "") for r in rows) if rows else False
-               for i in range(len(headers))]
+    numeric = [
+        all(not isinstance(r[i], str) or r[i] in ("-", "") for r in rows) if rows else False
+        for i in range(len(headers))
+    ]
     widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
 
     def line(vals: Sequence[str]) -> str:
-        return "  ".join(v.rjust(w) if numeric[i] else v.ljust(w) for i, (v, w) in enumerate(zip(vals, widths))).rstrip()
+        return "  ".join(
+            v.rjust(w) if numeric[i] else v.ljust(w) for i, (v, w) in enumerate(zip(vals, widths))
+        ).rstrip()
 
     out = []
     if title:
@@ -90,8 +96,13 @@ def metrics_summary(m: BenchmarkMetrics, title: str = "Serving benchmark") -> st
     text = [format_kv(pairs, title=title)]
     stat_names = [k for k in m.ttft_ms if k not in ("count", "std", "min", "max", "p50")]
     rows = []
-    for label, s in (("TTFT", m.ttft_ms), ("TPOT", m.tpot_ms), ("ITL (excl. TTFT)", m.itl_ms),
-                     ("E2EL", m.e2el_ms), ("Client queue", m.queue_delay_ms)):
+    for label, s in (
+        ("TTFT", m.ttft_ms),
+        ("TPOT", m.tpot_ms),
+        ("ITL (excl. TTFT)", m.itl_ms),
+        ("E2EL", m.e2el_ms),
+        ("Client queue", m.queue_delay_ms),
+    ):
         rows.append([label, s["count"]] + [s[k] for k in stat_names])
     text.append(format_table(["latency (ms)", "n"] + stat_names, rows))
     return "\n".join(text)
@@ -109,26 +120,59 @@ def ratio(num: float | None, den: float | None) -> float | None:
     return num / den
 
 
-def group_table(groups: dict[str, GroupMetrics], overall: GroupMetrics | None = None, label: str = "class",
-                title: str | None = None) -> str:
+def group_table(
+    groups: dict[str, GroupMetrics], overall: GroupMetrics | None = None, label: str = "class", title: str | None = None
+) -> str:
     """One row per group (and an `all` row): SLO attainment against each request's own SLO, TTFT/TPOT."""
     rows = []
     named = list(groups.items()) + ([("all", overall)] if overall is not None else [])
     for name, g in named:
         slo = g.slo or {}
-        rows.append([name, g.sent, g.completed, g.met_slo, percent(g.attainment), slo.get("ttft_ms"), slo.get("tpot_ms"),
-                     g.ttft_ms.get("median"), g.ttft_ms.get("p99"), g.tpot_ms.get("median"), g.tpot_ms.get("p99"),
-                     g.goodput])
-    return format_table([label, "sent", "ok", "met SLO", "attain %", "TTFT SLO", "TPOT SLO", "TTFT p50", "TTFT p99",
-                         "TPOT p50", "TPOT p99", "goodput"], rows, title=title)
+        rows.append(
+            [
+                name,
+                g.sent,
+                g.completed,
+                g.met_slo,
+                percent(g.attainment),
+                slo.get("ttft_ms"),
+                slo.get("tpot_ms"),
+                g.ttft_ms.get("median"),
+                g.ttft_ms.get("p99"),
+                g.tpot_ms.get("median"),
+                g.tpot_ms.get("p99"),
+                g.goodput,
+            ]
+        )
+    return format_table(
+        [
+            label,
+            "sent",
+            "ok",
+            "met SLO",
+            "attain %",
+            "TTFT SLO",
+            "TPOT SLO",
+            "TTFT p50",
+            "TTFT p99",
+            "TPOT p50",
+            "TPOT p99",
+            "goodput",
+        ],
+        rows,
+        title=title,
+    )
 
 
 def slo_tables(m: BenchmarkMetrics) -> str:
     """Per-class and per-client tables of a run ('' when its requests have neither)."""
     parts = []
     if m.classes:
-        parts.append(group_table(m.classes, m.per_request_slo, "class",
-                                 "Per class, each request against its own SLO (ms; goodput req/s)"))
+        parts.append(
+            group_table(
+                m.classes, m.per_request_slo, "class", "Per class, each request against its own SLO (ms; goodput req/s)"
+            )
+        )
     if m.users:
         parts.append(group_table(m.users, None, "client", "Per client (ms; goodput req/s)"))
     return "\n".join(parts)
@@ -146,11 +190,38 @@ def sweep_table(results: Sequence[Any]) -> str:
     rows = []
     for r in results:
         m = r.metrics
-        rows.append([f"{r.request_rate:g}", m.completed, m.failed, m.request_throughput, m.output_throughput,
-                     m.ttft_ms.get("median"), m.ttft_ms.get("p99"), m.tpot_ms.get("median"), m.tpot_ms.get("p99"),
-                     m.itl_ms.get("p99"), run_goodput(m)])
-    return format_table(["rate", "ok", "failed", "req/s", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50",
-                         "TPOT p99", "ITL p99", "goodput"], rows, title="Sweep (latencies in ms)")
+        rows.append(
+            [
+                f"{r.request_rate:g}",
+                m.completed,
+                m.failed,
+                m.request_throughput,
+                m.output_throughput,
+                m.ttft_ms.get("median"),
+                m.ttft_ms.get("p99"),
+                m.tpot_ms.get("median"),
+                m.tpot_ms.get("p99"),
+                m.itl_ms.get("p99"),
+                run_goodput(m),
+            ]
+        )
+    return format_table(
+        [
+            "rate",
+            "ok",
+            "failed",
+            "req/s",
+            "out tok/s",
+            "TTFT p50",
+            "TTFT p99",
+            "TPOT p50",
+            "TPOT p99",
+            "ITL p99",
+            "goodput",
+        ],
+        rows,
+        title="Sweep (latencies in ms)",
+    )
 
 
 def run_report(r: Any, title: str | None = None) -> str:
@@ -204,12 +275,17 @@ def cpu_line(lscpu: str | None = None) -> str:
             lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
         except OSError:
             lscpu = ""
-    model = next((ln.split(":", 1)[1].strip() for ln in lscpu.splitlines() if ln.strip().startswith("Model name")),
-                 "unknown")
+    model = next(
+        (ln.split(":", 1)[1].strip() for ln in lscpu.splitlines() if ln.strip().startswith("Model name")), "unknown"
+    )
     flags_line = next((ln.split(":", 1)[1] for ln in lscpu.splitlines() if ln.strip().startswith("Flags")), "")
     flags = set(flags_line.split())
-    have = {"avx2": "avx2" in flags, "avx512f": "avx512f" in flags, "avx512_vnni": "avx512_vnni" in flags,
-            "amx": any(f.startswith("amx") for f in flags)}
+    have = {
+        "avx2": "avx2" in flags,
+        "avx512f": "avx512f" in flags,
+        "avx512_vnni": "avx512_vnni" in flags,
+        "amx": any(f.startswith("amx") for f in flags),
+    }
     return f"CPU: {model}; " + ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in have.items())
 
 
@@ -220,7 +296,7 @@ def machine_info() -> dict:
         "cpu_count": os.cpu_count(),
         "python": sys.version.split()[0],
         "platform": platform.platform(),
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
     }
     try:
         info["usable_cores"] = len(os.sched_getaffinity(0))
@@ -239,13 +315,13 @@ def machine_info() -> dict:
 
         info["torch"] = torch.__version__
         info["torch_threads"] = torch.get_num_threads()
-    except Exception:  # noqa: BLE001 - torch is optional for a client-only run
+    except Exception:
         info["torch"] = None
     try:
         from importlib.metadata import version
 
         info["kvflow"] = version("kvflow")
-    except Exception:  # noqa: BLE001
+    except Exception:
         pass
     return info
 
@@ -377,8 +453,9 @@ def plot_sweep(results: Sequence[Any], out_dir: str, prefix: str = "") -> str | 
     return path
 
 
-def line_plot(series: dict[str, tuple[Sequence[float], Sequence[float | None]]], xlabel: str, ylabel: str,
-              title: str, path: str) -> str | None:
+def line_plot(
+    series: dict[str, tuple[Sequence[float], Sequence[float | None]]], xlabel: str, ylabel: str, title: str, path: str
+) -> str | None:
     """One line per series (label -> (xs, ys); None ys are gaps), one PNG. None when there is nothing to draw."""
     series = {k: v for k, v in series.items() if len(v[0])}
     if not series:

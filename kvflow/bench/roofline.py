@@ -16,15 +16,26 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 DTYPE_BYTES: dict[str, float] = {
-    "fp32": 4, "float32": 4,
-    "fp16": 2, "float16": 2, "half": 2,
-    "bf16": 2, "bfloat16": 2,
-    "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1, "q8_0": 34 / 32,
-    "int4": 0.5, "q4_0": 18 / 32, "q4_1": 20 / 32,
+    "fp32": 4,
+    "float32": 4,
+    "fp16": 2,
+    "float16": 2,
+    "half": 2,
+    "bf16": 2,
+    "bfloat16": 2,
+    "fp8": 1,
+    "fp8_e4m3": 1,
+    "fp8_e5m2": 1,
+    "int8": 1,
+    "q8_0": 34 / 32,
+    "int4": 0.5,
+    "q4_0": 18 / 32,
+    "q4_1": 20 / 32,
 }
 
 
@@ -87,8 +98,17 @@ def kv_bytes_per_token(model: ModelSpec, kv_dtype: str = "bf16") -> float:
     return 2 * model.num_layers * model.num_kv_heads * model.head_dim * dtype_bytes(kv_dtype)
 
 
-def estimate_params(layers: int, hidden: int, heads: int, kv_heads: int, head_dim: int, ffn: int,
-                    vocab: int, gated_mlp: bool = True, tied: bool = False) -> float:
+def estimate_params(
+    layers: int,
+    hidden: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    ffn: int,
+    vocab: int,
+    gated_mlp: bool = True,
+    tied: bool = False,
+) -> float:
     """Parameter count of a decoder-only transformer (biases and norms ignored)."""
     attn = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2
     mlp = (3 if gated_mlp else 2) * hidden * ffn
@@ -117,13 +137,30 @@ def model_from_hf_config(cfg: dict, name: str = "model") -> ModelSpec:
     vocab = _first(cfg, "vocab_size", default=32000)
     model_type = str(cfg.get("model_type", "")).lower()
     act = str(_first(cfg, "hidden_act", "activation_function", default="silu")).lower()
-    gated = model_type not in ("opt", "gpt2", "gpt_neox", "gptj", "bloom", "falcon") and act in ("silu", "swiglu", "gelu_pytorch_tanh", "geglu")
+    gated = model_type not in ("opt", "gpt2", "gpt_neox", "gptj", "bloom", "falcon") and act in (
+        "silu",
+        "swiglu",
+        "gelu_pytorch_tanh",
+        "geglu",
+    )
     tied = bool(cfg.get("tie_word_embeddings", model_type in ("opt", "gpt2")))
-    params = cfg.get("num_parameters") or estimate_params(layers, hidden, heads, kv_heads, head_dim, ffn, vocab, gated, tied)
+    params = cfg.get("num_parameters") or estimate_params(
+        layers, hidden, heads, kv_heads, head_dim, ffn, vocab, gated, tied
+    )
     torch_dtype = str(_first(cfg, "torch_dtype", "dtype", default="bfloat16")).replace("torch.", "")
     wdt = torch_dtype if torch_dtype in DTYPE_BYTES else "bf16"
-    return ModelSpec(name, int(layers), int(hidden), int(heads), int(kv_heads), int(head_dim), int(ffn),
-                     int(vocab), float(params), wdt)
+    return ModelSpec(
+        name,
+        int(layers),
+        int(hidden),
+        int(heads),
+        int(kv_heads),
+        int(head_dim),
+        int(ffn),
+        int(vocab),
+        float(params),
+        wdt,
+    )
 
 
 def model_from_gguf(path: str) -> ModelSpec:
@@ -154,8 +191,19 @@ def model_from_gguf(path: str) -> ModelSpec:
     params = sum(int(t.n_elements) for t in r.tensors)
     wbytes = sum(int(t.n_bytes) for t in r.tensors)
     name = os.path.basename(path)
-    return ModelSpec(name, int(layers), int(hidden), int(heads), int(kv_heads), int(head_dim), int(ffn),
-                     int(vocab), float(params), "gguf", weight_bytes_override=float(wbytes))
+    return ModelSpec(
+        name,
+        int(layers),
+        int(hidden),
+        int(heads),
+        int(kv_heads),
+        int(head_dim),
+        int(ffn),
+        int(vocab),
+        float(params),
+        "gguf",
+        weight_bytes_override=float(wbytes),
+    )
 
 
 def resolve_model(model: str | None = None, config: str | None = None) -> ModelSpec:
@@ -189,8 +237,10 @@ def resolve_model(model: str | None = None, config: str | None = None) -> ModelS
         path = default_model_gguf()
         if path:
             return model_from_gguf(path)
-    raise ValueError(f"unknown model {model!r}: give a preset ({', '.join(MODEL_PRESETS)}), "
-                     "a model folder, a .gguf file or --config FILE")
+    raise ValueError(
+        f"unknown model {model!r}: give a preset ({', '.join(MODEL_PRESETS)}), "
+        "a model folder, a .gguf file or --config FILE"
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -236,15 +286,24 @@ def measure_local_hardware(copy_mb: int = 512, matmul_n: int = 1536, repeats: in
         t0 = time.perf_counter()
         a @ b
         best = min(best, time.perf_counter() - t0)
-    flops = 2 * matmul_n ** 3 / best
+    flops = 2 * matmul_n**3 / best
     mem = _meminfo_bytes("MemAvailable") or _meminfo_bytes("MemTotal") or 0.0
-    return Hardware("local", mem, bandwidth, flops,
-                    f"measured: copy bandwidth (read+write), fp32 matmul n={matmul_n}, MemAvailable; "
-                    f"{torch.get_num_threads()} torch threads")
+    return Hardware(
+        "local",
+        mem,
+        bandwidth,
+        flops,
+        f"measured: copy bandwidth (read+write), fp32 matmul n={matmul_n}, MemAvailable; "
+        f"{torch.get_num_threads()} torch threads",
+    )
 
 
-def resolve_hardware(name: str = "h100", bandwidth_gbps: float | None = None, flops_tflops: float | None = None,
-                     memory_gb: float | None = None) -> Hardware:
+def resolve_hardware(
+    name: str = "h100",
+    bandwidth_gbps: float | None = None,
+    flops_tflops: float | None = None,
+    memory_gb: float | None = None,
+) -> Hardware:
     key = (name or "h100").lower()
     if key == "local":
         hw = measure_local_hardware()
@@ -294,8 +353,9 @@ def max_sequences(model: ModelSpec, hw: Hardware, context: int, kv_dtype: str = 
     return max(0, int(free // per_seq)) if per_seq > 0 else 0
 
 
-def decode_step(model: ModelSpec, hw: Hardware, batch: int, context: int, kv_dtype: str = "bf16",
-                price_per_hour: float = 3.0) -> RooflineRow:
+def decode_step(
+    model: ModelSpec, hw: Hardware, batch: int, context: int, kv_dtype: str = "bf16", price_per_hour: float = 3.0
+) -> RooflineRow:
     kv = batch * context * kv_bytes_per_token(model, kv_dtype)
     mem_floor = (model.weight_bytes + kv) / hw.bandwidth
     comp_floor = 2 * model.num_params * batch / hw.flops
@@ -320,11 +380,17 @@ def cost_per_million_tokens(price_per_hour: float, tokens_per_s: float) -> float
     return price_per_hour / (3600.0 * tokens_per_s) * 1e6
 
 
-DEFAULT_BATCHES = tuple(2 ** i for i in range(10))  # 1 .. 512
+DEFAULT_BATCHES = tuple(2**i for i in range(10))  # 1 .. 512
 
 
-def roofline_table(model: ModelSpec, hw: Hardware, context: int = 2048, kv_dtype: str = "bf16",
-                   price_per_hour: float = 3.0, batches: Iterable[int] = DEFAULT_BATCHES) -> list[RooflineRow]:
+def roofline_table(
+    model: ModelSpec,
+    hw: Hardware,
+    context: int = 2048,
+    kv_dtype: str = "bf16",
+    price_per_hour: float = 3.0,
+    batches: Iterable[int] = DEFAULT_BATCHES,
+) -> list[RooflineRow]:
     if context < 1:
         raise ValueError("--context must be >= 1")
     return [decode_step(model, hw, b, context, kv_dtype, price_per_hour) for b in batches]
@@ -358,8 +424,16 @@ def _check_alpha(alpha: float, gamma: int) -> None:
 
 
 def spec_table(alphas: Sequence[float], gammas: Sequence[int], draft_cost: float) -> list[dict]:
-    return [{"alpha": a, "gamma": g, "expected_tokens": spec_expected_tokens(a, g),
-             "speedup": spec_speedup(a, g, draft_cost)} for a in alphas for g in gammas]
+    return [
+        {
+            "alpha": a,
+            "gamma": g,
+            "expected_tokens": spec_expected_tokens(a, g),
+            "speedup": spec_speedup(a, g, draft_cost),
+        }
+        for a in alphas
+        for g in gammas
+    ]
 
 
 def rows_as_dicts(rows: Sequence[RooflineRow]) -> list[dict]:

@@ -20,8 +20,9 @@ import asyncio
 import json
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from kvflow.bench.datasets import BenchRequest, decode, encode
 from kvflow.bench.metrics import SLO, BenchmarkMetrics, RequestRecord, compute_metrics
@@ -76,9 +77,14 @@ class RunResult:
     metrics: BenchmarkMetrics
 
     def to_dict(self, with_records: bool = True) -> dict:
-        d = {"request_rate": _json_float(self.request_rate), "burstiness": self.burstiness,
-             "max_concurrency": self.max_concurrency, "model": self.model, "duration_s": self.duration_s,
-             "metrics": self.metrics.to_dict()}
+        d = {
+            "request_rate": _json_float(self.request_rate),
+            "burstiness": self.burstiness,
+            "max_concurrency": self.max_concurrency,
+            "model": self.model,
+            "duration_s": self.duration_s,
+            "metrics": self.metrics.to_dict(),
+        }
         if with_records:
             d["requests"] = [r.to_dict() for r in self.records]
         return d
@@ -187,9 +193,15 @@ def request_slo(req: BenchRequest) -> SLO | None:
 def new_record(i: int, req: BenchRequest, rate: float) -> RequestRecord:
     """The empty record of request `i`, with what the workload says about it."""
     user = req.extra_body.get("user")
-    return RequestRecord(request_id=i, prompt_len=req.prompt_len, expected_output_len=req.output_len, rate=rate,
-                         request_class=req.request_class, user=str(user) if user is not None else None,
-                         slo=request_slo(req))
+    return RequestRecord(
+        request_id=i,
+        prompt_len=req.prompt_len,
+        expected_output_len=req.output_len,
+        rate=rate,
+        request_class=req.request_class,
+        user=str(user) if user is not None else None,
+        slo=request_slo(req),
+    )
 
 
 def _content_of(event: dict, endpoint: str) -> str:
@@ -203,8 +215,15 @@ def _content_of(event: dict, endpoint: str) -> str:
     return (delta.get("content") or "") + (delta.get("reasoning_content") or delta.get("reasoning") or "")
 
 
-async def send_request(client: Any, cfg: ServeConfig, req: BenchRequest, rec: RequestRecord, model: str,
-                       tokenizer: Any = None, headers: dict | None = None) -> RequestRecord:
+async def send_request(
+    client: Any,
+    cfg: ServeConfig,
+    req: BenchRequest,
+    rec: RequestRecord,
+    model: str,
+    tokenizer: Any = None,
+    headers: dict | None = None,
+) -> RequestRecord:
     """Stream one request and fill `rec` in place. Never raises (except cancellation)."""
     text_parts: list[str] = []
     usage_out: int | None = None
@@ -263,7 +282,7 @@ async def send_request(client: Any, cfg: ServeConfig, req: BenchRequest, rec: Re
         rec.success = True
     except asyncio.CancelledError:
         raise
-    except Exception as e:  # noqa: BLE001 - every failure is data for the benchmark
+    except Exception as e:
         rec.end_time = time.perf_counter()
         rec.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
         rec.generated_text = "".join(text_parts)
@@ -293,7 +312,7 @@ async def fetch_model_id(client: Any, base_url: str, headers: dict | None = None
     url = _api_root(base_url) + "/v1/models"
     try:
         resp = await client.get(url, headers=headers)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         raise ValueError(f"cannot reach {url}: {type(e).__name__}: {e}") from None
     if resp.status_code != 200:
         raise ValueError(f"GET {url} returned HTTP {resp.status_code}; pass --model")
@@ -304,8 +323,9 @@ async def fetch_model_id(client: Any, base_url: str, headers: dict | None = None
         raise ValueError(f"GET {url} listed no model; pass --model") from None
 
 
-async def run_benchmark_async(requests: Sequence[BenchRequest], cfg: ServeConfig, tokenizer: Any = None,
-                              client: Any = None) -> RunResult:
+async def run_benchmark_async(
+    requests: Sequence[BenchRequest], cfg: ServeConfig, tokenizer: Any = None, client: Any = None
+) -> RunResult:
     """Send `requests` on the arrival schedule of `cfg`; return records and metrics."""
     own_client = client is None
     if own_client:
@@ -357,8 +377,9 @@ def run_benchmark(requests: Sequence[BenchRequest], cfg: ServeConfig, tokenizer:
     return asyncio.run(run_benchmark_async(requests, cfg, tokenizer))
 
 
-async def run_sweep_async(requests: Sequence[BenchRequest], cfg: ServeConfig, rates: Sequence[float],
-                          tokenizer: Any = None) -> list[RunResult]:
+async def run_sweep_async(
+    requests: Sequence[BenchRequest], cfg: ServeConfig, rates: Sequence[float], tokenizer: Any = None
+) -> list[RunResult]:
     """One run per rate, in order, same requests and seed each time (one shared HTTP client)."""
     from dataclasses import replace
 
@@ -374,8 +395,9 @@ async def run_sweep_async(requests: Sequence[BenchRequest], cfg: ServeConfig, ra
     return results
 
 
-def run_sweep(requests: Sequence[BenchRequest], cfg: ServeConfig, rates: Sequence[float],
-              tokenizer: Any = None) -> list[RunResult]:
+def run_sweep(
+    requests: Sequence[BenchRequest], cfg: ServeConfig, rates: Sequence[float], tokenizer: Any = None
+) -> list[RunResult]:
     return asyncio.run(run_sweep_async(requests, cfg, rates, tokenizer))
 
 

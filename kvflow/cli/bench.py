@@ -12,6 +12,7 @@ from kvflow.cli.engine_args import add_engine_args, dataclass_kwargs
 
 def _positive(cast: type, what: str):
     """An argparse type: `cast(s)`, which must be > 0 (inf allowed for floats)."""
+
     def parse(s: str):
         try:
             v = cast(s)
@@ -20,6 +21,7 @@ def _positive(cast: type, what: str):
         if not v > 0:
             raise argparse.ArgumentTypeError(f"expected {what} > 0, got {s}")
         return v
+
     return parse
 
 
@@ -30,32 +32,53 @@ _positive_float = _positive(float, "a number")
 
 def add_dataset_args(p: argparse.ArgumentParser, default_num_prompts: int) -> None:
     from_ = p.add_argument_group("workload")
-    from_.add_argument("--dataset", default="random",
-                       help="random, translation, generation, summarisation, reasoning, sharegpt-like, "
-                            "shared-prefix, jsonl or mixed (default random)")
-    from_.add_argument("--num-prompts", type=_positive_int, default=default_num_prompts,
-                       help=f"number of requests (default {default_num_prompts}; shared-prefix uses "
-                            "--num-groups x --prompts-per-group)")
+    from_.add_argument(
+        "--dataset",
+        default="random",
+        help="random, translation, generation, summarisation, reasoning, sharegpt-like, "
+        "shared-prefix, jsonl or mixed (default random)",
+    )
+    from_.add_argument(
+        "--num-prompts",
+        type=_positive_int,
+        default=default_num_prompts,
+        help=f"number of requests (default {default_num_prompts}; shared-prefix uses "
+        "--num-groups x --prompts-per-group)",
+    )
     from_.add_argument("--input-len", default=None, help="random: prompt tokens, N or MIN:MAX (default 128)")
-    from_.add_argument("--output-len", default=None,
-                       help="random/shared-prefix/jsonl: output tokens, N or MIN:MAX (default 128; shared-prefix 64)")
-    from_.add_argument("--scale", type=_positive_float, default=1.0,
-                       help="multiply the profile/sharegpt-like lengths (e.g. 0.1 on a CPU)")
+    from_.add_argument(
+        "--output-len",
+        default=None,
+        help="random/shared-prefix/jsonl: output tokens, N or MIN:MAX (default 128; shared-prefix 64)",
+    )
+    from_.add_argument(
+        "--scale",
+        type=_positive_float,
+        default=1.0,
+        help="multiply the profile/sharegpt-like lengths (e.g. 0.1 on a CPU)",
+    )
     from_.add_argument("--max-input-len", type=_positive_int, default=None, help="cap on prompt tokens")
     from_.add_argument("--max-output-len", type=_positive_int, default=None, help="cap on output tokens")
     from_.add_argument("--prefix-len", type=_positive_int, default=512, help="shared-prefix: system prompt tokens P")
     from_.add_argument("--question-len", type=_positive_int, default=32, help="shared-prefix: question tokens Q")
     from_.add_argument("--num-groups", type=_positive_int, default=4, help="shared-prefix: groups G")
     from_.add_argument("--prompts-per-group", type=_positive_int, default=8, help="shared-prefix: requests per group R")
-    from_.add_argument("--shared-prefix-order", choices=("shuffled", "grouped"), default="shuffled",
-                       help="shared-prefix: request order (default shuffled, seeded)")
-    from_.add_argument("--dataset-path", default=None, help="jsonl: the file (one {\"prompt\", \"output_len\"} per line)")
+    from_.add_argument(
+        "--shared-prefix-order",
+        choices=("shuffled", "grouped"),
+        default="shuffled",
+        help="shared-prefix: request order (default shuffled, seeded)",
+    )
+    from_.add_argument("--dataset-path", default=None, help='jsonl: the file (one {"prompt", "output_len"} per line)')
     from_.add_argument("--token-ids", action="store_true", help="send token-id prompts instead of text")
     add_mixed_args(p)
     from_.add_argument("--seed", type=int, default=0, help="seed of the workload and the arrivals (default 0)")
-    from_.add_argument("--tokenizer", default=None,
-                       help="local tokenizer (model folder or .gguf; 'default' = the default model's) used to "
-                            "build exact-length prompts; without one, prompts are common words (~1 token each)")
+    from_.add_argument(
+        "--tokenizer",
+        default=None,
+        help="local tokenizer (model folder or .gguf; 'default' = the default model's) used to "
+        "build exact-length prompts; without one, prompts are common words (~1 token each)",
+    )
 
 
 def _fraction(s: str) -> float:
@@ -88,17 +111,22 @@ def add_mixed_args(p: argparse.ArgumentParser) -> None:
     from kvflow.bench.datasets import BATCH, INTERACTIVE
 
     g = p.add_argument_group("mixed dataset (interactive + batch requests in one stream)")
-    g.add_argument("--mixed-batch-fraction", type=_fraction, default=0.2,
-                   help="share of batch requests (default 0.2)")
+    g.add_argument("--mixed-batch-fraction", type=_fraction, default=0.2, help="share of batch requests (default 0.2)")
     for cls in (INTERACTIVE, BATCH):
         for name in ("ttft", "tpot"):
             default = getattr(cls, f"{name}_slo_ms")
-            g.add_argument(f"--{cls.name}-{name}-slo-ms", type=_positive_float, default=default,
-                           help=f"{name.upper()} SLO of {cls.name} requests, sent as {name}_slo_ms "
-                                f"(default {default:g})")
-    g.add_argument("--mixed-users", default=None,
-                   help="send each request as one of these clients (the body's `user`), in these proportions: "
-                        "NAME:WEIGHT,... (e.g. heavy:10,light:1)")
+            g.add_argument(
+                f"--{cls.name}-{name}-slo-ms",
+                type=_positive_float,
+                default=default,
+                help=f"{name.upper()} SLO of {cls.name} requests, sent as {name}_slo_ms (default {default:g})",
+            )
+    g.add_argument(
+        "--mixed-users",
+        default=None,
+        help="send each request as one of these clients (the body's `user`), in these proportions: "
+        "NAME:WEIGHT,... (e.g. heavy:10,light:1)",
+    )
 
 
 def mixed_classes(args: argparse.Namespace) -> tuple:
@@ -107,59 +135,103 @@ def mixed_classes(args: argparse.Namespace) -> tuple:
 
     from kvflow.bench.datasets import BATCH, INTERACTIVE
 
-    return tuple(replace(cls, ttft_slo_ms=getattr(args, f"{cls.name}_ttft_slo_ms"),
-                         tpot_slo_ms=getattr(args, f"{cls.name}_tpot_slo_ms")) for cls in (INTERACTIVE, BATCH))
+    return tuple(
+        replace(
+            cls,
+            ttft_slo_ms=getattr(args, f"{cls.name}_ttft_slo_ms"),
+            tpot_slo_ms=getattr(args, f"{cls.name}_tpot_slo_ms"),
+        )
+        for cls in (INTERACTIVE, BATCH)
+    )
 
 
 def workload_spec(args: argparse.Namespace):
     from kvflow.bench.datasets import WorkloadSpec
 
     return WorkloadSpec(
-        dataset=args.dataset, num_prompts=args.num_prompts, seed=args.seed, input_len=args.input_len,
-        output_len=args.output_len, scale=args.scale, max_input_len=args.max_input_len,
-        max_output_len=args.max_output_len, prefix_len=args.prefix_len, question_len=args.question_len,
-        num_groups=args.num_groups, prompts_per_group=args.prompts_per_group,
-        shared_prefix_order=args.shared_prefix_order, path=args.dataset_path, token_ids=args.token_ids,
-        mixed_batch_fraction=args.mixed_batch_fraction, mixed_classes=mixed_classes(args),
-        mixed_users=parse_weights(args.mixed_users) if args.mixed_users else None)
+        dataset=args.dataset,
+        num_prompts=args.num_prompts,
+        seed=args.seed,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        scale=args.scale,
+        max_input_len=args.max_input_len,
+        max_output_len=args.max_output_len,
+        prefix_len=args.prefix_len,
+        question_len=args.question_len,
+        num_groups=args.num_groups,
+        prompts_per_group=args.prompts_per_group,
+        shared_prefix_order=args.shared_prefix_order,
+        path=args.dataset_path,
+        token_ids=args.token_ids,
+        mixed_batch_fraction=args.mixed_batch_fraction,
+        mixed_classes=mixed_classes(args),
+        mixed_users=parse_weights(args.mixed_users) if args.mixed_users else None,
+    )
 
 
 def add_client_args(s: argparse.ArgumentParser, default_timeout: float) -> None:
     """How the client talks to the server: endpoint, arrivals shape, SLO flags, sampling, timeouts."""
-    s.add_argument("--endpoint", choices=("completions", "chat"), default="completions",
-                   help="/v1/completions or /v1/chat/completions (default completions)")
+    s.add_argument(
+        "--endpoint",
+        choices=("completions", "chat"),
+        default="completions",
+        help="/v1/completions or /v1/chat/completions (default completions)",
+    )
     s.add_argument("--model", default=None, help="model name to send (default: first id of GET /v1/models)")
     s.add_argument("--api-key", default=None, help="sent as a Bearer token if given")
-    s.add_argument("--burstiness", type=_positive_float, default=1.0,
-                   help="gamma shape of the gaps (1 = Poisson, <1 burstier); mean gap stays 1/rate")
+    s.add_argument(
+        "--burstiness",
+        type=_positive_float,
+        default=1.0,
+        help="gamma shape of the gaps (1 = Poisson, <1 burstier); mean gap stays 1/rate",
+    )
     s.add_argument("--max-concurrency", type=_positive_int, default=None, help="cap on requests in flight")
-    for name, what in (("ttft", "time to first token"), ("tpot", "time per output token"),
-                       ("e2el", "end-to-end latency"), ("itl", "every inter-token gap")):
-        s.add_argument(f"--slo-{name}-ms", type=_positive_float, default=None,
-                       help=f"SLO on {what} for goodput (ms)")
+    for name, what in (
+        ("ttft", "time to first token"),
+        ("tpot", "time per output token"),
+        ("e2el", "end-to-end latency"),
+        ("itl", "every inter-token gap"),
+    ):
+        s.add_argument(f"--slo-{name}-ms", type=_positive_float, default=None, help=f"SLO on {what} for goodput (ms)")
     s.add_argument("--percentiles", default="50,90,99", help="latency percentiles (default 50,90,99)")
-    s.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
-                   help="do not send ignore_eos=true (a vLLM extension)")
+    s.add_argument(
+        "--no-ignore-eos",
+        dest="ignore_eos",
+        action="store_false",
+        help="do not send ignore_eos=true (a vLLM extension)",
+    )
     s.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0)")
     s.add_argument("--extra-body", default=None, help="JSON object merged into every request body")
-    s.add_argument("--request-timeout", type=_positive_float, default=default_timeout,
-                   help=f"seconds per request (default {default_timeout:g})")
+    s.add_argument(
+        "--request-timeout",
+        type=_positive_float,
+        default=default_timeout,
+        help=f"seconds per request (default {default_timeout:g})",
+    )
     s.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    bench = subparsers.add_parser("bench", help="benchmarks: serve (any OpenAI-compatible server) or throughput (offline)",
-                                  description="Benchmarks. `serve` measures TTFT/TPOT/ITL/E2EL/goodput against a "
-                                              "running server; `throughput` measures offline tokens/s.")
+    bench = subparsers.add_parser(
+        "bench",
+        help="benchmarks: serve (any OpenAI-compatible server) or throughput (offline)",
+        description="Benchmarks. `serve` measures TTFT/TPOT/ITL/E2EL/goodput against a "
+        "running server; `throughput` measures offline tokens/s.",
+    )
     sub = bench.add_subparsers(dest="bench_command", metavar="{serve,throughput}")
     sub.required = True
 
-    s = sub.add_parser("serve", help="latency/throughput of a running OpenAI-compatible server",
-                       description="Stream requests to an OpenAI-compatible server and measure TTFT, TPOT, "
-                                   "ITL (gaps between content chunks, TTFT excluded), E2EL, throughput and goodput.")
+    s = sub.add_parser(
+        "serve",
+        help="latency/throughput of a running OpenAI-compatible server",
+        description="Stream requests to an OpenAI-compatible server and measure TTFT, TPOT, "
+        "ITL (gaps between content chunks, TTFT excluded), E2EL, throughput and goodput.",
+    )
     s.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (default http://127.0.0.1:8000)")
-    s.add_argument("--request-rate", type=_rate, default=math.inf,
-                   help="requests/s, Poisson arrivals (default inf: all at once)")
+    s.add_argument(
+        "--request-rate", type=_rate, default=math.inf, help="requests/s, Poisson arrivals (default inf: all at once)"
+    )
     s.add_argument("--sweep-rates", default=None, help="comma-separated rates, one run each (e.g. 0.5,1,2,4)")
     add_client_args(s, default_timeout=3600.0)
     s.add_argument("--result-json", default=None, help="write config, machine info and every request's figures here")
@@ -167,14 +239,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_dataset_args(s, 100)
     s.set_defaults(func=run_serve)
 
-    t = sub.add_parser("throughput", help="offline throughput of the kvflow engine and/or HF transformers",
-                       description="Offline throughput (all requests at once, MLPerf 'Offline'). --backend hf uses "
-                                   "static batches (each batch generates its longest output; only each request's "
-                                   "own output_len tokens count as useful).")
+    t = sub.add_parser(
+        "throughput",
+        help="offline throughput of the kvflow engine and/or HF transformers",
+        description="Offline throughput (all requests at once, MLPerf 'Offline'). --backend hf uses "
+        "static batches (each batch generates its longest output; only each request's "
+        "own output_len tokens count as useful).",
+    )
     t.add_argument("--backend", choices=("kvflow", "hf", "both"), default="kvflow", help="default kvflow")
-    t.add_argument("--hf-batch-size", type=_positive_int, default=8, help="static batch size of the hf backend (default 8)")
-    t.add_argument("--no-warmup", dest="warmup", action="store_false",
-                   help="skip the untimed 2-token warm-up request of each backend")
+    t.add_argument(
+        "--hf-batch-size", type=_positive_int, default=8, help="static batch size of the hf backend (default 8)"
+    )
+    t.add_argument(
+        "--no-warmup",
+        dest="warmup",
+        action="store_false",
+        help="skip the untimed 2-token warm-up request of each backend",
+    )
     t.add_argument("--result-json", default=None, help="write config, machine info and per-request figures here")
     t.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     add_dataset_args(t, 32)
@@ -220,13 +301,23 @@ def serve_config(args: argparse.Namespace, base_url: str, request_rate: float = 
             raise ValueError(f"--extra-body is not valid JSON ({e.msg})") from None
         if not isinstance(extra, dict):
             raise ValueError("--extra-body must be a JSON object")
-    return ServeConfig(base_url=base_url, endpoint=args.endpoint, model=args.model,
-                       request_rate=request_rate, burstiness=args.burstiness,
-                       max_concurrency=args.max_concurrency, seed=args.seed, ignore_eos=args.ignore_eos,
-                       temperature=args.temperature, extra_body=extra, request_timeout=args.request_timeout,
-                       disable_tqdm=args.disable_tqdm, api_key=args.api_key,
-                       slo=SLO(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2el_ms, args.slo_itl_ms),
-                       percentiles=percentiles)
+    return ServeConfig(
+        base_url=base_url,
+        endpoint=args.endpoint,
+        model=args.model,
+        request_rate=request_rate,
+        burstiness=args.burstiness,
+        max_concurrency=args.max_concurrency,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+        temperature=args.temperature,
+        extra_body=extra,
+        request_timeout=args.request_timeout,
+        disable_tqdm=args.disable_tqdm,
+        api_key=args.api_key,
+        slo=SLO(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2el_ms, args.slo_itl_ms),
+        percentiles=percentiles,
+    )
 
 
 def build_workload(args: argparse.Namespace, tokenizer: Any) -> list:
@@ -234,11 +325,15 @@ def build_workload(args: argparse.Namespace, tokenizer: Any) -> list:
     from kvflow.bench.datasets import generate_requests
 
     if tokenizer is None:
-        print("note: no --tokenizer: prompts are common English words (about one token each); "
-              "prompt lengths are approximate")
+        print(
+            "note: no --tokenizer: prompts are common English words (about one token each); "
+            "prompt lengths are approximate"
+        )
     requests = generate_requests(workload_spec(args), tokenizer)
-    print(f"workload: {len(requests)} requests, dataset {args.dataset}, "
-          f"{sum(r.prompt_len for r in requests):,} prompt tokens, {sum(r.output_len for r in requests):,} output tokens asked")
+    print(
+        f"workload: {len(requests)} requests, dataset {args.dataset}, "
+        f"{sum(r.prompt_len for r in requests):,} prompt tokens, {sum(r.output_len for r in requests):,} output tokens asked"
+    )
     return requests
 
 
@@ -300,11 +395,20 @@ def _kvflow_records(outputs: list) -> list:
         comp = out.outputs[0] if out.outputs else None
         n_out = len(comp.token_ids) if comp is not None else 0
         err = getattr(out, "error", None)
-        records.append(RequestRecord(
-            request_id=getattr(out, "request_id", i), prompt_len=len(out.prompt_token_ids),
-            expected_output_len=n_out, arrival_time=m.arrival_time, send_time=m.arrival_time,
-            first_token_time=m.first_token_time, end_time=m.finished_time, output_tokens=n_out,
-            success=err is None and m.finished_time is not None, error=err or ""))
+        records.append(
+            RequestRecord(
+                request_id=getattr(out, "request_id", i),
+                prompt_len=len(out.prompt_token_ids),
+                expected_output_len=n_out,
+                arrival_time=m.arrival_time,
+                send_time=m.arrival_time,
+                first_token_time=m.first_token_time,
+                end_time=m.finished_time,
+                output_tokens=n_out,
+                success=err is None and m.finished_time is not None,
+                error=err or "",
+            )
+        )
     return records
 
 
@@ -333,10 +437,17 @@ def run_kvflow_throughput(args: argparse.Namespace, spec: Any) -> dict:
     stats = _stats_dict(llm.get_stats()) if hasattr(llm, "get_stats") else {}
     metrics = compute_metrics(records, elapsed)
     del llm
-    return {"backend": "kvflow", "elapsed_s": elapsed, "records": records, "metrics": metrics,
-            "useful_output_tokens": sum(r.output_tokens for r in records if r.success),
-            "stats": stats, "requests": requests, "tokenizer": tokenizer,
-            "token_ids": [o.outputs[0].token_ids for o in outputs]}
+    return {
+        "backend": "kvflow",
+        "elapsed_s": elapsed,
+        "records": records,
+        "metrics": metrics,
+        "useful_output_tokens": sum(r.output_tokens for r in records if r.success),
+        "stats": stats,
+        "requests": requests,
+        "tokenizer": tokenizer,
+        "token_ids": [o.outputs[0].token_ids for o in outputs],
+    }
 
 
 def _stats_dict(stats: Any) -> dict:
@@ -365,8 +476,8 @@ def _batch_input(tokenizer: Any, prompts: list, pad_id: int):
     input_ids = torch.full((len(ids), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(ids), width), dtype=torch.long)
     for i, x in enumerate(ids):
-        input_ids[i, width - len(x):] = torch.tensor(x, dtype=torch.long)
-        mask[i, width - len(x):] = 1
+        input_ids[i, width - len(x) :] = torch.tensor(x, dtype=torch.long)
+        mask[i, width - len(x) :] = 1
     return input_ids, mask, [len(x) for x in ids]
 
 
@@ -399,40 +510,78 @@ def run_hf_throughput(args: argparse.Namespace, requests: list, tokenizer: Any) 
     if args.warmup:  # one short untimed generate: first-call set-up is not throughput
         ids, mask, _ = _batch_input(tokenizer, [requests[0].prompt], pad_id)
         with torch.inference_mode():
-            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, min_new_tokens=2, do_sample=False,
-                           pad_token_id=pad_id)
+            model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=2,
+                min_new_tokens=2,
+                do_sample=False,
+                pad_token_id=pad_id,
+            )
     t0 = time.perf_counter()
     for start in range(0, len(requests), bs):
-        batch = requests[start:start + bs]
+        batch = requests[start : start + bs]
         o = max(r.output_len for r in batch)
         input_ids, mask, lens = _batch_input(tokenizer, [r.prompt for r in batch], pad_id)
         b0 = time.perf_counter()
         with torch.inference_mode():
-            out = model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=o, min_new_tokens=o,
-                                 do_sample=False, pad_token_id=pad_id)
+            out = model.generate(
+                input_ids=input_ids,
+                attention_mask=mask,
+                max_new_tokens=o,
+                min_new_tokens=o,
+                do_sample=False,
+                pad_token_id=pad_id,
+            )
         b1 = time.perf_counter()
         generated += (out.shape[1] - input_ids.shape[1]) * out.shape[0]
-        token_ids += [out[j, input_ids.shape[1]:input_ids.shape[1] + r.output_len].tolist()
-                      for j, r in enumerate(batch)]
+        token_ids += [
+            out[j, input_ids.shape[1] : input_ids.shape[1] + r.output_len].tolist() for j, r in enumerate(batch)
+        ]
         for j, r in enumerate(batch):
-            records.append(RequestRecord(request_id=start + j, prompt_len=lens[j], expected_output_len=r.output_len,
-                                         arrival_time=t0, send_time=b0, end_time=b1, output_tokens=r.output_len,
-                                         success=True))
+            records.append(
+                RequestRecord(
+                    request_id=start + j,
+                    prompt_len=lens[j],
+                    expected_output_len=r.output_len,
+                    arrival_time=t0,
+                    send_time=b0,
+                    end_time=b1,
+                    output_tokens=r.output_len,
+                    success=True,
+                )
+            )
         if pbar is not None:
             pbar.update(len(batch))
     elapsed = time.perf_counter() - t0
     if pbar is not None:
         pbar.close()
     metrics = compute_metrics(records, elapsed)
-    return {"backend": "hf", "elapsed_s": elapsed, "records": records, "metrics": metrics,
-            "useful_output_tokens": sum(r.output_len for r in requests), "generated_tokens_incl_padding": generated,
-            "stats": {"hf_batch_size": bs}, "token_ids": token_ids}
+    return {
+        "backend": "hf",
+        "elapsed_s": elapsed,
+        "records": records,
+        "metrics": metrics,
+        "useful_output_tokens": sum(r.output_len for r in requests),
+        "generated_tokens_incl_padding": generated,
+        "stats": {"hf_batch_size": bs},
+        "token_ids": token_ids,
+    }
 
 
 def _throughput_row(res: dict) -> list:
     m = res["metrics"]
-    return [res["backend"], m.completed, res["elapsed_s"], m.request_throughput, m.output_throughput,
-            m.total_token_throughput, m.ttft_ms.get("mean"), m.ttft_ms.get("median"), m.tpot_ms.get("median")]
+    return [
+        res["backend"],
+        m.completed,
+        res["elapsed_s"],
+        m.request_throughput,
+        m.output_throughput,
+        m.total_token_throughput,
+        m.ttft_ms.get("mean"),
+        m.ttft_ms.get("median"),
+        m.tpot_ms.get("median"),
+    ]
 
 
 def run_throughput(args: argparse.Namespace) -> int:
@@ -453,27 +602,58 @@ def run_throughput(args: argparse.Namespace) -> int:
         results.append(run_hf_throughput(args, requests, tokenizer))
 
     print()
-    print(f"workload: {len(requests)} requests, dataset {args.dataset}, "
-          f"{sum(r.prompt_len for r in requests):,} prompt tokens, {sum(r.output_len for r in requests):,} output tokens")
-    print(format_table(["backend", "requests", "elapsed s", "req/s", "out tok/s", "total tok/s", "TTFT mean ms",
-                        "TTFT p50 ms", "TPOT p50 ms"], [_throughput_row(r) for r in results], title="Offline throughput"))
+    print(
+        f"workload: {len(requests)} requests, dataset {args.dataset}, "
+        f"{sum(r.prompt_len for r in requests):,} prompt tokens, {sum(r.output_len for r in requests):,} output tokens"
+    )
+    print(
+        format_table(
+            [
+                "backend",
+                "requests",
+                "elapsed s",
+                "req/s",
+                "out tok/s",
+                "total tok/s",
+                "TTFT mean ms",
+                "TTFT p50 ms",
+                "TPOT p50 ms",
+            ],
+            [_throughput_row(r) for r in results],
+            title="Offline throughput",
+        )
+    )
     for r in results:
         if r["backend"] == "kvflow" and r["stats"]:
-            print(format_kv([(k, v) for k, v in r["stats"].items()], digits=4, title="kvflow engine stats" + (" (incl. warm-up)" if args.warmup else "")))
+            print(
+                format_kv(
+                    [(k, v) for k, v in r["stats"].items()],
+                    digits=4,
+                    title="kvflow engine stats" + (" (incl. warm-up)" if args.warmup else ""),
+                )
+            )
         if r["backend"] == "hf":
             useful, gen = r["useful_output_tokens"], r["generated_tokens_incl_padding"]
-            print(f"hf static batching: {gen:,} tokens generated, {useful:,} useful "
-                  f"({100 * useful / max(gen, 1):.1f}%)")
+            print(
+                f"hf static batching: {gen:,} tokens generated, {useful:,} useful ({100 * useful / max(gen, 1):.1f}%)"
+            )
     if len(results) == 2:
         a, b = results[0]["metrics"], results[1]["metrics"]
         ratio = a.output_throughput / b.output_throughput if b.output_throughput > 0 else math.nan
         print(f"kvflow / hf output throughput: {ratio:.2f}x")
         same = sum(x == y for x, y in zip(results[0]["token_ids"], results[1]["token_ids"]))
-        print(f"greedy outputs identical to hf: {same}/{len(requests)} requests "
-              f"(hf pads its static batches, which can flip near-ties)")
+        print(
+            f"greedy outputs identical to hf: {same}/{len(requests)} requests "
+            f"(hf pads its static batches, which can flip near-ties)"
+        )
     if args.result_json:
-        doc = [{**{k: v for k, v in r.items() if k not in ("records", "token_ids")},
-                "requests": [rec.to_dict() for rec in r["records"]]} for r in results]
+        doc = [
+            {
+                **{k: v for k, v in r.items() if k not in ("records", "token_ids")},
+                "requests": [rec.to_dict() for rec in r["records"]],
+            }
+            for r in results
+        ]
         conf = {k: v for k, v in vars(args).items() if k != "func"}
         dump_json(args.result_json, conf, doc)
         print(f"wrote {args.result_json}")

@@ -18,16 +18,22 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    g = subparsers.add_parser("generate", help="generate text for one prompt, streamed to the terminal",
-                              description="Generate a completion for PROMPT and stream it to stdout.")
+    g = subparsers.add_parser(
+        "generate",
+        help="generate text for one prompt, streamed to the terminal",
+        description="Generate a completion for PROMPT and stream it to stdout.",
+    )
     g.add_argument("prompt", help="the prompt text")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     _add_sampling_args(g)
     add_engine_args(g)
     g.set_defaults(func=run_generate)
 
-    c = subparsers.add_parser("chat", help="interactive multi-turn chat in the terminal",
-                              description="Chat with the model; an empty line or Ctrl-D ends the session.")
+    c = subparsers.add_parser(
+        "chat",
+        help="interactive multi-turn chat in the terminal",
+        description="Chat with the model; an empty line or Ctrl-D ends the chat.",
+    )
     c.add_argument("--system", default=None, help="a system message for the conversation")
     _add_sampling_args(c)
     add_engine_args(c)
@@ -37,8 +43,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _sampling(args: argparse.Namespace):
     from kvflow.sampling_params import SamplingParams
 
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k)  # --seed (an engine option) seeds the sampling
+    return SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k
+    )  # --seed (an engine option) seeds the sampling
 
 
 def _stream(engine, prompt: str, params, add_special_tokens: bool) -> tuple[str, float | None, int]:
@@ -53,7 +60,7 @@ def _stream(engine, prompt: str, params, add_special_tokens: bool) -> tuple[str,
                 text = out.outputs[0].text
                 if first is None and out.outputs[0].token_ids:
                     first = time.monotonic()
-                sys.stdout.write(text[len(shown):])
+                sys.stdout.write(text[len(shown) :])
                 sys.stdout.flush()
                 shown, n_tokens = text, len(out.outputs[0].token_ids)
     except KeyboardInterrupt:
@@ -76,9 +83,12 @@ def run_generate(args: argparse.Namespace) -> int:
     t_end = time.monotonic()
     if args.verbose and first is not None:
         decode = (n - 1) / (t_end - first) if n > 1 and t_end > first else float("nan")
-        print(f"[kvflow] start-up {t_ready - _PROCESS_START:.2f} s (engine {t_ready - t0:.2f} s), "
-              f"process start to first token {first - _PROCESS_START:.2f} s, {n} tokens, "
-              f"{decode:.1f} tok/s decode", file=sys.stderr)
+        print(
+            f"[kvflow] start-up {t_ready - _PROCESS_START:.2f} s (engine {t_ready - t0:.2f} s), "
+            f"process start to first token {first - _PROCESS_START:.2f} s, {n} tokens, "
+            f"{decode:.1f} tok/s decode",
+            file=sys.stderr,
+        )
     return 0
 
 

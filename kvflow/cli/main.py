@@ -32,8 +32,10 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING)
+    logging.basicConfig(
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
+    )
     try:
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError, TypeError) as e:

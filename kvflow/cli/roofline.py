@@ -31,27 +31,38 @@ def _ints(s: str) -> list[int]:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("roofline", help="decode roofline: KV bytes, fit, step time, tokens/s, $/1M tokens",
-                              description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = subparsers.add_parser(
+        "roofline",
+        help="decode roofline: KV bytes, fit, step time, tokens/s, $/1M tokens",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--model", default=None,
-                     help="preset (llama3-8b, opt-13b), a model folder (config.json or .gguf inside), "
-                          "a .gguf file, or 'default' (the default model); default: llama3-8b")
+    src.add_argument(
+        "--model",
+        default=None,
+        help="preset (llama3-8b, opt-13b), a model folder (config.json or .gguf inside), "
+        "a .gguf file, or 'default' (the default model); default: llama3-8b",
+    )
     src.add_argument("--config", default=None, metavar="FILE", help="a HF config.json")
     p.add_argument("--hardware", default="h100", help="h100, h200, a100-40gb or local (measures this machine)")
     p.add_argument("--bandwidth", type=float, default=None, metavar="GBPS", help="memory bandwidth override, GB/s")
     p.add_argument("--flops", type=float, default=None, metavar="TFLOPS", help="compute override, TFLOP/s")
     p.add_argument("--memory-gb", type=float, default=None, help="device memory override, GB")
-    p.add_argument("--dtype", default=None, help="weight dtype (fp32, bf16, fp16, fp8, int8, int4); "
-                                                 "default: the model's own")
+    p.add_argument(
+        "--dtype", default=None, help="weight dtype (fp32, bf16, fp16, fp8, int8, int4); default: the model's own"
+    )
     p.add_argument("--kv-dtype", default="bf16", help="KV cache dtype (default bf16)")
     p.add_argument("--context", type=int, default=2048, help="tokens held per sequence (default 2048)")
     p.add_argument("--price-per-hour", type=float, default=3.0, help="device price, $/hour (default 3)")
     p.add_argument("--batches", type=_ints, default=None, help="comma-separated batch sizes (default 1,2,4,...,512)")
-    p.add_argument("--alpha", type=_floats, default=[0.5, 0.6, 0.7, 0.8, 0.9],
-                   help="acceptance rates for the spec-decoding table (default 0.5,0.6,0.7,0.8,0.9)")
-    p.add_argument("--gamma", type=_ints, default=[1, 2, 3, 4, 5, 8],
-                   help="draft lengths (default 1,2,3,4,5,8)")
+    p.add_argument(
+        "--alpha",
+        type=_floats,
+        default=[0.5, 0.6, 0.7, 0.8, 0.9],
+        help="acceptance rates for the spec-decoding table (default 0.5,0.6,0.7,0.8,0.9)",
+    )
+    p.add_argument("--gamma", type=_ints, default=[1, 2, 3, 4, 5, 8], help="draft lengths (default 1,2,3,4,5,8)")
     p.add_argument("--draft-cost", type=float, default=0.05, help="draft/target cost ratio c (default 0.05)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write every figure to this JSON file")
     p.set_defaults(func=run)
@@ -77,43 +88,100 @@ def run(args: argparse.Namespace) -> int:
     kvt = rf.kv_bytes_per_token(model, args.kv_dtype)
     fit = rf.max_sequences(model, hw, args.context, args.kv_dtype)
 
-    print(format_kv([
-        ("model", f"{model.name}: {model.num_layers} layers, hidden {model.hidden_size}, {model.num_heads} heads, "
-                  f"{model.num_kv_heads} kv heads, head_dim {model.head_dim}"),
-        ("parameters", f"{model.num_params / 1e9:.3f} B"),
-        ("weight bytes", f"{model.weight_bytes / 1e9:.3f} GB ({model.weight_dtype})"),
-        ("KV bytes/token", f"{kvt:,.0f} B = {kvt / 1024:,.1f} KiB ({args.kv_dtype})"),
-        (f"KV per sequence @ {args.context}", f"{kvt * args.context / 1e9:.3f} GB"),
-        ("hardware", f"{hw.name}: {hw.memory_bytes / 1e9:.1f} GB, {hw.bandwidth / 1e9:,.1f} GB/s, "
-                     f"{hw.flops / 1e12:,.3f} TFLOP/s" + (f" ({hw.note})" if hw.note else "")),
-        (f"sequences of {args.context} that fit", f"{fit:,}"),
-    ], title="Roofline"))
+    print(
+        format_kv(
+            [
+                (
+                    "model",
+                    f"{model.name}: {model.num_layers} layers, hidden {model.hidden_size}, {model.num_heads} heads, "
+                    f"{model.num_kv_heads} kv heads, head_dim {model.head_dim}",
+                ),
+                ("parameters", f"{model.num_params / 1e9:.3f} B"),
+                ("weight bytes", f"{model.weight_bytes / 1e9:.3f} GB ({model.weight_dtype})"),
+                ("KV bytes/token", f"{kvt:,.0f} B = {kvt / 1024:,.1f} KiB ({args.kv_dtype})"),
+                (f"KV per sequence @ {args.context}", f"{kvt * args.context / 1e9:.3f} GB"),
+                (
+                    "hardware",
+                    f"{hw.name}: {hw.memory_bytes / 1e9:.1f} GB, {hw.bandwidth / 1e9:,.1f} GB/s, "
+                    f"{hw.flops / 1e12:,.3f} TFLOP/s" + (f" ({hw.note})" if hw.note else ""),
+                ),
+                (f"sequences of {args.context} that fit", f"{fit:,}"),
+            ],
+            title="Roofline",
+        )
+    )
     print()
     table_rows = []
     for r in rows:
-        table_rows.append([r.batch, "yes" if r.fits else "NO", r.memory_needed_bytes / 1e9, r.memory_floor_s * 1e3,
-                           r.compute_floor_s * 1e3, r.step_s * 1e3, r.bound, r.tokens_per_s,
-                           r.tokens_per_s_per_user, r.cost_per_million])
-    print(format_table(["batch", "fits", "mem GB", "mem floor ms", "compute ms", "step ms", "bound", "tok/s/dev",
-                        "tok/s/user", "$/1M tok"], table_rows, digits=3,
-                       title=f"Decode at context {args.context}, ${args.price_per_hour:g}/hour "
-                             "(fits=NO: weights + KV exceed device memory)"))
+        table_rows.append(
+            [
+                r.batch,
+                "yes" if r.fits else "NO",
+                r.memory_needed_bytes / 1e9,
+                r.memory_floor_s * 1e3,
+                r.compute_floor_s * 1e3,
+                r.step_s * 1e3,
+                r.bound,
+                r.tokens_per_s,
+                r.tokens_per_s_per_user,
+                r.cost_per_million,
+            ]
+        )
+    print(
+        format_table(
+            [
+                "batch",
+                "fits",
+                "mem GB",
+                "mem floor ms",
+                "compute ms",
+                "step ms",
+                "bound",
+                "tok/s/dev",
+                "tok/s/user",
+                "$/1M tok",
+            ],
+            table_rows,
+            digits=3,
+            title=f"Decode at context {args.context}, ${args.price_per_hour:g}/hour "
+            "(fits=NO: weights + KV exceed device memory)",
+        )
+    )
     print()
     spec = rf.spec_table(args.alpha, args.gamma, args.draft_cost)
     by_alpha: dict[float, dict[int, dict]] = {}
     for s in spec:
         by_alpha.setdefault(s["alpha"], {})[s["gamma"]] = s
     heads = ["alpha"] + [f"g={g}" for g in args.gamma]
-    print(format_table(heads, [[f"{a:g}"] + [by_alpha[a][g]["speedup"] for g in args.gamma] for a in args.alpha],
-                       title=f"Speculative decoding: expected speed-up, draft cost c={args.draft_cost:g}"))
+    print(
+        format_table(
+            heads,
+            [[f"{a:g}"] + [by_alpha[a][g]["speedup"] for g in args.gamma] for a in args.alpha],
+            title=f"Speculative decoding: expected speed-up, draft cost c={args.draft_cost:g}",
+        )
+    )
     print()
-    print(format_table(heads, [[f"{a:g}"] + [by_alpha[a][g]["expected_tokens"] for g in args.gamma]
-                               for a in args.alpha], title="Speculative decoding: expected tokens per target pass"))
+    print(
+        format_table(
+            heads,
+            [[f"{a:g}"] + [by_alpha[a][g]["expected_tokens"] for g in args.gamma] for a in args.alpha],
+            title="Speculative decoding: expected tokens per target pass",
+        )
+    )
     if args.json:
         from dataclasses import asdict
 
-        dump_json(args.json, {k: v for k, v in vars(args).items() if k != "func"}, {
-            "model": asdict(model), "hardware": asdict(hw), "kv_bytes_per_token": kvt,
-            "max_sequences": fit, "rows": rf.rows_as_dicts(rows), "speculative": spec})
+        dump_json(
+            args.json,
+            {k: v for k, v in vars(args).items() if k != "func"},
+            {
+                "model": asdict(model),
+                "hardware": asdict(hw),
+                "kv_bytes_per_token": kvt,
+                "max_sequences": fit,
+                "rows": rf.rows_as_dicts(rows),
+                "speculative": spec,
+            },
+        )
         print(f"\nwrote {args.json}")
     return 0

@@ -13,70 +13,143 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     d = RouterConfig.__dataclass_fields__
     p = subparsers.add_parser(
-        "router", help="route requests over kvflow servers (prefill/decode disaggregation, replicas)",
+        "router",
+        help="route requests over kvflow servers (prefill/decode disaggregation, replicas)",
         description="An OpenAI-compatible proxy in front of kvflow servers. With --prefill and --decode "
-                    "(the pd policy) each request is prefilled on a prefill engine (kv_producer), then "
-                    "generated on a decode engine (kv_consumer) that fetches the prompt's KV; with "
-                    "--backend the requests are spread over equal replicas (--policy round_robin, "
-                    "least_loaded or cache_aware), unhealthy ones left out. "
-                    "Binds 127.0.0.1 unless --host says otherwise.")
-    p.add_argument("--host", default=d["host"].default,
-                   help="address to bind; 0.0.0.0 exposes the router to the network (default: %(default)s)")
+        "(the pd policy) each request is prefilled on a prefill engine (kv_producer), then "
+        "generated on a decode engine (kv_consumer) that fetches the prompt's KV; with "
+        "--backend the requests are spread over equal replicas (--policy round_robin, "
+        "least_loaded or cache_aware), unhealthy ones left out. "
+        "Binds 127.0.0.1 unless --host says otherwise.",
+    )
+    p.add_argument(
+        "--host",
+        default=d["host"].default,
+        help="address to bind; 0.0.0.0 exposes the router to the network (default: %(default)s)",
+    )
     p.add_argument("--port", type=int, default=d["port"].default, help="TCP port (default: %(default)s)")
-    p.add_argument("--policy", choices=sorted(POLICIES), default=None,
-                   help="how requests are routed: pd (--prefill/--decode); over --backend replicas: "
-                        "round_robin (each in turn), least_loaded (fewest running + waiting requests), "
-                        "cache_aware (the replica that holds most of the prompt's prefix, unless loads are "
-                        "imbalanced) (default: pd with --prefill/--decode, else round_robin)")
-    p.add_argument("--prefill", nargs="+", default=[], metavar="URL",
-                   help="prefill engines (kv_producer), e.g. http://127.0.0.1:8100; chosen round robin")
-    p.add_argument("--decode", nargs="+", default=[], metavar="URL",
-                   help="decode engines (kv_consumer), e.g. http://127.0.0.1:8200; chosen round robin")
-    p.add_argument("--backend", nargs="+", default=[], metavar="URL",
-                   help="replicas for a data-parallel policy, e.g. http://127.0.0.1:8100")
-    p.add_argument("--timeout-s", type=float, default=d["timeout_s"].default,
-                   help="give up on an upstream silent this long: a prefill's answer, a non-streamed "
-                        "completion, the next chunk of a stream (default: %(default)s)")
-    p.add_argument("--connect-timeout-s", type=float, default=d["connect_timeout_s"].default,
-                   help="give up connecting to an upstream after this long (then: fall back or 502) "
-                        "(default: %(default)s)")
-    p.add_argument("--health-timeout-s", type=float, default=d["health_timeout_s"].default,
-                   help="per backend, for GET /health and the background probes and scrapes "
-                        "(default: %(default)s)")
+    p.add_argument(
+        "--policy",
+        choices=sorted(POLICIES),
+        default=None,
+        help="how requests are routed: pd (--prefill/--decode); over --backend replicas: "
+        "round_robin (each in turn), least_loaded (fewest running + waiting requests), "
+        "cache_aware (the replica that holds most of the prompt's prefix, unless loads are "
+        "imbalanced) (default: pd with --prefill/--decode, else round_robin)",
+    )
+    p.add_argument(
+        "--prefill",
+        nargs="+",
+        default=[],
+        metavar="URL",
+        help="prefill engines (kv_producer), e.g. http://127.0.0.1:8100; chosen round robin",
+    )
+    p.add_argument(
+        "--decode",
+        nargs="+",
+        default=[],
+        metavar="URL",
+        help="decode engines (kv_consumer), e.g. http://127.0.0.1:8200; chosen round robin",
+    )
+    p.add_argument(
+        "--backend",
+        nargs="+",
+        default=[],
+        metavar="URL",
+        help="replicas for a data-parallel policy, e.g. http://127.0.0.1:8100",
+    )
+    p.add_argument(
+        "--timeout-s",
+        type=float,
+        default=d["timeout_s"].default,
+        help="give up on an upstream silent this long: a prefill's answer, a non-streamed "
+        "completion, the next chunk of a stream (default: %(default)s)",
+    )
+    p.add_argument(
+        "--connect-timeout-s",
+        type=float,
+        default=d["connect_timeout_s"].default,
+        help="give up connecting to an upstream after this long (then: fall back or 502) (default: %(default)s)",
+    )
+    p.add_argument(
+        "--health-timeout-s",
+        type=float,
+        default=d["health_timeout_s"].default,
+        help="per backend, for GET /health and the background probes and scrapes (default: %(default)s)",
+    )
     g = p.add_argument_group("replicas (--backend)")
-    g.add_argument("--health-interval-s", type=float, default=d["health_interval_s"].default,
-                   help="probe each replica's /health this often; one that fails leaves the rotation "
-                        "until it passes again (default: %(default)s)")
-    g.add_argument("--load-poll-s", type=float, default=d["load_poll_s"].default,
-                   help="least_loaded, cache_aware: scrape each replica's /metrics for its load this "
-                        "often; the router's own in-flight changes count in between (default: %(default)s)")
-    g.add_argument("--cache-threshold", type=float, default=d["cache_threshold"].default,
-                   help="cache_aware: route to the replica with the longest prefix match when it covers "
-                        "at least this share of the prompt's characters, else to the least loaded "
-                        "(default: %(default)s)")
-    g.add_argument("--balance-abs-threshold", type=int, default=d["balance_abs_threshold"].default,
-                   help="cache_aware: loads are imbalanced (route to the least loaded, ignoring prefixes) "
-                        "when max - min exceeds this and max exceeds --balance-rel-threshold x min "
-                        "(default: %(default)s)")
-    g.add_argument("--balance-rel-threshold", type=float, default=d["balance_rel_threshold"].default,
-                   help="cache_aware: see --balance-abs-threshold (default: %(default)s)")
-    g.add_argument("--cache-max-chars", type=int, default=d["cache_max_chars"].default,
-                   help="cache_aware: characters of prompt text remembered per replica; the least recently "
-                        "used are forgotten beyond (default: %(default)s)")
-    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info",
-                   help="router log level (default: %(default)s)")
+    g.add_argument(
+        "--health-interval-s",
+        type=float,
+        default=d["health_interval_s"].default,
+        help="probe each replica's /health this often; one that fails leaves the rotation "
+        "until it passes again (default: %(default)s)",
+    )
+    g.add_argument(
+        "--load-poll-s",
+        type=float,
+        default=d["load_poll_s"].default,
+        help="least_loaded, cache_aware: scrape each replica's /metrics for its load this "
+        "often; the router's own in-flight changes count in between (default: %(default)s)",
+    )
+    g.add_argument(
+        "--cache-threshold",
+        type=float,
+        default=d["cache_threshold"].default,
+        help="cache_aware: route to the replica with the longest prefix match when it covers "
+        "at least this share of the prompt's characters, else to the least loaded "
+        "(default: %(default)s)",
+    )
+    g.add_argument(
+        "--balance-abs-threshold",
+        type=int,
+        default=d["balance_abs_threshold"].default,
+        help="cache_aware: loads are imbalanced (route to the least loaded, ignoring prefixes) "
+        "when max - min exceeds this and max exceeds --balance-rel-threshold x min "
+        "(default: %(default)s)",
+    )
+    g.add_argument(
+        "--balance-rel-threshold",
+        type=float,
+        default=d["balance_rel_threshold"].default,
+        help="cache_aware: see --balance-abs-threshold (default: %(default)s)",
+    )
+    g.add_argument(
+        "--cache-max-chars",
+        type=int,
+        default=d["cache_max_chars"].default,
+        help="cache_aware: characters of prompt text remembered per replica; the least recently "
+        "used are forgotten beyond (default: %(default)s)",
+    )
+    p.add_argument(
+        "--log-level",
+        choices=("debug", "info", "warning", "error"),
+        default="info",
+        help="router log level (default: %(default)s)",
+    )
     p.set_defaults(func=run_router)
 
 
 def config_from_args(args: argparse.Namespace):
     from kvflow.router.config import RouterConfig
 
-    return RouterConfig(host=args.host, port=args.port, policy=args.policy, backends=args.backend,
-                        prefill=args.prefill, decode=args.decode, timeout_s=args.timeout_s,
-                        connect_timeout_s=args.connect_timeout_s, health_timeout_s=args.health_timeout_s,
-                        health_interval_s=args.health_interval_s, load_poll_s=args.load_poll_s,
-                        cache_threshold=args.cache_threshold, balance_abs_threshold=args.balance_abs_threshold,
-                        balance_rel_threshold=args.balance_rel_threshold, cache_max_chars=args.cache_max_chars)
+    return RouterConfig(
+        host=args.host,
+        port=args.port,
+        policy=args.policy,
+        backends=args.backend,
+        prefill=args.prefill,
+        decode=args.decode,
+        timeout_s=args.timeout_s,
+        connect_timeout_s=args.connect_timeout_s,
+        health_timeout_s=args.health_timeout_s,
+        health_interval_s=args.health_interval_s,
+        load_poll_s=args.load_poll_s,
+        cache_threshold=args.cache_threshold,
+        balance_abs_threshold=args.balance_abs_threshold,
+        balance_rel_threshold=args.balance_rel_threshold,
+        cache_max_chars=args.cache_max_chars,
+    )
 
 
 def run_router(args: argparse.Namespace) -> int:
@@ -84,10 +157,9 @@ def run_router(args: argparse.Namespace) -> int:
     logging.getLogger("kvflow").setLevel(args.log_level.upper())
 
     from kvflow.router.app import serve_router
+    from kvflow.utils.http import url_host
 
-    host = "127.0.0.1" if config.host in ("0.0.0.0", "") else (f"[{config.host}]" if ":" in config.host
-                                                              else config.host)
-    url = f"http://{host}:{config.port}"
+    url = f"http://{url_host(config.host)}:{config.port}"
     if config.is_pd:
         where = f"prefill {', '.join(config.prefill)} -> decode {', '.join(config.decode)}"
     else:

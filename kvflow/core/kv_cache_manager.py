@@ -50,8 +50,7 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 extra_key: bytes = b"") -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, extra_key: bytes = b"") -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_caching)
         self.enable_caching = enable_caching
@@ -66,8 +65,9 @@ class KVCacheManager:
         bs = self.block_size
         hashes = req.block_hashes
         for i in range(len(hashes), num_tokens // bs):
-            hashes.append(hash_block(hashes[-1] if hashes else None,
-                                     req.token_ids_between(i * bs, (i + 1) * bs), self.extra_key))
+            hashes.append(
+                hash_block(hashes[-1] if hashes else None, req.token_ids_between(i * bs, (i + 1) * bs), self.extra_key)
+            )
 
     def get_computed_blocks(self, req: Request) -> ComputedBlocks:
         """req's longest cached prefix in the pool (nothing is referenced yet; see allocate_slots).
@@ -86,8 +86,9 @@ class KVCacheManager:
             self.prefix_stats.hits += num_hit_tokens
 
     # ---- allocation ------------------------------------------------------------------------
-    def allocate_slots(self, req: Request, num_new_tokens: int, computed: ComputedBlocks | None = None,
-                       register: bool = True) -> bool:
+    def allocate_slots(
+        self, req: Request, num_new_tokens: int, computed: ComputedBlocks | None = None, register: bool = True
+    ) -> bool:
         """Make room for num_new_tokens more tokens of req, after the cached prefix it reuses
         (`computed`, for a request being admitted: its external blocks are the first new ones).
         Returns False, changing nothing, if the pool is short. `register=False`: do not enter

@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
-
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from kvflow.core.kv_cache_manager import ComputedBlocks, KVCacheManager, cdiv
 from kvflow.core.request import Request, RequestStatus
@@ -147,7 +146,8 @@ class Scheduler:
         key = None
         if self.connector is not None:
             key, req.kv_transfer_params = self.connector.request_finished(
-                req, self.kv_cache.block_tables.get(req.request_id, []))
+                req, self.kv_cache.block_tables.get(req.request_id, [])
+            )
         if key is None:
             self.kv_cache.free(req)
         else:
@@ -173,8 +173,9 @@ class Scheduler:
         pool, bs = self.kv_cache.pool, self.kv_cache.block_size
         held = pool.num_blocks - pool.num_free_blocks
         # Only a request's last block can be partly empty, and such a block is never shared.
-        empty_slots = sum(len(self.kv_cache.block_tables.get(r.request_id, ())) * bs - r.num_computed_tokens
-                          for r in self.running)
+        empty_slots = sum(
+            len(self.kv_cache.block_tables.get(r.request_id, ())) * bs - r.num_computed_tokens for r in self.running
+        )
         cached_free = pool.num_cached_free_blocks
         return KVMemoryStats(
             blocks_in_use=held,
@@ -242,8 +243,7 @@ class Scheduler:
         scheduled.add(req.request_id)
         return n
 
-    def _allocate_running(self, req: Request, n: int, scheduled: set[str],
-                          out: SchedulerOutput) -> tuple[bool, bool]:
+    def _allocate_running(self, req: Request, n: int, scheduled: set[str], out: SchedulerOutput) -> tuple[bool, bool]:
         """Slots for n more tokens of a running request, preempting the last running request not
         yet scheduled this step (in the policy's order) while blocks run out. Returns (req got
         them, something was preempted or req itself was)."""
@@ -293,15 +293,16 @@ class Scheduler:
 
     def _external_blocks(self, req: Request, cached: ComputedBlocks) -> list[int]:
         start = len(cached.blocks)  # an admitted request's table: pool hits, external blocks, new ones
-        return self.kv_cache.block_table(req)[start:start + cached.num_external_blocks]
+        return self.kv_cache.block_table(req)[start : start + cached.num_external_blocks]
 
     def _start_async_load(self, req: Request, cached: ComputedBlocks) -> bool:
         """Give req the blocks its remote KV will land in; it waits (no compute) until the
         worker reports them loaded. Their hashes enter the prefix cache only then."""
         if not self.kv_cache.allocate_slots(req, 0, cached, register=False):
             return False
-        self.connector.update_state_after_alloc(req, self._external_blocks(req, cached),
-                                                cached.num_external_blocks * self.kv_cache.block_size)
+        self.connector.update_state_after_alloc(
+            req, self._external_blocks(req, cached), cached.num_external_blocks * self.kv_cache.block_size
+        )
         self.waiting.remove(req)
         req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         self.waiting_for_kv[req.request_id] = req
@@ -450,4 +451,3 @@ class Scheduler:
         if req.num_output_tokens >= req.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None
-

@@ -25,17 +25,23 @@ from collections import deque
 
 import numpy as np
 
-
 REFIT_EVERY = 8
 
 
 class StepCostModel:
-    def __init__(self, window: int = 256, prior_token_ratio: float = 0.01, prior_chunk_ratio: float = 0.02,
-                 prior_mixed_ratio: float = 0.05, prior_context_ratio: float = 0.005,
-                 prior_pairs_ratio: float = 10.0) -> None:
+    def __init__(
+        self,
+        window: int = 256,
+        prior_token_ratio: float = 0.01,
+        prior_chunk_ratio: float = 0.02,
+        prior_mixed_ratio: float = 0.05,
+        prior_context_ratio: float = 0.005,
+        prior_pairs_ratio: float = 10.0,
+    ) -> None:
         self.samples: deque[tuple[int, int, float, float, float]] = deque(maxlen=window)
-        self.prior = np.array([1.0, prior_token_ratio, prior_chunk_ratio, prior_mixed_ratio,
-                               prior_context_ratio, prior_pairs_ratio])  # / a
+        self.prior = np.array(
+            [1.0, prior_token_ratio, prior_chunk_ratio, prior_mixed_ratio, prior_context_ratio, prior_pairs_ratio]
+        )  # / a
         self._fit: tuple[float, ...] | None = None
         self._unfitted = 0  # samples observed since the last fit
         self.errors: deque[float] = deque(maxlen=window)
@@ -56,8 +62,9 @@ class StepCostModel:
     def coefficients(self) -> tuple[float, ...]:
         """(a, b, c, m, d, p): seconds per step, per token, per multi-token sequence, per step having
         any, per 1,000 context positions, per million chunk query-key pairs. With no data only the ratios are known: (1, prior b, ...)."""
-        # A fit costs ~0.5 ms (2% of a batch-1 decode step): once the window holds enough steps it is
-        # refitted every REFIT_EVERY of them, not on every one.
+        # A fit is a small least-squares solve, but not free next to a batch-1 decode step (figures:
+        # docs/benchmarks/results/): once the window holds enough steps it is refitted every
+        # REFIT_EVERY of them, not on every one.
         if self._fit is None or self._unfitted >= (1 if len(self.samples) < 32 else REFIT_EVERY):
             self._fit, self._unfitted = self._solve(), 0
         return self._fit
@@ -79,9 +86,11 @@ class StepCostModel:
         scale = float(y.mean()) / float(self.prior @ x.mean(axis=0))
         weight = np.sqrt(len(data)) * (x.std(axis=0) + 1.0) * 0.03 / float(y.mean())
         weight[0] = 0.0
-        coef, *_ = np.linalg.lstsq(np.vstack([x / y[:, None], np.diag(weight)[1:]]),
-                                   np.concatenate([np.ones_like(y), weight[1:] * self.prior[1:] * scale]),
-                                   rcond=None)
+        coef, *_ = np.linalg.lstsq(
+            np.vstack([x / y[:, None], np.diag(weight)[1:]]),
+            np.concatenate([np.ones_like(y), weight[1:] * self.prior[1:] * scale]),
+            rcond=None,
+        )
         floor = 1e-3 * scale  # never free: noise must not make tokens or chunks cost nothing
         lows = np.concatenate([[floor], self.prior[1:] * floor])
         return tuple(np.maximum(coef, lows).tolist())

@@ -60,8 +60,16 @@ class TPGroup:
             self.shm = None
 
 
-def select_all_reduce(tp: TPGroup, shm_path: str, slot_bytes: int, hidden_size: int, rounds: int = 30,
-                      check_peers=None, timeout_s: float = 120.0, force: str | None = None) -> str:
+def select_all_reduce(
+    tp: TPGroup,
+    shm_path: str,
+    slot_bytes: int,
+    hidden_size: int,
+    rounds: int = 30,
+    check_peers=None,
+    timeout_s: float = 120.0,
+    force: str | None = None,
+) -> str:
     """Every rank calls this at the same point: time gloo and the shared-memory all-reduce on a
     decode-sized tensor, keep the faster (rank 0 decides, so all ranks agree). KVFLOW_TP_ALL_REDUCE
     = gloo | shm (or `force`, the same on every rank) forces one."""
@@ -93,21 +101,30 @@ def select_all_reduce(tp: TPGroup, shm_path: str, slot_bytes: int, hidden_size: 
     else:
         shm.close()
     if tp.is_first:
-        logger.info("tensor parallel all-reduce: %s (measured [32, %d] fp32: gloo %.3f ms, shared memory %.3f ms)",
-                    name, hidden_size, 1000 * t_gloo / rounds, 1000 * t_shm / rounds)
+        logger.info(
+            "tensor parallel all-reduce: %s (measured [32, %d] fp32: gloo %.3f ms, shared memory %.3f ms)",
+            name,
+            hidden_size,
+            1000 * t_gloo / rounds,
+            1000 * t_shm / rounds,
+        )
     return name
 
 
 def init_tp_group(rank: int, size: int, init_method: str, timeout_s: float) -> TPGroup:
     """Join the gloo group of `size` ranks at `init_method` (tcp://host:port); bounded by timeout_s."""
-    torch.distributed.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size,
-                                         timeout=timedelta(seconds=timeout_s))
+    torch.distributed.init_process_group(
+        "gloo", init_method=init_method, rank=rank, world_size=size, timeout=timedelta(seconds=timeout_s)
+    )
     return TPGroup(rank, size, torch.distributed.group.WORLD)
 
 
 def check_divisible(cfg: ModelConfig, size: int) -> None:
-    for name, value in (("attention heads", cfg.num_heads), ("KV heads", cfg.num_kv_heads),
-                        ("FFN width (intermediate_size)", cfg.intermediate_size)):
+    for name, value in (
+        ("attention heads", cfg.num_heads),
+        ("KV heads", cfg.num_kv_heads),
+        ("FFN width (intermediate_size)", cfg.intermediate_size),
+    ):
         if value % size:
             raise ValueError(f"tensor_parallel_size={size} must divide the model's {name} ({value})")
 
@@ -117,8 +134,12 @@ def local_config(cfg: ModelConfig, size: int) -> ModelConfig:
     if size == 1:
         return cfg
     check_divisible(cfg, size)
-    return dataclasses.replace(cfg, num_heads=cfg.num_heads // size, num_kv_heads=cfg.num_kv_heads // size,
-                               intermediate_size=cfg.intermediate_size // size)
+    return dataclasses.replace(
+        cfg,
+        num_heads=cfg.num_heads // size,
+        num_kv_heads=cfg.num_kv_heads // size,
+        intermediate_size=cfg.intermediate_size // size,
+    )
 
 
 # HF projection name -> (which dimension is split, 0 = output rows / 1 = input columns)

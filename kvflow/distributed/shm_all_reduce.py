@@ -27,8 +27,9 @@ _CHECK_EVERY_S = 0.5  # while waiting: how often to ask whether the other ranks 
 
 
 class ShmAllReduce:
-    def __init__(self, path: str, rank: int, size: int, slot_bytes: int, create: bool,
-                 timeout_s: float = 120.0) -> None:
+    def __init__(
+        self, path: str, rank: int, size: int, slot_bytes: int, create: bool, timeout_s: float = 120.0
+    ) -> None:
         self.rank, self.size, self.slot_bytes = rank, size, slot_bytes
         self.timeout_s = timeout_s
         # Raises when a peer is known dead (set by the executor): a wait never outlives its peers.
@@ -51,8 +52,12 @@ class ShmAllReduce:
         return path
 
     def fits(self, t: torch.Tensor) -> bool:
-        return (t.dtype in (torch.float32, torch.float64) and t.is_contiguous() and t.device.type == "cpu"
-                and t.numel() * t.element_size() <= self.slot_bytes)
+        return (
+            t.dtype in (torch.float32, torch.float64)
+            and t.is_contiguous()
+            and t.device.type == "cpu"
+            and t.numel() * t.element_size() <= self.slot_bytes
+        )
 
     def _publish(self, t: torch.Tensor) -> tuple[int, int]:
         """Write t into this round's slot and say so; returns (round, parity)."""
@@ -79,8 +84,9 @@ class ShmAllReduce:
                         self.check_peers()
                     if now - start > self.timeout_s:
                         late = [i for i in range(self.size) if int(self._counters[i]) < r]
-                        raise RuntimeError(f"tensor-parallel all-reduce: rank(s) {late} did not arrive within "
-                                           f"{self.timeout_s:g} s")
+                        raise RuntimeError(
+                            f"tensor-parallel all-reduce: rank(s) {late} did not arrive within {self.timeout_s:g} s"
+                        )
 
     def gather(self, t: torch.Tensor, widths: list[int], is_first: bool) -> list[torch.Tensor] | None:
         """Every rank's 2-D `t` (the same rows; rank i's has widths[i] columns) to the first rank,
@@ -91,8 +97,10 @@ class ShmAllReduce:
             return None
         self._wait_all(r)
         rows, dtype = t.shape[0], t.numpy().dtype
-        return [torch.from_numpy(self._data[parity, i, :rows * w * t.element_size()].view(dtype).reshape(rows, w).copy())
-                for i, w in enumerate(widths)]
+        return [
+            torch.from_numpy(self._data[parity, i, : rows * w * t.element_size()].view(dtype).reshape(rows, w).copy())
+            for i, w in enumerate(widths)
+        ]
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
         r, parity = self._publish(t)

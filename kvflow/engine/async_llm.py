@@ -95,7 +95,7 @@ class RequestHandle:
     Yields cumulative `RequestOutput`s until the finished one; raises `RequestFailedError` if the
     engine failed the request. `abort()` may be called at any time (idempotent)."""
 
-    def __init__(self, llm: "AsyncLLM", request_id: str) -> None:
+    def __init__(self, llm: AsyncLLM, request_id: str) -> None:
         self._llm = llm
         self.request_id = request_id
         self._latest: RequestOutput | None = None
@@ -128,7 +128,7 @@ class RequestHandle:
             self._abort_sent = True
             self._llm._send(_Abort([self.request_id]))
 
-    def __aiter__(self) -> "RequestHandle":
+    def __aiter__(self) -> RequestHandle:
         return self
 
     async def __anext__(self) -> RequestOutput:
@@ -146,10 +146,16 @@ class RequestHandle:
 
 
 class AsyncLLM:
-    def __init__(self, engine: LLMEngine, *, max_waiting_requests: int | None = None,
-                 metrics: EngineMetrics | None = None, log_interval_s: float | None = 5.0,
-                 on_fatal: Callable[[BaseException], None] | None = None,
-                 engine_thread: EngineThread | None = None) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        *,
+        max_waiting_requests: int | None = None,
+        metrics: EngineMetrics | None = None,
+        log_interval_s: float | None = 5.0,
+        on_fatal: Callable[[BaseException], None] | None = None,
+        engine_thread: EngineThread | None = None,
+    ) -> None:
         """`engine_thread`: the thread that built `engine` (see kvflow.engine.engine_thread: steps
         on another thread than the one that loaded the model run slower); default: a new one."""
         self.engine = engine
@@ -174,7 +180,7 @@ class AsyncLLM:
         self._stopped = False
 
     @classmethod
-    def from_config(cls, config, **kwargs: Any) -> "AsyncLLM":
+    def from_config(cls, config, **kwargs: Any) -> AsyncLLM:
         return cls(LLMEngine(config), **kwargs)
 
     # ---- life cycle (event loop) ------------------------------------------------------------------
@@ -222,9 +228,16 @@ class AsyncLLM:
             return False
 
     # ---- requests (event loop) --------------------------------------------------------------------
-    async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
-                          add_special_tokens: bool = True, arrival_time: float | None = None,
-                          client: str | None = None) -> RequestHandle:
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        *,
+        add_special_tokens: bool = True,
+        arrival_time: float | None = None,
+        client: str | None = None,
+    ) -> RequestHandle:
         """Queue a request in the engine thread and return its handle once the engine took it.
 
         Raises ValueError (bad input, as `LLMEngine.add_request`), EngineOverloadedError (too many
@@ -251,8 +264,9 @@ class AsyncLLM:
         except TimeoutError:
             manager.compiled(spec, timeout=0)  # raises the timeout's GrammarError
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
-                       add_special_tokens: bool = True) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str, add_special_tokens: bool = True
+    ) -> AsyncIterator[RequestOutput]:
         """Cumulative outputs of one request; leaving the loop early (break, cancellation,
         GeneratorExit) aborts the request."""
         handle = await self.add_request(request_id, prompt, params, add_special_tokens=add_special_tokens)
@@ -424,10 +438,17 @@ class AsyncLLM:
                         self.metrics.record_rejected()
                     raise EngineOverloadedError(
                         f"the server is overloaded: {waiting} requests are waiting (max_waiting_requests="
-                        f"{limit}); retry later")
+                        f"{limit}); retry later"
+                    )
             try:
-                self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, arrival_time=cmd.arrival_time,
-                                        add_special_tokens=cmd.add_special_tokens, client=cmd.client)
+                self.engine.add_request(
+                    cmd.request_id,
+                    cmd.prompt,
+                    cmd.params,
+                    arrival_time=cmd.arrival_time,
+                    add_special_tokens=cmd.add_special_tokens,
+                    client=cmd.client,
+                )
             except AdmissionRejected as e:
                 if self.metrics is not None:
                     self.metrics.record_rejected(e.reason)

@@ -28,8 +28,9 @@ class IncrementalDetokenizer:
         self._ids.append(token_id)
         window = self._ids[self._prefix_offset :]
         decode = self.tokenizer.decode
-        prefix = decode(self._ids[self._prefix_offset : self._read_offset],
-                        skip_special_tokens=self.skip_special_tokens)
+        prefix = decode(
+            self._ids[self._prefix_offset : self._read_offset], skip_special_tokens=self.skip_special_tokens
+        )
         full = decode(window, skip_special_tokens=self.skip_special_tokens)
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             self._prefix_offset = self._read_offset
@@ -40,7 +41,7 @@ class IncrementalDetokenizer:
                 del self._ids[:drop]
                 self._prefix_offset -= drop
                 self._read_offset -= drop
-            return full[len(prefix):]
+            return full[len(prefix) :]
         return ""
 
 
@@ -94,7 +95,8 @@ def _decoder_is_byte_level(tokenizer: Any) -> bool:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or backend.decoder is None:
         return False
-    # The decoder's own JSON: serializing the whole tokenizer (vocabulary and merges) took 0.1 s.
+    # The decoder's own JSON: serializing the whole tokenizer (vocabulary and merges) would cost a
+    # warm start a noticeable share of its time (figures: docs/benchmarks/results/).
     decoder = json.loads(backend.decoder.__getstate__())
     kinds = [decoder.get("type")] + [d.get("type") for d in decoder.get("decoders", [])]
     return "ByteLevel" in kinds

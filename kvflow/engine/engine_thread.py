@@ -6,9 +6,9 @@ worker threads for each thread that has started a parallel region. Once two thre
 have (the model loaded and warmed up on the main thread, then stepped on another), it manages more
 threads than there are CPUs and its workers stop spinning between regions, so every parallel region
 waits for its workers to wake up. Built and stepped on this thread, an engine never has a second
-pool (the server's main thread only runs the event loop). On a 2-vCPU Xeon (torch 2.13) served
-bf16 throughput went from 69% to 94% of the same requests run offline (benchmarks/serve_peers.py
-against benchmarks/serve_replay.py, before and after this change).
+pool (the server's main thread only runs the event loop). What this is worth is measured by
+benchmarks/serve_peers.py (served) against benchmarks/serve_replay.py (the same requests offline);
+figures: docs/benchmarks/results/.
 """
 
 from __future__ import annotations

@@ -21,8 +21,9 @@ from kvflow.engine.slo_tracker import SLOStats, SLOTracker
 from kvflow.executor import Executor
 from kvflow.kv_transfer.base import KVConnectorScheduler
 from kvflow.outputs import RequestMetrics, RequestOutput
-from kvflow.sampling_params import SamplingParams, is_int, check_text
+from kvflow.sampling_params import SamplingParams, check_text
 from kvflow.structured_output.manager import StructuredOutputManager, StructuredOutputStats
+from kvflow.utils.validation import is_int
 
 if TYPE_CHECKING:
     from kvflow.kv_transfer.offload_store import OffloadStats
@@ -51,9 +52,9 @@ class EngineStats:
     # Averaged over steps: tokens stored / slots in held blocks, and / a contiguous reservation.
     kv_utilization_mean: float
     kv_utilization_contiguous_mean: float
-    kv_offload: "OffloadStats | None" = None
-    kv_transfer: "KVTransferStats | None" = None
-    spec_decode: "SpecDecodeStats | None" = None
+    kv_offload: OffloadStats | None = None
+    kv_transfer: KVTransferStats | None = None
+    spec_decode: SpecDecodeStats | None = None
     structured_output: StructuredOutputStats | None = None
     slo: SLOStats | None = None
     step_cost_error: float | None = None  # median relative error of the step-time predictions
@@ -91,20 +92,39 @@ class LLMEngine:
         # into its scheduler side and the executor's worker side (whose block reads and writes
         # reach every tensor-parallel rank).
         self.kv_connector, self.executor.kv_connector = make_kv_connector(
-            config, self._kv_identity(ckpt), self.executor.kv_io, self.model_config.num_layers)
+            config, self._kv_identity(ckpt), self.executor.kv_io, self.model_config.num_layers
+        )
         self.kv_cache = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         # One model of step times, learned from every step: the speculator and the slo policy predict with it.
         self.step_cost = StepCostModel()
-        policy = make_policy(config.scheduling_policy, self.step_cost, config.max_num_batched_tokens,
-                             config.priority_aging_s, config.slo_admission_factor)
-        self.scheduler = Scheduler(self.kv_cache, config.max_num_batched_tokens, config.max_num_seqs, policy,
-                                   VirtualTokenCounter() if config.fairness == "vtc" else None,
-                                   config.max_queue_time_s, connector=self.kv_connector)
+        policy = make_policy(
+            config.scheduling_policy,
+            self.step_cost,
+            config.max_num_batched_tokens,
+            config.priority_aging_s,
+            config.slo_admission_factor,
+        )
+        self.scheduler = Scheduler(
+            self.kv_cache,
+            config.max_num_batched_tokens,
+            config.max_num_seqs,
+            policy,
+            VirtualTokenCounter() if config.fairness == "vtc" else None,
+            config.max_queue_time_s,
+            connector=self.kv_connector,
+        )
         self.output_processor = OutputProcessor(self.tokenizer)
         # Grammars for structured outputs; the compiler is built on first use (or warm_up()).
-        self.structured = None if self.tokenizer is None else StructuredOutputManager(
-            self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
-            config.structured_outputs_compile_timeout_s)
+        self.structured = (
+            None
+            if self.tokenizer is None
+            else StructuredOutputManager(
+                self.tokenizer,
+                self.model_config.vocab_size,
+                self.eos_token_ids,
+                config.structured_outputs_compile_timeout_s,
+            )
+        )
         spec = config.speculative()
         self.speculator = None
         if spec is not None:
@@ -114,8 +134,9 @@ class LLMEngine:
             if spec.method == "draft_model":
                 from kvflow.spec_decode.draft_model import DraftModelProposer
 
-                proposer = DraftModelProposer.create(config, spec, self.model_config.vocab_size, self.max_model_len,
-                                                     self.num_kv_blocks, self.tokenizer)
+                proposer = DraftModelProposer.create(
+                    config, spec, self.model_config.vocab_size, self.max_model_len, self.num_kv_blocks, self.tokenizer
+                )
             self.speculator = Speculator(spec, proposer, cost=self.step_cost)
         self.slo = SLOTracker()
         self._children: dict[str, list[str]] = {}
@@ -148,7 +169,7 @@ class LLMEngine:
             ids.add(self.tokenizer.eos_token_id)
         return tuple(sorted(ids))
 
-    def _num_blocks(self, kv: "KVCacheSpec") -> int:
+    def _num_blocks(self, kv: KVCacheSpec) -> int:
         cfg = self.config
         block_bytes = cfg.block_size * kv.bytes_per_token
         num = cfg.num_kv_blocks or int(cfg.kv_cache_memory_gb * 2**30 // block_bytes)
@@ -156,8 +177,15 @@ class LLMEngine:
         logger.info(
             "KV cache: %d bytes/token (2 x %d layers x %d kv heads x %d head_dim x %s), "
             "%d blocks of %d tokens = %d tokens, %.2f GiB",
-            kv.bytes_per_token, kv.num_layers, kv.num_kv_heads, kv.head_dim, kv.per_value,
-            num, cfg.block_size, num * cfg.block_size, num * block_bytes / 2**30,
+            kv.bytes_per_token,
+            kv.num_layers,
+            kv.num_kv_heads,
+            kv.head_dim,
+            kv.per_value,
+            num,
+            cfg.block_size,
+            num * cfg.block_size,
+            num * block_bytes / 2**30,
         )
         if num < needed:
             raise ValueError(
@@ -174,12 +202,22 @@ class LLMEngine:
         import json
 
         cfg = self.config
-        return json.dumps([ckpt.name, ckpt.hf_config, os.path.getsize(ckpt.path) if os.path.isfile(ckpt.path)
-                           else None, cfg.dtype, cfg.kv_cache_dtype, cfg.quantization, self.block_weights,
-                           cfg.block_size,
-                           # int8 blocks are serialized per rank (values, then scales, of its heads)
-                           cfg.tensor_parallel_size if cfg.kv_cache_dtype == "int8" else 1],
-                          sort_keys=True, default=str).encode()
+        return json.dumps(
+            [
+                ckpt.name,
+                ckpt.hf_config,
+                os.path.getsize(ckpt.path) if os.path.isfile(ckpt.path) else None,
+                cfg.dtype,
+                cfg.kv_cache_dtype,
+                cfg.quantization,
+                self.block_weights,
+                cfg.block_size,
+                # int8 blocks are serialized per rank (values, then scales, of its heads)
+                cfg.tensor_parallel_size if cfg.kv_cache_dtype == "int8" else 1,
+            ],
+            sort_keys=True,
+            default=str,
+        ).encode()
 
     # ---- requests ------------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
@@ -192,9 +230,15 @@ class LLMEngine:
             raise ValueError(f"the prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         return list(prompt)
 
-    def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None, add_special_tokens: bool = True,
-                    client: str | None = None) -> str:
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt: str | list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        add_special_tokens: bool = True,
+        client: str | None = None,
+    ) -> str:
         """Validate and queue a request; returns its id. Raises ValueError on bad input, or
         AdmissionRejected when the scheduling policy refuses it (and then changes nothing).
         `client`: who sent it (fair share across clients)."""
@@ -212,25 +256,37 @@ class LLMEngine:
         cfg = self.config
         ttft = params.ttft_slo_ms if params.ttft_slo_ms is not None else cfg.default_ttft_slo_ms
         tpot = params.tpot_slo_ms if params.tpot_slo_ms is not None else cfg.default_tpot_slo_ms
-        sched_fields = dict(priority=params.priority, client=client, ttft_slo=None if ttft is None else ttft / 1000,
-                            tpot_slo=None if tpot is None else tpot / 1000)
-        self.scheduler.check_admission(Request(request_id, request_id, 0, prompt_ids, params, max_tokens, arrival,
-                                               **sched_fields))
+        sched_fields = dict(
+            priority=params.priority,
+            client=client,
+            ttft_slo=None if ttft is None else ttft / 1000,
+            tpot_slo=None if tpot is None else tpot / 1000,
+        )
+        self.scheduler.check_admission(
+            Request(request_id, request_id, 0, prompt_ids, params, max_tokens, arrival, **sched_fields)
+        )
         grammar = self._grammar(params)
         child_params = [params.for_child(i) for i in range(params.n)]
         for p in child_params:
             p._eos_token_ids = self.eos_token_ids
-        self.output_processor.add_request(request_id, prompt if isinstance(prompt, str) else None,
-                                          prompt_ids, child_params, arrival,
-                                          RequestMetrics(arrival, ttft_slo=sched_fields["ttft_slo"],
-                                                         tpot_slo=sched_fields["tpot_slo"], priority=params.priority))
+        self.output_processor.add_request(
+            request_id,
+            prompt if isinstance(prompt, str) else None,
+            prompt_ids,
+            child_params,
+            arrival,
+            RequestMetrics(
+                arrival, ttft_slo=sched_fields["ttft_slo"], tpot_slo=sched_fields["tpot_slo"], priority=params.priority
+            ),
+        )
         children = []
         for i, p in enumerate(child_params):
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
             if grammar is not None:
                 self.structured.add_request(child_id, grammar)
-            self.scheduler.add_request(Request(child_id, request_id, i, prompt_ids, p, max_tokens, arrival,
-                                               **sched_fields))
+            self.scheduler.add_request(
+                Request(child_id, request_id, i, prompt_ids, p, max_tokens, arrival, **sched_fields)
+            )
             children.append(child_id)
         self._children[request_id] = children
         self._prompt_tokens += len(prompt_ids) * params.n
@@ -252,14 +308,20 @@ class LLMEngine:
             raise ValueError(f"logit_bias: token id {bad[0]} is out of range [0, {vocab})")
         n, limit = len(prompt_ids), self.max_model_len
         if n >= limit:
-            raise ValueError(f"the prompt has {n} tokens but max_model_len is {limit}; "
-                             f"at most {limit - 1} prompt tokens leave room for one output token")
+            raise ValueError(
+                f"the prompt has {n} tokens but max_model_len is {limit}; "
+                f"at most {limit - 1} prompt tokens leave room for one output token"
+            )
         if params.max_tokens is not None and n + params.max_tokens > limit:
-            raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = "
-                             f"{n + params.max_tokens} exceeds max_model_len {limit}")
+            raise ValueError(
+                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = "
+                f"{n + params.max_tokens} exceeds max_model_len {limit}"
+            )
         if params.min_tokens > limit - n:
-            raise ValueError(f"min_tokens ({params.min_tokens}) exceeds the {limit - n} tokens left after the "
-                             f"prompt ({n} tokens) within max_model_len {limit}")
+            raise ValueError(
+                f"min_tokens ({params.min_tokens}) exceeds the {limit - n} tokens left after the "
+                f"prompt ({n} tokens) within max_model_len {limit}"
+            )
 
     def _grammar(self, params: SamplingParams):
         """The compiled grammar of a constrained request (waits for the compile: the server has
@@ -285,7 +347,7 @@ class LLMEngine:
 
     def fail_all(self, error: str) -> list[RequestOutput]:
         """End every request with an error (a model step raised)."""
-        return self._fail_requests({rid: error for rid in list(self._children)})
+        return self._fail_requests(dict.fromkeys(list(self._children), error))
 
     def _fail_requests(self, errors: dict[str, str]) -> list[RequestOutput]:
         """End these user requests (parent id -> error) with finish_reason "error", all their
@@ -392,8 +454,11 @@ class LLMEngine:
         limit = self.config.max_queue_time_s
         errors = {}
         for req in sched.timed_out:
-            errors.setdefault(req.parent_id, f"the request waited more than max_queue_time_s ({limit:g} s) "
-                                             "without being scheduled; the server is overloaded, retry later")
+            errors.setdefault(
+                req.parent_id,
+                f"the request waited more than max_queue_time_s ({limit:g} s) "
+                "without being scheduled; the server is overloaded, retry later",
+            )
         return self._fail_requests(errors)
 
     def _observe_step_time(self, sched: SchedulerOutput, seconds: float) -> None:
@@ -461,13 +526,15 @@ class LLMEngine:
             linear_kernels=self.executor.kernel_summary(),
         )
 
-    def _connector_stats(self) -> tuple["OffloadStats | None", "KVTransferStats | None"]:
+    def _connector_stats(self) -> tuple[OffloadStats | None, KVTransferStats | None]:
         from kvflow.kv_transfer.offload_store import OffloadStats
         from kvflow.kv_transfer.pd import KVTransferStats
 
         stats = None if self.executor.kv_connector is None else self.executor.kv_connector.stats()
-        return (stats if isinstance(stats, OffloadStats) else None,
-                stats if isinstance(stats, KVTransferStats) else None)
+        return (
+            stats if isinstance(stats, OffloadStats) else None,
+            stats if isinstance(stats, KVTransferStats) else None,
+        )
 
     def take_kv_transfer_times(self) -> list[float]:
         """Fetch durations since the last call (for the metrics histogram)."""

@@ -79,24 +79,33 @@ class OutputProcessor:
         self.token_bytes = None if tokenizer is None else TokenBytes(tokenizer)
         self.parents: dict[str, ParentState] = {}
 
-    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    child_params: list[SamplingParams], arrival_time: float,
-                    metrics: RequestMetrics | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        child_params: list[SamplingParams],
+        arrival_time: float,
+        metrics: RequestMetrics | None = None,
+    ) -> None:
         children = [
             ChildState(
                 index=i,
                 params=p,
-                detokenizer=None if self.tokenizer is None else IncrementalDetokenizer(
-                    self.tokenizer, prompt_token_ids, p.skip_special_tokens),
+                detokenizer=None
+                if self.tokenizer is None
+                else IncrementalDetokenizer(self.tokenizer, prompt_token_ids, p.skip_special_tokens),
                 logprobs=[] if p.logprobs is not None else None,
             )
             for i, p in enumerate(child_params)
         ]
-        self.parents[request_id] = ParentState(request_id, prompt, prompt_token_ids, children,
-                                               metrics or RequestMetrics(arrival_time=arrival_time))
+        self.parents[request_id] = ParentState(
+            request_id, prompt, prompt_token_ids, children, metrics or RequestMetrics(arrival_time=arrival_time)
+        )
 
-    def process(self, advanced: list[tuple[Request, list[int]]], finished: list[Request],
-                logprobs: dict[str, list[tuple]]) -> tuple[list[RequestOutput], list[str], dict[str, str]]:
+    def process(
+        self, advanced: list[tuple[Request, list[int]]], finished: list[Request], logprobs: dict[str, list[tuple]]
+    ) -> tuple[list[RequestOutput], list[str], dict[str, str]]:
         """`advanced`: each request that got tokens this step, with them (several with speculative
         decoding); `logprobs`: per request, one entry per token. Returns the outputs of parents
         that changed, the child ids a stop string ended, and the parents whose processing raised
@@ -131,8 +140,15 @@ class OutputProcessor:
             outputs.append(parent.output())
         return outputs, stopped, failed
 
-    def _advance(self, parent: ParentState, req: Request, tokens: list[int], is_done: bool,
-                 logprobs: list[tuple] | None, now: float) -> bool:
+    def _advance(
+        self,
+        parent: ParentState,
+        req: Request,
+        tokens: list[int],
+        is_done: bool,
+        logprobs: list[tuple] | None,
+        now: float,
+    ) -> bool:
         """This step's new tokens of one child; True when a stop string ended it (the tokens after
         the one that completed the stop string are dropped)."""
         child = parent.children[req.index]

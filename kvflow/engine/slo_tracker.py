@@ -46,8 +46,10 @@ class SLOTracker:
         ttft = None if m.first_token_time is None else m.first_token_time - m.arrival_time
         tokens = max((len(c.token_ids) for c in out.outputs), default=0)
         tpot = (m.last_token_time - m.first_token_time) / (tokens - 1) if tokens > 1 and ttft is not None else 0.0
-        met = {"ttft": ok and ttft is not None and (m.ttft_slo is None or ttft <= m.ttft_slo),
-               "tpot": ok and (m.tpot_slo is None or tpot <= m.tpot_slo)}
+        met = {
+            "ttft": ok and ttft is not None and (m.ttft_slo is None or ttft <= m.ttft_slo),
+            "tpot": ok and (m.tpot_slo is None or tpot <= m.tpot_slo),
+        }
         met["all"] = met["ttft"] and met["tpot"]
         for kind, hit in met.items():
             (self.stats.attained if hit else self.stats.missed)[kind] += 1

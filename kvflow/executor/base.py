@@ -26,16 +26,16 @@ class Executor:
     there are any: they get each step's sequences first and run the same forward pass over their
     shards, meeting rank 0 in the all-reduces."""
 
-    def __init__(self, runner: "ModelRunner", workers: "TPWorkers | RayTPWorkers | None" = None) -> None:
+    def __init__(self, runner: ModelRunner, workers: TPWorkers | RayTPWorkers | None = None) -> None:
         self.runner = runner
         self.workers = workers
         # Whole KV blocks as the KV connectors move them: rank 0's runner, or under tensor
         # parallelism every rank's share of the heads gathered / scattered (TPBlockIO).
         self.kv_io = runner if workers is None else TPBlockIO(runner, workers)
-        self.kv_connector: "KVConnectorWorker | None" = None  # set by the engine (offload tiers, P/D)
+        self.kv_connector: KVConnectorWorker | None = None  # set by the engine (offload tiers, P/D)
 
     @staticmethod
-    def kv_cache_spec(model_config: "ModelConfig", config: "EngineConfig") -> "KVCacheSpec":
+    def kv_cache_spec(model_config: ModelConfig, config: EngineConfig) -> KVCacheSpec:
         """One rank's KV bytes per token (the worker's answer): the engine sizes its block pool
         from it, and that size is what `create` then allocates on every rank."""
         from kvflow.worker.model_runner import kv_cache_spec
@@ -43,7 +43,7 @@ class Executor:
         return kv_cache_spec(model_config, config)
 
     @classmethod
-    def create(cls, config: "EngineConfig", ckpt: "Checkpoint", max_model_len: int, num_blocks: int) -> "Executor":
+    def create(cls, config: EngineConfig, ckpt: Checkpoint, max_model_len: int, num_blocks: int) -> Executor:
         """Rank 0's runner over `ckpt`'s weights (its tokenizer only for the int8 calibration
         text, whose ids every rank gets), after the other ranks' workers when tensor-parallel: rank 0 shards its weights in
         their group, so the group comes first, and the workers are waited for last."""
@@ -55,8 +55,15 @@ class Executor:
         calibration = calibration_ids(ckpt.tokenizer, mc.vocab_size) if config.quantization == "int8" else None
         workers = _start_workers(config, max_model_len, num_blocks, mc.hidden_size, calibration)
         try:
-            runner = ModelRunner(mc, config, max_model_len, num_blocks, ckpt.weights, calibration=calibration,
-                                 tp=None if workers is None else workers.group)
+            runner = ModelRunner(
+                mc,
+                config,
+                max_model_len,
+                num_blocks,
+                ckpt.weights,
+                calibration=calibration,
+                tp=None if workers is None else workers.group,
+            )
             if workers is not None:
                 workers.wait_ready()
         except BaseException:
@@ -65,7 +72,7 @@ class Executor:
             raise
         return cls(runner, workers)
 
-    def execute(self, sched: "SchedulerOutput", grammar: "GrammarBitmask | None" = None) -> "RunnerOutput":
+    def execute(self, sched: SchedulerOutput, grammar: GrammarBitmask | None = None) -> RunnerOutput:
         """One step: the KV connector's loads (before the forward pass: under TP their block writes
         reach the workers ahead of the step), the forward pass on every rank, then the connector's
         saves and finished transfers."""
@@ -95,8 +102,9 @@ class Executor:
             self.workers.shutdown()
 
 
-def _start_workers(config: "EngineConfig", max_model_len: int, num_blocks: int, hidden_size: int,
-                   calibration: list[int] | None) -> "TPWorkers | RayTPWorkers | None":
+def _start_workers(
+    config: EngineConfig, max_model_len: int, num_blocks: int, hidden_size: int, calibration: list[int] | None
+) -> TPWorkers | RayTPWorkers | None:
     """Ranks 1..N-1 under tensor parallelism (processes, or Ray actors); None for one rank."""
     if config.tensor_parallel_size <= 1:
         return None

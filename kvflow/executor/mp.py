@@ -53,14 +53,21 @@ def rank_cpus(size: int, threads_per_rank: int | None) -> tuple[list[list[int]],
     """Each rank's CPUs (an even split of this process's) and its thread count."""
     cpus = sorted(os.sched_getaffinity(0))
     per = threads_per_rank or max(1, len(cpus) // size)
-    return [cpus[(r * per) % len(cpus):][:per] or cpus[:per] for r in range(size)], per
+    return [cpus[(r * per) % len(cpus) :][:per] or cpus[:per] for r in range(size)], per
 
 
 class RankPlan:
     """What every rank is told: the group's address, its CPUs and threads, the shared segment."""
 
-    def __init__(self, config: "EngineConfig", max_model_len: int, num_blocks: int, hidden_size: int,
-                 calibration: list[int] | None = None, host: str = "127.0.0.1") -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        max_model_len: int,
+        num_blocks: int,
+        hidden_size: int,
+        calibration: list[int] | None = None,
+        host: str = "127.0.0.1",
+    ) -> None:
         self.size = config.tensor_parallel_size
         self.cpus, self.threads = rank_cpus(self.size, config.cpu_threads_per_rank)
         self.init_method = f"tcp://{host}:{_free_port()}"
@@ -72,10 +79,19 @@ class RankPlan:
         self.shm_path = ShmAllReduce.new_path()
         self.slot_bytes = config.max_num_batched_tokens * hidden_size * 8
         ShmAllReduce(self.shm_path, 0, self.size, self.slot_bytes, create=True).close()
-        self._common = {"size": self.size, "init_method": self.init_method, "threads": self.threads,
-                        "max_model_len": max_model_len, "num_blocks": num_blocks, "config": asdict(config),
-                        "collective_timeout_s": COLLECTIVE_TIMEOUT_S, "shm_path": self.shm_path,
-                        "slot_bytes": self.slot_bytes, "hidden_size": hidden_size, "calibration": calibration}
+        self._common = {
+            "size": self.size,
+            "init_method": self.init_method,
+            "threads": self.threads,
+            "max_model_len": max_model_len,
+            "num_blocks": num_blocks,
+            "config": asdict(config),
+            "collective_timeout_s": COLLECTIVE_TIMEOUT_S,
+            "shm_path": self.shm_path,
+            "slot_bytes": self.slot_bytes,
+            "hidden_size": hidden_size,
+            "calibration": calibration,
+        }
 
     def args(self, rank: int, **extra) -> dict:
         return {**self._common, "rank": rank, "cpus": self.cpus[rank], **extra}
@@ -85,8 +101,15 @@ class RankPlan:
         os.sched_setaffinity(0, self.cpus[0])
         torch.set_num_threads(self.threads)
         group = init_tp_group(0, self.size, self.init_method, COLLECTIVE_TIMEOUT_S)
-        return group, select_all_reduce(group, self.shm_path, self.slot_bytes, self.hidden_size,
-                                        check_peers=check_peers, timeout_s=COLLECTIVE_TIMEOUT_S, force=force)
+        return group, select_all_reduce(
+            group,
+            self.shm_path,
+            self.slot_bytes,
+            self.hidden_size,
+            check_peers=check_peers,
+            timeout_s=COLLECTIVE_TIMEOUT_S,
+            force=force,
+        )
 
     def leave(self, group: TPGroup | None) -> None:
         """Rank 0 leaves the group (its shared segment removed) and gets its threads and CPUs back."""
@@ -98,17 +121,28 @@ class RankPlan:
         os.sched_setaffinity(0, self._affinity_before)
 
 
-def step_message(seqs: list["ScheduledSeq"]) -> dict:
+def step_message(seqs: list[ScheduledSeq]) -> dict:
     """One step as the other ranks get it: tokens, positions, block tables, logits rows."""
-    return {"op": "step", "t": [s.token_ids for s in seqs], "p": [s.start_pos for s in seqs],
-            "b": [s.block_table for s in seqs], "rows": logits_rows(seqs)}
+    return {
+        "op": "step",
+        "t": [s.token_ids for s in seqs],
+        "p": [s.start_pos for s in seqs],
+        "b": [s.block_table for s in seqs],
+        "rows": logits_rows(seqs),
+    }
 
 
 class TPWorkers:
     """The worker processes of ranks 1..N-1, and rank 0's membership of the group."""
 
-    def __init__(self, config: "EngineConfig", max_model_len: int, num_blocks: int, hidden_size: int,
-                 calibration: list[int] | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        max_model_len: int,
+        num_blocks: int,
+        hidden_size: int,
+        calibration: list[int] | None = None,
+    ) -> None:
         self.plan = plan = RankPlan(config, max_model_len, num_blocks, hidden_size, calibration)
         self.group: TPGroup | None = None
         self.procs: list[subprocess.Popen] = []
@@ -118,9 +152,16 @@ class TPWorkers:
             self.logs.append(log.name)
             args = plan.args(rank)
             env = {**os.environ, "OMP_NUM_THREADS": str(plan.threads)}
-            self.procs.append(subprocess.Popen([sys.executable, "-m", "kvflow.executor.tp_worker", json.dumps(args)],
-                                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
-                                               env=env, start_new_session=True))
+            self.procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "kvflow.executor.tp_worker", json.dumps(args)],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=log,
+                    env=env,
+                    start_new_session=True,
+                )
+            )
             log.close()
         try:
             self.group, self.all_reduce = plan.join_as_rank0(self.check_alive)
@@ -140,12 +181,15 @@ class TPWorkers:
                     msg = read_frame(proc.stdout)
                     if msg is None or not msg.get("ready"):
                         self._check(rank, proc, wait=5)
-                        raise RuntimeError(f"tensor-parallel rank {rank} failed to start: {msg}; log: "
-                                           f"{self.logs[rank - 1]}")
+                        raise RuntimeError(
+                            f"tensor-parallel rank {rank} failed to start: {msg}; log: {self.logs[rank - 1]}"
+                        )
                     break
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"tensor-parallel rank {rank} did not start within {START_TIMEOUT_S:g} s; "
-                                       f"log: {self.logs[rank - 1]}")
+                    raise RuntimeError(
+                        f"tensor-parallel rank {rank} did not start within {START_TIMEOUT_S:g} s; "
+                        f"log: {self.logs[rank - 1]}"
+                    )
 
     def _check(self, rank: int, proc: subprocess.Popen, wait: float = 0) -> None:
         try:
@@ -153,15 +197,17 @@ class TPWorkers:
         except subprocess.TimeoutExpired:
             code = None
         if code is not None:
-            raise RuntimeError(f"tensor-parallel rank {rank} exited with code {code}; its log "
-                               f"{self.logs[rank - 1]} ends: {_tail(self.logs[rank - 1])}")
+            raise RuntimeError(
+                f"tensor-parallel rank {rank} exited with code {code}; its log "
+                f"{self.logs[rank - 1]} ends: {_tail(self.logs[rank - 1])}"
+            )
 
     def check_alive(self) -> None:
         """Raises if a worker has exited (called while rank 0 waits in a collective)."""
         for rank, proc in enumerate(self.procs, 1):
             self._check(rank, proc)
 
-    def step(self, seqs: list["ScheduledSeq"]) -> None:
+    def step(self, seqs: list[ScheduledSeq]) -> None:
         self._send(step_message(seqs))
 
     def kv_op(self, op: str, blocks: list[int]) -> None:

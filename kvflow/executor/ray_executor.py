@@ -8,44 +8,33 @@ naming its rank."""
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
 from kvflow.executor.mp import START_TIMEOUT_S, RankPlan, step_message
+from kvflow.utils.ray import import_ray, join_ray
 
 if TYPE_CHECKING:
     from kvflow.config import EngineConfig
     from kvflow.core.scheduler import ScheduledSeq
 
 
-def import_ray():
-    try:
-        import ray
-    except ImportError:
-        raise ValueError("the ray backends need the ray package (pip install ray)") from None
-    return ray
-
-
-def join_ray() -> bool:
-    """Ray for this process: the cluster RAY_ADDRESS names, the one this process already joined, or
-    a local one started now. True when started here (the caller shuts it down when done)."""
-    ray = import_ray()
-    if ray.is_initialized():
-        return False
-    ray.init(address=os.environ.get("RAY_ADDRESS") or None, include_dashboard=False, log_to_driver=False)
-    return True
-
-
 class RayTPWorkers:
-    def __init__(self, config: "EngineConfig", max_model_len: int, num_blocks: int, hidden_size: int,
-                 calibration: list[int] | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        max_model_len: int,
+        num_blocks: int,
+        hidden_size: int,
+        calibration: list[int] | None = None,
+    ) -> None:
         ray = import_ray()
         from ray.util.placement_group import placement_group, placement_group_table
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self._started_ray = join_ray()
-        self.plan = plan = RankPlan(config, max_model_len, num_blocks, hidden_size, calibration,
-                                    host=ray.util.get_node_ip_address())
+        self.plan = plan = RankPlan(
+            config, max_model_len, num_blocks, hidden_size, calibration, host=ray.util.get_node_ip_address()
+        )
         self.group = None
         self.pg = placement_group([{"CPU": plan.threads}] * (plan.size - 1), strategy="PACK")
         self.actors: list = []
@@ -53,8 +42,10 @@ class RayTPWorkers:
         try:
             ready, _ = ray.wait([self.pg.ready()], timeout=60)
             if not ready:
-                raise RuntimeError(f"Ray could not place {plan.size - 1} tensor-parallel rank(s) of {plan.threads} "
-                                   "CPU(s) each within 60 s: the cluster lacks free CPUs")
+                raise RuntimeError(
+                    f"Ray could not place {plan.size - 1} tensor-parallel rank(s) of {plan.threads} "
+                    "CPU(s) each within 60 s: the cluster lacks free CPUs"
+                )
             node = ray.get_runtime_context().get_node_id()
             local = set(placement_group_table(self.pg)["bundles_to_node_id"].values()) <= {node}
             force = None if local else "gloo"
@@ -62,10 +53,13 @@ class RayTPWorkers:
 
             actor_cls = ray.remote(RankWorker)
             for rank in range(1, plan.size):
-                strategy = PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=rank - 1)
+                strategy = PlacementGroupSchedulingStrategy(
+                    placement_group=self.pg, placement_group_bundle_index=rank - 1
+                )
                 args = plan.args(rank, force=force, cpus=plan.cpus[rank] if local else None)
-                self.actors.append(actor_cls.options(num_cpus=plan.threads, scheduling_strategy=strategy,
-                                                     max_restarts=0).remote(args))
+                self.actors.append(
+                    actor_cls.options(num_cpus=plan.threads, scheduling_strategy=strategy, max_restarts=0).remote(args)
+                )
             self.group, self.all_reduce = plan.join_as_rank0(self.check_alive, force=force)
         except BaseException:
             self.shutdown()
@@ -76,7 +70,9 @@ class RayTPWorkers:
         try:
             import_ray().get([a.ready.remote() for a in self.actors], timeout=START_TIMEOUT_S)
         except Exception as e:
-            raise RuntimeError(f"a tensor-parallel rank (a Ray actor) failed to start: {type(e).__name__}: {e}") from None
+            raise RuntimeError(
+                f"a tensor-parallel rank (a Ray actor) failed to start: {type(e).__name__}: {e}"
+            ) from None
 
     def check_alive(self) -> None:
         """Raises if an actor's last step failed or the actor died."""
@@ -89,9 +85,11 @@ class RayTPWorkers:
             try:
                 ray.get(ref)
             except Exception as e:
-                raise RuntimeError(f"tensor-parallel rank {rank} (a Ray actor) exited: {type(e).__name__}: {e}") from None
+                raise RuntimeError(
+                    f"tensor-parallel rank {rank} (a Ray actor) exited: {type(e).__name__}: {e}"
+                ) from None
 
-    def step(self, seqs: list["ScheduledSeq"]) -> None:
+    def step(self, seqs: list[ScheduledSeq]) -> None:
         self.check_alive()
         message = step_message(seqs)
         self._inflight = [a.step.remote(message) for a in self.actors]

@@ -22,7 +22,7 @@ class TPBlockIO:
     # KV producer copies held blocks when the hold begins instead of reading them per fetch).
     collective = True
 
-    def __init__(self, runner: "ModelRunner", workers: Any) -> None:
+    def __init__(self, runner: ModelRunner, workers: Any) -> None:
         self.runner, self.workers = runner, workers
         self.size = runner.model.tp.size
         self.group = runner.model.tp.group
@@ -50,7 +50,7 @@ class TPBlockIO:
 
 
 @torch.inference_mode()
-def serve_block_io(runner: "ModelRunner", op: str, blocks: list[int]) -> None:
+def serve_block_io(runner: ModelRunner, op: str, blocks: list[int]) -> None:
     """A worker's part of rank 0's read_blocks (op "kv_read") or write_blocks ("kv_write")."""
     group = runner.model.tp.group
     if op == "kv_read":

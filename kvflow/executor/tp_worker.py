@@ -7,7 +7,8 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from kvflow.executor.tp_block_io import serve_block_io
 
@@ -25,12 +26,26 @@ class RankWorker:
         from kvflow.worker.model_runner import ModelRunner
 
         self.tp = init_tp_group(args["rank"], args["size"], args["init_method"], args["collective_timeout_s"])
-        select_all_reduce(self.tp, args["shm_path"], args["slot_bytes"], args["hidden_size"],
-                          check_peers=check_peers, timeout_s=args["collective_timeout_s"], force=args.get("force"))
+        select_all_reduce(
+            self.tp,
+            args["shm_path"],
+            args["slot_bytes"],
+            args["hidden_size"],
+            check_peers=check_peers,
+            timeout_s=args["collective_timeout_s"],
+            force=args.get("force"),
+        )
         config = EngineConfig(**args["config"])
         ckpt = load_checkpoint(config.model, config.tokenizer, with_tokenizer=False)
-        self.runner = ModelRunner(local_config(ckpt.model_config, self.tp.size), config, args["max_model_len"],
-                                  args["num_blocks"], ckpt.weights, calibration=args.get("calibration"), tp=self.tp)
+        self.runner = ModelRunner(
+            local_config(ckpt.model_config, self.tp.size),
+            config,
+            args["max_model_len"],
+            args["num_blocks"],
+            ckpt.weights,
+            calibration=args.get("calibration"),
+            tp=self.tp,
+        )
 
     def ready(self) -> bool:
         return True

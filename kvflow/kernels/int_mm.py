@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from kvflow.layers.quant import quantize_weight_per_channel
+from kvflow.quantization.int8 import quantize_weight_per_channel
 
 _MIN_ROWS = 32  # > 16 (cuBLASLt's int8 minimum), a multiple of 8
 
@@ -24,8 +24,10 @@ class IntMMKernel:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.out_features, self.in_features = weight.shape
         if not self.supports(weight):
-            raise ValueError(f"int8 through torch._int_mm needs features that are multiples of 8, got "
-                             f"{self.in_features} -> {self.out_features}")
+            raise ValueError(
+                f"int8 through torch._int_mm needs features that are multiples of 8, got "
+                f"{self.in_features} -> {self.out_features}"
+            )
         q, scale = quantize_weight_per_channel(weight.detach().float())
         self.weight_t = q.t()  # [in, out], a column-major view of the row-major int8 weight
         self.scale = scale.float().flatten()

@@ -5,9 +5,7 @@
   consumer engine fetches them over TCP (or shared memory on one host) and decodes.
 """
 
-from kvflow.kv_transfer.base import (KVConnectorMetadata, KVConnectorOutput, KVConnectorScheduler,
-                                     KVConnectorWorker)
-from kvflow.kv_transfer.config import KVTransferConfig
+from kvflow.config import KVTransferConfig
+from kvflow.kv_transfer.base import KVConnectorMetadata, KVConnectorOutput, KVConnectorScheduler, KVConnectorWorker
 
-__all__ = ["KVConnectorMetadata", "KVConnectorOutput", "KVConnectorScheduler", "KVConnectorWorker",
-           "KVTransferConfig"]
+__all__ = ["KVConnectorMetadata", "KVConnectorOutput", "KVConnectorScheduler", "KVConnectorWorker", "KVTransferConfig"]

@@ -48,14 +48,14 @@ class BlockIO(Protocol):
     """The worker's access to the KV cache tensors, one whole block (all layers) at a time."""
 
     kv_block_shape: tuple[int, ...]
-    kv_block_dtype: "torch.dtype"
+    kv_block_dtype: torch.dtype
     # True when reads and writes are collectives (tensor parallelism): only the engine thread may
     # start them, between steps.
     collective: bool
 
-    def read_blocks(self, blocks: list[int]) -> "torch.Tensor": ...
+    def read_blocks(self, blocks: list[int]) -> torch.Tensor: ...
 
-    def write_blocks(self, blocks: list[int], data: "torch.Tensor") -> None: ...
+    def write_blocks(self, blocks: list[int], data: torch.Tensor) -> None: ...
 
 
 class KVConnectorScheduler:
@@ -64,29 +64,29 @@ class KVConnectorScheduler:
     # An asynchronous load that fails: "recompute" the prompt, or "fail" the request.
     load_failure_policy: str = "recompute"
 
-    def bind(self, kv_cache: "KVCacheManager") -> None:
+    def bind(self, kv_cache: KVCacheManager) -> None:
         """Called once with the pool's manager (e.g. to hear of evictions)."""
 
     def check_request(self, kv_transfer_params: dict[str, Any] | None) -> None:
         """Raise ValueError (the client's error) for params this connector cannot act on."""
-        if kv_transfer_params and (kv_transfer_params.get("do_remote_decode")
-                                   or kv_transfer_params.get("do_remote_prefill")):
-            raise ValueError("kv_transfer_params asks for a KV transfer, but this engine has no "
-                             "--kv-transfer-config")
+        if kv_transfer_params and (
+            kv_transfer_params.get("do_remote_decode") or kv_transfer_params.get("do_remote_prefill")
+        ):
+            raise ValueError("kv_transfer_params asks for a KV transfer, but this engine has no --kv-transfer-config")
 
-    def get_num_new_matched_tokens(self, req: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, req: Request, num_computed_tokens: int) -> tuple[int, bool]:
         """How many tokens after the `num_computed_tokens` found in the pool this connector can
         supply (a multiple of the block size), and whether the load is asynchronous."""
         return 0, False
 
-    def update_state_after_alloc(self, req: "Request", block_ids: list[int], num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, req: Request, block_ids: list[int], num_external_tokens: int) -> None:
         """The blocks allocated for the external tokens returned above (in order)."""
 
     def build_connector_meta(self) -> KVConnectorMetadata:
         """The step's work for the worker side; resets what was collected."""
         return KVConnectorMetadata()
 
-    def request_finished(self, req: "Request", block_ids: list[int]) -> tuple[str | None, dict[str, Any] | None]:
+    def request_finished(self, req: Request, block_ids: list[int]) -> tuple[str | None, dict[str, Any] | None]:
         """A request ended (any reason). Returns (key, kv_transfer_params): a key means "hold the
         blocks under this key until `finished_sending` names it"; the params go to the client."""
         return None, None

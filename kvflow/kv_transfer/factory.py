@@ -5,15 +5,16 @@ from __future__ import annotations
 import hashlib
 from typing import TYPE_CHECKING
 
+from kvflow.config import KVTransferConfig
 from kvflow.kv_transfer.base import BlockIO, KVConnectorScheduler, KVConnectorWorker
-from kvflow.kv_transfer.config import KVTransferConfig
 
 if TYPE_CHECKING:
     from kvflow.config import EngineConfig
 
 
-def make_kv_connector(config: "EngineConfig", identity: bytes, io: BlockIO,
-                      num_layers: int) -> tuple[KVConnectorScheduler | None, KVConnectorWorker | None]:
+def make_kv_connector(
+    config: EngineConfig, identity: bytes, io: BlockIO, num_layers: int
+) -> tuple[KVConnectorScheduler | None, KVConnectorWorker | None]:
     """`identity`: what makes blocks interchangeable (weights, dtypes, block geometry)."""
     if config.kv_transfer_config is not None:
         from kvflow.kv_transfer.pd import PDConnectorScheduler, PDConnectorWorker
@@ -26,8 +27,14 @@ def make_kv_connector(config: "EngineConfig", identity: bytes, io: BlockIO,
         from kvflow.kv_transfer.offload import OffloadConnectorScheduler, OffloadConnectorWorker
         from kvflow.kv_transfer.offload_store import KVOffloadStore
 
-        store = KVOffloadStore(identity, io.kv_block_shape, io.kv_block_dtype, int(config.kv_offload_cpu_gb * 2**30),
-                               config.kv_offload_disk_dir, int(config.kv_offload_disk_gb * 2**30))
+        store = KVOffloadStore(
+            identity,
+            io.kv_block_shape,
+            io.kv_block_dtype,
+            int(config.kv_offload_cpu_gb * 2**30),
+            config.kv_offload_disk_dir,
+            int(config.kv_offload_disk_gb * 2**30),
+        )
         worker = OffloadConnectorWorker(store)
         worker.register_kv_caches(io)
         return OffloadConnectorScheduler(store, config.block_size), worker

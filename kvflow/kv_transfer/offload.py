@@ -38,13 +38,13 @@ class OffloadConnectorScheduler(KVConnectorScheduler):
         self._saves: list[tuple[int, bytes]] = []
         self._loads: list[tuple[int, bytes]] = []
         self._matched: dict[str, list[bytes]] = {}
-        self._kv_cache: "KVCacheManager | None" = None
+        self._kv_cache: KVCacheManager | None = None
 
-    def bind(self, kv_cache: "KVCacheManager") -> None:
+    def bind(self, kv_cache: KVCacheManager) -> None:
         self._kv_cache = kv_cache
         kv_cache.pool.on_evict = lambda block, h: self._saves.append((block, h))
 
-    def get_num_new_matched_tokens(self, req: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, req: Request, num_computed_tokens: int) -> tuple[int, bool]:
         # At least one token is left to compute, so there are logits to sample from.
         start, end = num_computed_tokens // self.block_size, (req.num_tokens - 1) // self.block_size
         hashes = []
@@ -55,7 +55,7 @@ class OffloadConnectorScheduler(KVConnectorScheduler):
         self._matched[req.request_id] = hashes
         return len(hashes) * self.block_size, False
 
-    def update_state_after_alloc(self, req: "Request", block_ids: list[int], num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, req: Request, block_ids: list[int], num_external_tokens: int) -> None:
         hashes = self._matched.pop(req.request_id, [])
         self._loads.extend(zip(block_ids, hashes[: num_external_tokens // self.block_size]))
 
@@ -77,7 +77,7 @@ class OffloadConnectorWorker(KVConnectorWorker):
 
     def start_load_kv(self, meta: OffloadMetadata) -> None:
         for i in range(0, len(meta.saves), 64):  # bounded copies at shutdown, when every block is saved
-            chunk = meta.saves[i:i + 64]
+            chunk = meta.saves[i : i + 64]
             for (_, h), block in zip(chunk, self.io.read_blocks([b for b, _ in chunk])):
                 self.store.store(h, block)
         if meta.loads:

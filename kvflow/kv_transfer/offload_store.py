@@ -47,8 +47,15 @@ class OffloadStats:
 
 
 class KVOffloadStore:
-    def __init__(self, identity: bytes, block_shape: tuple[int, ...], dtype: torch.dtype,
-                 cpu_bytes: int, disk_dir: str | None = None, disk_bytes: int = 0) -> None:
+    def __init__(
+        self,
+        identity: bytes,
+        block_shape: tuple[int, ...],
+        dtype: torch.dtype,
+        cpu_bytes: int,
+        disk_dir: str | None = None,
+        disk_bytes: int = 0,
+    ) -> None:
         self.identity = hashlib.sha256(identity).digest()
         self.block_shape = block_shape
         self.dtype = dtype
@@ -124,8 +131,15 @@ class KVOffloadStore:
         if self.disk_capacity == 0 or block_hash in self.disk:
             return
         payload = data.contiguous().view(torch.uint8).numpy().tobytes()
-        header = _HEADER.pack(_MAGIC, _VERSION, self.identity, block_hash, hashlib.sha256(payload).digest(),
-                              len(payload), str(self.dtype).removeprefix("torch.").encode()[:16])
+        header = _HEADER.pack(
+            _MAGIC,
+            _VERSION,
+            self.identity,
+            block_hash,
+            hashlib.sha256(payload).digest(),
+            len(payload),
+            str(self.dtype).removeprefix("torch.").encode()[:16],
+        )
         path = self._path(block_hash)
         fd, tmp = tempfile.mkstemp(dir=self.disk_dir, prefix=".tmp-")
         try:
@@ -155,7 +169,7 @@ class KVOffloadStore:
             if not p.name.startswith(prefix):
                 continue  # another model's blocks: not ours to use or delete
             try:
-                block_hash = bytes.fromhex(p.stem[len(prefix):])
+                block_hash = bytes.fromhex(p.stem[len(prefix) :])
             except ValueError:
                 continue
             self.disk[block_hash] = p
@@ -172,8 +186,8 @@ class KVOffloadStore:
             return self._reject(path, f"unreadable ({e})")
         if len(raw) < _HEADER.size:
             return self._reject(path, "truncated header")
-        magic, version, identity, stored_hash, digest, size, dtype = _HEADER.unpack_from(raw)
-        payload = raw[_HEADER.size:]
+        magic, version, identity, stored_hash, digest, size, _dtype = _HEADER.unpack_from(raw)
+        payload = raw[_HEADER.size :]
         if magic != _MAGIC or version != _VERSION:
             return self._reject(path, "not a kvflow KV block file")
         if identity != self.identity:

@@ -34,10 +34,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvflow.config import KVTransferConfig
 from kvflow.kv_transfer.base import KVConnectorMetadata, KVConnectorOutput, KVConnectorScheduler, KVConnectorWorker
-from kvflow.kv_transfer.config import KVTransferConfig
-from kvflow.kv_transfer.wire import (BlockManifest, WireError, digest, manifest_header, recv_exact, recv_header,
-                                     send_frame)
+from kvflow.kv_transfer.wire import (
+    BlockManifest,
+    WireError,
+    digest,
+    manifest_header,
+    recv_exact,
+    recv_header,
+    send_frame,
+)
 
 if TYPE_CHECKING:
     from kvflow.core.request import Request
@@ -92,10 +99,19 @@ class KVTransferStats:
     recent_seconds: deque = field(default_factory=lambda: deque(maxlen=4096))
     seconds_total: float = 0.0
 
-    def snapshot(self) -> "KVTransferStats":
-        return KVTransferStats(self.transfers_sent, self.blocks_sent, self.bytes_sent, self.transfers_received,
-                               self.blocks_received, self.bytes_received, self.leases_expired,
-                               Counter(self.failures), deque(), self.seconds_total)
+    def snapshot(self) -> KVTransferStats:
+        return KVTransferStats(
+            self.transfers_sent,
+            self.blocks_sent,
+            self.bytes_sent,
+            self.transfers_received,
+            self.blocks_received,
+            self.bytes_received,
+            self.leases_expired,
+            Counter(self.failures),
+            deque(),
+            self.seconds_total,
+        )
 
 
 class TransferFailed(Exception):
@@ -106,18 +122,26 @@ class TransferFailed(Exception):
 
 def check_transfer_params(params: dict[str, Any], config: KVTransferConfig | None) -> None:
     """A request's kv_transfer_params, before it is queued (bad ones are the client's 400)."""
-    if params.get("do_remote_decode"):
-        if config is None or not config.is_producer:
-            raise ValueError("kv_transfer_params asks for do_remote_decode, but this engine is not a KV producer "
-                             "(start it with --kv-transfer-config '{\"kv_connector\": \"tcp\", "
-                             "\"kv_role\": \"kv_producer\"}')")
+    if params.get("do_remote_decode") and (config is None or not config.is_producer):
+        raise ValueError(
+            "kv_transfer_params asks for do_remote_decode, but this engine is not a KV producer "
+            '(start it with --kv-transfer-config \'{"kv_connector": "tcp", '
+            '"kv_role": "kv_producer"}\')'
+        )
     if params.get("do_remote_prefill"):
         if config is None or not config.is_consumer:
-            raise ValueError("kv_transfer_params asks for do_remote_prefill, but this engine is not a KV consumer "
-                             "(start it with --kv-transfer-config '{\"kv_connector\": \"tcp\", "
-                             "\"kv_role\": \"kv_consumer\"}')")
-        for key, kind in (("remote_host", str), ("remote_port", int), ("remote_transfer_id", str),
-                          ("remote_num_blocks", int), ("remote_block_size", int)):
+            raise ValueError(
+                "kv_transfer_params asks for do_remote_prefill, but this engine is not a KV consumer "
+                '(start it with --kv-transfer-config \'{"kv_connector": "tcp", '
+                '"kv_role": "kv_consumer"}\')'
+            )
+        for key, kind in (
+            ("remote_host", str),
+            ("remote_port", int),
+            ("remote_transfer_id", str),
+            ("remote_num_blocks", int),
+            ("remote_block_size", int),
+        ):
             value = params.get(key)
             if not isinstance(value, kind) or isinstance(value, bool):
                 raise ValueError(f"kv_transfer_params.{key} must be a {kind.__name__}, got {value!r}")
@@ -150,15 +174,19 @@ class PDConnectorScheduler(KVConnectorScheduler):
         if params:
             check_transfer_params(params, self.config)
 
-    def get_num_new_matched_tokens(self, req: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, req: Request, num_computed_tokens: int) -> tuple[int, bool]:
         params = req.params.kv_transfer_params
         rid = req.request_id
         if not params or not params.get("do_remote_prefill") or rid in self._handled:
             return 0, False
         bs = self.block_size
         if params["remote_block_size"] != bs:
-            logger.warning("request %s: the producer's block size %d differs from ours (%d); recomputing",
-                           rid, params["remote_block_size"], bs)
+            logger.warning(
+                "request %s: the producer's block size %d differs from ours (%d); recomputing",
+                rid,
+                params["remote_block_size"],
+                bs,
+            )
             self._handled.add(rid)
             return 0, False
         start = num_computed_tokens // bs
@@ -170,11 +198,19 @@ class PDConnectorScheduler(KVConnectorScheduler):
         self._matched[rid] = (params, start, end)
         return (end - start) * bs, True
 
-    def update_state_after_alloc(self, req: "Request", block_ids: list[int], num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, req: Request, block_ids: list[int], num_external_tokens: int) -> None:
         params, start, end = self._matched.pop(req.request_id)
-        self._loads.append(RemoteLoad(req.request_id, block_ids, [h.hex() for h in req.block_hashes[start:end]],
-                                      start, params["remote_host"], params["remote_port"],
-                                      params["remote_transfer_id"]))
+        self._loads.append(
+            RemoteLoad(
+                req.request_id,
+                block_ids,
+                [h.hex() for h in req.block_hashes[start:end]],
+                start,
+                params["remote_host"],
+                params["remote_port"],
+                params["remote_transfer_id"],
+            )
+        )
         self._loading.add(req.request_id)
 
     def build_connector_meta(self) -> PDMetadata:
@@ -183,7 +219,7 @@ class PDConnectorScheduler(KVConnectorScheduler):
         self._matched.clear()
         return meta
 
-    def request_finished(self, req: "Request", block_ids: list[int]) -> tuple[str | None, dict[str, Any] | None]:
+    def request_finished(self, req: Request, block_ids: list[int]) -> tuple[str | None, dict[str, Any] | None]:
         rid = req.request_id
         if rid in self._loading:  # aborted while its KV was on the way: the bytes must not land
             self._loading.discard(rid)
@@ -248,11 +284,14 @@ class PDConnectorWorker(KVConnectorWorker):
 
     def register_kv_caches(self, io) -> None:
         super().register_kv_caches(io)
-        self._block_bytes = torch.empty(io.kv_block_shape, dtype=io.kv_block_dtype).numel() * \
-            torch.empty((), dtype=io.kv_block_dtype).element_size()
+        self._block_bytes = (
+            torch.empty(io.kv_block_shape, dtype=io.kv_block_dtype).numel()
+            * torch.empty((), dtype=io.kv_block_dtype).element_size()
+        )
         if self.config.is_producer:
-            self._server = BlockServer(self.config.kv_ip, self.config.kv_port, self._serve,
-                                       self.config.kv_transfer_timeout_s)
+            self._server = BlockServer(
+                self.config.kv_ip, self.config.kv_port, self._serve, self.config.kv_transfer_timeout_s
+            )
 
     @property
     def address(self) -> tuple[str, int]:
@@ -266,8 +305,10 @@ class PDConnectorWorker(KVConnectorWorker):
             self._loads.pop(rid, None)  # a fetch still running finishes into nothing
         if meta.holds:
             deadline = time.monotonic() + self.config.kv_lease_s
-            held = [_Held(h, deadline, data=self.io.read_blocks(h.block_ids) if self.io.collective else None)
-                    for h in meta.holds]
+            held = [
+                _Held(h, deadline, data=self.io.read_blocks(h.block_ids) if self.io.collective else None)
+                for h in meta.holds
+            ]
             with self._lock:
                 for h in held:
                     self._held[h.transfer.transfer_id] = h
@@ -285,8 +326,9 @@ class PDConnectorWorker(KVConnectorWorker):
             try:
                 data = fut.result()
             except TransferFailed as e:
-                logger.warning("request %s: KV fetch from %s:%d failed (%s): %s", rid, load.host, load.port,
-                               e.reason, e)
+                logger.warning(
+                    "request %s: KV fetch from %s:%d failed (%s): %s", rid, load.host, load.port, e.reason, e
+                )
                 self._stats.failures[e.reason] += 1
                 out.failed_recving[rid] = f"KV transfer failed ({e.reason}): {e}"
                 continue
@@ -301,8 +343,11 @@ class PDConnectorWorker(KVConnectorWorker):
                     del self._held[tid]
                     out.finished_sending.add(tid)
                     self._stats.leases_expired += 1
-                    logger.warning("KV transfer %s: no consumer fetched it within the %gs lease; blocks freed",
-                                   tid, self.config.kv_lease_s)
+                    logger.warning(
+                        "KV transfer %s: no consumer fetched it within the %gs lease; blocks freed",
+                        tid,
+                        self.config.kv_lease_s,
+                    )
         return out
 
     def stats(self) -> KVTransferStats:
@@ -328,17 +373,26 @@ class PDConnectorWorker(KVConnectorWorker):
         try:
             with socket.create_connection((load.host, load.port), timeout=timeout) as sock:
                 sock.settimeout(timeout)
-                send_frame(sock, {"op": "fetch", "transfer_id": load.transfer_id, "first_block": load.first_block,
-                                  "num_blocks": len(load.block_ids), "identity": self.identity,
-                                  "transport": self.config.kv_connector})
+                send_frame(
+                    sock,
+                    {
+                        "op": "fetch",
+                        "transfer_id": load.transfer_id,
+                        "first_block": load.first_block,
+                        "num_blocks": len(load.block_ids),
+                        "identity": self.identity,
+                        "transport": self.config.kv_connector,
+                    },
+                )
                 header = recv_header(sock)
                 if not header.get("ok"):
                     raise TransferFailed("refused", f"the producer refused: {header.get('error')}")
                 try:
                     m = BlockManifest.from_dict(header.get("manifest") or {})
                     self._check_manifest(m, load)
-                    payload = _read_shm(header["shm_path"], m.nbytes) if "shm_path" in header else \
-                        recv_exact(sock, m.nbytes)
+                    payload = (
+                        _read_shm(header["shm_path"], m.nbytes) if "shm_path" in header else recv_exact(sock, m.nbytes)
+                    )
                     if digest(payload) != m.sha256:
                         raise TransferFailed("checksum", "the payload's sha256 does not match its manifest")
                 finally:  # we will not ask again, good bytes or bad: the producer may free them now
@@ -347,8 +401,9 @@ class PDConnectorWorker(KVConnectorWorker):
             raise TransferFailed("timeout", f"no answer within kv_transfer_timeout_s={timeout:g}") from None
         except (OSError, WireError) as e:
             raise TransferFailed("connection", f"{type(e).__name__}: {e}") from None
-        data = torch.frombuffer(payload, dtype=self.io.kv_block_dtype).view(len(load.block_ids),
-                                                                             *self.io.kv_block_shape)
+        data = torch.frombuffer(payload, dtype=self.io.kv_block_dtype).view(
+            len(load.block_ids), *self.io.kv_block_shape
+        )
         with self._lock:
             s = self._stats
             s.transfers_received += 1
@@ -372,11 +427,18 @@ class PDConnectorWorker(KVConnectorWorker):
             raise TransferFailed("identity", "the producer runs another model or KV layout")
         if m.block_hashes != load.block_hashes:
             raise TransferFailed("prefix_mismatch", "the producer's blocks hold other tokens than this prompt")
-        if (list(m.block_shape) != list(self.io.kv_block_shape) or m.dtype != _dtype_name(self.io.kv_block_dtype)
-                or m.kv_cache_dtype != self.kv_cache_dtype or tuple(m.layers) != (0, self.num_layers)
-                or m.nbytes != len(load.block_ids) * self._block_bytes):
-            raise TransferFailed("layout", f"block layout {m.block_shape} {m.dtype} does not match ours "
-                                           f"{list(self.io.kv_block_shape)} {_dtype_name(self.io.kv_block_dtype)}")
+        if (
+            list(m.block_shape) != list(self.io.kv_block_shape)
+            or m.dtype != _dtype_name(self.io.kv_block_dtype)
+            or m.kv_cache_dtype != self.kv_cache_dtype
+            or tuple(m.layers) != (0, self.num_layers)
+            or m.nbytes != len(load.block_ids) * self._block_bytes
+        ):
+            raise TransferFailed(
+                "layout",
+                f"block layout {m.block_shape} {m.dtype} does not match ours "
+                f"{list(self.io.kv_block_shape)} {_dtype_name(self.io.kv_block_dtype)}",
+            )
 
     # ---- producer: a server thread --------------------------------------------------------------
     def _serve(self, conn: socket.socket, header: dict[str, Any]) -> None:
@@ -413,18 +475,39 @@ class PDConnectorWorker(KVConnectorWorker):
             if header.get("identity") != self.identity:
                 send_frame(conn, {"ok": False, "error": "identity mismatch: another model or KV layout"})
                 return
-            if not (isinstance(first, int) and isinstance(num, int) and 0 <= first and 0 < num
-                    and first + num <= len(t.block_ids)):
-                send_frame(conn, {"ok": False, "error": f"blocks [{first}, {first}+{num}) are not within the "
-                                                        f"{len(t.block_ids)} held"})
+            if not (
+                isinstance(first, int)
+                and isinstance(num, int)
+                and first >= 0
+                and num > 0
+                and first + num <= len(t.block_ids)
+            ):
+                send_frame(
+                    conn,
+                    {
+                        "ok": False,
+                        "error": f"blocks [{first}, {first}+{num}) are not within the {len(t.block_ids)} held",
+                    },
+                )
                 return
             # Held blocks: the engine writes none of them while the transfer lasts.
-            data = (held.data[first:first + num] if held.data is not None
-                    else self.io.read_blocks(t.block_ids[first:first + num])).contiguous()
+            data = (
+                held.data[first : first + num]
+                if held.data is not None
+                else self.io.read_blocks(t.block_ids[first : first + num])
+            ).contiguous()
             payload = self._payload(data)
-            m = BlockManifest(self.identity, t.block_hashes[first:first + num], first, (0, self.num_layers),
-                              _dtype_name(data.dtype), list(data.shape[1:]), self.kv_cache_dtype, len(payload),
-                              digest(payload))
+            m = BlockManifest(
+                self.identity,
+                t.block_hashes[first : first + num],
+                first,
+                (0, self.num_layers),
+                _dtype_name(data.dtype),
+                list(data.shape[1:]),
+                self.kv_cache_dtype,
+                len(payload),
+                digest(payload),
+            )
             if header.get("transport") == "shm":
                 shm_path = _write_shm(payload)
                 send_frame(conn, manifest_header(m, shm_path=shm_path))
@@ -484,8 +567,10 @@ class BlockServer:
         try:
             self._sock = socket.create_server((host, port))
         except OSError as e:
-            raise ValueError(f"kv_transfer_config: the KV producer cannot listen on {host}:{port} ({e}); "
-                             "choose another kv_port (0 = any free one) or kv_ip") from None
+            raise ValueError(
+                f"kv_transfer_config: the KV producer cannot listen on {host}:{port} ({e}); "
+                "choose another kv_port (0 = any free one) or kv_ip"
+            ) from None
         self.port = self._sock.getsockname()[1]
         self._handler = handler
         self._timeout = timeout_s

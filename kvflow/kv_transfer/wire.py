@@ -39,7 +39,7 @@ class BlockManifest:
     sha256: str
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "BlockManifest":
+    def from_dict(cls, d: dict[str, Any]) -> BlockManifest:
         try:
             m = cls(**d)
             m.layers = tuple(m.layers)

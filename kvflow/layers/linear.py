@@ -1,257 +1,14 @@
-"""Linear projections. Every projection of the model (and the lm_head) goes through a
-`LinearKernel`, chosen once at load time, so a faster or quantized kernel is swapped in at one place.
-
-Backends (`LINEAR_BACKENDS`):
-
-* ``auto``   -- CPU float32 / bfloat16: per projection shape and row count, the path the autotune
-  measured fastest on this CPU (`TunedKernel`, kvflow.kernels.cpu.autotune): one of
-* ``native`` -- fp32 / bf16 through the native register-tiled GEMM, norm / activation and
-  residual in the same call (`NativeFloatKernel` in kvflow.kernels.cpu.float_linear); few rows.
-* ``dense``  -- `F.linear` (MKL sgemm on CPU). Any device, any dtype. The reference path.
-* ``onednn`` -- oneDNN, the weight reordered once into its blocked layout
-  (`torch.ops.mkldnn._reorder_linear_weight` + `torch.ops.mkldnn._linear_pointwise`).
-* ``int8``   -- W8A8 through FBGEMM: weights int8 with one scale per output channel, packed once;
-  activations quantized per token on the fly (see `Int8Kernel` in kvflow.kernels.cpu.int8_linear);
-  int32 accumulation, float output. CPU only.
-* ``int8_mm`` -- the same W8A8 maths through `torch._int_mm` (cuBLASLt on CUDA: ``quantization="int8"``
-  there; `IntMMKernel` in kvflow.kernels.int_mm); projections whose features are not multiples of 8
-  stay ``dense``.
-* ``gguf``   -- weights in GGUF block formats as the file stores them (Q8_0, Q4_0, Q4_1, Q4_K,
-  Q6_K), integer dot products with activations quantized per 32 values (`BlockQuantKernel` in
-  kvflow.kernels.cpu.block_linear); a float tensor among them takes the ``auto`` default. CPU only.
-* ``int4``   -- float weights rounded at load into the same kernel's 4-bit blocks (`INT4_FORMAT`;
-  the logits projection into Q8_0).
-
-The float paths compute the same maths up to float32 summation order (~1e-6 relative).
-`select_linear_backend` picks one from (device, dtype, quantization); the environment variable
-`KVFLOW_LINEAR_BACKEND=dense|onednn|native` forces one path for every call (benchmarks, debugging).
+"""`Linear`, the projection module of the models: it holds the checkpoint's weight until
+`prepare` hands it to the kernel its backend names (kvflow.layers.linear_kernels), then runs that
+kernel; and `RowParallelKernel`, the wrapper tensor parallelism puts around a row-parallel one.
 """
 
 from __future__ import annotations
 
-import os
-from typing import TYPE_CHECKING, Protocol
-
 import torch
-import torch.nn.functional as F
 
-from kvflow.kernels.cpu.block_linear import BlockQuantKernel
-from kvflow.kernels.cpu.float_linear import NativeFloatKernel
-from kvflow.kernels.cpu.int8_linear import Int8Kernel
-from kvflow.layers.block_quant import BlockQuantized, quantize
-
-if TYPE_CHECKING:
-    from kvflow.kernels.cpu.autotune import KernelPlan
-
-LINEAR_BACKENDS = ("auto", "dense", "onednn", "native", "int8", "int8_mm", "gguf", "int4")
-FORCED_PATHS = ("dense", "onednn", "native")
-# Backends whose kernels take `norm=` / `silu_mul=` (the op feeding the projection, in the same call).
-FUSED_PROLOGUE = ("auto", "native", "int8", "gguf", "int4")
-# int4: 4 bits with a scale and an offset per 32 weights (GGML's Q4_1, 5 bits per weight in all);
-# the logits projection, whose errors every token's distribution sees, in 8 bits (Q8_0).
-INT4_FORMAT, INT4_LOGITS_FORMAT = "Q4_1", "Q8_0"
-
-# Batch size oneDNN's weight layout is chosen for (measured: 8 and 32 are equally good, 1-1024).
-ONEDNN_BATCH_HINT = 32
-
-
-class LinearKernel(Protocol):
-    """y = x @ W.T + b (+ residual) for x [..., in_features] -> [..., out_features], in x's dtype.
-
-    `residual` (same shape as y) is added in the same call where the backend can fuse it."""
-
-    backend: str
-    in_features: int
-    out_features: int
-
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor: ...
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of weight (and bias) the kernel reads per call."""
-        ...
-
-
-def int8_available() -> bool:
-    return "fbgemm" in torch.backends.quantized.supported_engines
-
-
-def select_linear_backend(device: torch.device, dtype: torch.dtype, quantization: str | None,
-                          block_weights: bool = False) -> str:
-    """`block_weights`: the checkpoint's tensors came in GGUF block formats (kept as stored)."""
-    if block_weights or quantization == "int4":
-        name = "GGUF block weights" if block_weights else "quantization='int4'"
-        if device.type != "cpu" or dtype != torch.float32:
-            raise ValueError(f"{name} run on the CPU block kernels in float32; got {device.type}, {dtype}")
-        from kvflow.kernels.cpu.block_linear import block_kernels_unavailable
-
-        reason = block_kernels_unavailable()
-        if reason is not None:
-            raise ValueError(f"{name} cannot run here: {reason}")
-        return "gguf" if block_weights else "int4"
-    if quantization == "int8":
-        if device.type == "cuda":
-            return "int8_mm"
-        if device.type != "cpu":
-            raise ValueError(f"quantization='int8' runs on the CPU (FBGEMM) or CUDA; device is {device.type!r}")
-        if not int8_available():
-            raise ValueError("quantization='int8' needs a torch build with FBGEMM (x86-64 CPU)")
-        return "int8"
-    if quantization is not None:
-        raise ValueError(f"unknown quantization {quantization!r}")
-    override = os.environ.get("KVFLOW_LINEAR_BACKEND")
-    if override:
-        from kvflow.kernels.cpu.autotune import candidates
-
-        if override not in FORCED_PATHS:
-            raise ValueError(f"KVFLOW_LINEAR_BACKEND must be one of {FORCED_PATHS}, got {override!r}")
-        if override != "dense" and not (device.type == "cpu" and override in candidates(dtype)):
-            raise ValueError(f"KVFLOW_LINEAR_BACKEND={override} cannot run here ({device.type}, {dtype}); "
-                             f"available: {', '.join(candidates(dtype)) if device.type == 'cpu' else 'dense'}")
-        return override
-    if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
-        return "auto"
-    return "dense"
-
-
-class DenseKernel:
-    backend = "dense"
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        self.weight, self.bias = weight, bias
-        self.out_features, self.in_features = weight.shape
-
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
-        return y if residual is None else residual + y
-
-    @property
-    def nbytes(self) -> int:
-        return _nbytes(self.weight) + _nbytes(self.bias)
-
-
-class OneDNNKernel:
-    """oneDNN's matmul with the weight reordered once into its blocked layout (float32 or bfloat16,
-    CPU). Inputs and outputs stay ordinary dense tensors."""
-
-    backend = "onednn"
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        if weight.dtype not in (torch.float32, torch.bfloat16) or weight.device.type != "cpu":
-            raise ValueError("the onednn linear backend takes float32 or bfloat16 CPU weights")
-        self.out_features, self.in_features = weight.shape
-        self.dtype = weight.dtype
-        reorder = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
-        w = weight.detach().contiguous()
-        self.weight = reorder(w, ONEDNN_BATCH_HINT) if reorder is not None else w.to_mkldnn()
-        self.bias = None if bias is None else bias.detach().contiguous().clone()
-        self._op = torch.ops.mkldnn._linear_pointwise
-
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        if residual is None:
-            return self._op(x, self.weight, self.bias, "none", [], "")
-        return self._op.binary(x, residual, self.weight, self.bias, "add")
-
-    @property
-    def nbytes(self) -> int:
-        return self.out_features * self.in_features * self.dtype.itemsize + _nbytes(self.bias)
-
-
-class TunedKernel:
-    """The ``auto`` backend: each call runs the path `choice` names for its row count (row bucket
-    -> path, from the autotune's `KernelPlan`; a call with m rows takes the first bucket >= m, the
-    last bucket beyond). Only the paths the choice uses are built, so a shape that one path wins
-    everywhere holds one copy of its weight. Takes `norm=` / `silu_mul=` as the native kernel does,
-    applying them in torch for the other paths."""
-
-    backend = "auto"
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, choice: dict[int, str],
-                 with_native: bool = False) -> None:
-        """`with_native`: build the native path even where `choice` does not use it (the fused
-        decode pass runs it on this projection: one more, packed, copy of the weight)."""
-        self.out_features, self.in_features = weight.shape
-        paths = [*choice.values(), *(["native"] if with_native else [])]
-        self.paths: dict[str, LinearKernel] = {p: make_path_kernel(p, weight, bias) for p in dict.fromkeys(paths)}
-        buckets = sorted(choice)
-        self._max_rows = buckets[-1]
-        # rows (1..max bucket) -> kernel; index 0 unused
-        self._by_rows: list[LinearKernel] = [self.paths[choice[buckets[-1]]]]
-        for m in range(1, self._max_rows + 1):
-            self._by_rows.append(self.paths[choice[next(b for b in buckets if b >= m)]])
-        self.native: NativeFloatKernel | None = next(
-            (k for k in self.paths.values() if isinstance(k, NativeFloatKernel)), None)
-        self.bias = bias
-
-    def kernel_for(self, rows: int) -> LinearKernel:
-        return self._by_rows[min(rows, self._max_rows)]
-
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None, *,
-                 norm=None, silu_mul: bool = False) -> torch.Tensor:
-        kernel = self.kernel_for(x.shape[0] if x.dim() == 2 else x.numel() // x.shape[-1])
-        if kernel is self.native:
-            return kernel(x, residual, norm=norm, silu_mul=silu_mul)
-        if norm is not None:
-            x = norm.forward(x)
-        if silu_mul:
-            gate, up = x.chunk(2, dim=-1)
-            x = F.silu(gate) * up
-        return kernel(x, residual)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes one call reads (one path's weight), not the memory every path holds."""
-        return max(k.nbytes for k in self.paths.values())
-
-
-_PATHS = {"dense": DenseKernel, "onednn": OneDNNKernel, "native": NativeFloatKernel}
-
-
-def make_path_kernel(path: str, weight: torch.Tensor, bias: torch.Tensor | None = None) -> LinearKernel:
-    """One float path (`FORCED_PATHS`) over `weight`."""
-    return _PATHS[path](weight, bias)
-
-
-def make_linear_kernel(backend: str, weight: torch.Tensor | BlockQuantized | list[BlockQuantized],
-                       bias: torch.Tensor | None = None, plan: KernelPlan | None = None,
-                       logits: bool = False) -> LinearKernel:
-    """A kernel computing x @ weight.T + bias. `dense` keeps a reference to `weight`; the others
-    copy it into their own layout (the caller may then free the original). `auto` takes the choice
-    for this shape from `plan` (None: the documented default of the autotune), with the native path
-    as well on the projections the plan's decode pass runs. `weight` in block formats (one part,
-    or a fused projection's parts) needs `gguf`; `logits`: the logits projection (int4 keeps it in
-    8 bits)."""
-    if isinstance(weight, BlockQuantized):
-        weight = [weight]
-    if isinstance(weight, list):
-        if backend != "gguf":
-            raise ValueError(f"block-quantized weights run on the gguf backend, not {backend!r}")
-        return BlockQuantKernel(weight, bias)
-    if backend == "gguf":  # a float tensor among a GGUF's block ones
-        backend = "auto"
-    if backend == "int4":
-        return BlockQuantKernel([quantize(weight, INT4_LOGITS_FORMAT if logits else INT4_FORMAT)], bias)
-    if backend == "auto":
-        from kvflow.kernels.cpu.autotune import default_choice, dtype_name
-
-        shape = tuple(weight.shape)
-        if plan is None:
-            return TunedKernel(weight, bias, default_choice(dtype_name(weight.dtype)))
-        return TunedKernel(weight, bias, plan.choice(shape),
-                           with_native=plan.decode_pass_rows > 0 and shape in plan.pass_shapes)
-    if backend == "int8":
-        return Int8Kernel(weight, bias)
-    if backend == "int8_mm":
-        from kvflow.kernels.int_mm import IntMMKernel
-
-        return IntMMKernel(weight, bias) if IntMMKernel.supports(weight) else DenseKernel(weight, bias)
-    if backend not in _PATHS:
-        raise ValueError(f"unknown linear backend {backend!r}; choose from {LINEAR_BACKENDS}")
-    return make_path_kernel(backend, weight, bias)
-
-
-def _nbytes(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.numel() * t.element_size()
+from kvflow.layers.linear_kernels import DenseKernel, KernelPlan, LinearKernel, make_linear_kernel
+from kvflow.quantization.gguf_blocks import BlockQuantized
 
 
 class RowParallelKernel:
@@ -279,8 +36,9 @@ class Linear(torch.nn.Module):
     its own copy), so `weight` is None and the module no longer lists it as a parameter.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
-                 device: torch.device) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device: torch.device
+    ) -> None:
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
@@ -298,8 +56,10 @@ class Linear(torch.nn.Module):
     def load_blocks(self, parts: list[BlockQuantized]) -> None:
         """Take the weight in block formats (consecutive runs of output channels), instead of floats."""
         if sum(p.shape[0] for p in parts) != self.out_features or any(p.shape[1] != self.in_features for p in parts):
-            raise ValueError(f"block-quantized weight of {[p.shape for p in parts]} for a Linear of "
-                             f"{self.in_features} -> {self.out_features}")
+            raise ValueError(
+                f"block-quantized weight of {[p.shape for p in parts]} for a Linear of "
+                f"{self.in_features} -> {self.out_features}"
+            )
         self.blocks = parts
         self.weight = None
 

@@ -1,8 +1,10 @@
-"""RMSNorm, computed in float32 as HF does, whatever the model dtype."""
+"""RMSNorm, computed in float32 as HF does, whatever the model dtype (kvflow.kernels.norm.rms_norm)."""
 
 from __future__ import annotations
 
 import torch
+
+from kvflow.kernels.norm import NormWeights, rms_norm
 
 
 class RMSNorm(torch.nn.Module):
@@ -11,6 +13,7 @@ class RMSNorm(torch.nn.Module):
         self.eps = eps
         self.weight = torch.nn.Parameter(torch.ones(size, dtype=dtype, device=device), requires_grad=False)
         self._float_weight: torch.Tensor | None = None  # (see float_weight)
+        self._kernel_args: NormWeights | None = None
 
     def float_weight(self) -> torch.Tensor:
         """The weight in float32, as the native kernels read it (for other dtypes a copy, made once:
@@ -21,13 +24,11 @@ class RMSNorm(torch.nn.Module):
             self._float_weight = self.weight.detach().float()
         return self._float_weight
 
+    def kernel_args(self) -> NormWeights:
+        """This norm as a linear kernel's `norm=` argument (made once, as `float_weight`)."""
+        if self._kernel_args is None:
+            self._kernel_args = NormWeights(self.weight, self.float_weight(), self.eps)
+        return self._kernel_args
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            # The same float32 operations as below in fewer calls (x*x == x.pow(2) bit for bit;
-            # w * (x * r) == (x * r) * w): 5 ops instead of 8 on the per-token decode path.
-            r = (x * x).mean(-1, keepdim=True).add_(self.eps).rsqrt_()
-            return torch.mul(x, r).mul_(self.weight)
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps)

@@ -36,8 +36,9 @@ def inverse_frequencies(head_dim: int, rope: RopeConfig) -> torch.Tensor:
 class RotaryEmbedding(torch.nn.Module):
     """Holds cos/sin for every position up to max_positions; looked up once per step."""
 
-    def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig, dtype: torch.dtype,
-                 device: torch.device) -> None:
+    def __init__(
+        self, head_dim: int, max_positions: int, rope: RopeConfig, dtype: torch.dtype, device: torch.device
+    ) -> None:
         super().__init__()
         inv_freq = inverse_frequencies(head_dim, rope)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
@@ -53,8 +54,9 @@ class RotaryEmbedding(torch.nn.Module):
         return self.cos.index_select(0, positions).unsqueeze(1), self.sin_signed.index_select(0, positions).unsqueeze(1)
 
 
-def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+def apply_rotary_(
+    x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Rotary embedding of x [T, heads, head_dim] in three ops, written into `out` (default: x itself).
 
     x * cos + rotate_half(x) * sin, with rotate_half(x) * sin == x.roll(half, -1) * sin_signed (the
@@ -68,8 +70,8 @@ def select_rotary(device: torch.device, dtype: torch.dtype, head_dim: int, nativ
     """The in-place rotary to run on x [T, heads, head_dim] (heads contiguous, any row stride).
 
     `native`: the CPU's native kernel (kvflow.kernels.cpu.paged_attention.rotary_, the code the native
-    int8 decode pass runs, so a token's keys do not depend on which path computed them) where it can
-    run for this device, dtype and head_dim. Otherwise, or with `native` False: `apply_rotary_`."""
+    decode pass runs, so a token's keys do not depend on which path computed them) where it can run
+    for this device, dtype and head_dim. Otherwise, or with `native` False: `apply_rotary_`."""
     if native and device.type == "cpu" and cpu_kernels.rotary_available(dtype, head_dim):
         return cpu_kernels.rotary_
     return apply_rotary_

@@ -18,20 +18,42 @@ from datetime import datetime
 from typing import Any
 
 # apply_chat_template's own parameters that change what it does beyond rendering one conversation.
-_HF_ONLY = frozenset({"documents", "chat_template", "continue_final_message", "sanitize_control_tokens", "padding",
-                      "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
-                      "tokenizer_kwargs"})
+_HF_ONLY = frozenset(
+    {
+        "documents",
+        "chat_template",
+        "continue_final_message",
+        "sanitize_control_tokens",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
 def renders_here(conversation: Any, tools: Any, kwargs: Mapping[str, Any]) -> bool:
     """Whether `render` gives transformers' result for this call (else: ask transformers)."""
-    return (isinstance(conversation, list) and bool(conversation) and isinstance(conversation[0], dict)
-            and (tools is None or all(isinstance(t, dict) for t in tools)) and not (_HF_ONLY & kwargs.keys()))
+    return (
+        isinstance(conversation, list)
+        and bool(conversation)
+        and isinstance(conversation[0], dict)
+        and (tools is None or all(isinstance(t, dict) for t in tools))
+        and not (_HF_ONLY & kwargs.keys())
+    )
 
 
-def render(template: str, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-           add_generation_prompt: bool, variables: Mapping[str, Any]) -> str:
+def render(
+    template: str,
+    conversation: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    add_generation_prompt: bool,
+    variables: Mapping[str, Any],
+) -> str:
     """`template` over one conversation; `variables`: the special tokens, then the caller's extras."""
     messages = []
     for m in map(_to_dicts, conversation):
@@ -42,8 +64,13 @@ def render(template: str, conversation: list[dict[str, Any]], tools: list[dict[s
     for message in chat:
         if not isinstance(message, dict):
             raise TypeError(f"Chat messages should be dicts, dataclasses or pydantic models, but got {message!r}.")
-    return _compile(template).render(messages=_alias_reasoning(chat), tools=_plain(tools), documents=None,
-                                     add_generation_prompt=add_generation_prompt, **_plain(dict(variables)))
+    return _compile(template).render(
+        messages=_alias_reasoning(chat),
+        tools=_plain(tools),
+        documents=None,
+        add_generation_prompt=add_generation_prompt,
+        **_plain(dict(variables)),
+    )
 
 
 def _alias_reasoning(chat: list[Any]) -> list[Any]:
@@ -105,7 +132,7 @@ def _compile(template: str) -> Any:
     class Generation(jinja2.ext.Extension):
         # `{% generation %}...{% endgeneration %}` marks assistant text for transformers' assistant
         # masks; rendering alone just emits the body.
-        tags = {"generation"}
+        tags = {"generation"}  # noqa: RUF012 (jinja2 reads it as a class attribute)
 
         def parse(self, parser: Any) -> Any:
             lineno = next(parser.stream).lineno
@@ -118,8 +145,9 @@ def _compile(template: str) -> Any:
     def raise_exception(message: str) -> None:
         raise jinja2.exceptions.TemplateError(message)
 
-    def tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
-               sort_keys: bool = False) -> str:
+    def tojson(
+        x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False
+    ) -> str:
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
     class TemplateDict:
@@ -146,10 +174,12 @@ def _compile(template: str) -> Any:
             if isinstance(name, str) and name.startswith("_"):
                 raise jinja2.exceptions.SecurityError(
                     f"Chat templates cannot store underscore-prefixed attributes on a namespace, but got {name!r}. "
-                    "Please rename the attribute.")
+                    "Please rename the attribute."
+                )
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[Generation, jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)

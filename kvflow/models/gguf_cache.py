@@ -35,6 +35,7 @@ FORMAT_VERSION = 1
 @dataclass(frozen=True)
 class TensorPlace:
     """One tensor: its HF name, GGML type name, and where its bytes lie in the file."""
+
     hf_name: str
     qtype: str
     offset: int
@@ -69,8 +70,10 @@ def read(path: str) -> GGUFIndex | None:
             data = json.load(f)
         if data.get("version") != FORMAT_VERSION or data.get("source") != _identity(path):
             return None
-        tensors = [TensorPlace(t["hf_name"], t["qtype"], int(t["offset"]), t["dtype"], tuple(t["shape"]))
-                   for t in data["tensors"]]
+        tensors = [
+            TensorPlace(t["hf_name"], t["qtype"], int(t["offset"]), t["dtype"], tuple(t["shape"]))
+            for t in data["tensors"]
+        ]
         return GGUFIndex(data["hf_config"], data["name"], tensors, data.get("tokenizer"))
     except FileNotFoundError:
         return None
@@ -83,10 +86,17 @@ def write(path: str, index: GGUFIndex) -> None:
     """Store `index` for `path`; a cache that cannot be written only costs the next start time."""
     try:
         entry = entry_path(path)
-        data = {"version": FORMAT_VERSION, "source": _identity(path), "hf_config": index.hf_config,
-                "name": index.name, "tokenizer": index.tokenizer,
-                "tensors": [{"hf_name": t.hf_name, "qtype": t.qtype, "offset": t.offset, "dtype": t.dtype,
-                             "shape": list(t.shape)} for t in index.tensors]}
+        data = {
+            "version": FORMAT_VERSION,
+            "source": _identity(path),
+            "hf_config": index.hf_config,
+            "name": index.name,
+            "tokenizer": index.tokenizer,
+            "tensors": [
+                {"hf_name": t.hf_name, "qtype": t.qtype, "offset": t.offset, "dtype": t.dtype, "shape": list(t.shape)}
+                for t in index.tensors
+            ],
+        }
         entry.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=entry.parent, prefix=entry.name, suffix=".tmp")
         try:

@@ -38,9 +38,9 @@ import torch
 from gguf import GGUFReader, GGUFValueType
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from kvflow.layers.block_quant import FORMATS, BlockQuantized
 from kvflow.models import gguf_cache
 from kvflow.models.tokenizer import FastTokenizer, state_of
+from kvflow.quantization.gguf_blocks import FORMATS, BlockQuantized
 
 logger = logging.getLogger(__name__)
 
@@ -134,8 +134,8 @@ class _Reader(GGUFReader):
             end = offs + 8 + slen
             if end > n:
                 raise _CorruptGGUF(f"string array at offset {orig_offs} runs past the end of the file")
-            parts.append(mv[offs:offs + 8])
-            parts.append(mv[offs + 8:end])
+            parts.append(mv[offs : offs + 8])
+            parts.append(mv[offs + 8 : end])
             idxs.append(len(parts) - 1)
             offs = end
         return offs - orig_offs, parts, idxs, [GGUFValueType.ARRAY, GGUFValueType.STRING]
@@ -153,7 +153,9 @@ class _Reader(GGUFReader):
             block, type_size = GGML_QUANT_SIZES[qtype]
             dims_list = [int(d) for d in dims]
             if not dims_list or dims_list[0] % block:
-                raise _CorruptGGUF(f"tensor {name!r} ({qtype.name}) has shape {dims_list}, not a whole number of blocks")
+                raise _CorruptGGUF(
+                    f"tensor {name!r} ({qtype.name}) has shape {dims_list}, not a whole number of blocks"
+                )
             n_bytes = math.prod(dims_list) // block * type_size
             begin = start_offs + int(offset_tensor[0])
             if begin + n_bytes > size:
@@ -194,7 +196,9 @@ def _dequantize(data: np.ndarray, qtype: GGMLQuantizationType, hf_shape: tuple[i
 
 def _blocks(data: np.ndarray, qtype: GGMLQuantizationType, hf_shape: tuple[int, ...]) -> BlockQuantized:
     """A quantized tensor's bytes as rows of blocks (copied out of the file's mapping)."""
-    return BlockQuantized(FORMATS[qtype.name], torch.from_numpy(np.array(data, dtype=np.uint8)).reshape(hf_shape[0], -1))
+    return BlockQuantized(
+        FORMATS[qtype.name], torch.from_numpy(np.array(data, dtype=np.uint8)).reshape(hf_shape[0], -1)
+    )
 
 
 def _unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -264,7 +268,8 @@ def _build_config(path: str, meta: dict[str, Any], tensor_names: set[str], arch:
     if "rope_freqs.weight" in tensor_names:
         logger.warning(
             "%s has a rope_freqs tensor (Llama-3-style frequency scaling); it is ignored, as transformers "
-            "does, so positions far beyond the original context may degrade", path,
+            "does, so positions far beyond the original context may degrade",
+            path,
         )
     cfg: dict[str, Any] = {
         "architectures": ["LlamaForCausalLM"],
@@ -312,14 +317,17 @@ def _expected_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     h, f, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
     q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
     per_layer = {
-        "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
-        "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h), "self_attn.v_proj.weight": (kv, h),
+        "input_layernorm.weight": (h,),
+        "post_attention_layernorm.weight": (h,),
+        "self_attn.q_proj.weight": (q, h),
+        "self_attn.k_proj.weight": (kv, h),
+        "self_attn.v_proj.weight": (kv, h),
         "self_attn.o_proj.weight": (h, q),
-        "mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f),
+        "mlp.gate_proj.weight": (f, h),
+        "mlp.up_proj.weight": (f, h),
+        "mlp.down_proj.weight": (h, f),
     }
-    shapes = {
-        f"model.layers.{i}.{k}": v for i in range(cfg["num_hidden_layers"]) for k, v in per_layer.items()
-    }
+    shapes = {f"model.layers.{i}.{k}": v for i in range(cfg["num_hidden_layers"]) for k, v in per_layer.items()}
     shapes["model.norm.weight"] = (h,)
     shapes["model.embed_tokens.weight"] = (cfg["vocab_size"], h)
     if not cfg["tie_word_embeddings"]:
@@ -369,8 +377,21 @@ _O200K_SPLIT = (
 )
 _PRE_SPLITS = {
     **dict.fromkeys(
-        ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
-         "jina-v5-nano", "dbrx", "smaug-bpe"), _LLAMA3_SPLIT),
+        (
+            "llama3",
+            "llama-v3",
+            "llama-bpe",
+            "falcon3",
+            "falcon-h1",
+            "pixtral",
+            "midm-2.0",
+            "lfm2",
+            "jina-v5-nano",
+            "dbrx",
+            "smaug-bpe",
+        ),
+        _LLAMA3_SPLIT,
+    ),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez"), _QWEN2_SPLIT),
     **dict.fromkeys(("gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"), _O200K_SPLIT),
 }
@@ -406,28 +427,37 @@ def _build_tokenizer(path: str, meta: dict[str, Any]):
             raise ValueError(f"{path}: malformed BPE merge {m!r} in tokenizer.ggml.merges")
         pairs.append((a, b))
     try:
-        backend = Tokenizer(models.BPE(vocab=vocab, merges=pairs, continuing_subword_prefix="",
-                                       end_of_word_suffix="", fuse_unk=False))
+        backend = Tokenizer(
+            models.BPE(vocab=vocab, merges=pairs, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False)
+        )
     except Exception as e:  # tokenizers raises plain Exception for merges outside the vocab
         raise ValueError(f"{path}: inconsistent tokenizer vocabulary/merges: {e}") from e
     split = _PRE_SPLITS.get(meta.get("tokenizer.ggml.pre"))
     if split is None:
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     else:
-        backend.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(split), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ])
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     backend.decoder = decoders.ByteLevel()
     # Control tokens (<|im_start|>, ...) become special added tokens so text never splits them; a
     # "control" token outside the byte alphabet is a mislabel and is left alone. User-defined tokens
     # are matched whole too, but are not special.
-    control = [AddedToken(t, normalized=False, special=True)
-               for t, ty in zip(tokens, types) if ty == _CONTROL and set(t) <= _BYTE_ALPHABET]
+    control = [
+        AddedToken(t, normalized=False, special=True)
+        for t, ty in zip(tokens, types)
+        if ty == _CONTROL and set(t) <= _BYTE_ALPHABET
+    ]
     if control:
         backend.add_special_tokens(control)
-    user = [AddedToken(t, normalized=False, special=False)
-            for t, ty in zip(tokens, types) if ty == _USER_DEFINED and t in vocab]
+    user = [
+        AddedToken(t, normalized=False, special=False)
+        for t, ty in zip(tokens, types)
+        if ty == _USER_DEFINED and t in vocab
+    ]
     if user:
         backend.add_tokens(user)
 
@@ -436,8 +466,13 @@ def _build_tokenizer(path: str, meta: dict[str, Any]):
         return tokens[i] if isinstance(i, int) and 0 <= i < len(tokens) else None
 
     kwargs: dict[str, Any] = {
-        name: token(key) for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
-                                           ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id"))
+        name: token(key)
+        for name, key in (
+            ("bos_token", "bos_token_id"),
+            ("eos_token", "eos_token_id"),
+            ("unk_token", "unknown_token_id"),
+            ("pad_token", "padding_token_id"),
+        )
     }
     kwargs["add_bos_token"] = bool(meta.get("tokenizer.ggml.add_bos_token", False))
     kwargs["add_eos_token"] = bool(meta.get("tokenizer.ggml.add_eos_token", False))
@@ -481,7 +516,7 @@ def load_gguf(path: str | os.PathLike, with_tokenizer: bool = True, keep_blocks:
         for place in index.tensors:
             hf, qtype = place.hf_name, T[place.qtype]
             dtype = np.dtype(place.dtype)
-            data = buf[place.offset:place.offset + dtype.itemsize * math.prod(place.shape)].view(dtype)
+            data = buf[place.offset : place.offset + dtype.itemsize * math.prod(place.shape)].view(dtype)
             data = data.reshape(place.shape)
             shape = expected[hf]
             try:
@@ -535,10 +570,15 @@ def _index(path: str, with_tokenizer: bool) -> gguf_cache.GGUFIndex:
             )
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
         if shape != expected[hf]:
-            raise ValueError(f"{path}: tensor {t.name!r} has shape {list(shape)}, expected {list(expected[hf])} "
-                             f"for {hf} from the GGUF metadata")
-        places.append(gguf_cache.TensorPlace(hf, t.tensor_type.name, int(t.data_offset), t.data.dtype.str,
-                                             tuple(int(d) for d in t.data.shape)))
+            raise ValueError(
+                f"{path}: tensor {t.name!r} has shape {list(shape)}, expected {list(expected[hf])} "
+                f"for {hf} from the GGUF metadata"
+            )
+        places.append(
+            gguf_cache.TensorPlace(
+                hf, t.tensor_type.name, int(t.data_offset), t.data.dtype.str, tuple(int(d) for d in t.data.shape)
+            )
+        )
     missing = sorted(set(expected) - {p.hf_name for p in places})
     if missing:
         raise ValueError(f"{path}: GGUF lacks tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")

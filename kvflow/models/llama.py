@@ -7,33 +7,30 @@ gate/up are fused into single projections at load time (fewer, larger matmuls pe
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
+from kvflow.attention.backend import AttentionBackend, AttentionMetadata, LayerKVCache
 from kvflow.config import ModelConfig
 from kvflow.distributed.parallel import TPGroup, shard_weight
-from kvflow.layers.attention import AttentionBackend, AttentionMetadata, DecodePass, LayerKVCache
-from kvflow.layers.block_quant import BlockQuantized
-from kvflow.layers.linear import FUSED_PROLOGUE, Linear, LinearKernel, RowParallelKernel, make_linear_kernel
+from kvflow.layers.linear import Linear, RowParallelKernel
+from kvflow.layers.linear_kernels import FUSED_PROLOGUE, KernelPlan, LinearKernel, make_linear_kernel
 from kvflow.layers.norm import RMSNorm
-from kvflow.layers.quant import SMOOTH_ALPHA, smoothing_scales
 from kvflow.layers.rotary import RotaryEmbedding, RotaryFn, apply_rotary_, select_rotary
-
-if TYPE_CHECKING:
-    from kvflow.kernels.cpu.autotune import KernelPlan
+from kvflow.models.decode_pass import DecodePass, decode_pass
+from kvflow.quantization.gguf_blocks import BlockQuantized
+from kvflow.quantization.smoothquant import SMOOTH_ALPHA, smoothing_scales
 
 
 class DecoderLayer(torch.nn.Module):
-    def __init__(self, cfg: ModelConfig, attention: AttentionBackend, dtype: torch.dtype,
-                 device: torch.device) -> None:
+    def __init__(self, cfg: ModelConfig, attention: AttentionBackend, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.attention = attention
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = cfg.head_dim**-0.5
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.attention_bias, dtype, device)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, False, dtype, device)
@@ -47,29 +44,36 @@ class DecoderLayer(torch.nn.Module):
         self.fused_prologue = False
         self.apply_rotary: RotaryFn = apply_rotary_
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, kv_cache: LayerKVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin_signed: torch.Tensor,
+        kv_cache: LayerKVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         # Kernels and norms are called directly, not through nn.Module.__call__: ~7 calls per layer
         # per step on the decode path, where per-call overhead is what a step costs (no hooks here).
         t = x.shape[0]
         if self.fused_prologue:
-            qkv = self.qkv_proj.kernel(x, norm=self.input_layernorm)
+            qkv = self.qkv_proj.kernel(x, norm=self.input_layernorm.kernel_args())
         else:
             qkv = self.qkv_proj.kernel(self.input_layernorm.forward(x))  # [T, q | k | v]
         heads = self.num_heads + self.num_kv_heads
         qk = qkv[:, : self.q_size + self.kv_size].view(t, heads, self.head_dim)
         if self.q_norm is not None:
-            normed = torch.cat((self.q_norm.forward(qk[:, : self.num_heads]),
-                                self.k_norm.forward(qk[:, self.num_heads:])), dim=1)
+            normed = torch.cat(
+                (self.q_norm.forward(qk[:, : self.num_heads]), self.k_norm.forward(qk[:, self.num_heads :])), dim=1
+            )
             apply_rotary_(normed, cos, sin_signed, out=qk)
         else:
             self.apply_rotary(qk, cos, sin_signed)  # q and k rotated together, in place in qkv
         q = qk[:, : self.num_heads]
-        kv = qkv[:, self.q_size:].view(t, 2, self.num_kv_heads, self.head_dim)
+        kv = qkv[:, self.q_size :].view(t, 2, self.num_kv_heads, self.head_dim)
         attn = self.attention.forward(q, kv, kv_cache, meta, self.scale)
         x = self.o_proj.kernel(attn, x)  # x + o_proj(attn)
         if self.fused_prologue:
-            gate_up = self.gate_up_proj.kernel(x, norm=self.post_attention_layernorm)
+            gate_up = self.gate_up_proj.kernel(x, norm=self.post_attention_layernorm.kernel_args())
             return self.down_proj.kernel(gate_up, x, silu_mul=True)
         gate_up = self.gate_up_proj.kernel(self.post_attention_layernorm.forward(x))
         gate, up = gate_up.chunk(2, dim=-1)
@@ -77,8 +81,15 @@ class DecoderLayer(torch.nn.Module):
 
 
 class LlamaForCausalLM(torch.nn.Module):
-    def __init__(self, cfg: ModelConfig, attention: AttentionBackend, max_positions: int, dtype: torch.dtype,
-                 device: torch.device, tp: TPGroup | None = None) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        attention: AttentionBackend,
+        max_positions: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        tp: TPGroup | None = None,
+    ) -> None:
         """`cfg`: this rank's share of the architecture under tensor parallelism (`tp`)."""
         super().__init__()
         self.cfg = cfg
@@ -89,7 +100,9 @@ class LlamaForCausalLM(torch.nn.Module):
         )
         self.layers = torch.nn.ModuleList(DecoderLayer(cfg, attention, dtype, device) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, device)
+        self.lm_head = (
+            None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, device)
+        )
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope, dtype, device)
         self._row_parallel()  # from the start: a pass before `prepare` (int8 calibration) sums ranks too
         # The logits projection; set by `prepare` (tied models: a kernel over embed_tokens).
@@ -98,14 +111,14 @@ class LlamaForCausalLM(torch.nn.Module):
         self.kernel_plan: KernelPlan | None = None
         self._vocab_widths: list[int] = []  # tensor parallel: each rank's slice of the vocabulary
         self._lm_head_smoothing: torch.Tensor | None = None  # tied + smoothed: columns of the lm_head copy
-        # Native kernels (int8, fp32): decode-only steps run all layers in one call, a pass the
-        # attention backend hands in where it has one (set by `prepare`).
+        # Native kernels (int8, fp32 / bf16, GGUF blocks) with the native attention: decode-only
+        # steps run all layers in one call (kvflow.models.decode_pass; set by `prepare`).
         self.native_decode: DecodePass | None = None
         self.embed_blocks: BlockQuantized | None = None  # the embedding in its GGUF format, until `prepare`
         # A block kernel holding the embedding (GGUF blocks, or int4's logits): looked up through it.
         self._embed_kernel = None
 
-    def prepare(self, backend: str, plan: "KernelPlan | None" = None) -> None:
+    def prepare(self, backend: str, plan: KernelPlan | None = None) -> None:
         """Move every projection, and the lm_head, to the linear backend `backend` (after
         load_weights); `plan`: the autotune's choices for the ``auto`` backend."""
         if self.tp.size > 1 and self.logits_kernel is None:
@@ -119,8 +132,12 @@ class LlamaForCausalLM(torch.nn.Module):
             if isinstance(m, Linear):
                 m.prepare(backend, plan, logits=m is self.lm_head)
         # (q/k-normed layers rotate the norms' output with apply_rotary_ instead: see forward.)
-        rotary = select_rotary(self.rotary.cos.device, self.rotary.cos.dtype, self.cfg.head_dim,
-                               native=backend in FUSED_PROLOGUE and not self.cfg.qk_norm)
+        rotary = select_rotary(
+            self.rotary.cos.device,
+            self.rotary.cos.dtype,
+            self.cfg.head_dim,
+            native=backend in FUSED_PROLOGUE and not self.cfg.qk_norm,
+        )
         for layer in self.layers:
             layer.fused_prologue = backend in FUSED_PROLOGUE
             layer.apply_rotary = rotary
@@ -140,11 +157,10 @@ class LlamaForCausalLM(torch.nn.Module):
                 self.logits_kernel = make_linear_kernel(backend, w, plan=plan, logits=True)
                 if backend == "int4":  # the lookup reads the logits kernel's 8-bit rows: one copy
                     self._embed_kernel = self.logits_kernel
-                    self.embed_tokens = torch.nn.Parameter(w.new_empty(0, self.cfg.hidden_size),
-                                                           requires_grad=False)
+                    self.embed_tokens = torch.nn.Parameter(w.new_empty(0, self.cfg.hidden_size), requires_grad=False)
         self.linear_backend, self.kernel_plan = backend, plan
         self._row_parallel()  # the new kernels, wrapped again
-        self.native_decode = self.attention.decode_pass(self)
+        self.native_decode = decode_pass(self)
 
     def _logits_weight(self) -> torch.Tensor:
         """The float weight of the logits projection: the lm_head's, or for a tied model the
@@ -168,8 +184,9 @@ class LlamaForCausalLM(torch.nn.Module):
         """((out, in) of every projection and the logits, those of one decoder layer's qkv, o,
         gate_up and down): what the kernel autotune times (before `prepare`)."""
         layer = self.layers[0]
-        per_layer = [tuple(lin.weight.shape) for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj,
-                                                         layer.down_proj)]
+        per_layer = [
+            tuple(lin.weight.shape) for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+        ]
         # The logits kernel: this rank's slice of the vocabulary under TP (as `prepare` cuts it).
         vocab = torch.empty(self.cfg.vocab_size, 0).chunk(self.tp.size)[self.tp.rank].shape[0]
         return list(dict.fromkeys([*per_layer, (vocab, self.cfg.hidden_size)])), per_layer
@@ -183,33 +200,36 @@ class LlamaForCausalLM(torch.nn.Module):
 
     @torch.no_grad()
     def apply_smoothing(self, act_amax: dict[str, torch.Tensor], alpha: float = SMOOTH_ALPHA) -> None:
-        """SmoothQuant, folded into the weights (see kvflow.layers.quant): call after load_weights
-        and before prepare("int8"). `act_amax[name]` is the per-input-channel max |x| of the Linear
-        `name` (as listed by linear_inputs) and of the lm_head under "lm_head". Exact in real
-        arithmetic: the float model computes the same function."""
+        """SmoothQuant, folded into the weights (see kvflow.quantization.smoothquant): call after
+        load_weights and before prepare("int8"). `act_amax[name]` is the per-input-channel max |x|
+        of the Linear `name` (as listed by linear_inputs) and of the lm_head under "lm_head". Exact
+        in real arithmetic: the float model computes the same function."""
         cfg = self.cfg
         group = cfg.num_heads // cfg.num_kv_heads
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         for i, layer in enumerate(self.layers):
             p = f"layers.{i}."
             # qkv and gate_up read RMSNorm outputs: divide the norm weight.
-            for norm, proj in ((layer.input_layernorm, layer.qkv_proj), (layer.post_attention_layernorm, layer.gate_up_proj)):
+            for norm, proj in (
+                (layer.input_layernorm, layer.qkv_proj),
+                (layer.post_attention_layernorm, layer.gate_up_proj),
+            ):
                 sc = smoothing_scales(act_amax[p + _name(layer, proj)], proj.weight, alpha).to(proj.weight.dtype)
                 norm.weight.div_(sc)
                 proj.weight.mul_(sc)
             # down reads silu(gate) * up: divide the up rows.
             down = layer.down_proj
             sc = smoothing_scales(act_amax[p + "down_proj"], down.weight, alpha).to(down.weight.dtype)
-            layer.gate_up_proj.weight[cfg.intermediate_size:].div_(sc[:, None])
+            layer.gate_up_proj.weight[cfg.intermediate_size :].div_(sc[:, None])
             down.weight.mul_(sc)
             # o reads the attention output, linear in v: divide the v rows, one scale per
             # (kv head, dim), shared by the query heads of a group.
             o = layer.o_proj
             sc = smoothing_scales(act_amax[p + "o_proj"], o.weight, alpha)
             sc = sc.view(cfg.num_kv_heads, group, cfg.head_dim).amax(1).to(o.weight.dtype)
-            layer.qkv_proj.weight[q_size + kv_size:].div_(sc.reshape(-1, 1))
+            layer.qkv_proj.weight[q_size + kv_size :].div_(sc.reshape(-1, 1))
             if layer.qkv_proj.bias is not None:
-                layer.qkv_proj.bias[q_size + kv_size:].div_(sc.reshape(-1))
+                layer.qkv_proj.bias[q_size + kv_size :].div_(sc.reshape(-1))
             o.weight.mul_(sc[:, None, :].expand(-1, group, -1).reshape(-1))
         head = self.lm_head.weight if self.lm_head is not None else self.embed_tokens
         sc = smoothing_scales(act_amax["lm_head"], head, alpha).to(head.dtype)
@@ -219,11 +239,15 @@ class LlamaForCausalLM(torch.nn.Module):
         else:
             self._lm_head_smoothing = sc  # the embedding lookup keeps the original rows
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKVCache],
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKVCache], meta: AttentionMetadata
+    ) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, hidden]."""
-        x = F.embedding(input_ids, self.embed_tokens) if self._embed_kernel is None else \
-            self._embed_kernel.rows(input_ids)
+        x = (
+            F.embedding(input_ids, self.embed_tokens)
+            if self._embed_kernel is None
+            else self._embed_kernel.rows(input_ids)
+        )
         cos, sin_signed = self.rotary.lookup(positions)
         fused = self.native_decode
         group = self.attention.decode_group(meta) if fused is not None and x.shape[0] <= fused.max_rows else None
@@ -250,8 +274,13 @@ class LlamaForCausalLM(torch.nn.Module):
         """Take HF-named tensors; fuse q/k/v and gate/up as they arrive."""
         params = dict(self.named_parameters())
         pending: dict[str, dict[str, torch.Tensor]] = {}
-        fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-                 "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+        fused = {
+            "q_proj": ("qkv_proj", 0),
+            "k_proj": ("qkv_proj", 1),
+            "v_proj": ("qkv_proj", 2),
+            "gate_proj": ("gate_up_proj", 0),
+            "up_proj": ("gate_up_proj", 1),
+        }
         loaded: set[str] = set()
         for name, tensor in weights:
             name = name.removeprefix("model.")
@@ -294,8 +323,9 @@ class LlamaForCausalLM(torch.nn.Module):
         embedding (looked up row by row; the logits kernel of a tied model reads it too)."""
         if name == "embed_tokens":
             self.embed_blocks = parts[0]
-            self.embed_tokens = torch.nn.Parameter(self.embed_tokens.data.new_empty(0, self.cfg.hidden_size),
-                                                   requires_grad=False)
+            self.embed_tokens = torch.nn.Parameter(
+                self.embed_tokens.data.new_empty(0, self.cfg.hidden_size), requires_grad=False
+            )
             return
         module, _, field = name.rpartition(".")
         linear = self.get_submodule(module)
@@ -306,17 +336,26 @@ class LlamaForCausalLM(torch.nn.Module):
     @property
     def has_block_weights(self) -> bool:
         """Whether load_weights took tensors in block formats (before `prepare`)."""
-        return self.embed_blocks is not None or any(isinstance(m, Linear) and m.blocks is not None
-                                                    for m in self.modules())
+        return self.embed_blocks is not None or any(
+            isinstance(m, Linear) and m.blocks is not None for m in self.modules()
+        )
 
     def weight_bytes(self) -> int:
         """Bytes of every weight as the model holds it: the norms, the float embedding (empty when
         a block kernel holds it), each kernel's own copy once (a tied model's logits kernel may be
         the embedding's)."""
-        kernels = {id(k): k for k in (*(m.kernel for m in self.modules() if isinstance(m, Linear)),
-                                      self.logits_kernel, self._embed_kernel) if k is not None}
-        params = sum(p.numel() * p.element_size() for n, p in self.named_parameters()
-                     if "norm" in n or n == "embed_tokens")
+        kernels = {
+            id(k): k
+            for k in (
+                *(m.kernel for m in self.modules() if isinstance(m, Linear)),
+                self.logits_kernel,
+                self._embed_kernel,
+            )
+            if k is not None
+        }
+        params = sum(
+            p.numel() * p.element_size() for n, p in self.named_parameters() if "norm" in n or n == "embed_tokens"
+        )
         return params + sum(k.nbytes for k in kernels.values())
 
     @staticmethod

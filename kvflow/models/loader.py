@@ -42,8 +42,9 @@ def resolve_model_path(model: str | None) -> str:
     return str(path)
 
 
-def load_checkpoint(model: str | None, tokenizer: str | None = None, with_tokenizer: bool = True,
-                    keep_blocks: bool = False) -> Checkpoint:
+def load_checkpoint(
+    model: str | None, tokenizer: str | None = None, with_tokenizer: bool = True, keep_blocks: bool = False
+) -> Checkpoint:
     """`with_tokenizer=False`: weights and configuration only (a tensor-parallel worker).
     `keep_blocks`: a GGUF's quantized tensors stay in their block formats (see `gguf_block_weights`)."""
     path = resolve_model_path(model)
@@ -53,9 +54,15 @@ def load_checkpoint(model: str | None, tokenizer: str | None = None, with_tokeni
         g = load_gguf(path, with_tokenizer, keep_blocks)
         # The file's own name ("SmolLM2-135M-Instruct.Q4_1"), not general.name: it is what users
         # typed and what the server reports as the model id.
-        return Checkpoint(path=path, name=Path(path).stem, hf_config=g.hf_config,
-                          model_config=ModelConfig.from_hf_config(g.hf_config), weights=iter(g.tensors.items()),
-                          tokenizer=g.tokenizer, generation_config={})
+        return Checkpoint(
+            path=path,
+            name=Path(path).stem,
+            hf_config=g.hf_config,
+            model_config=ModelConfig.from_hf_config(g.hf_config),
+            weights=iter(g.tensors.items()),
+            tokenizer=g.tokenizer,
+            generation_config={},
+        )
     return _load_hf_folder(Path(path), tokenizer, with_tokenizer)
 
 
@@ -121,7 +128,7 @@ def _safetensors_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     def gen() -> Iterator[tuple[str, torch.Tensor]]:
         for f in files:
             with safe_open(str(path / f), framework="pt") as fh:
-                for name in fh.keys():
+                for name in fh.keys():  # noqa: SIM118 (safe_open is not a dict)
                     yield name, fh.get_tensor(name)
 
     return gen()

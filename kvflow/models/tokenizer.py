@@ -21,8 +21,16 @@ from kvflow.models import chat_template
 
 # Attributes copied from the transformers tokenizer: plain JSON values.
 _SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token")
-_STATE_ATTRS = (*_SPECIAL, "add_bos_token", "add_eos_token", "chat_template", "special_tokens_map",
-                "all_special_tokens", "clean_up_tokenization_spaces", "split_special_tokens")
+_STATE_ATTRS = (
+    *_SPECIAL,
+    "add_bos_token",
+    "add_eos_token",
+    "chat_template",
+    "special_tokens_map",
+    "all_special_tokens",
+    "clean_up_tokenization_spaces",
+    "split_special_tokens",
+)
 _STATE_VERSION = 1
 
 
@@ -80,7 +88,7 @@ class FastTokenizer:
     def added_tokens_decoder(self) -> dict[int, Any]:
         return dict(sorted(self._backend.get_added_tokens_decoder().items()))
 
-    def convert_tokens_to_ids(self, tokens: str | list[str]) -> int | None | list[int | None]:
+    def convert_tokens_to_ids(self, tokens: str | list[str]) -> int | list[int | None] | None:
         if isinstance(tokens, str):
             return self._token_id(tokens)
         return [self._token_id(t) for t in tokens]
@@ -91,7 +99,7 @@ class FastTokenizer:
         i = self._backend.token_to_id(token)
         return self._backend.token_to_id(self.unk_token) if i is None and self.unk_token is not None else i
 
-    def convert_ids_to_tokens(self, ids: int | list[int], skip_special_tokens: bool = False) -> str | None | list[str]:
+    def convert_ids_to_tokens(self, ids: int | list[int], skip_special_tokens: bool = False) -> str | list[str] | None:
         if isinstance(ids, int):
             return self._backend.id_to_token(ids)
         special = set(self.all_special_ids) if skip_special_tokens else ()
@@ -139,18 +147,29 @@ class FastTokenizer:
             token_ids = [token_ids]
         return self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                            add_generation_prompt: bool = False, tokenize: bool = True, **kwargs: Any) -> Any:
+    def apply_chat_template(
+        self,
+        conversation: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = False,
+        tokenize: bool = True,
+        **kwargs: Any,
+    ) -> Any:
         # The form kvflow uses (one conversation to text, JSON tools, extra template variables)
         # renders here; the others (token ids -- a BatchEncoding there --, documents,
         # continue_final_message, batches, callables as tools, ...) in transformers.
-        if (tokenize or not chat_template.renders_here(conversation, tools, kwargs) or not self.chat_template
-                or isinstance(self.chat_template, dict)):
-            return self.to_hf().apply_chat_template(conversation, tools=tools,
-                                                    add_generation_prompt=add_generation_prompt,
-                                                    tokenize=tokenize, **kwargs)
-        return chat_template.render(self.chat_template, conversation, tools, add_generation_prompt,
-                                    {**self.special_tokens_map, **kwargs})
+        if (
+            tokenize
+            or not chat_template.renders_here(conversation, tools, kwargs)
+            or not self.chat_template
+            or isinstance(self.chat_template, dict)
+        ):
+            return self.to_hf().apply_chat_template(
+                conversation, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=tokenize, **kwargs
+            )
+        return chat_template.render(
+            self.chat_template, conversation, tools, add_generation_prompt, {**self.special_tokens_map, **kwargs}
+        )
 
     # ---- the rest: transformers ----------------------------------------------------------------------
     def to_hf(self) -> Any:
@@ -163,8 +182,9 @@ class FastTokenizer:
                 kwargs = {name: self._state[name] for name in (*_SPECIAL, "add_bos_token", "add_eos_token")}
                 if self.chat_template:
                     kwargs["chat_template"] = self.chat_template
-                self._hf = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(self._state["backend"]),
-                                                   **kwargs)
+                self._hf = PreTrainedTokenizerFast(
+                    tokenizer_object=Tokenizer.from_str(self._state["backend"]), **kwargs
+                )
             return self._hf
 
     def __deepcopy__(self, memo: dict[int, Any]) -> FastTokenizer:

@@ -34,7 +34,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import re
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -54,6 +53,7 @@ from kvflow.router.config import RouterConfig
 from kvflow.router.metrics import RouterMetrics
 from kvflow.router.pd import CHAT_PATH, COMPLETIONS_PATH, decode_body, encode_body, prefill_body
 from kvflow.router.policies import Backend, Route, RouteRequest, RoutingPolicy, make_policy
+from kvflow.utils.prometheus import parse_prometheus
 
 logger = logging.getLogger("kvflow.router")
 
@@ -65,8 +65,14 @@ _RELAYED_HEADERS = ("content-type", "retry-after")
 
 def error_body(message: str, *, code: str, status: int) -> dict[str, Any]:
     """OpenAI's error shape, as the engines answer, so clients handle the router's errors alike."""
-    return {"error": {"message": message, "type": "server_error" if status >= 500 else "invalid_request_error",
-                      "param": None, "code": code}}
+    return {
+        "error": {
+            "message": message,
+            "type": "server_error" if status >= 500 else "invalid_request_error",
+            "param": None,
+            "code": code,
+        }
+    }
 
 
 def error_response(status: int, message: str, code: str) -> JSONResponse:
@@ -86,10 +92,15 @@ class _Attempt:
 class Router:
     """The proxy logic behind the routes. `transport` replaces httpx's network transport (tests)."""
 
-    def __init__(self, config: RouterConfig, *, policy: RoutingPolicy | None = None,
-                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+    def __init__(
+        self,
+        config: RouterConfig,
+        *,
+        policy: RoutingPolicy | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
         self.config = config
-        self.policy = policy if policy is not None else make_policy(config)
+        self.policy = policy if policy is not None else make_policy(config.policy, config.policy_options())
         self.metrics = RouterMetrics()
         self.client = httpx.AsyncClient(
             # read: the longest silence between bytes (a stream's next token, a prefill's answer)
@@ -105,7 +116,7 @@ class Router:
         self._tasks: list[asyncio.Task] = []
         # Bumped whenever a backend's health is set: a probe that began before a request saw the
         # backend refuse connections must not put it back with its stale answer.
-        self._health_epoch: dict[Backend, int] = {b: 0 for b in self.policy.backends()}
+        self._health_epoch: dict[Backend, int] = dict.fromkeys(self.policy.backends(), 0)
 
     async def start(self) -> None:
         """Start the background health checks and load scrapes (the app's lifespan calls this)."""
@@ -153,8 +164,12 @@ class Router:
             retry = self.policy.reroute(route_request, route.target)
             if retry is not None:
                 self.metrics.retries.inc()
-                logger.warning("backend %s failed before answering (%s); retrying on %s", route.target.url,
-                               attempt.detail, retry.target.url)
+                logger.warning(
+                    "backend %s failed before answering (%s); retrying on %s",
+                    route.target.url,
+                    attempt.detail,
+                    retry.target.url,
+                )
                 attempt = await self._relay(request, retry.target, path, content, headers, started)
         return attempt.response
 
@@ -164,14 +179,18 @@ class Router:
         if route.match_ratio is not None:
             self.metrics.prefix_match_ratio.observe(route.match_ratio)
 
-    async def _prefill(self, backend: Backend, path: str, body: dict[str, Any],
-                       headers: dict[str, str]) -> dict[str, Any] | Response | None:
+    async def _prefill(
+        self, backend: Backend, path: str, body: dict[str, Any], headers: dict[str, str]
+    ) -> dict[str, Any] | Response | None:
         """The prefill step. Its kv_transfer_params; None: the decode engine computes the prompt
         (the engine returned none, or failed: a fallback); a Response: the client's error."""
         self._sent(backend)
         try:
-            resp = await self.client.post(backend.url + path, content=encode_body(prefill_body(path, body)),
-                                          headers={**headers, "content-type": "application/json"})
+            resp = await self.client.post(
+                backend.url + path,
+                content=encode_body(prefill_body(path, body)),
+                headers={**headers, "content-type": "application/json"},
+            )
         except httpx.TransportError as e:
             return self._fallback(backend, _reason(e), f"{type(e).__name__}: {e}")
         finally:
@@ -183,8 +202,9 @@ class Router:
         data = _json_object(resp.content) if resp.status_code == 200 else None
         params = data.get("kv_transfer_params") if data is not None else None
         if data is None or not (params is None or isinstance(params, dict)):
-            return self._fallback(backend, m.BAD_RESPONSE,
-                                  f"HTTP {resp.status_code}, not a completion with kv_transfer_params")
+            return self._fallback(
+                backend, m.BAD_RESPONSE, f"HTTP {resp.status_code}, not a completion with kv_transfer_params"
+            )
         if params is None:
             # A server that is not a kv_producer: nothing to fetch, the decode engine recomputes.
             logger.debug("prefill engine %s returned no kv_transfer_params", backend.url)
@@ -196,12 +216,14 @@ class Router:
         self.metrics.prefill_fallbacks.inc()
         return None
 
-    async def _relay(self, request: Request, backend: Backend, path: str, content: bytes,
-                     headers: dict[str, str], started: float) -> _Attempt:
+    async def _relay(
+        self, request: Request, backend: Backend, path: str, content: bytes, headers: dict[str, str], started: float
+    ) -> _Attempt:
         """Send `content` to `backend`; its answer, as the client's response. A stream is answered
         once its first chunk arrived: a failure before it is still an HTTP error (retryable)."""
-        upstream = self.client.build_request("POST", backend.url + path, content=content,
-                                             headers={**headers, "content-type": "application/json"})
+        upstream = self.client.build_request(
+            "POST", backend.url + path, content=content, headers={**headers, "content-type": "application/json"}
+        )
         self._sent(backend)
         try:
             resp = await run_until_disconnect(request, self.client.send(upstream, stream=True))
@@ -240,23 +262,29 @@ class Router:
             backend.inflight -= 1
         if resp.status_code == 200:
             self.metrics.ttfb.observe(time.monotonic() - started)
-        return _Attempt(Response(data, status_code=resp.status_code, headers=_relayed(resp)),
-                        retryable=resp.status_code >= 500, detail=f"HTTP {resp.status_code}")
+        return _Attempt(
+            Response(data, status_code=resp.status_code, headers=_relayed(resp)),
+            retryable=resp.status_code >= 500,
+            detail=f"HTTP {resp.status_code}",
+        )
 
     def _failed(self, backend: Backend, e: httpx.TransportError) -> _Attempt:
         """No answer from `backend`: a 502 / 504; retryable unless it timed out (a retry would
         wait as long again)."""
-        return _Attempt(self._unreachable(backend, e), retryable=_reason(e) == m.UNREACHABLE,
-                        detail=f"{type(e).__name__}: {e}")
+        return _Attempt(
+            self._unreachable(backend, e), retryable=_reason(e) == m.UNREACHABLE, detail=f"{type(e).__name__}: {e}"
+        )
 
     def _unreachable(self, backend: Backend, e: httpx.TransportError) -> JSONResponse:
         reason = _reason(e)
         self.metrics.errors.labels(backend.url, reason).inc()
         if reason == m.TIMEOUT:
-            return error_response(504, f"{_who(backend)} did not answer within "
-                                       f"{self.config.timeout_s:g} s ({type(e).__name__})", "backend_timeout")
-        return error_response(502, f"{_who(backend)} is unreachable: "
-                                   f"{type(e).__name__}: {e}", "backend_unreachable")
+            return error_response(
+                504,
+                f"{_who(backend)} did not answer within {self.config.timeout_s:g} s ({type(e).__name__})",
+                "backend_timeout",
+            )
+        return error_response(502, f"{_who(backend)} is unreachable: {type(e).__name__}: {e}", "backend_unreachable")
 
     def _sent(self, backend: Backend) -> None:
         self.metrics.requests.labels(backend.url, backend.role).inc()
@@ -358,8 +386,14 @@ class _Upstream:
     """An upstream streaming response, closed exactly once however the relay ends. `chunks` is its
     byte iterator, `first` what was already read from it (the first chunk)."""
 
-    def __init__(self, resp: httpx.Response, backend: Backend, metrics: RouterMetrics,
-                 chunks: AsyncIterator[bytes] | None = None, first: bytes = b"") -> None:
+    def __init__(
+        self,
+        resp: httpx.Response,
+        backend: Backend,
+        metrics: RouterMetrics,
+        chunks: AsyncIterator[bytes] | None = None,
+        first: bytes = b"",
+    ) -> None:
         self.resp = resp
         self.backend = backend
         self.metrics = metrics
@@ -383,8 +417,9 @@ class _Upstream:
             logger.warning("stream from %s broke: %s: %s", self.backend.url, type(e).__name__, e)
             # The status line is sent: say it in the stream, as an engine does when a request fails.
             sep = b"" if tail == b"\n\n" else b"\n\n"  # our event must not join a cut one
-            err = error_body(f"{_who(self.backend)} failed mid-stream: "
-                             f"{type(e).__name__}", code="backend_stream_broken", status=502)
+            err = error_body(
+                f"{_who(self.backend)} failed mid-stream: {type(e).__name__}", code="backend_stream_broken", status=502
+            )
             yield sep + b"data: " + json.dumps(err).encode() + b"\n\ndata: [DONE]\n\n"
         finally:
             await self.close()
@@ -401,9 +436,12 @@ class _RelayedStream(StreamingResponse):
     response, not to the iterator: the client may leave before the iterator ever runs."""
 
     def __init__(self, upstream: _Upstream) -> None:
-        super().__init__(upstream.chunks(), status_code=upstream.resp.status_code,
-                         media_type=upstream.resp.headers.get("content-type", "text/event-stream"),
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        super().__init__(
+            upstream.chunks(),
+            status_code=upstream.resp.status_code,
+            media_type=upstream.resp.headers.get("content-type", "text/event-stream"),
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
         self.upstream = upstream
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -430,25 +468,16 @@ async def _first_chunk(chunks: AsyncIterator[bytes]) -> bytes:
 
 
 _LOAD_GAUGES = ("kvflow:num_requests_running", "kvflow:num_requests_waiting", "kvflow:kv_cache_usage_perc")
-_SAMPLE = re.compile(r"^(kvflow:[a-z_]+)(?:\{[^}]*\})?\s+(\S+)")
 
 
 def parse_engine_load(text: str) -> tuple[float, float, float] | None:
     """(running, waiting, KV usage) from a kvflow server's Prometheus text (samples of one gauge
-    with labels are summed); None when running or waiting is missing (not a kvflow server)."""
+    with labels are summed, NaN ones left out); None when running or waiting is missing (not a
+    kvflow server)."""
     found: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line.startswith("kvflow:"):
-            continue
-        match = _SAMPLE.match(line)
-        if match is None or match.group(1) not in _LOAD_GAUGES:
-            continue
-        try:
-            value = float(match.group(2))
-        except ValueError:
-            continue
+    for name, _, value in parse_prometheus(text, names=_LOAD_GAUGES):
         if value == value:  # not NaN
-            found[match.group(1)] = found.get(match.group(1), 0.0) + value
+            found[name] = found.get(name, 0.0) + value
     running, waiting, usage = (found.get(name) for name in _LOAD_GAUGES)
     if running is None or waiting is None:
         return None
@@ -551,8 +580,13 @@ def build_router_app(config: RouterConfig, *, transport: httpx.AsyncBaseTranspor
     return app
 
 
-def serve_router(config: RouterConfig, *, on_ready: Callable[[], None] | None = None,
-                 app: FastAPI | None = None, graceful_shutdown_s: float = 5.0) -> int:
+def serve_router(
+    config: RouterConfig,
+    *,
+    on_ready: Callable[[], None] | None = None,
+    app: FastAPI | None = None,
+    graceful_shutdown_s: float = 5.0,
+) -> int:
     """Run the router until Ctrl-C / SIGTERM (uvicorn's handling: in-flight requests get
     `graceful_shutdown_s` to finish). `app`: one `build_router_app(config)` made (with more routes)."""
     import uvicorn
@@ -565,8 +599,16 @@ def serve_router(config: RouterConfig, *, on_ready: Callable[[], None] | None = 
 
     if app is None:
         app = build_router_app(config)
-    server = _Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
-                                   access_log=False, timeout_graceful_shutdown=graceful_shutdown_s,
-                                   lifespan="on"))
+    server = _Server(
+        uvicorn.Config(
+            app,
+            host=config.host,
+            port=config.port,
+            log_level="warning",
+            access_log=False,
+            timeout_graceful_shutdown=graceful_shutdown_s,
+            lifespan="on",
+        )
+    )
     server.run()
     return 0 if server.started else 1

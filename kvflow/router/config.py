@@ -9,6 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from kvflow.router.policies import POLICIES, PolicyOptions
+from kvflow.utils.validation import is_int, is_number
+
 # Policies that split a request between prefill and decode engines (--prefill/--decode); every
 # other policy spreads whole requests over equal replicas (--backend).
 PD_POLICIES = frozenset({"pd"})
@@ -41,73 +44,92 @@ class RouterConfig:
     cache_max_chars: int = 1_000_000  # per replica, for its prefix tree (LRU leaves evicted beyond)
 
     def __post_init__(self) -> None:
-        from kvflow.router.policies import POLICIES  # the registry decides which names exist
-
         self.backends = _urls("--backend", self.backends)
         self.prefill = _urls("--prefill", self.prefill)
         self.decode = _urls("--decode", self.decode)
         pd_given = bool(self.prefill or self.decode)
         if self.policy is None and not pd_given and not self.backends:
-            raise ValueError("no servers to route to: give --prefill URL... --decode URL... (prefill/decode "
-                             "disaggregation) or --backend URL... (replicas)")
+            raise ValueError(
+                "no servers to route to: give --prefill URL... --decode URL... (prefill/decode "
+                "disaggregation) or --backend URL... (replicas)"
+            )
         if self.backends and pd_given:
-            raise ValueError("--backend cannot be combined with --prefill/--decode: --prefill/--decode route "
-                             "by the pd policy, --backend by a data-parallel one (--policy); give one kind")
+            raise ValueError(
+                "--backend cannot be combined with --prefill/--decode: --prefill/--decode route "
+                "by the pd policy, --backend by a data-parallel one (--policy); give one kind"
+            )
         if self.policy is None:
             self.policy = "pd" if pd_given else "round_robin"
-        if self.policy not in POLICIES:
+        if self.policy not in POLICIES:  # the registry decides which names exist
             raise ValueError(f"--policy must be one of {', '.join(sorted(POLICIES))}, got {self.policy!r}")
         if self.policy in PD_POLICIES:
             if self.backends:
-                raise ValueError(f"--backend is for data-parallel policies, not --policy {self.policy}: "
-                                 "give the engines as --prefill URL... --decode URL...")
+                raise ValueError(
+                    f"--backend is for data-parallel policies, not --policy {self.policy}: "
+                    "give the engines as --prefill URL... --decode URL..."
+                )
             if not self.prefill and not self.decode:
                 raise ValueError(f"--policy {self.policy} needs --prefill URL... and --decode URL...")
             if not self.prefill:
-                raise ValueError("--prefill is required with --decode (pd): give at least one prefill "
-                                 "(kv_producer) engine URL, or use --backend URL... for a plain proxy")
+                raise ValueError(
+                    "--prefill is required with --decode (pd): give at least one prefill "
+                    "(kv_producer) engine URL, or use --backend URL... for a plain proxy"
+                )
             if not self.decode:
-                raise ValueError("--decode is required with --prefill (pd): give at least one decode "
-                                 "(kv_consumer) engine URL")
+                raise ValueError(
+                    "--decode is required with --prefill (pd): give at least one decode (kv_consumer) engine URL"
+                )
         else:
             if pd_given:
                 flag = "--prefill" if self.prefill else "--decode"
-                raise ValueError(f"{flag} is only for --policy pd, not --policy {self.policy}: "
-                                 "drop --policy (pd is implied) or give the engines as --backend URL...")
+                raise ValueError(
+                    f"{flag} is only for --policy pd, not --policy {self.policy}: "
+                    "drop --policy (pd is implied) or give the engines as --backend URL..."
+                )
             if not self.backends:
-                raise ValueError(f"--backend is required for --policy {self.policy}: give at least one "
-                                 "kvflow server URL, e.g. --backend http://127.0.0.1:8100")
+                raise ValueError(
+                    f"--backend is required for --policy {self.policy}: give at least one "
+                    "kvflow server URL, e.g. --backend http://127.0.0.1:8100"
+                )
         if not 0 <= self.port < 65536:  # 0: any free port (tests)
             raise ValueError(f"--port must be in 0..65535, got {self.port}")
         for name in ("timeout_s", "connect_timeout_s", "health_timeout_s", "health_interval_s", "load_poll_s"):
             value = getattr(self, name)
             periodic = name in ("health_interval_s", "load_poll_s")
             if not value > 0 or (periodic and value == float("inf")):
-                raise ValueError(f"--{name.replace('_', '-')} must be {'finite and ' if periodic else ''}"
-                                 f"> 0 seconds, got {value}")
-        if not _is_number(self.cache_threshold) or not 0 <= self.cache_threshold <= 1:
-            raise ValueError(f"--cache-threshold must be in [0, 1] (a share of the prompt's characters), "
-                             f"got {self.cache_threshold}")
-        if not _is_int(self.balance_abs_threshold) or self.balance_abs_threshold < 0:
-            raise ValueError(f"--balance-abs-threshold must be an integer >= 0 (requests), got "
-                             f"{self.balance_abs_threshold}")
-        if not _is_number(self.balance_rel_threshold) or not 1 <= self.balance_rel_threshold < float("inf"):
-            raise ValueError(f"--balance-rel-threshold must be >= 1 (a ratio of loads), got "
-                             f"{self.balance_rel_threshold}")
-        if not _is_int(self.cache_max_chars) or self.cache_max_chars < 1:
+                raise ValueError(
+                    f"--{name.replace('_', '-')} must be {'finite and ' if periodic else ''}> 0 seconds, got {value}"
+                )
+        if not is_number(self.cache_threshold) or not 0 <= self.cache_threshold <= 1:
+            raise ValueError(
+                f"--cache-threshold must be in [0, 1] (a share of the prompt's characters), got {self.cache_threshold}"
+            )
+        if not is_int(self.balance_abs_threshold) or self.balance_abs_threshold < 0:
+            raise ValueError(
+                f"--balance-abs-threshold must be an integer >= 0 (requests), got {self.balance_abs_threshold}"
+            )
+        if not is_number(self.balance_rel_threshold) or not 1 <= self.balance_rel_threshold < float("inf"):
+            raise ValueError(
+                f"--balance-rel-threshold must be >= 1 (a ratio of loads), got {self.balance_rel_threshold}"
+            )
+        if not is_int(self.cache_max_chars) or self.cache_max_chars < 1:
             raise ValueError(f"--cache-max-chars must be an integer >= 1, got {self.cache_max_chars}")
 
     @property
     def is_pd(self) -> bool:
         return self.policy in PD_POLICIES
 
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_number(x: object) -> bool:
-    return (isinstance(x, (int, float)) and not isinstance(x, bool)) and x == x  # NaN is not
+    def policy_options(self) -> PolicyOptions:
+        """What `policies.make_policy(self.policy, ...)` builds the policy from."""
+        return PolicyOptions(
+            backends=tuple(self.backends),
+            prefill=tuple(self.prefill),
+            decode=tuple(self.decode),
+            cache_threshold=self.cache_threshold,
+            balance_abs_threshold=self.balance_abs_threshold,
+            balance_rel_threshold=self.balance_rel_threshold,
+            cache_max_chars=self.cache_max_chars,
+        )
 
 
 def _urls(flag: str, urls: list[str]) -> list[str]:
@@ -118,8 +140,9 @@ def _urls(flag: str, urls: list[str]) -> list[str]:
         url = raw.strip().rstrip("/")
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"{flag}: {raw!r} is not an http(s) URL; give a server's base URL, "
-                             "e.g. http://127.0.0.1:8100")
+            raise ValueError(
+                f"{flag}: {raw!r} is not an http(s) URL; give a server's base URL, e.g. http://127.0.0.1:8100"
+            )
         if parts.query or parts.fragment:
             raise ValueError(f"{flag}: {raw!r} has a query or fragment; give the server's base URL only")
         try:

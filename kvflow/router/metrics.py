@@ -21,38 +21,61 @@ class RouterMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         # prometheus_client adds the _total suffix to counters
-        self.requests = Counter("kvflow_router:requests", "Requests sent to a backend, by its role",
-                                ["backend", "role"], registry=self.registry)
-        self.errors = Counter("kvflow_router:errors", "Failed backend requests, by reason",
-                              ["backend", "reason"], registry=self.registry)
+        self.requests = Counter(
+            "kvflow_router:requests",
+            "Requests sent to a backend, by its role",
+            ["backend", "role"],
+            registry=self.registry,
+        )
+        self.errors = Counter(
+            "kvflow_router:errors", "Failed backend requests, by reason", ["backend", "reason"], registry=self.registry
+        )
         self.prefill_fallbacks = Counter(
             "kvflow_router:prefill_fallbacks",
             "Requests whose prefill engine failed, sent whole to a decode engine (it computed the prompt)",
-            registry=self.registry)
+            registry=self.registry,
+        )
         # data-parallel policies (--backend)
-        self.cache_hits = Counter("kvflow_router:cache_aware_hits",
-                                  "cache_aware: requests routed to the replica matching their prefix",
-                                  registry=self.registry)
-        self.cache_misses = Counter("kvflow_router:cache_aware_misses",
-                                    "cache_aware: requests routed by load (match below --cache-threshold, "
-                                    "or loads imbalanced)", registry=self.registry)
+        self.cache_hits = Counter(
+            "kvflow_router:cache_aware_hits",
+            "cache_aware: requests routed to the replica matching their prefix",
+            registry=self.registry,
+        )
+        self.cache_misses = Counter(
+            "kvflow_router:cache_aware_misses",
+            "cache_aware: requests routed by load (match below --cache-threshold, or loads imbalanced)",
+            registry=self.registry,
+        )
         self.prefix_match_ratio = Histogram(
             "kvflow_router:prefix_match_ratio",
             "cache_aware: longest prefix match over the candidate replicas / prompt characters",
-            buckets=_RATIO_BUCKETS, registry=self.registry)
-        self.backend_healthy = Gauge("kvflow_router:backend_healthy",
-                                     "1 while a replica is in rotation (its /health passes), else 0",
-                                     ["backend"], registry=self.registry)
-        self.backend_unhealthy = Counter("kvflow_router:backend_unhealthy",
-                                         "Times a replica was taken out of rotation", ["backend"],
-                                         registry=self.registry)
-        self.retries = Counter("kvflow_router:retries",
-                               "Requests sent again to another replica after theirs failed before answering",
-                               registry=self.registry)
-        self.ttfb = Histogram("kvflow_router:time_to_first_byte_seconds",
-                              "From a request's arrival at the router to the first byte of a 200 answer "
-                              "from its backend (a stream's first chunk; a JSON body whole)",
-                              buckets=_TTFB_BUCKETS, registry=self.registry)
+            buckets=_RATIO_BUCKETS,
+            registry=self.registry,
+        )
+        self.backend_healthy = Gauge(
+            "kvflow_router:backend_healthy",
+            "1 while a replica is in rotation (its /health passes), else 0",
+            ["backend"],
+            registry=self.registry,
+        )
+        self.backend_unhealthy = Counter(
+            "kvflow_router:backend_unhealthy",
+            "Times a replica was taken out of rotation",
+            ["backend"],
+            registry=self.registry,
+        )
+        self.retries = Counter(
+            "kvflow_router:retries",
+            "Requests sent again to another replica after theirs failed before answering",
+            registry=self.registry,
+        )
+        self.ttfb = Histogram(
+            "kvflow_router:time_to_first_byte_seconds",
+            "From a request's arrival at the router to the first byte of a 200 answer "
+            "from its backend (a stream's first chunk; a JSON body whole)",
+            buckets=_TTFB_BUCKETS,
+            registry=self.registry,
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from kvflow.utils.validation import is_int
+
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
 
@@ -21,7 +23,7 @@ REMOTE_DECODE = {"do_remote_decode": True}
 def takes_prefill_step(path: str, body: dict[str, Any]) -> bool:
     """Whether this request goes through a prefill engine before its decode engine."""
     n = body.get("n", 1)
-    if _is_int(n) and n > 1:
+    if is_int(n) and n > 1:
         # One transfer feeds one sequence (kv_transfer_params needs n == 1): the decode engine
         # computes the prompt itself and forks its n sequences from it, as a plain server does.
         return False
@@ -61,13 +63,9 @@ def encode_body(body: dict[str, Any]) -> bytes:
     return json.dumps(body, separators=(",", ":")).encode()
 
 
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def _prompt_count(prompt: Any) -> int:
     """Prompts in a /v1/completions `prompt`: a string or a token-id list is one; a list of those
     is as many as it holds (a malformed one counts as one: the prefill engine answers its 400)."""
-    if isinstance(prompt, list) and prompt and not all(_is_int(t) for t in prompt):
+    if isinstance(prompt, list) and prompt and not all(is_int(t) for t in prompt):
         return len(prompt)
     return 1

@@ -16,15 +16,26 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from kvflow.router.pd import takes_prefill_step
 from kvflow.router.prefix_tree import PrefixTree, prompt_texts
 
-if TYPE_CHECKING:
-    from kvflow.router.config import RouterConfig
-
 Role = Literal["prefill", "decode", "backend"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PolicyOptions:
+    """What a policy is built from, as plain values: the servers it routes over and the cache_aware
+    knobs (`RouterConfig.policy_options()` gives them, checked, with their defaults)."""
+
+    backends: Sequence[str] = ()  # replicas, for data-parallel policies
+    prefill: Sequence[str] = ()  # kv_producer engines (pd)
+    decode: Sequence[str] = ()  # kv_consumer engines (pd)
+    cache_threshold: float
+    balance_abs_threshold: int
+    balance_rel_threshold: float
+    cache_max_chars: int
 
 
 @dataclass(eq=False)
@@ -105,7 +116,7 @@ class RoutingPolicy(ABC):
 
     @classmethod
     @abstractmethod
-    def from_config(cls, config: RouterConfig) -> RoutingPolicy: ...
+    def from_options(cls, options: PolicyOptions) -> RoutingPolicy: ...
 
     @abstractmethod
     def route(self, request: RouteRequest) -> Route: ...
@@ -143,8 +154,8 @@ class ReplicaPolicy(RoutingPolicy):
         self._tick = 0  # rotates ties, so equal candidates take turns
 
     @classmethod
-    def from_config(cls, config: RouterConfig) -> ReplicaPolicy:
-        return cls(config.backends)
+    def from_options(cls, options: PolicyOptions) -> ReplicaPolicy:
+        return cls(options.backends)
 
     @abstractmethod
     def choose(self, request: RouteRequest, candidates: list[Backend]) -> Route:
@@ -230,8 +241,15 @@ class CacheAwarePolicy(ReplicaPolicy):
     name = "cache_aware"
     uses_load = True
 
-    def __init__(self, urls: Sequence[str], *, threshold: float = 0.5, balance_abs: float = 32,
-                 balance_rel: float = 1.5, max_chars: int = 1_000_000) -> None:
+    def __init__(
+        self,
+        urls: Sequence[str],
+        *,
+        threshold: float = 0.5,
+        balance_abs: float = 32,
+        balance_rel: float = 1.5,
+        max_chars: int = 1_000_000,
+    ) -> None:
         super().__init__(urls)
         self.threshold = threshold
         self.balance_abs = balance_abs
@@ -239,9 +257,14 @@ class CacheAwarePolicy(ReplicaPolicy):
         self.trees: dict[Backend, PrefixTree] = {b: PrefixTree(max_chars) for b in self._backends}
 
     @classmethod
-    def from_config(cls, config: RouterConfig) -> CacheAwarePolicy:
-        return cls(config.backends, threshold=config.cache_threshold, balance_abs=config.balance_abs_threshold,
-                   balance_rel=config.balance_rel_threshold, max_chars=config.cache_max_chars)
+    def from_options(cls, options: PolicyOptions) -> CacheAwarePolicy:
+        return cls(
+            options.backends,
+            threshold=options.cache_threshold,
+            balance_abs=options.balance_abs_threshold,
+            balance_rel=options.balance_rel_threshold,
+            max_chars=options.cache_max_chars,
+        )
 
     def imbalanced(self, candidates: list[Backend]) -> bool:
         loads = [b.load for b in candidates]
@@ -287,8 +310,8 @@ class PrefillDecodePolicy(RoutingPolicy):
         self._decode_rr = RoundRobin(self._decode)
 
     @classmethod
-    def from_config(cls, config: RouterConfig) -> PrefillDecodePolicy:
-        return cls(config.prefill, config.decode)
+    def from_options(cls, options: PolicyOptions) -> PrefillDecodePolicy:
+        return cls(options.prefill, options.decode)
 
     def route(self, request: RouteRequest) -> Route:
         decode = self._decode_rr.next()
@@ -304,14 +327,15 @@ class PrefillDecodePolicy(RoutingPolicy):
 
 
 POLICIES: dict[str, type[RoutingPolicy]] = {
-    p.name: p for p in (RoundRobinPolicy, LeastLoadedPolicy, CacheAwarePolicy, PrefillDecodePolicy)}
+    p.name: p for p in (RoundRobinPolicy, LeastLoadedPolicy, CacheAwarePolicy, PrefillDecodePolicy)
+}
 
 
-def make_policy(config: RouterConfig) -> RoutingPolicy:
-    assert config.policy is not None  # RouterConfig resolved it
-    return POLICIES[config.policy].from_config(config)
+def make_policy(name: str, options: PolicyOptions) -> RoutingPolicy:
+    """The policy registered as `name` (one of `POLICIES`), built from `options`."""
+    return POLICIES[name].from_options(options)
+
 
 # The policies that spread whole requests over equal replicas (`kvflow router --backend`,
 # `kvflow serve --data-parallel-size N --router-policy NAME`), in the order help texts list them.
-DATA_PARALLEL_POLICIES: tuple[str, ...] = tuple(
-    name for name, p in POLICIES.items() if issubclass(p, ReplicaPolicy))
+DATA_PARALLEL_POLICIES: tuple[str, ...] = tuple(name for name, p in POLICIES.items() if issubclass(p, ReplicaPolicy))

@@ -17,10 +17,11 @@ from itertools import count
 from typing import Any
 
 from kvflow.router.pd import CHAT_PATH
+from kvflow.utils.validation import is_int
 
 
 class _Node:
-    __slots__ = ("label", "parent", "children", "last_access")
+    __slots__ = ("children", "label", "last_access", "parent")
 
     def __init__(self, label: str, parent: _Node | None, last_access: int) -> None:
         self.label = label  # the edge from the parent: the characters this node adds
@@ -76,7 +77,7 @@ class PrefixTree:
     def insert(self, text: str) -> None:
         """Add `text` (at most its first `max_chars` characters: more could never be kept) and mark
         its path as the most recently used, then evict down to `max_chars`."""
-        text = text[:self.max_chars]
+        text = text[: self.max_chars]
         self._clock += 1
         now = self._clock
         node, i, n = self._root, 0, len(text)
@@ -168,13 +169,13 @@ def prompt_texts(path: str, body: dict[str, Any]) -> list[str]:
     if isinstance(prompt, str):
         return [prompt]
     if isinstance(prompt, list) and prompt:
-        if all(_is_int(t) for t in prompt):
+        if all(is_int(t) for t in prompt):
             return [_ids_text(prompt)]
         out = []
         for p in prompt:
             if isinstance(p, str):
                 out.append(p)
-            elif isinstance(p, list) and all(_is_int(t) for t in p):
+            elif isinstance(p, list) and all(is_int(t) for t in p):
                 out.append(_ids_text(p))
         return out
     return []
@@ -215,7 +216,3 @@ def _dumps(x: Any) -> str:
         return json.dumps(x, sort_keys=True, separators=(",", ":"))
     except (TypeError, ValueError):
         return ""
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)

@@ -67,8 +67,9 @@ class RejectionSampler:
         col = torch.arange(kmax, device=dev)
         valid = col[None, :] < k[:, None]  # [B, K]: which padded slots hold a real draft
         pos = (start[:, None] + col[None, :]).clamp_max(n_pos - 1)  # target position of each draft
-        draft = torch.tensor([d + [0] * (kmax - len(d)) for d in draft_token_ids],
-                             dtype=torch.long, device=dev).view(len(ks), kmax)
+        draft = torch.tensor([d + [0] * (kmax - len(d)) for d in draft_token_ids], dtype=torch.long, device=dev).view(
+            len(ks), kmax
+        )
         all_greedy = all(p.greedy for p in params)  # on the host: no device sync
         greedy = None if all_greedy else torch.tensor([p.greedy for p in params], dtype=torch.bool, device=dev)
 
@@ -104,12 +105,14 @@ class RejectionSampler:
             tokens = torch.where(greedy, tokens, sampled)
 
         tokens_l, acc_l = tokens.tolist(), num_accepted.tolist()
-        return RejectionOutput(token_ids=[d[:a] + [t] for d, a, t in zip(draft_token_ids, acc_l, tokens_l)],
-                               num_accepted=acc_l)
+        return RejectionOutput(
+            token_ids=[d[:a] + [t] for d, a, t in zip(draft_token_ids, acc_l, tokens_l)], num_accepted=acc_l
+        )
 
     @staticmethod
-    def _draft_probs_at(draft_probs: list[torch.Tensor | None], draft: torch.Tensor, ks: list[int],
-                        dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    def _draft_probs_at(
+        draft_probs: list[torch.Tensor | None], draft: torch.Tensor, ks: list[int], dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """q(x) of each padded draft slot ([B, K]; 1 for one-hot rows), all given q rows in one
         [sum k_i, V] tensor, and each row's first row in it (-1 for one-hot rows)."""
         dev = draft.device
@@ -130,8 +133,9 @@ class RejectionSampler:
         q_x[ri, rj] = q_all.gather(1, draft[ri, rj][:, None]).squeeze(1)
         return q_x, q_all, torch.tensor(first, dtype=torch.long, device=dev)
 
-    def _uniforms(self, generators: list[torch.Generator | None], ks: list[int], width: int,
-                  dev: torch.device) -> torch.Tensor:
+    def _uniforms(
+        self, generators: list[torch.Generator | None], ks: list[int], width: int, dev: torch.device
+    ) -> torch.Tensor:
         """[B, width] U[0, 1); a seeded row's k_i + 1 draws come from its own generator."""
         u = torch.rand(len(generators), width, generator=self.generator, device=dev)
         for i, (g, n) in enumerate(zip(generators, ks)):

@@ -6,9 +6,10 @@ the argmax of the penalised logits.
 
 Random draws invert the CDF: one uniform u per row, the token is the first whose cumulative
 probability exceeds u (torch.searchsorted), which samples exactly from p with one random number
-per row (the exponential race needs one per vocabulary entry: ~40 ms a step at batch 32 with a 49k
-vocabulary here). Each seeded request draws its u from its own generator, so its text does not
-depend on what else is in the batch; unseeded requests share one generator seeded by the engine.
+per row (the exponential race needs one per vocabulary entry, a cost that grows with batch x
+vocabulary; figures: docs/benchmarks/results/). Each seeded request draws its u from its own
+generator, so its text does not depend on what else is in the batch; unseeded requests share one
+generator seeded by the engine.
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ class SamplerOutput:
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """Each row's argmax (the first index of the maximum, NaN counting as the maximum), as
-    `argmax(dim=-1)` gives it: through `max`, which torch runs faster on the CPU (on a 2-vCPU Xeon
-    the sampling of a 32-row decode step, benchmarks/cpu_speed.py: 1.37 -> 0.68 ms)."""
+    `argmax(dim=-1)` gives it: through `max`, which torch runs faster on the CPU (figures:
+    docs/benchmarks/results/)."""
     return logits.max(dim=-1).indices
 
 
@@ -78,8 +79,9 @@ def transformed_probs(logits: torch.Tensor, params: list[SamplingParams]) -> tor
     min-p, then softmax (one params per row). Greedy rows get temperature 1 (they take the argmax).
     One code path for the sampler and both sides of speculative decoding: rejection sampling is
     exact only if the target and the draft distributions are transformed alike."""
-    temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params],
-                         device=logits.device, dtype=logits.dtype)
+    temps = torch.tensor(
+        [p.temperature if not p.greedy else 1.0 for p in params], device=logits.device, dtype=logits.dtype
+    )
     return torch.softmax(truncate(logits / temps[:, None], params), dim=-1)
 
 
@@ -95,11 +97,9 @@ class Sampler:
         # exact): a greedy batch skips the copy (at 64 rows: 12.6 MB written, then read by the max).
         if any(not p.greedy or p.logprobs is not None or p.has_penalties for p in params):
             logits = logits.float()
-        n, vocab = logits.shape
+        _, vocab = logits.shape
         dev = logits.device
-        raw_logprobs = (
-            torch.log_softmax(logits, dim=-1) if any(p.logprobs is not None for p in params) else None
-        )
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(p.logprobs is not None for p in params) else None
 
         logits = self._apply_penalties(logits, batch)
         logits = self._mask_early_stops(logits, batch)

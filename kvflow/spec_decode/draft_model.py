@@ -22,13 +22,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from kvflow.config import EngineConfig
+from kvflow.config import EngineConfig, SpeculativeConfig
 from kvflow.core.kv_cache_manager import KVCacheManager
 from kvflow.core.request import Request
 from kvflow.core.scheduler import ScheduledSeq, SchedulerOutput
 from kvflow.core.step_cost import StepCostModel
 from kvflow.sampling_params import SamplingParams
-from kvflow.spec_decode.config import SpeculativeConfig
 
 logger = logging.getLogger("kvflow")
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=None)
@@ -51,8 +50,15 @@ class DraftModelProposer:
         self.cost = StepCostModel()  # of one draft pass: the speculator weighs it against the gain
 
     @classmethod
-    def create(cls, target: EngineConfig, spec: SpeculativeConfig, vocab_size: int, max_model_len: int,
-               num_blocks: int, tokenizer: Any | None) -> "DraftModelProposer":
+    def create(
+        cls,
+        target: EngineConfig,
+        spec: SpeculativeConfig,
+        vocab_size: int,
+        max_model_len: int,
+        num_blocks: int,
+        tokenizer: Any | None,
+    ) -> DraftModelProposer:
         """`tokenizer`: the target's (drafts share its vocabulary), for an int8 draft's calibration."""
         from kvflow.models.loader import load_checkpoint
         from kvflow.worker.model_runner import ModelRunner, calibration_ids
@@ -60,21 +66,36 @@ class DraftModelProposer:
         ckpt = load_checkpoint(spec.model or target.model)
         mc = ckpt.model_config
         if mc.vocab_size != vocab_size:
-            raise ValueError(f"the draft model's vocabulary ({mc.vocab_size} tokens) differs from the target's "
-                             f"({vocab_size}): drafts must use the same tokenizer")
+            raise ValueError(
+                f"the draft model's vocabulary ({mc.vocab_size} tokens) differs from the target's "
+                f"({vocab_size}): drafts must use the same tokenizer"
+            )
         if mc.max_position_embeddings < max_model_len:
-            raise ValueError(f"the draft model's context ({mc.max_position_embeddings}) is shorter than "
-                             f"max_model_len ({max_model_len})")
+            raise ValueError(
+                f"the draft model's context ({mc.max_position_embeddings}) is shorter than "
+                f"max_model_len ({max_model_len})"
+            )
         # The draft runs whole in the engine process (rank 0 under tensor parallelism: a small model
         # is not worth splitting, as vLLM's draft_tensor_parallel_size=1).
-        cfg = dataclasses.replace(target, model=spec.model or target.model, quantization=spec.quantization,
-                                  speculative_config=None, kv_offload_cpu_gb=0.0, kv_offload_disk_dir=None,
-                                  tensor_parallel_size=1, distributed_executor_backend=None,
-                                  cpu_threads_per_rank=None)
+        cfg = dataclasses.replace(
+            target,
+            model=spec.model or target.model,
+            quantization=spec.quantization,
+            speculative_config=None,
+            kv_offload_cpu_gb=0.0,
+            kv_offload_disk_dir=None,
+            tensor_parallel_size=1,
+            distributed_executor_backend=None,
+            cpu_threads_per_rank=None,
+        )
         calibration = calibration_ids(tokenizer, mc.vocab_size) if cfg.quantization == "int8" else None
         runner = ModelRunner(mc, cfg, max_model_len, num_blocks, ckpt.weights, calibration=calibration)
-        logger.info("speculative decoding: draft model %s (%s), %d KV blocks", ckpt.name,
-                    spec.quantization or cfg.dtype, num_blocks)
+        logger.info(
+            "speculative decoding: draft model %s (%s), %d KV blocks",
+            ckpt.name,
+            spec.quantization or cfg.dtype,
+            num_blocks,
+        )
         return cls(runner, num_blocks, target.block_size)
 
     def propose(self, requests: list[Request], plan: dict[str, int]) -> dict[str, list[int]]:
@@ -93,9 +114,20 @@ class DraftModelProposer:
             seqs.append((r, ds, r.token_ids_between(ds.num_computed_tokens, r.num_tokens)))
         depth = 0
         while seqs:
-            out = SchedulerOutput(seqs=[
-                ScheduledSeq(r.request_id, ids, ds.num_computed_tokens, self.kv.block_table(ds), True, _GREEDY,
-                             len(r.prompt_token_ids)) for r, ds, ids in seqs])
+            out = SchedulerOutput(
+                seqs=[
+                    ScheduledSeq(
+                        r.request_id,
+                        ids,
+                        ds.num_computed_tokens,
+                        self.kv.block_table(ds),
+                        True,
+                        _GREEDY,
+                        len(r.prompt_token_ids),
+                    )
+                    for r, ds, ids in seqs
+                ]
+            )
             t0 = time.perf_counter()
             sampled = self.runner.execute(out).sampled
             if out.num_tokens == len(out.seqs):

@@ -20,8 +20,9 @@ if TYPE_CHECKING:
 class NgramProposer:
     def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int, num_speculative_tokens: int) -> None:
         if not 1 <= prompt_lookup_min <= prompt_lookup_max:
-            raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, "
-                             f"got {prompt_lookup_min} and {prompt_lookup_max}")
+            raise ValueError(
+                f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {prompt_lookup_min} and {prompt_lookup_max}"
+            )
         if num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
         self.min_n = prompt_lookup_min
@@ -33,8 +34,8 @@ class NgramProposer:
 
         O(L) numpy work for L tokens (one vectorised compare finds the earlier positions holding
         the last token; each of the c candidates is then extended backwards, at most max_n - 1
-        steps each, vectorised over candidates): ~20 us for a 4000-token int array here; a list
-        costs ~0.1 ms more to convert (keep an array per request to skip that).
+        steps each, vectorised over candidates). A list costs a conversion on every call that an
+        array does not (keep an array per request to skip it); figures: docs/benchmarks/results/.
         """
         k = self.num_speculative_tokens if k is None else k
         tokens = np.asarray(token_ids, dtype=np.int64)
@@ -73,11 +74,14 @@ class NgramBatchProposer:
     def __init__(self, proposer: NgramProposer) -> None:
         self.proposer = proposer
 
-    def propose(self, requests: "list[Request]", plan: dict[str, int]) -> dict[str, list[int]]:
-        return {r.request_id: self.proposer.propose(r.prompt_token_ids + r.output_token_ids, k)
-                for r in requests if (k := plan.get(r.request_id, 0)) > 0}
+    def propose(self, requests: list[Request], plan: dict[str, int]) -> dict[str, list[int]]:
+        return {
+            r.request_id: self.proposer.propose(r.prompt_token_ids + r.output_token_ids, k)
+            for r in requests
+            if (k := plan.get(r.request_id, 0)) > 0
+        }
 
-    def observe(self, sched: "SchedulerOutput", sampled: dict[str, list[int]]) -> None:
+    def observe(self, sched: SchedulerOutput, sampled: dict[str, list[int]]) -> None:
         pass
 
     def release(self, request_ids) -> None:

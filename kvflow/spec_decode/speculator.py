@@ -32,10 +32,10 @@ import heapq
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from kvflow.config import SpeculativeConfig
 from kvflow.core.request import Request
 from kvflow.core.scheduler import SchedulerOutput
 from kvflow.core.step_cost import StepCostModel
-from kvflow.spec_decode.config import SpeculativeConfig
 from kvflow.spec_decode.ngram_proposer import NgramBatchProposer, NgramProposer
 
 
@@ -48,6 +48,7 @@ class Proposer(Protocol):
     def propose(self, requests: list[Request], plan: dict[str, int]) -> dict[str, list[int]]: ...
     def observe(self, sched: SchedulerOutput, sampled: dict[str, list[int]]) -> None: ...
     def release(self, request_ids) -> None: ...
+
 
 _ALPHA_PRIOR = 0.5  # a new request's acceptance rate before it has any
 _ALPHA_WEIGHT = 0.2  # weight of each verified draft position in the moving average
@@ -65,7 +66,7 @@ class SpecDecodeStats:
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)  # [j]: drafts accepted at depth j + 1
 
-    def snapshot(self) -> "SpecDecodeStats":
+    def snapshot(self) -> SpecDecodeStats:
         return dataclasses.replace(self, accepted_per_pos=list(self.accepted_per_pos))
 
     @property
@@ -79,8 +80,9 @@ class SpecDecodeStats:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, proposer: Proposer | None = None,
-                 cost: StepCostModel | None = None) -> None:
+    def __init__(
+        self, config: SpeculativeConfig, proposer: Proposer | None = None, cost: StepCostModel | None = None
+    ) -> None:
         self.config = config
         self.k = config.num_speculative_tokens
         if proposer is None:

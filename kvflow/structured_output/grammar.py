@@ -19,12 +19,40 @@ from kvflow.structured_output.params import StructuredOutputsParams
 MAX_WHITESPACE = 20
 # Keywords xgrammar 0.2.8 accepts without enforcing them: a schema using one is refused rather than
 # answered with output that may not validate (tests/structured_output/test_structured_output.py shows each refusal).
-UNENFORCED_KEYWORDS = frozenset({
-    "contains", "minContains", "maxContains", "dependentRequired", "dependentSchemas", "dependencies",
-    "unevaluatedProperties", "unevaluatedItems", "if", "then", "else", "not"})
+UNENFORCED_KEYWORDS = frozenset(
+    {
+        "contains",
+        "minContains",
+        "maxContains",
+        "dependentRequired",
+        "dependentSchemas",
+        "dependencies",
+        "unevaluatedProperties",
+        "unevaluatedItems",
+        "if",
+        "then",
+        "else",
+        "not",
+    }
+)
 # Keywords that only describe (fine next to a $ref, whose other siblings xgrammar ignores).
-_ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$comment", "deprecated", "readOnly",
-                          "writeOnly", "$id", "$schema", "$anchor", "$defs", "definitions"})
+_ANNOTATIONS = frozenset(
+    {
+        "title",
+        "description",
+        "default",
+        "examples",
+        "$comment",
+        "deprecated",
+        "readOnly",
+        "writeOnly",
+        "$id",
+        "$schema",
+        "$anchor",
+        "$defs",
+        "definitions",
+    }
+)
 _LOOKAROUND = re.compile(r"\(\?(=|!|<=|<!)")
 
 
@@ -39,8 +67,9 @@ def compile_grammar(compiler: Any, spec: StructuredOutputsParams) -> Any:
             check_schema(spec.json)  # type: ignore[arg-type]
             return compiler.compile_grammar(_json_grammar(spec.text, not spec.disable_any_whitespace, strict=True))
         if kind == "json_object":
-            return compiler.compile_grammar(_json_grammar('{"type": "object"}', not spec.disable_any_whitespace,
-                                                          strict=False))
+            return compiler.compile_grammar(
+                _json_grammar('{"type": "object"}', not spec.disable_any_whitespace, strict=False)
+            )
         if kind == "regex":
             return compiler.compile_regex(spec.regex)
         if kind == "choice":
@@ -58,8 +87,8 @@ def compile_grammar(compiler: Any, spec: StructuredOutputsParams) -> Any:
 # control characters (invalid in JSON) pass, so strict parsers reject the output (xgrammar issue
 # #800). Both its string classes also let UTF-8-encoded surrogates through, which decode to
 # several U+FFFD and so break maxLength. Both become the class JSON means.
-_LAX_STRING_CHARS = (r'[^\"\\\r\n]', r'[^\0-\x1f\"\\\r\n]')
-_JSON_STRING_CHAR = r'[^\0-\x1f\"\\\uD800-\uDFFF]'
+_LAX_STRING_CHARS = (r"[^\"\\\r\n]", r"[^\0-\x1f\"\\\r\n]")
+_JSON_STRING_CHAR = r"[^\0-\x1f\"\\\uD800-\uDFFF]"
 
 
 def _strict_strings(ebnf: str) -> str:
@@ -71,8 +100,9 @@ def _strict_strings(ebnf: str) -> str:
 def _json_grammar(schema: str, any_whitespace: bool, strict: bool) -> str:
     import xgrammar as xgr
 
-    grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=any_whitespace, strict_mode=strict,
-                                           max_whitespace_cnt=MAX_WHITESPACE)
+    grammar = xgr.Grammar.from_json_schema(
+        schema, any_whitespace=any_whitespace, strict_mode=strict, max_whitespace_cnt=MAX_WHITESPACE
+    )
     return _strict_strings(str(grammar))
 
 
@@ -112,8 +142,10 @@ def check_schema(schema: dict[str, Any]) -> None:
     for path, node in _schema_nodes(schema, "#"):
         problem = _unenforceable(node)
         if problem is not None:
-            raise GrammarError(f"the JSON schema at {path} {problem}, which kvflow cannot enforce during decoding; "
-                               "change it (or check that part after generation)")
+            raise GrammarError(
+                f"the JSON schema at {path} {problem}, which kvflow cannot enforce during decoding; "
+                "change it (or check that part after generation)"
+            )
 
 
 def _unenforceable(node: dict[str, Any]) -> str | None:
@@ -150,8 +182,18 @@ def _unenforceable(node: dict[str, Any]) -> str | None:
 
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_SCHEMA_ONE = ("items", "additionalProperties", "propertyNames", "contains", "not", "if", "then", "else",
-               "unevaluatedProperties", "unevaluatedItems")
+_SCHEMA_ONE = (
+    "items",
+    "additionalProperties",
+    "propertyNames",
+    "contains",
+    "not",
+    "if",
+    "then",
+    "else",
+    "unevaluatedProperties",
+    "unevaluatedItems",
+)
 
 
 def _schema_nodes(node: Any, path: str):

@@ -62,8 +62,9 @@ def apply_bitmask(logits: Any, mask: GrammarBitmask) -> Any:
     allowed = np.unpackbits(packed, axis=1, bitorder="little")[:, :vocab].view(np.bool_)
     rows = rows.to(logits.device)
     allowed_t = torch.from_numpy(allowed).to(logits.device)
-    logits[rows] = torch.where(allowed_t, logits[rows], torch.tensor(float("-inf"), dtype=logits.dtype,
-                                                                        device=logits.device))
+    logits[rows] = torch.where(
+        allowed_t, logits[rows], torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device)
+    )
     return logits
 
 
@@ -78,8 +79,9 @@ class StructuredOutputStats:
 
 
 class StructuredOutputManager:
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: tuple[int, ...],
-                 compile_timeout_s: float) -> None:
+    def __init__(
+        self, tokenizer: Any, vocab_size: int, stop_token_ids: tuple[int, ...], compile_timeout_s: float
+    ) -> None:
         self.vocab_size = vocab_size
         self.compile_timeout_s = compile_timeout_s
         self._tokenizer = tokenizer
@@ -112,8 +114,7 @@ class StructuredOutputManager:
         # xgrammar reads a transformers tokenizer (its class tells the vocabulary's encoding); kvflow's
         # own FastTokenizer gives its transformers twin.
         hf = self._tokenizer.to_hf() if isinstance(self._tokenizer, FastTokenizer) else self._tokenizer
-        info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=self.vocab_size,
-                                                  stop_token_ids=self._stop_ids)
+        info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=self.vocab_size, stop_token_ids=self._stop_ids)
         compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)  # the cache is ours
         logger.info("grammar compiler ready (%d tokens) in %.2f s", self.vocab_size, time.perf_counter() - t0)
         return compiler
@@ -126,8 +127,9 @@ class StructuredOutputManager:
         key = spec.key
         with self._lock:
             fut = self._cache.get(key)
-            if fut is not None and not (fut.done() and fut.exception() is not None
-                                        and not isinstance(fut.exception(), GrammarError)):
+            if fut is not None and not (
+                fut.done() and fut.exception() is not None and not isinstance(fut.exception(), GrammarError)
+            ):
                 self._cache.move_to_end(key)
                 if not ahead:
                     if key in self._fresh:
@@ -161,8 +163,10 @@ class StructuredOutputManager:
         try:
             return fut.result(timeout=timeout)
         except TimeoutError:
-            raise GrammarError(f"structured_outputs.{spec.kind} did not compile within {timeout:g} s "
-                               "(the server's structured_outputs_compile_timeout_s); simplify it") from None
+            raise GrammarError(
+                f"structured_outputs.{spec.kind} did not compile within {timeout:g} s "
+                "(the server's structured_outputs_compile_timeout_s); simplify it"
+            ) from None
 
     # ---- matchers (engine thread) ------------------------------------------------------------
     def add_request(self, request_id: str, compiled: Any) -> None:

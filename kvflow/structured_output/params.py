@@ -6,7 +6,7 @@ import json as _json
 from dataclasses import dataclass
 from typing import Any
 
-# Limits a request can reach (the README lists them with SamplingParams' own).
+# Limits a request can reach (docs/serving.md lists them with SamplingParams' own).
 MAX_GRAMMAR_CHARS = 256 * 1024  # a schema, regex, grammar or structural tag, as text
 MAX_CHOICES = 1024
 _KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
@@ -32,8 +32,11 @@ class StructuredOutputsParams:
     def __post_init__(self) -> None:
         given = [k for k in _KINDS if getattr(self, k) not in (None, False)]
         if len(given) != 1:
-            raise ValueError("structured_outputs needs exactly one of " + ", ".join(_KINDS) +
-                             (f"; got {', '.join(given)}" if given else "; got none"))
+            raise ValueError(
+                "structured_outputs needs exactly one of "
+                + ", ".join(_KINDS)
+                + (f"; got {', '.join(given)}" if given else "; got none")
+            )
         if not isinstance(self.disable_any_whitespace, bool):
             raise ValueError("structured_outputs.disable_any_whitespace must be true or false")
         kind = given[0]
@@ -51,8 +54,9 @@ class StructuredOutputsParams:
             if not isinstance(value, list) or not value:
                 raise ValueError("structured_outputs.choice must be a non-empty list of strings")
             if len(value) > MAX_CHOICES:
-                raise ValueError(f"structured_outputs.choice holds {len(value)} strings; at most {MAX_CHOICES} "
-                                 "are allowed")
+                raise ValueError(
+                    f"structured_outputs.choice holds {len(value)} strings; at most {MAX_CHOICES} are allowed"
+                )
             if any(not isinstance(c, str) or not c for c in value):
                 raise ValueError("structured_outputs.choice must hold non-empty strings")
         elif kind == "json_object":
@@ -62,8 +66,7 @@ class StructuredOutputsParams:
             raise ValueError(f"structured_outputs.{kind} must be a non-empty string")
         size = len(self.text)
         if size > MAX_GRAMMAR_CHARS:
-            raise ValueError(f"structured_outputs.{kind} is {size} characters; at most {MAX_GRAMMAR_CHARS} "
-                             "are allowed")
+            raise ValueError(f"structured_outputs.{kind} is {size} characters; at most {MAX_GRAMMAR_CHARS} are allowed")
 
     @property
     def kind(self) -> str:

@@ -26,10 +26,18 @@ logger = logging.getLogger("kvflow")
 
 
 class DecodeGraphs:
-    def __init__(self, model: torch.nn.Module, attention, kv_caches: list, sizes: list[int], max_blocks: int,
-                 device: torch.device, capture: bool = True) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        attention,
+        kv_caches: list,
+        sizes: list[int],
+        max_blocks: int,
+        device: torch.device,
+        capture: bool = True,
+    ) -> None:
         """`attention`: a backend with `static_decode_metadata`, `view_decode_metadata` and
-        `copy_decode_metadata` (kvflow.kernels.triton.paged_attention.TritonPagedAttention);
+        `copy_decode_metadata` (kvflow.attention.backends.triton.TritonPagedAttention);
         `max_blocks`: the widest block table a step can bring."""
         self.sizes = sorted(set(sizes))
         self.attention = attention
@@ -71,8 +79,11 @@ class DecodeGraphs:
                 self._replay[b] = replay
         if capture:
             torch.cuda.synchronize(device)
-            logger.info("CUDA graphs: decode batch sizes %s captured in %.1f s", _ranges(self.sizes),
-                        time.perf_counter() - start)
+            logger.info(
+                "CUDA graphs: decode batch sizes %s captured in %.1f s",
+                _ranges(self.sizes),
+                time.perf_counter() - start,
+            )
 
     @property
     def max_batch(self) -> int:

@@ -17,13 +17,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvflow.attention.backend import SeqLayout, kv_cache_bytes_per_token
+from kvflow.attention.selector import make_attention_backend
 from kvflow.config import EngineConfig, ModelConfig
 from kvflow.core.scheduler import ScheduledSeq, SchedulerOutput
 from kvflow.distributed.parallel import local_config
-from kvflow.layers.attention import SeqLayout, kv_cache_bytes_per_token, make_attention_backend
-from kvflow.layers.linear import select_linear_backend
-from kvflow.layers.quant import CALIBRATION_TEXT
+from kvflow.layers.linear_kernels import select_linear_backend
 from kvflow.models.llama import LlamaForCausalLM
+from kvflow.quantization.smoothquant import CALIBRATION_TEXT
 from kvflow.sample.rejection_sampler import RejectionSampler
 from kvflow.sample.sampler import Sampler, SamplingBatch
 from kvflow.structured_output.manager import apply_bitmask
@@ -48,7 +49,7 @@ class RunnerOutput:
     logprobs: dict[str, list[LogprobEntry]] = field(default_factory=dict)  # one entry per new token
     # Requests whose own sampling raised (request id -> error); the rest of the batch went on.
     failed: dict[str, str] = field(default_factory=dict)
-    kv_connector_output: "KVConnectorOutput | None" = None  # KV transfers finished since the last step
+    kv_connector_output: KVConnectorOutput | None = None  # KV transfers finished since the last step
 
 
 @dataclass(frozen=True)
@@ -74,8 +75,9 @@ def kv_cache_spec(model_config: ModelConfig, config: EngineConfig) -> KVCacheSpe
     """One rank's KV bytes per token for this model and engine config (dtype, KV dtype, TP size).
     Asked before any runner exists: the number of KV blocks the runners allocate comes from it."""
     mc = local_config(model_config, config.tensor_parallel_size)
-    per_token = kv_cache_bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, getattr(torch, config.dtype),
-                                         config.kv_cache_dtype)
+    per_token = kv_cache_bytes_per_token(
+        mc.num_layers, mc.num_kv_heads, mc.head_dim, getattr(torch, config.dtype), config.kv_cache_dtype
+    )
     return KVCacheSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.kv_cache_dtype, per_token)
 
 
@@ -89,9 +91,16 @@ def calibration_ids(tokenizer: Any | None, vocab_size: int) -> list[int]:
 class ModelRunner:
     collective = False  # its block reads and writes are local (see kvflow.kv_transfer.base.BlockIO)
 
-    def __init__(self, model_config: ModelConfig, config: EngineConfig, max_model_len: int,
-                 num_blocks: int, weights: Iterable[tuple[str, torch.Tensor]],
-                 calibration: list[int] | None = None, tp: "TPGroup | None" = None) -> None:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        config: EngineConfig,
+        max_model_len: int,
+        num_blocks: int,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        calibration: list[int] | None = None,
+        tp: TPGroup | None = None,
+    ) -> None:
         """`model_config`: this rank's share of the model under tensor parallelism (`tp`).
         `calibration`: the token ids int8 smoothing is calibrated on (`calibration_ids`; every
         rank of a tensor-parallel group gets the same, as the calibration pass is collective)."""
@@ -102,13 +111,21 @@ class ModelRunner:
             keep_freed_memory()  # before the weights and the first steps allocate
         self.dtype = getattr(torch, config.dtype)
         self.attention = make_attention_backend(
-            config.attention_backend, config.block_size, model_config.sliding_window, self.device, self.dtype,
-            model_config.num_heads, model_config.num_kv_heads, model_config.head_dim)
+            config.attention_backend,
+            config.block_size,
+            model_config.sliding_window,
+            self.device,
+            self.dtype,
+            model_config.num_heads,
+            model_config.num_kv_heads,
+            model_config.head_dim,
+        )
         self.model = LlamaForCausalLM(model_config, self.attention, max_model_len, self.dtype, self.device, tp)
         self.model.load_weights(weights)
         self.model.eval()
-        self.linear_backend = select_linear_backend(self.device, self.dtype, config.quantization,
-                                                    self.model.has_block_weights)
+        self.linear_backend = select_linear_backend(
+            self.device, self.dtype, config.quantization, self.model.has_block_weights
+        )
         if self.linear_backend in ("int8", "int8_mm"):
             # Smooth activation outliers into the weights before quantizing them (calibrated on a
             # fixed text, or seeded random tokens for a model without a tokenizer).
@@ -116,17 +133,24 @@ class ModelRunner:
             self.model.apply_smoothing(self._activation_amax(ids[: min(len(ids), max_model_len)]))
         self.kernel_plan = None
         if self.linear_backend == "auto":
-            from kvflow.kernels.cpu.autotune import plan_kernels
+            from kvflow.worker.autotune import plan_kernels
 
-            self.kernel_plan = plan_kernels(*self.model.projection_shapes(), self.dtype, config.kernel_autotune,
-                                            num_layers=model_config.num_layers)
+            self.kernel_plan = plan_kernels(
+                *self.model.projection_shapes(), self.dtype, config.kernel_autotune, num_layers=model_config.num_layers
+            )
         self.model.prepare(self.linear_backend, self.kernel_plan)
-        logger.info("weights: %.1f MB as the kernels hold them (%s)", self.model.weight_bytes() / 1e6,
-                    self.linear_backend)
+        logger.info(
+            "weights: %.1f MB as the kernels hold them (%s)", self.model.weight_bytes() / 1e6, self.linear_backend
+        )
         self.kv_cache_dtype = config.kv_cache_dtype
         self.kv_caches = self.attention.allocate_kv_cache(
-            model_config.num_layers, num_blocks, model_config.num_kv_heads, model_config.head_dim,
-            self.dtype, config.kv_cache_dtype)
+            model_config.num_layers,
+            num_blocks,
+            model_config.num_kv_heads,
+            model_config.head_dim,
+            self.dtype,
+            config.kv_cache_dtype,
+        )
         # One block of every layer as KV connectors move it (see read_blocks).
         if config.kv_cache_dtype == "int8":
             self.kv_block_shape: tuple[int, ...] = (model_config.num_layers, self._int8_block_bytes())
@@ -139,8 +163,14 @@ class ModelRunner:
         if self.device.type == "cuda" and not config.enforce_eager and self.attention.supports_decode_graphs:
             from kvflow.worker.cuda_graphs import DecodeGraphs
 
-            self.decode_graphs = DecodeGraphs(self.model, self.attention, self.kv_caches, config.graph_batch_sizes(),
-                                              -(-max_model_len // config.block_size) + 1, self.device)
+            self.decode_graphs = DecodeGraphs(
+                self.model,
+                self.attention,
+                self.kv_caches,
+                config.graph_batch_sizes(),
+                -(-max_model_len // config.block_size) + 1,
+                self.device,
+            )
         if self.kernel_plan is not None and self.kernel_plan.pass_unmeasured and self.model.native_decode is not None:
             self._time_decode_pass(num_blocks, config.block_size)
         if self.kernel_plan is not None and hasattr(self.attention, "prefill_path"):
@@ -152,19 +182,22 @@ class ModelRunner:
 
     def _time_decode_pass(self, num_blocks: int, block_size: int) -> None:
         """The decode pass's row limit, from decode steps of this model timed with and without it
-        (kvflow.kernels.cpu.autotune.measure_pass_rows), stored for later starts. The rows use the
+        (kvflow.worker.autotune.measure_pass_rows), stored for later starts. The rows use the
         first blocks of the new KV cache: nothing holds them yet, and whoever gets them later writes
         its keys and values before reading them. (A limit of 0 leaves the projections' native copies,
         built for the pass, unused.)"""
-        from kvflow.kernels.cpu.autotune import LOAD_LIMIT, measure_pass_rows, store_pass_rows
+        from kvflow.worker.autotune import LOAD_LIMIT, measure_pass_rows, store_pass_rows
 
         plan, fused = self.kernel_plan, self.model.native_decode
         per_row = -(-PASS_PROBE_CONTEXT // block_size)
 
         def step(rows: int, use_pass: bool) -> None:
             fused.max_rows = rows if use_pass else 0
-            self.run_model([[1]] * rows, [PASS_PROBE_CONTEXT - 1] * rows,
-                           [list(range(r * per_row, (r + 1) * per_row)) for r in range(rows)])
+            self.run_model(
+                [[1]] * rows,
+                [PASS_PROBE_CONTEXT - 1] * rows,
+                [list(range(r * per_row, (r + 1) * per_row)) for r in range(rows)],
+            )
 
         t = time.perf_counter()
         rows, load = measure_pass_rows(step, min(plan.decode_pass_rows, num_blocks // per_row))
@@ -173,16 +206,23 @@ class ModelRunner:
         stored = load <= LOAD_LIMIT
         if stored:
             store_pass_rows(plan, rows)
-        logger.info("decode pass: %s (timed on the model in %.1f s%s)", f"up to {rows} rows" if rows else "off",
-                    time.perf_counter() - t, "" if stored else f"; other processes used {load:.2f} cores: "
-                    "used now, not stored")
+        logger.info(
+            "decode pass: %s (timed on the model in %.1f s%s)",
+            f"up to {rows} rows" if rows else "off",
+            time.perf_counter() - t,
+            "" if stored else f"; other processes used {load:.2f} cores: used now, not stored",
+        )
 
     def _choose_prefill_attention(self, model_config, num_blocks: int, block_size: int) -> None:
         """The path prefill rows take (the CPU attention's `prefill_path`): stored for this CPU and
         attention shape, else measured now on PREFILL_PROBE chunks written into the first blocks of
         layer 0's cache (nothing holds them yet) and stored."""
-        from kvflow.kernels.cpu.autotune import (LOAD_LIMIT, measure_prefill_attention, store_prefill_attention,
-                                                 stored_prefill_attention)
+        from kvflow.worker.autotune import (
+            LOAD_LIMIT,
+            measure_prefill_attention,
+            store_prefill_attention,
+            stored_prefill_attention,
+        )
 
         heads, kv_heads, head_dim = model_config.num_heads, model_config.num_kv_heads, model_config.head_dim
         cache = self.kv_caches[0]
@@ -200,15 +240,19 @@ class ModelRunner:
 
             def run(p: str) -> None:
                 self.attention.prefill_path = p
-                self.attention.forward(q, kv, cache, self.attention.build_metadata(seqs), head_dim ** -0.5)
+                self.attention.forward(q, kv, cache, self.attention.build_metadata(seqs), head_dim**-0.5)
 
             t = time.perf_counter()
             with torch.inference_mode():
                 path, load = measure_prefill_attention(run)
             if load <= LOAD_LIMIT:
                 store_prefill_attention(self.kernel_plan, key, path)
-            logger.info("prefill attention: %s (timed in %.2f s%s)", path, time.perf_counter() - t,
-                        "" if load <= LOAD_LIMIT else f"; other processes used {load:.2f} cores: not stored")
+            logger.info(
+                "prefill attention: %s (timed in %.2f s%s)",
+                path,
+                time.perf_counter() - t,
+                "" if load <= LOAD_LIMIT else f"; other processes used {load:.2f} cores: not stored",
+            )
         else:
             logger.info("prefill attention: %s (stored for this CPU)", path)
         self.attention.prefill_path = path
@@ -221,16 +265,15 @@ class ModelRunner:
         return f"linear kernels: {self.linear_backend}"
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, grammar: "GrammarBitmask | None" = None) -> RunnerOutput:
+    def execute(self, out: SchedulerOutput, grammar: GrammarBitmask | None = None) -> RunnerOutput:
         """One step. An exception from here is the step's (the model pass): it fails everyone.
         `grammar`: the allowed tokens of constrained rows (structured outputs). (The KV connector's
         loads and saves around it are the executor's: they may involve every rank.)"""
         return self._forward(out, grammar) if out.seqs else RunnerOutput()
 
-    def _forward(self, out: SchedulerOutput, grammar: "GrammarBitmask | None") -> RunnerOutput:
+    def _forward(self, out: SchedulerOutput, grammar: GrammarBitmask | None) -> RunnerOutput:
         seqs = out.seqs
-        hidden = self.run_model([s.token_ids for s in seqs], [s.start_pos for s in seqs],
-                                [s.block_table for s in seqs])
+        hidden = self.run_model([s.token_ids for s in seqs], [s.start_pos for s in seqs], [s.block_table for s in seqs])
 
         sampling = [s for s in seqs if s.sample]
         if not sampling:
@@ -240,28 +283,37 @@ class ModelRunner:
         return self._sample(self._constrain(logits, sampling, grammar), sampling)
 
     @torch.inference_mode()
-    def run_model(self, token_ids: list[list[int]], start_pos: list[int], block_tables: list[list[int]]) -> torch.Tensor:
+    def run_model(
+        self, token_ids: list[list[int]], start_pos: list[int], block_tables: list[list[int]]
+    ) -> torch.Tensor:
         """The forward pass over these sequences' new tokens (writes their KV): hidden states [T, hidden].
         Under tensor parallelism every rank runs it on the same step, each over its own shard."""
         input_ids = torch.tensor([t for ids in token_ids for t in ids], dtype=torch.long, device=self.device)
         meta = self.attention.build_metadata(
-            [SeqLayout(p, len(ids), table) for ids, p, table in zip(token_ids, start_pos, block_tables)])
+            [SeqLayout(p, len(ids), table) for ids, p, table in zip(token_ids, start_pos, block_tables)]
+        )
         graphs = self.decode_graphs
-        if graphs is not None and input_ids.shape[0] == len(token_ids) and \
-                graphs.can_run(len(token_ids), max(map(len, block_tables))):
+        if (
+            graphs is not None
+            and input_ids.shape[0] == len(token_ids)
+            and graphs.can_run(len(token_ids), max(map(len, block_tables)))
+        ):
             return graphs.run(input_ids, meta)  # a decode-only step
         return self.model(input_ids, meta.positions, self.kv_caches, meta)
 
     @torch.inference_mode()
-    def run_shard(self, token_ids: list[list[int]], start_pos: list[int], block_tables: list[list[int]],
-                  rows: list[int]) -> None:
+    def run_shard(
+        self, token_ids: list[list[int]], start_pos: list[int], block_tables: list[list[int]], rows: list[int]
+    ) -> None:
         """A tensor-parallel rank > 0's step: the same forward pass and logits rows as the first
         rank, over this rank's shard (its logits slice goes to the first rank, which samples)."""
         hidden = self.run_model(token_ids, start_pos, block_tables)
         if rows:
             self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
 
-    def _constrain(self, logits: torch.Tensor, seqs: list[ScheduledSeq], grammar: "GrammarBitmask | None") -> torch.Tensor:
+    def _constrain(
+        self, logits: torch.Tensor, seqs: list[ScheduledSeq], grammar: GrammarBitmask | None
+    ) -> torch.Tensor:
         """logit_bias, then the grammar's mask (disallowed tokens get -inf), on every row a
         sequence samples from (draft positions included), before the sampler or the verifier:
         both then see the same distribution, so speculative decoding stays exact under them."""
@@ -273,7 +325,7 @@ class ModelRunner:
             if s.params.logit_bias:
                 ids = torch.tensor(list(s.params.logit_bias), dtype=torch.long, device=logits.device)
                 bias = torch.tensor(list(s.params.logit_bias.values()), dtype=logits.dtype, device=logits.device)
-                logits[start:start + n, ids] += bias
+                logits[start : start + n, ids] += bias
             start += n
         if grammar is not None:
             apply_bitmask(logits, grammar)
@@ -293,7 +345,7 @@ class ModelRunner:
         for s in seqs:
             n = 1 + len(s.spec_token_ids)
             try:
-                one = self._sample_rows(logits[start:start + n], [s])
+                one = self._sample_rows(logits[start : start + n], [s])
             except Exception as e:
                 out.failed[s.request_id] = _describe(e)
             else:
@@ -332,14 +384,20 @@ class ModelRunner:
             sub = [seqs[i] for i in spec]
             target = (logits[[r for i in spec for r in range(*spans[i])]] if plain else logits).float()
             verified = self.rejection_sampler(
-                target, [s.spec_token_ids for s in sub], [None] * len(sub), [s.params for s in sub],
-                [self._generator(s.request_id, s.params.seed) for s in sub])
+                target,
+                [s.spec_token_ids for s in sub],
+                [None] * len(sub),
+                [s.params for s in sub],
+                [self._generator(s.request_id, s.params.seed) for s in sub],
+            )
             offset = 0
             for s, tokens in zip(sub, verified.token_ids):
                 out.sampled[s.request_id] = tokens
                 if s.params.logprobs is not None:  # of the emitted tokens, from their own positions
-                    rows = target[offset:offset + len(tokens)]
-                    lps = self.sampler.logprobs(rows, torch.tensor(tokens, device=rows.device), [s.params] * len(tokens))
+                    rows = target[offset : offset + len(tokens)]
+                    lps = self.sampler.logprobs(
+                        rows, torch.tensor(tokens, device=rows.device), [s.params] * len(tokens)
+                    )
                     out.logprobs[s.request_id] = lps
                 offset += 1 + len(s.spec_token_ids)
         return out
@@ -354,9 +412,19 @@ class ModelRunner:
         idx = torch.tensor(blocks, dtype=torch.long, device=self.device)
         if self.kv_cache_dtype == "int8":
             n = len(blocks)
-            return torch.stack([torch.cat((c.data.index_select(0, idx).view(torch.uint8).reshape(n, -1),
-                                           c.scale.index_select(0, idx).view(torch.uint8).reshape(n, -1)), dim=1)
-                                for c in self.kv_caches], dim=1)
+            return torch.stack(
+                [
+                    torch.cat(
+                        (
+                            c.data.index_select(0, idx).view(torch.uint8).reshape(n, -1),
+                            c.scale.index_select(0, idx).view(torch.uint8).reshape(n, -1),
+                        ),
+                        dim=1,
+                    )
+                    for c in self.kv_caches
+                ],
+                dim=1,
+            )
         return torch.stack([c.data.index_select(0, idx) for c in self.kv_caches], dim=1)
 
     def write_blocks(self, blocks: list[int], data: torch.Tensor) -> None:
@@ -368,7 +436,9 @@ class ModelRunner:
                 split = c.data[0].numel()
                 raw = data[:, layer]
                 c.data.index_copy_(0, idx, raw[:, :split].contiguous().view(torch.int8).view(-1, *c.data.shape[1:]))
-                c.scale.index_copy_(0, idx, raw[:, split:].contiguous().view(torch.float32).view(-1, *c.scale.shape[1:]))
+                c.scale.index_copy_(
+                    0, idx, raw[:, split:].contiguous().view(torch.float32).view(-1, *c.scale.shape[1:])
+                )
             else:
                 c.data.index_copy_(0, idx, data[:, layer].to(c.data.dtype))
 
@@ -398,8 +468,9 @@ class ModelRunner:
         try:
             bs = self.attention.block_size
             blocks = list(range(-(-len(ids) // bs)))
-            scratch = self.attention.allocate_kv_cache(cfg.num_layers, len(blocks), cfg.num_kv_heads, cfg.head_dim,
-                                                       self.dtype)
+            scratch = self.attention.allocate_kv_cache(
+                cfg.num_layers, len(blocks), cfg.num_kv_heads, cfg.head_dim, self.dtype
+            )
             meta = self.attention.build_metadata([SeqLayout(0, len(ids), blocks)])
             model(torch.tensor(ids, dtype=torch.long, device=self.device), meta.positions, scratch, meta)
         finally:

@@ -14,7 +14,16 @@ import pytest
 from kvflow.bench import datasets as ds
 from kvflow.bench import roofline as rf
 from kvflow.bench.metrics import (
-    SLO, RequestRecord, compute_metrics, e2el, goodput, itl, percentile, summarize, tpot, ttft,
+    SLO,
+    RequestRecord,
+    compute_metrics,
+    e2el,
+    goodput,
+    itl,
+    percentile,
+    summarize,
+    tpot,
+    ttft,
 )
 from kvflow.bench.serve_client import ServeConfig, arrival_gaps, arrival_times, parse_rates, run_benchmark
 
@@ -24,8 +33,16 @@ from kvflow.bench.serve_client import ServeConfig, arrival_gaps, arrival_times, 
 
 
 def _rec(send, chunks, end, out, ok=True, **kw) -> RequestRecord:
-    return RequestRecord(arrival_time=send, send_time=send, first_token_time=chunks[0] if chunks else None,
-                         chunk_times=list(chunks), end_time=end, output_tokens=out, success=ok, **kw)
+    return RequestRecord(
+        arrival_time=send,
+        send_time=send,
+        first_token_time=chunks[0] if chunks else None,
+        chunk_times=list(chunks),
+        end_time=end,
+        output_tokens=out,
+        success=ok,
+        **kw,
+    )
 
 
 def test_per_request_metrics():
@@ -130,8 +147,32 @@ class GreedyTokenizer:
     so decode -> re-encode changes lengths and the prompt builder must fix them up."""
 
     def __init__(self):
-        words = ["th", "the", "then", "he", "hen", "her", "here", "there", "re", "ere", "in", "ink", "king",
-                 "kin", "ing", "on", "one", "ne", "nest", "est", "st", "at", "ate", "te"]
+        words = [
+            "th",
+            "the",
+            "then",
+            "he",
+            "hen",
+            "her",
+            "here",
+            "there",
+            "re",
+            "ere",
+            "in",
+            "ink",
+            "king",
+            "kin",
+            "ing",
+            "on",
+            "one",
+            "ne",
+            "nest",
+            "est",
+            "st",
+            "at",
+            "ate",
+            "te",
+        ]
         self.vocab = list("abcdefghijklmnopqrstuvwxyz") + words
         self.ids = {w: i for i, w in enumerate(self.vocab)}
         self.vocab_size = len(self.vocab)
@@ -141,8 +182,8 @@ class GreedyTokenizer:
         out, i = [], 0
         while i < len(text):
             for n in range(min(self.maxlen, len(text) - i), 0, -1):
-                if text[i:i + n] in self.ids:
-                    out.append(self.ids[text[i:i + n]])
+                if text[i : i + n] in self.ids:
+                    out.append(self.ids[text[i : i + n]])
                     i += n
                     break
             else:
@@ -159,7 +200,10 @@ def _key(reqs):
 
 def test_random_dataset_reproducible_and_exact():
     tok = ds.WordTokenizer()
-    spec = lambda seed: ds.WorkloadSpec("random", num_prompts=50, seed=seed, input_len="8:64", output_len="4:16")
+
+    def spec(seed: int) -> ds.WorkloadSpec:
+        return ds.WorkloadSpec("random", num_prompts=50, seed=seed, input_len="8:64", output_len="4:16")
+
     a, b, c = (ds.generate_requests(spec(s), tok) for s in (7, 7, 8))
     assert _key(a) == _key(b) and _key(a) != _key(c)
     for r in a:
@@ -189,8 +233,10 @@ def test_sharegpt_like_output_lengths():
     assert outs.min() < 20 and outs.max() > 500  # the wide spread of real chat outputs
     reqs = ds.generate_requests(ds.WorkloadSpec("sharegpt-like", num_prompts=200, seed=4), ds.WordTokenizer())
     assert all(5 <= r.output_len <= 632 and r.prompt_len >= 4 for r in reqs)
-    capped = ds.generate_requests(ds.WorkloadSpec("sharegpt-like", num_prompts=100, seed=4, max_output_len=50,
-                                                  max_input_len=40), ds.WordTokenizer())
+    capped = ds.generate_requests(
+        ds.WorkloadSpec("sharegpt-like", num_prompts=100, seed=4, max_output_len=50, max_input_len=40),
+        ds.WordTokenizer(),
+    )
     assert max(r.output_len for r in capped) <= 50 and max(r.prompt_len for r in capped) <= 40
 
 
@@ -212,8 +258,9 @@ def test_profiles_scale_and_caps():
 
 def test_shared_prefix_groups():
     tok = GreedyTokenizer()
-    spec = ds.WorkloadSpec("shared-prefix", num_groups=3, prompts_per_group=4, prefix_len=40, question_len=10,
-                           output_len=7, seed=2)
+    spec = ds.WorkloadSpec(
+        "shared-prefix", num_groups=3, prompts_per_group=4, prefix_len=40, question_len=10, output_len=7, seed=2
+    )
     reqs = ds.generate_requests(spec, tok)
     assert len(reqs) == 12 and {r.output_len for r in reqs} == {7}
     prefixes: dict[int, set] = {}
@@ -241,7 +288,7 @@ def test_jsonl_dataset(tmp_path):
     with pytest.raises(ValueError, match="line 2: not valid JSON"):
         ds.generate_requests(ds.WorkloadSpec("jsonl", path=str(p)))
     p.write_text('{"text": "ok"}\n')
-    with pytest.raises(ValueError, match="line 1: expected an object with a \"prompt\""):
+    with pytest.raises(ValueError, match='line 1: expected an object with a "prompt"'):
         ds.generate_requests(ds.WorkloadSpec("jsonl", path=str(p)))
     with pytest.raises(ValueError, match="not found"):
         ds.generate_requests(ds.WorkloadSpec("jsonl", path=str(tmp_path / "missing.jsonl")))
@@ -292,9 +339,18 @@ def test_speculative_formulas():
 
 
 def test_model_from_config_and_gguf(tmp_path):
-    cfg = {"model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
-           "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256, "hidden_act": "silu",
-           "torch_dtype": "bfloat16", "tie_word_embeddings": False}
+    cfg = {
+        "model_type": "llama",
+        "num_hidden_layers": 32,
+        "hidden_size": 4096,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "intermediate_size": 14336,
+        "vocab_size": 128256,
+        "hidden_act": "silu",
+        "torch_dtype": "bfloat16",
+        "tie_word_embeddings": False,
+    }
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     m = rf.resolve_model(str(tmp_path))
     assert rf.kv_bytes_per_token(m) == 131072 and m.head_dim == 128
@@ -302,8 +358,13 @@ def test_model_from_config_and_gguf(tmp_path):
     gguf = pytest.importorskip("gguf")
     path = tmp_path / "tiny.gguf"
     w = gguf.GGUFWriter(str(path), "llama")
-    for k, v in (("block_count", 2), ("embedding_length", 64), ("feed_forward_length", 128),
-                 ("attention.head_count", 4), ("attention.head_count_kv", 2)):
+    for k, v in (
+        ("block_count", 2),
+        ("embedding_length", 64),
+        ("feed_forward_length", 128),
+        ("attention.head_count", 4),
+        ("attention.head_count_kv", 2),
+    ):
         w.add_uint32(f"llama.{k}", v)
     w.add_tensor("token_embd.weight", np.zeros((10, 64), dtype=np.float32))
     w.write_header_to_file()
@@ -371,8 +432,13 @@ def _fake_app(seen: list):
             sent += k
             await asyncio.sleep(0.005)
         if usage:
-            yield "data: " + json.dumps({"choices": [], "usage": {"prompt_tokens": 11, "completion_tokens": n,
-                                                                  "total_tokens": 11 + n}}) + "\n\n"
+            yield (
+                "data: "
+                + json.dumps(
+                    {"choices": [], "usage": {"prompt_tokens": 11, "completion_tokens": n, "total_tokens": 11 + n}}
+                )
+                + "\n\n"
+            )
         yield "data: [DONE]\n\n"
 
     def route(prefix: str, chat: bool, usage: bool, always_fail: bool = False):
@@ -424,6 +490,7 @@ def _check_ordered(r: RequestRecord):
     assert all(b >= a for a, b in zip(r.chunk_times, r.chunk_times[1:]))
 
 
+@pytest.mark.server
 def test_serve_client_completions(fake_server):
     base, seen = fake_server
     seen.clear()
@@ -452,11 +519,19 @@ def test_serve_client_completions(fake_server):
     assert m.goodput == pytest.approx(5 / res.duration_s)
 
 
+@pytest.mark.server
 def test_serve_client_chat_and_no_usage(fake_server):
     base, seen = fake_server
     seen.clear()
-    cfg = ServeConfig(base_url=base + "/v1", endpoint="chat", model="m", ignore_eos=False, disable_tqdm=True,
-                      request_rate=50.0, seed=1)
+    cfg = ServeConfig(
+        base_url=base + "/v1",
+        endpoint="chat",
+        model="m",
+        ignore_eos=False,
+        disable_tqdm=True,
+        request_rate=50.0,
+        seed=1,
+    )
     res = run_benchmark(_reqs([4, 7]), cfg)
     assert all(r.success for r in res.records)
     assert [r.output_tokens for r in res.records] == [4, 7]
@@ -470,6 +545,7 @@ def test_serve_client_chat_and_no_usage(fake_server):
     assert [r.generated_text.split() for r in res.records] == [["word"] * 5, ["word"] * 2]
 
 
+@pytest.mark.server
 def test_serve_client_failures_never_crash(fake_server):
     base, _ = fake_server
     res = run_benchmark(_reqs([2, 3]), ServeConfig(base_url=base + "/bad", model="m", disable_tqdm=True))
@@ -484,15 +560,40 @@ def test_serve_client_failures_never_crash(fake_server):
     assert not res.records[0].success and "Connect" in res.records[0].error
 
 
+@pytest.mark.server
 def test_bench_serve_cli_sweep_report(fake_server, tmp_path, capsys):
     from kvflow.cli import bench
 
     base, _ = fake_server
     out_json, plots = tmp_path / "res.json", tmp_path / "plots"
-    args = _cli(bench.register, ["bench", "serve", "--base-url", base, "--num-prompts", "6", "--input-len", "8",
-                                 "--output-len", "2:5", "--sweep-rates", "20,40", "--slo-ttft-ms", "2000",
-                                 "--slo-tpot-ms", "500", "--result-json", str(out_json), "--plot-dir", str(plots),
-                                 "--disable-tqdm", "--seed", "3"])
+    args = _cli(
+        bench.register,
+        [
+            "bench",
+            "serve",
+            "--base-url",
+            base,
+            "--num-prompts",
+            "6",
+            "--input-len",
+            "8",
+            "--output-len",
+            "2:5",
+            "--sweep-rates",
+            "20,40",
+            "--slo-ttft-ms",
+            "2000",
+            "--slo-tpot-ms",
+            "500",
+            "--result-json",
+            str(out_json),
+            "--plot-dir",
+            str(plots),
+            "--disable-tqdm",
+            "--seed",
+            "3",
+        ],
+    )
     assert args.func(args) == 0
     out = capsys.readouterr().out
     assert "Sweep" in out and "Goodput" in out and "TTFT" in out
@@ -510,8 +611,23 @@ def test_bench_serve_cli_sweep_report(fake_server, tmp_path, capsys):
 def test_bench_cli_parses_throughput():
     from kvflow.cli import bench
 
-    args = _cli(bench.register, ["bench", "throughput", "--backend", "both", "--dataset", "sharegpt-like",
-                                 "--num-prompts", "4", "--max-num-seqs", "8", "--hf-batch-size", "2"])
+    args = _cli(
+        bench.register,
+        [
+            "bench",
+            "throughput",
+            "--backend",
+            "both",
+            "--dataset",
+            "sharegpt-like",
+            "--num-prompts",
+            "4",
+            "--max-num-seqs",
+            "8",
+            "--hf-batch-size",
+            "2",
+        ],
+    )
     assert args.func is bench.run_throughput
     kwargs = bench._engine_kwargs(args)
     assert kwargs["max_num_seqs"] == 8 and kwargs["enable_prefix_caching"] is True
@@ -562,11 +678,17 @@ def test_split_counts_exact():
         ds.split_counts(5, [0, 0])
 
 
+@pytest.mark.server
 def test_payload_and_record_carry_the_request_extras():
     from kvflow.bench.serve_client import build_payload, new_record
 
-    req = ds.BenchRequest("the city", 2, 8, request_class="interactive",
-                          extra_body={"priority": 0, "ttft_slo_ms": 500.0, "tpot_slo_ms": 50.0, "user": "light"})
+    req = ds.BenchRequest(
+        "the city",
+        2,
+        8,
+        request_class="interactive",
+        extra_body={"priority": 0, "ttft_slo_ms": 500.0, "tpot_slo_ms": 50.0, "user": "light"},
+    )
     body = build_payload(req, ServeConfig(extra_body={"priority": 5, "seed": 1}), "m")
     assert body["priority"] == 0 and body["seed"] == 1 and body["user"] == "light"  # the request's extras win
     assert body["ttft_slo_ms"] == 500.0 and body["tpot_slo_ms"] == 50.0
@@ -615,11 +737,19 @@ def test_per_request_slo_attainment_and_goodput():
     assert json.loads(json.dumps(m.to_dict()))["classes"]["batch"]["met_slo"] == 1
 
 
+@pytest.mark.server
 def test_serve_client_sends_mixed_extras(fake_server):
     base, seen = fake_server
     seen.clear()
-    reqs = [ds.BenchRequest("the city", 2, 4, request_class="batch",
-                            extra_body={"priority": 1, "ttft_slo_ms": 30000.0, "tpot_slo_ms": 1000.0})]
+    reqs = [
+        ds.BenchRequest(
+            "the city",
+            2,
+            4,
+            request_class="batch",
+            extra_body={"priority": 1, "ttft_slo_ms": 30000.0, "tpot_slo_ms": 1000.0},
+        )
+    ]
     res = run_benchmark(reqs, ServeConfig(base_url=base, model="m", disable_tqdm=True))
     assert seen[0]["priority"] == 1 and seen[0]["ttft_slo_ms"] == 30000.0
     assert res.metrics.classes["batch"].met_slo == 1 and res.metrics.per_request_slo.attainment == 1.0
@@ -628,9 +758,23 @@ def test_serve_client_sends_mixed_extras(fake_server):
 def test_bench_cli_mixed_flags():
     from kvflow.cli import bench
 
-    args = _cli(bench.register, ["bench", "serve", "--dataset", "mixed", "--mixed-batch-fraction", "0.5",
-                                 "--interactive-ttft-slo-ms", "400", "--batch-tpot-slo-ms", "2000",
-                                 "--mixed-users", "heavy:10,light:1"])
+    args = _cli(
+        bench.register,
+        [
+            "bench",
+            "serve",
+            "--dataset",
+            "mixed",
+            "--mixed-batch-fraction",
+            "0.5",
+            "--interactive-ttft-slo-ms",
+            "400",
+            "--batch-tpot-slo-ms",
+            "2000",
+            "--mixed-users",
+            "heavy:10,light:1",
+        ],
+    )
     spec = bench.workload_spec(args)
     inter, batch = spec.mixed_classes
     assert (inter.ttft_slo_ms, inter.tpot_slo_ms, batch.ttft_slo_ms, batch.tpot_slo_ms) == (400, 150, 30000, 2000)
@@ -656,6 +800,7 @@ def harness():
         sys.path.pop(0)
 
 
+@pytest.mark.server
 def test_harness_arguments(harness):
     a = harness.parse_args(["--server-args", "--model /m --max-num-seqs 4", "--num-prompts", "8"])
     assert a.policies == ["fcfs", "priority", "slo"] and a.rates == [0.5, 1.0, 1.5, 2.0]
@@ -665,8 +810,12 @@ def test_harness_arguments(harness):
     assert a.policies == ["slo", "fcfs"] and a.rates == [1.0, 3.0] and a.seed == 7
     v = harness.parse_args(["--scenario", "vtc", "--vtc-ratio", "4", "--server-args", "--scheduling-policy slo"])
     assert v.mixed_users == "heavy:4,light:1"
-    for bad in (["--policies", "fcfs,lifo"], ["--rates", "1,inf"], ["--server-args", "--scheduling-policy slo"],
-                ["--scenario", "vtc", "--server-args", "--fairness vtc"]):
+    for bad in (
+        ["--policies", "fcfs,lifo"],
+        ["--rates", "1,inf"],
+        ["--server-args", "--scheduling-policy slo"],
+        ["--scenario", "vtc", "--server-args", "--fairness vtc"],
+    ):
         with pytest.raises(SystemExit):
             harness.parse_args(bad)
 
@@ -678,12 +827,16 @@ def _fake_run(harness, server, rate, recs, workload="mixed"):
     return harness.Run(server, workload, rate, res)
 
 
+@pytest.mark.server
 def test_harness_tables(harness, tmp_path):
     tight, loose = SLO(ttft_ms=1000, tpot_ms=150), SLO(ttft_ms=30000, tpot_ms=1000)
     good = [_slo_rec("interactive", 0.1, 0.01, 4, tight), _slo_rec("batch", 1.0, 0.1, 4, loose)]
     bad = [_slo_rec("interactive", 1.5, 0.01, 4, tight), _slo_rec("batch", 1.0, 0.1, 4, loose, ok=False)]
-    runs = [_fake_run(harness, "fcfs", 1.0, good), _fake_run(harness, "fcfs", 2.0, bad),
-            _fake_run(harness, "slo", 1.0, good)]
+    runs = [
+        _fake_run(harness, "fcfs", 1.0, good),
+        _fake_run(harness, "fcfs", 2.0, bad),
+        _fake_run(harness, "slo", 1.0, good),
+    ]
     rows = [harness.policy_row(r) for r in runs]
     assert (rows[0].goodput, rows[0].attainment, rows[0].batch_finished) == (1.0, 1.0, 1.0)
     r = rows[1]
@@ -698,13 +851,17 @@ def test_harness_tables(harness, tmp_path):
 
     light = lambda t: [_slo_rec("interactive", t, 0.01, 3, tight, user="light")]  # noqa: E731
     heavy = [_slo_rec("interactive", 0.9, 0.01, 3, tight, user="heavy")]
-    vruns = [_fake_run(harness, "no VTC", 4.0, light(0.1), "light only"),
-             _fake_run(harness, "no VTC", 4.0, light(0.8) + heavy), _fake_run(harness, "VTC", 4.0, light(0.2) + heavy)]
+    vruns = [
+        _fake_run(harness, "no VTC", 4.0, light(0.1), "light only"),
+        _fake_run(harness, "no VTC", 4.0, light(0.8) + heavy),
+        _fake_run(harness, "VTC", 4.0, light(0.2) + heavy),
+    ]
     (row,) = harness.vtc_rows(vruns)
     assert (row.rate, row.alone, row.mixed, row.mixed_vtc) == pytest.approx((4.0, 100.0, 800.0, 200.0))
     assert harness.vtc_table([row]).splitlines()[-1].split() == ["4", "100.00", "800.00", "200.00"]
 
 
+@pytest.mark.server
 def test_harness_workloads_and_checks(harness):
     reqs = ds.generate_requests(ds.WorkloadSpec("mixed", num_prompts=22, mixed_users={"heavy": 10, "light": 1}))
     no_vtc, vtc = harness.vtc_variants(reqs)
@@ -716,21 +873,28 @@ def test_harness_workloads_and_checks(harness):
     harness.check_fits(reqs, None)
     with pytest.raises(harness.ServerError, match="max_model_len is 512"):
         harness.check_fits(reqs, 512)
-    msg = harness.start_failure_message("usage: ...\nkvflow serve: error: unrecognized arguments: "
-                                        "--scheduling-policy fcfs\n", 2)
+    msg = harness.start_failure_message(
+        "usage: ...\nkvflow serve: error: unrecognized arguments: --scheduling-policy fcfs\n", 2
+    )
     assert "has not landed" in msg
     assert "has not landed" in harness.start_failure_message(
-        "kvflow serve: error: argument --fairness: invalid choice: 'vtc'", 2)
+        "kvflow serve: error: argument --fairness: invalid choice: 'vtc'", 2
+    )
     assert "exited with code 1" in harness.start_failure_message("Traceback\nboom", 1)
 
 
+@pytest.mark.server
 def test_harness_server_never_left_behind(harness):
     import os
     import sys
 
     # a "server" that ignores SIGTERM and never answers /health: timed out, then killed
-    cmd = [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-                                 "print('loading', flush=True); time.sleep(60)"]
+    cmd = [
+        sys.executable,
+        "-c",
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "print('loading', flush=True); time.sleep(60)",
+    ]
     server = harness.ManagedServer(cmd, [], startup_timeout=1.5, stop_timeout=0.5)
     with pytest.raises(harness.ServerError, match="did not answer /health") as e:
         with server:
@@ -739,14 +903,18 @@ def test_harness_server_never_left_behind(harness):
     with pytest.raises(ProcessLookupError):
         os.killpg(server.proc.pid, 0)  # nothing of its process group is left
     # an unknown flag: the argparse error is turned into the scheduling message
-    fail = [sys.executable, "-c", "import argparse; p = argparse.ArgumentParser(prog='kvflow serve'); "
-                                  "p.add_argument('--port'); p.parse_args()"]
+    fail = [
+        sys.executable,
+        "-c",
+        "import argparse; p = argparse.ArgumentParser(prog='kvflow serve'); p.add_argument('--port'); p.parse_args()",
+    ]
     server = harness.ManagedServer(fail, ["--scheduling-policy", "fcfs"], startup_timeout=30, stop_timeout=1)
     with pytest.raises(harness.ServerError, match="has not landed"):
         server.__enter__()
     assert server.proc.returncode == 2
 
 
+@pytest.mark.server
 def test_harness_fresh_server_per_run_and_no_warm_up_hit(harness, monkeypatch):
     """Every (workload, rate) gets its own server, so a later run never finds an earlier run's
     prompts in the prefix cache; the warm-up is as long as the longest prompt but not the same."""

@@ -3,6 +3,7 @@ command lines); no servers."""
 
 from __future__ import annotations
 
+import argparse
 import math
 import pathlib
 import sys
@@ -11,16 +12,22 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks"))
 
-import dp_router as dp  # noqa: E402
+import dp_router as dp
 
 
 def test_parse_lists():
     assert dp.parse_parts("throughput, prefix,throughput") == ["throughput", "prefix"]
     assert dp.parse_policies("cache_aware,round_robin") == ["cache_aware", "round_robin"]
     assert dp.parse_cpus("0,2-3") == [0, 2, 3] and dp.parse_cpus("1") == [1]
-    for parse, bad in ((dp.parse_parts, "prefix,pd"), (dp.parse_policies, "pd"), (dp.parse_policies, ""),
-                       (dp.parse_cpus, "3-1"), (dp.parse_cpus, "a"), (dp.parse_cpus, ",")):
-        with pytest.raises(Exception):
+    for parse, bad in (
+        (dp.parse_parts, "prefix,pd"),
+        (dp.parse_policies, "pd"),
+        (dp.parse_policies, ""),
+        (dp.parse_cpus, "3-1"),
+        (dp.parse_cpus, "a"),
+        (dp.parse_cpus, ","),
+    ):
+        with pytest.raises(argparse.ArgumentTypeError):
             parse(bad)
 
 
@@ -30,15 +37,35 @@ def test_parse_args():
     assert (args.groups, args.prefix_len, args.per_group, args.prefix_output_len) == (8, 1024, 16, 32)
     assert (args.tp_requests, args.tp_concurrency, args.tp_input_len, args.tp_output_len) == (64, 64, 256, 128)
     assert dp.parse_args([]).prefix_rate == math.inf
-    for bad in (["--server-args", "--port 9000"], ["--server-args", "--router-policy=round_robin"],
-                ["--server-args", "--data-parallel-size 4"], ["--data-parallel-size", "1"]):
+    for bad in (
+        ["--server-args", "--port 9000"],
+        ["--server-args", "--router-policy=round_robin"],
+        ["--server-args", "--data-parallel-size 4"],
+        ["--data-parallel-size", "1"],
+    ):
         with pytest.raises(SystemExit):
             dp.parse_args(bad)
 
 
 def test_workloads_are_seeded():
-    args = dp.parse_args(["--groups", "3", "--per-group", "4", "--prefix-len", "40", "--question-len", "5",
-                          "--tp-requests", "5", "--tp-input-len", "20", "--tp-output-len", "7"])
+    args = dp.parse_args(
+        [
+            "--groups",
+            "3",
+            "--per-group",
+            "4",
+            "--prefix-len",
+            "40",
+            "--question-len",
+            "5",
+            "--tp-requests",
+            "5",
+            "--tp-input-len",
+            "20",
+            "--tp-output-len",
+            "7",
+        ]
+    )
     a, b = dp.prefix_workload(args, None), dp.prefix_workload(args, None)
     assert [r.prompt for r in a] == [r.prompt for r in b] and len(a) == 12
     assert sorted(r.group for r in a) == [0] * 4 + [1] * 4 + [2] * 4 and {r.output_len for r in a} == {32}
@@ -74,8 +101,10 @@ def test_counters():
     assert (d.queries, d.hits, d.computed) == (2000, 1500, 500) and d.hit_rate == 0.75
     assert d.per_replica == {"http://a": (1000, 800), "http://b": (1000, 700)}
     assert dp.CacheCounters().hit_rate is None
-    assert dp.split_delta(dp.router_split(ROUTER % (1, 2)), dp.router_split(ROUTER % (5, 2))) == \
-        {"http://a": 4, "http://b": 0}
+    assert dp.split_delta(dp.router_split(ROUTER % (1, 2)), dp.router_split(ROUTER % (5, 2))) == {
+        "http://a": 4,
+        "http://b": 0,
+    }
     assert dp.router_cache_aware(ROUTER % (1, 1)) == (5, 2) and dp.router_cache_aware("") is None
 
 
@@ -101,9 +130,12 @@ def test_server_specs():
     assert one.env["OMP_NUM_THREADS"] == "2" and not one.data_parallel
     two = dp.server_spec("two", [0, 1], [], data_parallel_size=2, policy="round_robin")
     i = two.argv.index("--data-parallel-size")
-    assert two.argv[i:i + 4] == ["--data-parallel-size", "2", "--router-policy", "round_robin"] and two.data_parallel
+    assert two.argv[i : i + 4] == ["--data-parallel-size", "2", "--router-policy", "round_robin"] and two.data_parallel
     assert two.env.get("OMP_NUM_THREADS") == dp.os.environ.get("OMP_NUM_THREADS")  # the DP server sets its replicas'
     assert dp.server_spec("free", None, []).argv[0] == sys.executable
     args = dp.parse_args(["--policies", "cache_aware"])
     assert [(p, label) for p, _, label in dp.plan(args, [0, 1])] == [
-        ("prefix", "cache_aware"), ("throughput", "one engine"), ("throughput", "DP 2")]
+        ("prefix", "cache_aware"),
+        ("throughput", "one engine"),
+        ("throughput", "DP 2"),
+    ]

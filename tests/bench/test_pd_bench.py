@@ -1,8 +1,9 @@
 """benchmarks/pd_disagg.py: its pure helpers (workload, Prometheus parsing, figures) and its use of
-kvflow.bench.servers; no servers (one short-lived subprocess)."""
+kvflow.utils.processes; no servers (one short-lived subprocess)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import pathlib
 import sys
@@ -11,23 +12,32 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks"))
 
-import pd_disagg as pd  # noqa: E402
+import pd_disagg as pd
 
-from kvflow.bench import servers  # noqa: E402
-from kvflow.bench.metrics import RequestRecord  # noqa: E402
+from kvflow.bench.metrics import RequestRecord
+from kvflow.utils import processes
+from kvflow.utils.prometheus import parse_prometheus, sample_sum
 
 
 def _rec(cls: str, send: float, chunks: list[float], out: int, prompt_len: int = 64, ok: bool = True) -> RequestRecord:
-    return RequestRecord(prompt_len=prompt_len, arrival_time=send, send_time=send,
-                         first_token_time=chunks[0] if chunks else None, chunk_times=list(chunks),
-                         end_time=chunks[-1] if chunks else send, output_tokens=out, success=ok, request_class=cls)
+    return RequestRecord(
+        prompt_len=prompt_len,
+        arrival_time=send,
+        send_time=send,
+        first_token_time=chunks[0] if chunks else None,
+        chunk_times=list(chunks),
+        end_time=chunks[-1] if chunks else send,
+        output_tokens=out,
+        success=ok,
+        request_class=cls,
+    )
 
 
 def test_parse_setups():
     assert pd.parse_setups("agg,pd") == ["agg", "pd"]
     assert pd.parse_setups(" pd , agg,pd") == ["pd", "agg"]
     for bad in ("", "agg,xpd", ","):
-        with pytest.raises(Exception):
+        with pytest.raises(argparse.ArgumentTypeError):
             pd.parse_setups(bad)
 
 
@@ -58,8 +68,24 @@ def test_uniform_lengths():
 
 
 def _args(**kw):
-    argv = ["--chat-users", "2", "--chat-prompt-len", "12", "--chat-output-len", "5", "--doc-rate", "1",
-            "--duration-s", "10", "--doc-min-len", "30", "--doc-max-len", "40", "--doc-output-len", "3"]
+    argv = [
+        "--chat-users",
+        "2",
+        "--chat-prompt-len",
+        "12",
+        "--chat-output-len",
+        "5",
+        "--doc-rate",
+        "1",
+        "--duration-s",
+        "10",
+        "--doc-min-len",
+        "30",
+        "--doc-max-len",
+        "40",
+        "--doc-output-len",
+        "3",
+    ]
     for k, v in kw.items():
         argv += [f"--{k.replace('_', '-')}", str(v)]
     return pd.parse_args(argv)
@@ -94,9 +120,9 @@ kvflow:kv_transfer_seconds_created 1.7e9
 
 
 def test_parse_prometheus_and_transfer_delta():
-    s = servers.parse_prometheus(METRICS + 'odd{a="x\\"y"} 3\nnot a sample\n')
+    s = parse_prometheus(METRICS + 'odd{a="x\\"y"} 3\nnot a sample\n')
     assert ("odd", {"a": 'x"y'}, 3.0) in s
-    assert servers.sample_sum(s, "kvflow:kv_transfer_bytes_total") == 8192.0
+    assert sample_sum(s, "kvflow:kv_transfer_bytes_total") == 8192.0
     t = pd.transfer_counters(METRICS)
     assert (t.bytes_received, t.blocks_received, t.fetches, t.seconds) == (8192.0, 16.0, 4.0, 0.5)
     assert t.failures == {"timeout": 1.0, "checksum": 2.0}
@@ -137,8 +163,12 @@ def test_summarize_load():
 
 def test_doc_transfer_estimate():
     assert [pd.moved_blocks(n, 16) for n in (1, 16, 17, 32, 33)] == [0, 0, 1, 1, 2]
-    recs = [_rec("chat", 0, [1, 2], 2, prompt_len=33), _rec("chat", 0, [1, 2], 2, prompt_len=33),
-            _rec("doc", 0, [2, 3], 2, prompt_len=161), _rec("doc", 0, [1], 1, prompt_len=999, ok=False)]
+    recs = [
+        _rec("chat", 0, [1, 2], 2, prompt_len=33),
+        _rec("chat", 0, [1, 2], 2, prompt_len=33),
+        _rec("doc", 0, [2, 3], 2, prompt_len=161),
+        _rec("doc", 0, [1], 1, prompt_len=999, ok=False),
+    ]
     stats = pd.TransferStats(fetches=3.0, seconds=0.7)
     d = pd.doc_transfer(stats, recs, doc_ttft_mean_s=2.0, block_size=16)
     assert d.block_share == pytest.approx(10 / 14)
@@ -159,11 +189,15 @@ def test_comparison_rows_and_ratio():
 
 
 def test_cpu_line():
-    lscpu = ("Architecture: x86_64\nModel name:   Intel(R) Xeon(R) Platinum 8480+\n"
-             "Flags: fpu avx2 avx512f avx512_vnni amx_bf16 amx_tile\n")
+    lscpu = (
+        "Architecture: x86_64\nModel name:   Intel(R) Xeon(R) Platinum 8480+\n"
+        "Flags: fpu avx2 avx512f avx512_vnni amx_bf16 amx_tile\n"
+    )
     assert pd.cpu_line(lscpu) == "CPU: Intel(R) Xeon(R) Platinum 8480+; avx2 yes, avx512f yes, avx512_vnni yes, amx yes"
-    assert pd.cpu_line("Model name: AMD EPYC\nFlags: avx avx2\n") == \
-        "CPU: AMD EPYC; avx2 yes, avx512f no, avx512_vnni no, amx no"
+    assert (
+        pd.cpu_line("Model name: AMD EPYC\nFlags: avx avx2\n")
+        == "CPU: AMD EPYC; avx2 yes, avx512f no, avx512_vnni no, amx no"
+    )
     assert pd.cpu_line("").startswith("CPU: unknown;")
 
 
@@ -184,8 +218,13 @@ def test_setup_specs():
 
 
 def test_argument_types_are_finite():
-    for bad in (["--duration-s", "inf"], ["--doc-rate", "-1"], ["--doc-rate", "inf"], ["--chat-users", "-1"],
-                ["--chunk-size", "0"]):
+    for bad in (
+        ["--duration-s", "inf"],
+        ["--doc-rate", "-1"],
+        ["--doc-rate", "inf"],
+        ["--chat-users", "-1"],
+        ["--chunk-size", "0"],
+    ):
         with pytest.raises(SystemExit):
             pd.parse_args(bad)
     args = pd.parse_args(["--doc-rate", "0", "--chat-users", "1", "--duration-s", "2.5"])
@@ -196,10 +235,11 @@ def test_managed_process_failure_names_its_log(tmp_path):
     """A named process with its log in a folder (pd's kind): an early exit is an error naming the log."""
     log = tmp_path / "pd-prefill.log"
     cmd = [sys.executable, "-c", "import sys; print('no model here', flush=True); sys.exit(3)"]
-    proc = servers.ManagedProcess(cmd, servers.free_port(), name="pd-prefill", log_path=str(log),
-                                  startup_timeout=30, stop_timeout=1)
-    with pytest.raises(servers.ServerError) as e:
-        with servers.started([proc]):
+    proc = processes.ManagedProcess(
+        cmd, processes.free_port(), name="pd-prefill", log_path=str(log), startup_timeout=30, stop_timeout=1
+    )
+    with pytest.raises(processes.ServerError) as e:
+        with processes.started([proc]):
             pass
     assert str(e.value).startswith(f"pd-prefill exited with code 3; its log is {log}, last lines:\n")
     assert "    no model here" in str(e.value) and log.read_text() == "no model here\n"

@@ -8,8 +8,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import assert_no_leaks
 from kvflow import LLM, SamplingParams
+
+from conftest import assert_no_leaks
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 BS = 4
@@ -47,9 +48,15 @@ def _run(llm, prompts, aborts=()):
     return [done.get(i) for i in ids]
 
 
-@pytest.mark.parametrize("opts", [dict(num_kv_blocks=256), dict(num_kv_blocks=40, max_num_batched_tokens=24),
-                                  dict(num_kv_blocks=256, max_num_batched_tokens=5)],
-                         ids=["roomy", "preempting", "chunked"])
+@pytest.mark.parametrize(
+    "opts",
+    [
+        dict(num_kv_blocks=256),
+        dict(num_kv_blocks=40, max_num_batched_tokens=24),
+        dict(num_kv_blocks=256, max_num_batched_tokens=5),
+    ],
+    ids=["roomy", "preempting", "chunked"],
+)
 def test_same_output_with_caching(tiny_llama, reference, opts):
     llm = LLM(tiny_llama[0], max_model_len=64, block_size=BS, **opts)
     prompts = _workload()
@@ -122,8 +129,9 @@ def assert_cached_free_only(engine) -> None:
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(ops=st.lists(st.tuples(st.sampled_from(["add", "step", "abort"]), st.integers(0, 10 ** 6)),
-                    min_size=5, max_size=60))
+@given(
+    ops=st.lists(st.tuples(st.sampled_from(["add", "step", "abort"]), st.integers(0, 10**6)), min_size=5, max_size=60)
+)
 def test_books_balance_under_random_traffic(tiny_llama, ops):
     llm = _property_llm(tiny_llama[0])
     engine = llm.engine
@@ -133,8 +141,9 @@ def test_books_balance_under_random_traffic(tiny_llama, ops):
         if op == "add":
             rng = random.Random(x)
             prompt = prefixes[x % 3][: rng.randint(1, 20)] + [rng.randrange(2, 500) for _ in range(rng.randint(0, 6))]
-            params = SamplingParams(n=rng.choice([1, 1, 2]), temperature=0.0, max_tokens=rng.randint(1, 10),
-                                    ignore_eos=True)
+            params = SamplingParams(
+                n=rng.choice([1, 1, 2]), temperature=0.0, max_tokens=rng.randint(1, 10), ignore_eos=True
+            )
             live.append(engine.add_request(None, prompt, params))
         elif op == "step":
             engine.step()
@@ -154,8 +163,9 @@ _LLMS: dict = {}
 def _property_llm(path):
     # One engine for all examples (start-up dominates otherwise); each example drains it.
     if path not in _LLMS:
-        _LLMS[path] = LLM(path, max_model_len=48, block_size=BS, num_kv_blocks=30, max_num_batched_tokens=16,
-                          max_num_seqs=6)
+        _LLMS[path] = LLM(
+            path, max_model_len=48, block_size=BS, num_kv_blocks=30, max_num_batched_tokens=16, max_num_seqs=6
+        )
     return _LLMS[path]
 
 

@@ -6,8 +6,9 @@ import random
 
 import pytest
 
-from conftest import assert_no_leaks
 from kvflow import LLM, SamplingParams
+
+from conftest import assert_no_leaks
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
 
@@ -85,8 +86,9 @@ def test_kv_pool_too_small_for_max_model_len(tiny_llama):
 
 def test_n_completions_share_a_prompt(tiny_llama):
     llm = LLM(tiny_llama[0], max_model_len=128, num_kv_blocks=64)
-    out = llm.generate([[5, 6, 7]], SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=8, ignore_eos=True),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        [[5, 6, 7]], SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=8, ignore_eos=True), use_tqdm=False
+    )[0]
     assert [c.index for c in out.outputs] == [0, 1, 2]
     assert all(len(c.token_ids) == 8 for c in out.outputs)
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1

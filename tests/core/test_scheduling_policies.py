@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import assert_no_leaks, hf_greedy
-
 from kvflow import LLM, SamplingParams
 from kvflow.core.kv_cache_manager import KVCacheManager
 from kvflow.core.request import Request
@@ -18,6 +16,8 @@ from kvflow.core.sched.priority import PriorityPolicy
 from kvflow.core.sched.slo import SLOPolicy
 from kvflow.core.scheduler import Scheduler
 from kvflow.core.step_cost import StepCostModel, chunk_pairs
+
+from conftest import assert_no_leaks, hf_greedy
 
 A, B, P = 0.010, 0.0001, 0.01  # the fake machine: 10 ms a step, 0.1 ms a token, 10 ms per 1M chunk pairs
 
@@ -36,19 +36,50 @@ class Clock:
 
 def fake_cost() -> StepCostModel:
     cost = StepCostModel()
-    steps = ((1, 0, 100, 0), (64, 1, 900, 800), (512, 1, 3000, 2000), (8, 0, 4000, 0), (256, 1, 200, 0),
-             (32, 1, 1500, 1400), (2048, 1, 6000, 3000), (16, 0, 50, 0), (1024, 2, 2500, 500), (128, 0, 800, 0),
-             (700, 1, 700, 0), (300, 1, 5300, 5000))
+    steps = (
+        (1, 0, 100, 0),
+        (64, 1, 900, 800),
+        (512, 1, 3000, 2000),
+        (8, 0, 4000, 0),
+        (256, 1, 200, 0),
+        (32, 1, 1500, 1400),
+        (2048, 1, 6000, 3000),
+        (16, 0, 50, 0),
+        (1024, 2, 2500, 500),
+        (128, 0, 800, 0),
+        (700, 1, 700, 0),
+        (300, 1, 5300, 5000),
+    )
     for tokens, chunks, context, start in steps * 2:
         pairs = chunk_pairs(start, tokens) if chunks else 0
         cost.observe(tokens, machine(tokens, pairs), chunks, context, pairs)
     return cost
 
 
-def req(rid: str, prompt: int = 8, *, arrival: float = 0.0, priority: int = 0, ttft: float | None = None,
-        tpot: float | None = None, client: str | None = None, max_tokens: int = 4) -> Request:
-    return Request(rid, rid, 0, list(range(1, prompt + 1)), SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                   max_tokens, arrival, priority=priority, client=client, ttft_slo=ttft, tpot_slo=tpot)
+def req(
+    rid: str,
+    prompt: int = 8,
+    *,
+    arrival: float = 0.0,
+    priority: int = 0,
+    ttft: float | None = None,
+    tpot: float | None = None,
+    client: str | None = None,
+    max_tokens: int = 4,
+) -> Request:
+    return Request(
+        rid,
+        rid,
+        0,
+        list(range(1, prompt + 1)),
+        SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        max_tokens,
+        arrival,
+        priority=priority,
+        client=client,
+        ttft_slo=ttft,
+        tpot_slo=tpot,
+    )
 
 
 def decoding(rid: str, *, tpot: float, first_token_time: float, outputs: int = 2) -> Request:
@@ -182,11 +213,19 @@ def test_slo_admission_rejects_what_is_already_late():
     policy.check_admission(newcomer, QueueView([], later, 512), now=0.0)
 
 
-def make_scheduler(policy=None, fairness=None, *, max_num_seqs: int = 256, blocks: int = 256,
-                   budget: int = 64, max_queue_time_s=None) -> tuple[Scheduler, Clock]:
+def make_scheduler(
+    policy=None, fairness=None, *, max_num_seqs: int = 256, blocks: int = 256, budget: int = 64, max_queue_time_s=None
+) -> tuple[Scheduler, Clock]:
     clock = Clock()
-    return Scheduler(KVCacheManager(blocks, 4, enable_caching=False), budget, max_num_seqs, policy, fairness,
-                     max_queue_time_s, clock=clock), clock
+    return Scheduler(
+        KVCacheManager(blocks, 4, enable_caching=False),
+        budget,
+        max_num_seqs,
+        policy,
+        fairness,
+        max_queue_time_s,
+        clock=clock,
+    ), clock
 
 
 def test_priority_displaces_at_max_num_seqs():
@@ -266,14 +305,23 @@ def test_max_queue_time_ends_requests_that_never_ran():
     assert [r.request_id for r in out.timed_out] == ["waits"] and "waits" not in s.requests
 
 
-@pytest.mark.parametrize("policy,fairness", [("fcfs", "none"), ("priority", "none"), ("slo", "none"),
-                                             ("slo", "vtc")])
+@pytest.mark.parametrize("policy,fairness", [("fcfs", "none"), ("priority", "none"), ("slo", "none"), ("slo", "vtc")])
 def test_policies_change_order_never_tokens(tiny_llama, policy, fairness):
     """Greedy outputs equal HF's under every policy, with a budget small enough that prefills are
     chunked and the slo policy's budget moves with the (tight) TPOT deadlines."""
     path, hf = tiny_llama
-    llm = LLM(model=path, num_kv_blocks=64, block_size=4, max_model_len=128, max_num_batched_tokens=24, max_num_seqs=3,
-              scheduling_policy=policy, fairness=fairness, default_ttft_slo_ms=50, default_tpot_slo_ms=5)
+    llm = LLM(
+        model=path,
+        num_kv_blocks=64,
+        block_size=4,
+        max_model_len=128,
+        max_num_batched_tokens=24,
+        max_num_seqs=3,
+        scheduling_policy=policy,
+        fairness=fairness,
+        default_ttft_slo_ms=50,
+        default_tpot_slo_ms=5,
+    )
     prompts = [[(7 * i + j) % 500 + 2 for j in range(5 + 9 * i)] for i in range(6)]
     params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, priority=i % 3) for i in range(6)]
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -284,6 +332,7 @@ def test_policies_change_order_never_tokens(tiny_llama, policy, fairness):
     assert stats.attained["all"] + stats.missed["all"] == 6
 
 
+@pytest.mark.server
 def test_server_slo_admission_priority_and_goodput_metrics(tiny_llama):
     """Over HTTP: the scheduling extras are accepted, a request predicted to miss its TTFT SLO
     by the admission factor is a 503 with a Retry-After from the predicted drain time, counted by
@@ -292,12 +341,19 @@ def test_server_slo_admission_priority_and_goodput_metrics(tiny_llama):
 
     import httpx
 
-    from server_utils import LiveServer
-
     from kvflow.config import EngineConfig
 
-    s = LiveServer(EngineConfig(model=tiny_llama[0], num_kv_blocks=256, max_num_batched_tokens=32,
-                                scheduling_policy="slo", default_tpot_slo_ms=1000))
+    from server_utils import LiveServer
+
+    s = LiveServer(
+        EngineConfig(
+            model=tiny_llama[0],
+            num_kv_blocks=256,
+            max_num_batched_tokens=32,
+            scheduling_policy="slo",
+            default_tpot_slo_ms=1000,
+        )
+    )
     try:
         runner = s.engine.runner
         real = runner.execute
@@ -311,9 +367,16 @@ def test_server_slo_admission_priority_and_goodput_metrics(tiny_llama):
         for _ in range(3):  # teach the cost model what a step costs
             assert httpx.post(s.url + "/v1/completions", json=body, timeout=60).status_code == 200
         import concurrent.futures as cf
+
         with cf.ThreadPoolExecutor(16) as pool:
-            results = list(pool.map(lambda i: httpx.post(s.url + "/v1/completions", timeout=60, json={
-                **body, "ttft_slo_ms": 150, "priority": i % 2}), range(16)))
+            results = list(
+                pool.map(
+                    lambda i: httpx.post(
+                        s.url + "/v1/completions", timeout=60, json={**body, "ttft_slo_ms": 150, "priority": i % 2}
+                    ),
+                    range(16),
+                )
+            )
         codes = [r.status_code for r in results]
         assert 200 in codes and 503 in codes, codes
         rejected = next(r for r in results if r.status_code == 503)
@@ -322,8 +385,9 @@ def test_server_slo_admission_priority_and_goodput_metrics(tiny_llama):
         s.wait_engine_idle()
         m = s.metrics()
         assert m['kvflow:request_rejected_total{reason="slo"}'] == codes.count(503)
-        assert m['kvflow:request_slo_attained_total{slo="all"}'] + m['kvflow:request_slo_missed_total{slo="all"}'] \
-            == 3 + codes.count(200)
+        assert m['kvflow:request_slo_attained_total{slo="all"}'] + m[
+            'kvflow:request_slo_missed_total{slo="all"}'
+        ] == 3 + codes.count(200)
         assert "kvflow:goodput_requests_per_second" in m
         assert any(k.startswith("kvflow:request_queue_time_by_priority_seconds_count") for k in m)
         bad = httpx.post(s.url + "/v1/completions", json={**body, "ttft_slo_ms": -5}, timeout=60)

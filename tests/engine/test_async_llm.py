@@ -7,13 +7,13 @@ import time
 
 import pytest
 
-from conftest import assert_no_leaks
-
 from kvflow.config import EngineConfig
 from kvflow.engine.async_llm import AsyncLLM, EngineDeadError, EngineOverloadedError, RequestFailedError
 from kvflow.engine.llm_engine import LLMEngine
 from kvflow.metrics import EngineMetrics
 from kvflow.sampling_params import SamplingParams
+
+from conftest import assert_no_leaks
 
 
 @pytest.fixture(scope="module")
@@ -129,8 +129,9 @@ def test_admission_and_fault(tiny_llama):
 
     async def go():
         params = SamplingParams(max_tokens=100, ignore_eos=True)
-        results = await asyncio.gather(*(llm.add_request(f"r{i}", "hi", params) for i in range(4)),
-                                       return_exceptions=True)
+        results = await asyncio.gather(
+            *(llm.add_request(f"r{i}", "hi", params) for i in range(4)), return_exceptions=True
+        )
         handles = [r for r in results if not isinstance(r, BaseException)]
         assert len(handles) == 1 and all(isinstance(r, EngineOverloadedError) for r in results if r not in handles)
         first = await handles[0].__anext__()  # running now

@@ -7,8 +7,9 @@ import random
 import pytest
 import torch
 
-from conftest import assert_no_leaks, hf_greedy, kvflow_prefill_logits
 from kvflow import LLM, SamplingParams
+
+from conftest import assert_no_leaks, hf_greedy, kvflow_prefill_logits
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
@@ -30,8 +31,14 @@ def test_greedy_matches_hf(model_factory, arch):
 
 
 def test_llama3_rope_scaling_matches_hf(model_factory):
-    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 64, "rope_theta": 10000.0}
+    rope = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+        "rope_theta": 10000.0,
+    }
     path, hf = model_factory("llama", rope_parameters=rope)
     llm = LLM(path, num_kv_blocks=64, max_model_len=256)
     prompts = prompts_for(2, 2, 60, 90)  # past original_max_position_embeddings

@@ -19,16 +19,22 @@ import torch
 from gguf.constants import GGMLQuantizationType as Q
 
 from kvflow.kernels.cpu.block_linear import BlockQuantKernel, block_kernels_unavailable
-from kvflow.layers.block_quant import FORMATS, BlockQuantized, quantize
 from kvflow.layers.norm import RMSNorm
+from kvflow.quantization.gguf_blocks import FORMATS, BlockQuantized, quantize
 
-pytestmark = pytest.mark.skipif(block_kernels_unavailable() is not None,
-                                reason=f"block kernels unavailable: {block_kernels_unavailable()}")
+pytestmark = pytest.mark.skipif(
+    block_kernels_unavailable() is not None, reason=f"block kernels unavailable: {block_kernels_unavailable()}"
+)
 
-EPS32 = 2.0 ** -23
+EPS32 = 2.0**-23
 # Where each format keeps its fp16 scales (offset, low value, high value) and its quantized values.
-_SCALES = {"Q8_0": [(0, -0.05, 0.05)], "Q4_0": [(0, -0.05, 0.05)], "Q4_1": [(0, 0, 0.02), (2, -0.1, 0.1)],
-           "Q4_K": [(0, 0, 0.01), (2, 0, 0.01)], "Q6_K": [(208, 0, 0.01)]}
+_SCALES = {
+    "Q8_0": [(0, -0.05, 0.05)],
+    "Q4_0": [(0, -0.05, 0.05)],
+    "Q4_1": [(0, 0, 0.02), (2, -0.1, 0.1)],
+    "Q4_K": [(0, 0, 0.01), (2, 0, 0.01)],
+    "Q6_K": [(208, 0, 0.01)],
+}
 _VALUES = {"Q4_0": (2, 18), "Q4_1": (4, 20), "Q4_K": (16, 144)}  # offset formats: where the values are
 
 
@@ -40,7 +46,7 @@ def random_blocks(name: str, rows: int, cols: int, seed: int) -> BlockQuantized:
     data = torch.randint(0, 256, (rows, nb, fmt.block_bytes), dtype=torch.uint8, generator=g)
     for off, lo, hi in _SCALES[name]:
         v = (torch.rand(rows, nb, generator=g) * (hi - lo) + lo).half().contiguous()
-        data[:, :, off:off + 2] = v.view(torch.uint8).view(rows, nb, 2)
+        data[:, :, off : off + 2] = v.view(torch.uint8).view(rows, nb, 2)
     return BlockQuantized(fmt, data.reshape(rows, -1))
 
 
@@ -117,7 +123,9 @@ def test_prologue_bias_and_residual():
     x, res = torch.randn(3, 64), torch.randn(3, 40)
     norm = RMSNorm(64, 1e-5, torch.float32, torch.device("cpu"))
     norm.weight.data = torch.rand(64) + 0.5
-    torch.testing.assert_close(kernel(x, res, norm=norm), kernel(norm.forward(x)) + res, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        kernel(x, res, norm=norm.kernel_args()), kernel(norm.forward(x)) + res, atol=1e-4, rtol=1e-4
+    )
     gate_up = torch.randn(3, 128)
     act = torch.nn.functional.silu(gate_up[:, :64]) * gate_up[:, 64:]
     torch.testing.assert_close(kernel(gate_up, silu_mul=True), kernel(act), atol=1e-4, rtol=1e-4)
@@ -156,8 +164,9 @@ def test_round_to_nearest_matches_gguf(name):
 
 # ---- in the engine ----------------------------------------------------------------------------------
 
+
 def _perplexity(llm, ids: list[int]) -> float:
-    from kvflow.layers.attention import SeqLayout
+    from kvflow.attention.backend import SeqLayout
 
     runner = llm.engine.runner
     blocks = list(range(-(-len(ids) // llm.engine.config.block_size)))
@@ -171,8 +180,9 @@ def _perplexity(llm, ids: list[int]) -> float:
 def test_int4_perplexity_tiny_model(tiny_llama):
     """The tiny random model's perplexity on its own sampled text: int4 within 10% of fp32 (measured
     +4.6%: 338.7 vs 354.4); the engine serves int4 without leaking blocks."""
-    from conftest import assert_no_leaks
     from kvflow import LLM, SamplingParams
+
+    from conftest import assert_no_leaks
 
     path, _ = tiny_llama
     fp32 = LLM(path, max_model_len=256, num_kv_blocks=64, enable_prefix_caching=False)
@@ -202,17 +212,22 @@ def test_default_model_native_gguf_agrees_with_dequantized():
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     from quality import eval_text, window_logits
 
-    llms = {mode: LLM(max_model_len=1024, num_kv_blocks=80, enable_prefix_caching=False, **opts)
-            for mode, opts in (("native", {"gguf_weights": "native"}), ("dequantize", {"gguf_weights": "dequantize"}),
-                               ("int4", {"quantization": "int4"}))}
+    llms = {
+        mode: LLM(max_model_len=1024, num_kv_blocks=80, enable_prefix_caching=False, **opts)
+        for mode, opts in (
+            ("native", {"gguf_weights": "native"}),
+            ("dequantize", {"gguf_weights": "dequantize"}),
+            ("int4", {"quantization": "int4"}),
+        )
+    }
     native = llms["native"].engine.runner
     assert native.linear_backend == "gguf" and native.model.native_decode is not None
     assert native.model.weight_bytes() <= 110e6
     ids = llms["native"].tokenizer(eval_text(), add_special_tokens=False)["input_ids"][:1024]
-    nll = {m: 0.0 for m in llms}
+    nll = dict.fromkeys(llms, 0.0)
     kl = top1 = 0.0
     for start in range(0, len(ids), 512):
-        w = ids[start:start + 512]
+        w = ids[start : start + 512]
         lp = {m: torch.log_softmax(window_logits(llm, w)[:-1].double(), -1) for m, llm in llms.items()}
         for m in llms:
             nll[m] += -lp[m].gather(1, torch.tensor(w[1:])[:, None]).sum().item()
@@ -231,8 +246,9 @@ def test_default_model_native_gguf_agrees_with_dequantized():
 
     chats = [[{"role": "user", "content": p}] for p in PROMPTS[:8]]
     sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    outs = {m: [o.outputs[0].token_ids for o in llms[m].chat(chats, sp, use_tqdm=False)]
-            for m in ("native", "dequantize")}
+    outs = {
+        m: [o.outputs[0].token_ids for o in llms[m].chat(chats, sp, use_tqdm=False)] for m in ("native", "dequantize")
+    }
     same = sum(a == b for x, y in zip(outs["native"], outs["dequantize"]) for a, b in zip(x, y))
     assert same / (8 * 32) > 0.6
     assert sum(x[:4] == y[:4] for x, y in zip(outs["native"], outs["dequantize"])) >= 6
@@ -246,15 +262,21 @@ def test_engine_on_a_k_quant_gguf(tmp_path):
     """A tiny GGUF laid out like a Q4_K_M file (Q4_K projections, Q6_K v / down and a tied Q6_K
     embedding): served on its blocks, its logits follow the dequantized model's within the
     activation quantization's noise, and the engine's own paths agree with each other."""
-    from conftest import assert_no_leaks
-    from test_gguf import _write_tiny
-
     from kvflow import LLM, SamplingParams
 
+    from conftest import assert_no_leaks
+    from gguf_files import write_tiny
+
     hidden, ffn, heads, kv_heads, vocab = 256, 512, 4, 2, 361
-    shapes = {"attn_q": (hidden, hidden), "attn_k": (kv_heads * 64, hidden), "attn_v": (kv_heads * 64, hidden),
-              "attn_output": (hidden, hidden), "ffn_gate": (ffn, hidden), "ffn_up": (ffn, hidden),
-              "ffn_down": (hidden, ffn)}
+    shapes = {
+        "attn_q": (hidden, hidden),
+        "attn_k": (kv_heads * 64, hidden),
+        "attn_v": (kv_heads * 64, hidden),
+        "attn_output": (hidden, hidden),
+        "ffn_gate": (ffn, hidden),
+        "ffn_up": (ffn, hidden),
+        "ffn_down": (hidden, ffn),
+    }
     raw = {}
     for i in range(2):
         for j, (name, (rows, cols)) in enumerate(shapes.items()):
@@ -262,9 +284,11 @@ def test_engine_on_a_k_quant_gguf(tmp_path):
             raw[f"blk.{i}.{name}.weight"] = (Q[fmt], random_blocks(fmt, rows, cols, 10 * i + j).data.numpy())
     raw["token_embd.weight"] = (Q.Q6_K, random_blocks("Q6_K", vocab, hidden, 99).data.numpy())
     path = tmp_path / "kquant.gguf"
-    _write_tiny(path, tied=True, hidden=hidden, ffn=ffn, heads=heads, kv_heads=kv_heads, raw_blocks=raw)
-    llms = {m: LLM(str(path), max_model_len=128, num_kv_blocks=32, enable_prefix_caching=False, gguf_weights=m)
-            for m in ("native", "dequantize")}
+    write_tiny(path, tied=True, hidden=hidden, ffn=ffn, heads=heads, kv_heads=kv_heads, raw_blocks=raw)
+    llms = {
+        m: LLM(str(path), max_model_len=128, num_kv_blocks=32, enable_prefix_caching=False, gguf_weights=m)
+        for m in ("native", "dequantize")
+    }
     model = llms["native"].engine.runner.model
     assert llms["native"].engine.runner.linear_backend == "gguf" and model.native_decode is not None
     assert model.layers[0].qkv_proj.kernel.formats == ["Q4_K", "Q4_K", "Q6_K"]

@@ -15,12 +15,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvflow.kernels.cpu import autotune, native
-from kvflow.layers.linear import TunedKernel, make_linear_kernel, make_path_kernel
+from kvflow.kernels.cpu import native
+from kvflow.layers import linear_kernels
+from kvflow.layers.linear_kernels import TunedKernel, make_linear_kernel, make_path_kernel
 from kvflow.layers.norm import RMSNorm
+from kvflow.worker import autotune, machine_load
 
-pytestmark = pytest.mark.skipif(not autotune.native_available(torch.float32),
-                                reason="no C++ compiler: the native fp32 linear cannot be built")
+pytestmark = pytest.mark.skipif(
+    not linear_kernels.native_available(torch.float32), reason="no C++ compiler: the native fp32 linear cannot be built"
+)
 
 # Odd shapes: channels not a multiple of the 4-channel quad, features not a multiple of 8.
 # (520, 96): enough full panel groups per thread for the one-row path's three and two streams
@@ -36,7 +39,7 @@ def _ref(w, x, bias=None, residual=None):
 
 def _close(got, expect, k):
     # fp32 summation over k products: error grows ~ sqrt(k) * eps * |terms|
-    tol = 1e-6 * (k ** 0.5 + 4) * (1 + expect.abs().max().item())
+    tol = 1e-6 * (k**0.5 + 4) * (1 + expect.abs().max().item())
     assert (got.double() - expect).abs().max().item() <= tol
 
 
@@ -73,7 +76,7 @@ def test_native_gemv_fused_prologues(n, k):
     kern = make_path_kernel("native", w, None)
     xd = x.double()
     normed = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight.double()
-    _close(kern(x, norm=norm), _ref(w, normed), k)
+    _close(kern(x, norm=norm.kernel_args()), _ref(w, normed), k)
     gate_up = torch.randn(6, 2 * k, generator=g)
     act = F.silu(gate_up[:, :k].double()) * gate_up[:, k:].double()
     _close(kern(gate_up, silu_mul=True), _ref(w, act), k)
@@ -102,7 +105,7 @@ def test_native_gemv_is_batch_invariant(wdtype, n, k):
     kern = make_path_kernel("native", w, None)
     together = kern(x)
     for r in range(21):
-        assert torch.equal(kern(x[r:r + 1]), together[r:r + 1])
+        assert torch.equal(kern(x[r : r + 1]), together[r : r + 1])
     assert torch.equal(kern(x[2:5]), together[2:5])
     assert torch.equal(kern(x[3:20]), together[3:20])
 
@@ -117,7 +120,7 @@ def test_bf16_products_run_where_the_cpu_has_them():
     assert bf16_amx() == ("amx_bf16" in flags and "amx_tile" in flags and "avx512_bf16" in flags)
 
 
-@pytest.mark.parametrize("path", autotune.candidates(torch.float32))
+@pytest.mark.parametrize("path", linear_kernels.candidates(torch.float32))
 def test_every_candidate_path_matches_float64(path):
     g = torch.Generator().manual_seed(11)
     w, bias = torch.randn(96, 72, generator=g), torch.randn(96, generator=g)
@@ -130,8 +133,8 @@ def test_every_candidate_path_matches_float64(path):
 
 def test_tuned_kernel_dispatches_by_rows():
     """A mixed choice runs the named path per row count (first bucket >= rows; the last beyond)."""
-    paths = autotune.candidates(torch.float32)
-    choice = {b: paths[i % len(paths)] for i, b in enumerate(autotune.ROW_BUCKETS)}
+    paths = linear_kernels.candidates(torch.float32)
+    choice = {b: paths[i % len(paths)] for i, b in enumerate(linear_kernels.ROW_BUCKETS)}
     g = torch.Generator().manual_seed(5)
     w = torch.randn(40, 24, generator=g)
     kern = TunedKernel(w, None, choice)
@@ -147,7 +150,7 @@ def test_tuned_kernel_dispatches_by_rows():
 class _Load:
     """Stands in for machine_load.ForeignLoad: reports `values` in turn (the last one repeated)."""
 
-    values = [0.0]
+    values = [0.0]  # noqa: RUF012 (each test sets its own list)
     seen = 0
 
     def __enter__(self):
@@ -159,8 +162,6 @@ class _Load:
 
 
 def _plan(shapes, monkeypatch, tmp_path, cpu="cpu A", load=(0.0,)):
-    from kvflow.kernels.cpu import machine_load
-
     monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("KVFLOW_AUTOTUNE_DIR", raising=False)  # (the kernel cache's own place)
     monkeypatch.setattr(native, "cpu_id", lambda: cpu)
@@ -187,8 +188,8 @@ def test_autotune_times_again_under_load_and_never_stores_a_loaded_timing(monkey
 def test_native_gemv_never_runs_past_the_last_bucket():
     """The last bucket's choice also runs prefill chunks of thousands of rows: a many-row path
     there even where the GEMV timed fastest at its rows."""
-    last = autotune.ROW_BUCKETS[-1]
-    times = {b: {"native": 1e-6, "onednn": 2e-6, "dense": 3e-6} for b in autotune.ROW_BUCKETS}
+    last = linear_kernels.ROW_BUCKETS[-1]
+    times = {b: {"native": 1e-6, "onednn": 2e-6, "dense": 3e-6} for b in linear_kernels.ROW_BUCKETS}
     chosen = autotune.choose(times)
     assert chosen[1] == "native" and chosen[last] == "onednn"
     assert autotune.choose({1: {"native": 1e-6}, last: {"native": 1e-6}})[last] == "native"  # nothing else timed
@@ -202,8 +203,9 @@ def test_autotune_cache_is_read_back_and_keyed_by_cpu(monkeypatch, tmp_path):
     first = _plan(shapes, monkeypatch, tmp_path)
     assert first.source == "measured" and sorted(calls) == sorted(shapes)
     for s in shapes:
-        assert set(first.choices[s]) == set(autotune.ROW_BUCKETS)
-        assert all(first.choices[s][b] in autotune.candidates(torch.float32) for b in autotune.ROW_BUCKETS)
+        assert set(first.choices[s]) == set(linear_kernels.ROW_BUCKETS)
+        paths = linear_kernels.candidates(torch.float32)
+        assert all(first.choices[s][b] in paths for b in linear_kernels.ROW_BUCKETS)
     second = _plan(shapes, monkeypatch, tmp_path)
     assert second.source == "cache" and len(calls) == 2  # nothing measured again
     assert second.choices == first.choices
@@ -254,8 +256,8 @@ def test_pass_bound_and_measured_pass_rows(monkeypatch):
     """The pass is timed up to the last bucket (from 1, without a gap) where native was still timed;
     its limit is the last bucket where a fused step was no slower than the per-layer one."""
     layer = [(8, 8), (9, 9)]
-    times = {s: {b: {"native": 1e-5, "onednn": 2e-5} for b in autotune.ROW_BUCKETS} for s in layer}
-    assert autotune.pass_bound(times, layer) == autotune.ROW_BUCKETS[-1]
+    times = {s: {b: {"native": 1e-5, "onednn": 2e-5} for b in linear_kernels.ROW_BUCKETS} for s in layer}
+    assert autotune.pass_bound(times, layer) == linear_kernels.ROW_BUCKETS[-1]
     del times[layer[1]][16]["native"]  # dropped as twice the best there
     assert autotune.pass_bound(times, layer) == 8
     del times[layer[0]][1]["native"]
@@ -283,8 +285,6 @@ def test_engine_times_the_decode_pass_once(tiny_llama, monkeypatch, tmp_path):
     monkeypatch.delenv("KVFLOW_AUTOTUNE_DIR", raising=False)
     # (on tiny shapes the native GEMV may time out of the running: the pass is timed all the same)
     monkeypatch.setattr(autotune, "pass_bound", lambda times, layer: 8)
-    from kvflow.kernels.cpu import machine_load
-
     monkeypatch.setattr(machine_load, "ForeignLoad", _Load)  # (another process's burst would keep it from the file)
     _Load.values, _Load.seen = [0.0], 0
     timed = []
@@ -304,7 +304,7 @@ def test_engine_times_the_decode_pass_once(tiny_llama, monkeypatch, tmp_path):
 def test_autotune_off_uses_the_documented_default():
     plan = autotune.plan_kernels([(24, 16)], [(24, 16)], torch.float32, mode="off")
     assert plan.source == "default"
-    assert plan.choices[(24, 16)] == autotune.default_choice("float32")
+    assert plan.choices[(24, 16)] == linear_kernels.default_choice("float32")
     with pytest.raises(ValueError, match="kernel_autotune must be one of"):
         autotune.plan_kernels([(24, 16)], [(24, 16)], torch.float32, mode="fast")
 
@@ -318,7 +318,7 @@ def test_engine_reports_the_choice_and_config_validates(tiny_llama):
     stats = llm.engine.get_stats()
     assert stats.linear_kernels.startswith("linear kernels (default, float32)")
     assert "decode pass: up to 4 rows" in stats.linear_kernels
-    with pytest.raises(ValueError, match="kernel_autotune must be 'on' or 'off'"):
+    with pytest.raises(ValueError, match="kernel_autotune must be one of on, off, got 'maybe'"):
         EngineConfig(kernel_autotune="maybe")
 
 
@@ -326,7 +326,7 @@ def test_make_linear_kernel_auto_without_plan_uses_default():
     w = torch.randn(12, 8)
     kern = make_linear_kernel("auto", w)
     assert isinstance(kern, TunedKernel)
-    assert set(kern.paths) == set(autotune.default_choice("float32").values())
+    assert set(kern.paths) == set(linear_kernels.default_choice("float32").values())
 
 
 def test_native_gemv_bf16_model_rows():
@@ -338,13 +338,13 @@ def test_native_gemv_bf16_model_rows():
     norm.weight.data = (torch.rand(40, generator=g) + 0.5).bfloat16()
     x = (torch.randn(5, 40, generator=g) * 2).bfloat16()
     kern = make_path_kernel("native", w, None)
-    y = kern(x, norm=norm)
+    y = kern(x, norm=norm.kernel_args())
     assert y.dtype == torch.bfloat16
     xd = x.double()
     normed = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight.double()
     expect = _ref(w, normed)
     # the output's bf16 rounding, and (bf16 dot product) the normed input's
-    assert ((y.double() - expect).abs() <= 2 ** -7 * expect.abs() + 2 ** -8 * expect.abs().max()).all()
+    assert ((y.double() - expect).abs() <= 2**-7 * expect.abs() + 2**-8 * expect.abs().max()).all()
 
 
 @pytest.mark.parametrize("path_env", [None, "dense", "onednn", "native"])
@@ -355,7 +355,7 @@ def test_bf16_engine_tracks_fp32_reference(model_factory, monkeypatch, path_env)
     without bf16 math this is the slow fallback, checked for correctness here)."""
     from kvflow import LLM, SamplingParams
 
-    if path_env == "onednn" and "onednn" not in autotune.candidates(torch.bfloat16):
+    if path_env == "onednn" and "onednn" not in linear_kernels.candidates(torch.bfloat16):
         pytest.skip("oneDNN has no bf16 path on this CPU (it needs AVX512-BW/VL/DQ or AVX-NE-CONVERT)")
     if path_env is not None:
         monkeypatch.setenv("KVFLOW_LINEAR_BACKEND", path_env)
@@ -365,8 +365,9 @@ def test_bf16_engine_tracks_fp32_reference(model_factory, monkeypatch, path_env)
     if path_env == "native":  # forced native: every decode step runs the fused pass over bf16 weights
         assert model.native_decode is not None and model.native_decode.max_rows > 1
     prompt = [5, 17, 33, 2, 90, 41, 7, 12]
-    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=1),
-                       use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        [prompt], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=1), use_tqdm=False
+    )[0].outputs[0]
     with torch.no_grad():
         ref = torch.log_softmax(hf(torch.tensor([prompt + out.token_ids])).logits[0].double(), -1)
     for i, (tok, lp) in enumerate(zip(out.token_ids, out.logprobs)):
@@ -378,10 +379,11 @@ def test_bf16_engine_tracks_fp32_reference(model_factory, monkeypatch, path_env)
 @pytest.mark.parametrize("path_env", ["dense", "onednn", "native"])
 def test_every_fp32_path_keeps_hf_greedy_equivalence(model_factory, monkeypatch, path_env):
     """Whichever path the autotune picks, fp32 greedy output equals HF transformers'."""
-    from conftest import hf_greedy
     from kvflow import LLM, SamplingParams
 
-    if path_env not in autotune.candidates(torch.float32):
+    from conftest import hf_greedy
+
+    if path_env not in linear_kernels.candidates(torch.float32):
         pytest.skip(f"{path_env} not available here")
     monkeypatch.setenv("KVFLOW_LINEAR_BACKEND", path_env)
     path, hf = model_factory("qwen2")

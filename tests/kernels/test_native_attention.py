@@ -7,18 +7,24 @@ import pytest
 import torch
 
 from kvflow import LLM, SamplingParams
-from kvflow.layers.attention import (LayerKVCache, SeqLayout, TorchPagedAttention, make_attention_backend,
-                                     partition_groups)
+from kvflow.attention.backend import LayerKVCache, SeqLayout, partition_groups
+from kvflow.attention.backends.cpu import CpuPagedAttention, native_unsupported
+from kvflow.attention.backends.torch import TorchPagedAttention
+from kvflow.attention.selector import make_attention_backend
+
 from conftest import assert_no_leaks, paged_attention_reference, random_kv_cache
-from kvflow.kernels.cpu.paged_attention import CpuPagedAttention, native_unsupported
 
 CPU = torch.device("cpu")
-pytestmark = pytest.mark.skipif(native_unsupported(CPU, torch.float32, 4, 2, 16) is not None,
-                                reason="no C compiler: the native kernel cannot be built here")
+pytestmark = pytest.mark.skipif(
+    native_unsupported(CPU, torch.float32, 4, 2, 16) is not None,
+    reason="no C compiler: the native kernel cannot be built here",
+)
 
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 16), (6, 2, 32), (8, 1, 64), (9, 3, 64), (4, 2, 128), (2, 1, 15)])
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim", [(4, 4, 16), (6, 2, 32), (8, 1, 64), (9, 3, 64), (4, 2, 128), (2, 1, 15)]
+)
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("prefill_path", ["native", "torch"])
 def test_kernel_matches_float64_and_torch(kv_dtype, heads, kv_heads, head_dim, window, prefill_path):
@@ -32,12 +38,17 @@ def test_kernel_matches_float64_and_torch(kv_dtype, heads, kv_heads, head_dim, w
     perm = torch.randperm(num_blocks, generator=gen).tolist()
     # Decodes at block boundaries and mid-block, a 1-token context, and a prefill chunk in between:
     # the decode rows are not contiguous on the step's token axis.
-    seqs = [SeqLayout(10, 1, perm[0:3]), SeqLayout(3, 6, perm[3:6]), SeqLayout(0, 1, perm[6:7]),
-            SeqLayout(31, 1, perm[7:15]), SeqLayout(16, 1, perm[15:20])]
+    seqs = [
+        SeqLayout(10, 1, perm[0:3]),
+        SeqLayout(3, 6, perm[3:6]),
+        SeqLayout(0, 1, perm[6:7]),
+        SeqLayout(31, 1, perm[7:15]),
+        SeqLayout(16, 1, perm[15:20]),
+    ]
     t = sum(s.num_new for s in seqs)
     q = torch.randn(t, heads, head_dim, generator=gen)
     kv = torch.randn(t, 2, kv_heads, head_dim, generator=gen)
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     outs = {}
     for name, attn in (("torch", torch_attn), ("native", native_attn)):
         c = LayerKVCache(cache.data.clone(), None if cache.scale is None else cache.scale.clone())
@@ -59,12 +70,12 @@ def test_decode_row_same_bits_alone_or_in_a_batch(dtype):
     per_seq = -(-ctx // bs)
     cache = random_kv_cache(attn, rows * per_seq, 3, 64, "auto", gen, dtype)
     perm = torch.randperm(rows * per_seq, generator=gen).tolist()
-    seqs = [SeqLayout(ctx - 1, 1, perm[i * per_seq:(i + 1) * per_seq]) for i in range(rows)]
+    seqs = [SeqLayout(ctx - 1, 1, perm[i * per_seq : (i + 1) * per_seq]) for i in range(rows)]
     q = torch.randn(rows, 9, 64, generator=gen)
     together = attn._attend(q, cache, attn.build_metadata(seqs).groups[0], 0.125, None)
     for r in (0, 7, rows - 1):
-        alone = attn._attend(q[r:r + 1], cache, attn.build_metadata([seqs[r]]).groups[0], 0.125, None)
-        assert torch.equal(alone, together[r:r + 1])
+        alone = attn._attend(q[r : r + 1], cache, attn.build_metadata([seqs[r]]).groups[0], 0.125, None)
+        assert torch.equal(alone, together[r : r + 1])
     ref = paged_attention_reference(q, cache, seqs, bs, 0.125, None).reshape(rows, -1)
     assert (together.double() - ref).abs().max() < 2e-5
 
@@ -91,7 +102,7 @@ def test_kernel_reads_q_with_a_row_stride():
     seqs = [SeqLayout(5, 1, [3, 1]), SeqLayout(2, 1, [6])]
     qkv = torch.randn(2, (4 + 2 * 2) * 16, generator=gen)
     q_view = qkv[:, : 4 * 16].view(2, 4, 16)
-    kv = qkv[:, 4 * 16:].view(2, 2, 2, 16)
+    kv = qkv[:, 4 * 16 :].view(2, 2, 2, 16)
     meta = attn.build_metadata(seqs)
     a = attn.forward(q_view, kv, cache, meta, 0.25)
     b = attn.forward(q_view.contiguous(), kv, cache, meta, 0.25)
@@ -125,12 +136,16 @@ def test_bf16_cache_matches_float64(heads, kv_heads, head_dim, prefill_path):
     cache = random_kv_cache(native_attn, num_blocks, kv_heads, head_dim, "auto", gen, torch.bfloat16)
     assert cache.data.dtype == torch.bfloat16
     perm = torch.randperm(num_blocks, generator=gen).tolist()
-    seqs = [SeqLayout(10, 1, perm[0:3]), SeqLayout(3, 6, perm[3:6]), SeqLayout(0, 1, perm[6:7]),
-            SeqLayout(31, 1, perm[7:15])]
+    seqs = [
+        SeqLayout(10, 1, perm[0:3]),
+        SeqLayout(3, 6, perm[3:6]),
+        SeqLayout(0, 1, perm[6:7]),
+        SeqLayout(31, 1, perm[7:15]),
+    ]
     t = sum(s.num_new for s in seqs)
     q = torch.randn(t, heads, head_dim, generator=gen).bfloat16()
     kv = torch.randn(t, 2, kv_heads, head_dim, generator=gen)  # float32: rounding on write is the kernel's
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     outs = {}
     for name, attn in (("native", native_attn), ("torch", torch_attn)):
         c = LayerKVCache(cache.data.clone())
@@ -157,8 +172,15 @@ def test_engine_greedy_same_on_both_backends(tiny_llama, kv_dtype):
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     results = {}
     for backend in ("torch", "native"):
-        llm = LLM(model=path, attention_backend=backend, kv_cache_dtype=kv_dtype, num_kv_blocks=40, max_model_len=128,
-                  block_size=4, max_num_batched_tokens=32)
+        llm = LLM(
+            model=path,
+            attention_backend=backend,
+            kv_cache_dtype=kv_dtype,
+            num_kv_blocks=40,
+            max_model_len=128,
+            block_size=4,
+            max_num_batched_tokens=32,
+        )
         results[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         assert llm.engine.get_stats().num_preemptions > 0
         assert_no_leaks(llm.engine)
@@ -190,7 +212,7 @@ def test_several_prefill_groups_match_float64(backend):
     seqs, used = [], 0
     for start, new in [(0, 3), (300, 6), (0, 300), (7, 1), (44, 5), (0, 2), (60, 1), (36, 8)]:
         n = -(-(start + new) // bs)
-        seqs.append(SeqLayout(start, new, perm[used: used + n]))
+        seqs.append(SeqLayout(start, new, perm[used : used + n]))
         used += n
     assert len(partition_groups([s.num_new for s in seqs], [s.start_pos + s.num_new for s in seqs])) > 2
     t = sum(s.num_new for s in seqs)

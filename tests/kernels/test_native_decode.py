@@ -1,4 +1,4 @@
-"""The decode pass in one native call (kvflow.kernels.cpu.decode_pass), over int8 weights, fp32 ones
+"""The decode pass in one native call (kvflow.models.decode_pass), over int8 weights, fp32 ones
 (the native GEMV) and int4 blocks (the block kernel), against the per-layer path it replaces: same hidden states and same
 cache contents, bit for bit, on decode rows of different context lengths; and the engine uses it
 without changing outputs or leaking blocks."""
@@ -8,9 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import assert_no_leaks
 from kvflow import LLM, SamplingParams
-from kvflow.layers.attention import LayerKVCache, SeqLayout
+from kvflow.attention.backend import LayerKVCache, SeqLayout
+
+from conftest import assert_no_leaks
 
 
 def _native_llm(path: str, kv_dtype: str, weights: str, monkeypatch) -> LLM:
@@ -18,8 +19,14 @@ def _native_llm(path: str, kv_dtype: str, weights: str, monkeypatch) -> LLM:
     Q4_1 blocks through the block kernel."""
     if weights == "fp32":
         monkeypatch.setenv("KVFLOW_LINEAR_BACKEND", "native")
-    llm = LLM(model=path, quantization=_QUANT[weights], kv_cache_dtype=kv_dtype,
-              num_kv_blocks=48, max_model_len=128, block_size=4)
+    llm = LLM(
+        model=path,
+        quantization=_QUANT[weights],
+        kv_cache_dtype=kv_dtype,
+        num_kv_blocks=48,
+        max_model_len=128,
+        block_size=4,
+    )
     if llm.engine.runner.model.native_decode is None:
         pytest.skip("no C++ compiler: the native kernels cannot be built")
     return llm
@@ -33,8 +40,9 @@ def _clone(caches: list[LayerKVCache]) -> list[LayerKVCache]:
 
 
 @pytest.mark.parametrize("weights", ["int8", "fp32", "int4"])
-@pytest.mark.parametrize("arch,kv_dtype", [("llama", "auto"), ("llama", "int8"), ("qwen2", "auto"),
-                                           ("mistral", "int8")])
+@pytest.mark.parametrize(
+    "arch,kv_dtype", [("llama", "auto"), ("llama", "int8"), ("qwen2", "auto"), ("mistral", "int8")]
+)
 def test_native_decode_equals_per_layer_path(model_factory, arch, kv_dtype, weights, monkeypatch):
     path, _ = model_factory(arch, **({"sliding_window": 6} if arch == "mistral" else {}))
     llm = _native_llm(path, kv_dtype, weights, monkeypatch)
@@ -75,8 +83,14 @@ def test_engine_outputs_with_and_without_native_decode(tiny_llama, weights, monk
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     results = []
     for native in (True, False):
-        llm = LLM(model=path, quantization=_QUANT[weights], num_kv_blocks=36,
-                  max_model_len=128, block_size=4, max_num_batched_tokens=32)
+        llm = LLM(
+            model=path,
+            quantization=_QUANT[weights],
+            num_kv_blocks=36,
+            max_model_len=128,
+            block_size=4,
+            max_num_batched_tokens=32,
+        )
         if not native:
             llm.engine.runner.model.native_decode = None
         elif llm.engine.runner.model.native_decode is None:

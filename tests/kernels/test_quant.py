@@ -11,12 +11,14 @@ import random
 import pytest
 import torch
 
-from conftest import assert_no_leaks
 from kvflow import LLM, SamplingParams
+from kvflow.attention.backend import LayerKVCache, SeqLayout, kv_cache_bytes_per_token
 from kvflow.kernels.cpu.int8_linear import Int8Kernel, activation_qparams
-from kvflow.layers.attention import LayerKVCache, SeqLayout, kv_cache_bytes_per_token
-from kvflow.layers.linear import Linear, make_linear_kernel
-from kvflow.layers.quant import dequantize_symmetric, quantize_kv, quantize_symmetric, quantize_weight_per_channel
+from kvflow.layers.linear import Linear
+from kvflow.layers.linear_kernels import make_linear_kernel
+from kvflow.quantization.int8 import dequantize_symmetric, quantize_kv, quantize_symmetric, quantize_weight_per_channel
+
+from conftest import assert_no_leaks
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 INT8 = dict(quantization="int8")
@@ -28,6 +30,8 @@ def reduced_range() -> bool:
     AVX2-only AMD EPYC: tiny-model relative logit error 5.2%, max 0.34 (8 bits: 0.12-0.15), default-model KL 0.039
     nats/token on 1,024 tokens (8 bits, AVX-512 VNNI: 0.013-0.019)."""
     return activation_qparams()[1] == 64
+
+
 INT8_KV8 = dict(quantization="int8", kv_cache_dtype="int8")
 
 
@@ -93,14 +97,32 @@ def test_int8_kernel_close_to_fp32_and_per_token():
     assert rel.max() < 2e-2, rel
     # A row's result does not depend on the other rows (per-token scales, integer accumulation).
     for i in range(len(x)):
-        assert torch.equal(k(x[i:i + 1]), y[i:i + 1])
+        assert torch.equal(k(x[i : i + 1]), y[i : i + 1])
     # The weight round trip is per output channel.
     assert (k.dequantized_weight() - w).abs().max() <= w.abs().amax(1).max() / 127
 
 
-def test_activation_qparams_probe():
-    # 8 bits where FBGEMM's kernel does not saturate (AVX512-VNNI), 7 bits where it does (AVX2).
-    assert activation_qparams() in ((1 / 127, 128), (1 / 63, 64))
+def _cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo") as f:
+        return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+
+
+def test_activation_scheme_follows_the_cpu(monkeypatch):
+    """8-bit activations where FBGEMM's u8 x s8 products accumulate in int32 (AVX512-VNNI's vpdpbusd),
+    7-bit where they are summed in pairs into saturating int16 (AVX2's vpmaddubsw: 2 x 255 x 127
+    overflows). Whatever the probe chose, the worst case (every weight and activation at the top
+    of its range) comes out of FBGEMM exact, i.e. it does not saturate."""
+    flags = _cpu_flags()
+    scheme = activation_qparams()
+    if "avx512_vnni" in flags:
+        assert scheme == (1 / 127, 128)
+    elif "avx_vnni" not in flags:  # AVX2 (or AVX-512 without VNNI): pair sums saturate at 8 bits
+        assert scheme == (1 / 63, 64)
+    monkeypatch.setenv("KVFLOW_INT8_NATIVE", "0")  # FBGEMM itself, not kvflow's own kernel
+    k = 256
+    kernel = Int8Kernel(torch.ones(8, k), None)
+    assert kernel.native_handle is None
+    torch.testing.assert_close(kernel(torch.ones(3, k)), torch.full((3, 8), float(k)), rtol=1e-3, atol=0)
 
 
 def test_linear_backends_agree_in_fp32():
@@ -198,9 +220,15 @@ def quant_alone(request, tiny_llama, quant_prompts):
     return opts, [llm.generate([p], GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in quant_prompts]
 
 
-@pytest.mark.parametrize("engine_opts", [dict(num_kv_blocks=512), dict(num_kv_blocks=512, max_num_batched_tokens=7),
-                                         dict(num_kv_blocks=36, max_num_batched_tokens=64)],
-                         ids=["batched", "chunked", "preempting"])
+@pytest.mark.parametrize(
+    "engine_opts",
+    [
+        dict(num_kv_blocks=512),
+        dict(num_kv_blocks=512, max_num_batched_tokens=7),
+        dict(num_kv_blocks=36, max_num_batched_tokens=64),
+    ],
+    ids=["batched", "chunked", "preempting"],
+)
 def test_quantized_batching_is_exact(tiny_llama, quant_prompts, quant_alone, engine_opts):
     opts, alone = quant_alone
     llm = LLM(tiny_llama[0], max_model_len=128, block_size=4, **engine_opts, **opts)
@@ -214,10 +242,14 @@ def test_quantized_batching_is_exact(tiny_llama, quant_prompts, quant_alone, eng
 def test_quantized_prefix_caching_is_exact(tiny_llama):
     rng = random.Random(11)
     system = [rng.randrange(2, 500) for _ in range(16)]
-    prompts = [system[:cut] + [rng.randrange(2, 500) for _ in range(rng.randint(1, 9))]
-               for cut in (16, 15, 17, 8, 16) for _ in range(2)]
-    ref_llm = LLM(tiny_llama[0], max_model_len=64, num_kv_blocks=256, block_size=4, enable_prefix_caching=False,
-                  **INT8_KV8)
+    prompts = [
+        system[:cut] + [rng.randrange(2, 500) for _ in range(rng.randint(1, 9))]
+        for cut in (16, 15, 17, 8, 16)
+        for _ in range(2)
+    ]
+    ref_llm = LLM(
+        tiny_llama[0], max_model_len=64, num_kv_blocks=256, block_size=4, enable_prefix_caching=False, **INT8_KV8
+    )
     reference = [ref_llm.generate([p], GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
     for opts in (dict(num_kv_blocks=256), dict(num_kv_blocks=30, max_num_batched_tokens=24)):
         llm = LLM(tiny_llama[0], max_model_len=64, block_size=4, **opts, **INT8_KV8)
@@ -243,15 +275,17 @@ def test_default_model_int8_perplexity_within_bounds():
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     from quality import eval_text
 
-    llms = {name: LLM(max_model_len=1024, num_kv_blocks=64, enable_prefix_caching=False, **opts)
-            for name, opts in (("fp32", {"gguf_weights": "dequantize"}), ("int8", INT8), ("int8+kv8", INT8_KV8))}
+    llms = {
+        name: LLM(max_model_len=1024, num_kv_blocks=64, enable_prefix_caching=False, **opts)
+        for name, opts in (("fp32", {"gguf_weights": "dequantize"}), ("int8", INT8), ("int8+kv8", INT8_KV8))
+    }
     ids = llms["fp32"].tokenizer(eval_text(), add_special_tokens=False)["input_ids"][:1024]
     nll, kl = {}, {}
     ref = None
     for name, llm in llms.items():
         nll[name], kl[name] = 0.0, 0.0
         for i, start in enumerate(range(0, len(ids), 512)):
-            w = ids[start:start + 512]
+            w = ids[start : start + 512]
             lp = torch.log_softmax(all_logits(llm, w)[:-1].double(), -1)
             nll[name] += -lp.gather(1, torch.tensor(w[1:])[:, None]).sum().item()
             if name == "fp32":
@@ -275,8 +309,11 @@ def test_int8_kv_blocks_through_offload_tiers(tiny_llama, tier, tmp_path):
     opts = dict(max_model_len=64, block_size=4, num_kv_blocks=24, **INT8_KV8)
     ref = LLM(tiny_llama[0], enable_prefix_caching=False, **opts)
     reference = [ref.generate([q], GREEDY, use_tqdm=False)[0].outputs[0].token_ids for q in questions[1:]]
-    tiers = dict(kv_offload_cpu_gb=0.01) if tier == "cpu" else dict(kv_offload_cpu_gb=0, kv_offload_disk_dir=str(tmp_path),
-                                                                     kv_offload_disk_gb=0.01)
+    tiers = (
+        dict(kv_offload_cpu_gb=0.01)
+        if tier == "cpu"
+        else dict(kv_offload_cpu_gb=0, kv_offload_disk_dir=str(tmp_path), kv_offload_disk_gb=0.01)
+    )
     llm = LLM(tiny_llama[0], **opts, **tiers)
     llm.generate(questions[:1], GREEDY, use_tqdm=False)
     for f in filler:  # pushes doc's blocks out of the 24-block pool into the tier

@@ -22,16 +22,19 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from conftest import assert_no_leaks, assert_same_completions, paged_attention_reference, random_kv_cache  # noqa: E402
 from kvflow import LLM, SamplingParams  # noqa: E402
-from kvflow.layers.attention import LayerKVCache, SeqLayout, TorchPagedAttention, make_attention_backend  # noqa: E402
+from kvflow.attention.backend import LayerKVCache, SeqLayout  # noqa: E402
+from kvflow.attention.backends.torch import TorchPagedAttention  # noqa: E402
+from kvflow.attention.selector import make_attention_backend  # noqa: E402
+
+from conftest import assert_no_leaks, assert_same_completions, paged_attention_reference, random_kv_cache  # noqa: E402
 
 CPU = torch.device("cpu")
 DEVICE = torch.device(DEVICE_NAME)
 
 
 def _backend(block_size: int, window: int | None = None, device: torch.device = DEVICE):
-    from kvflow.kernels.triton.paged_attention import TritonPagedAttention
+    from kvflow.attention.backends.triton import TritonPagedAttention
 
     return TritonPagedAttention(block_size, window, device)
 
@@ -42,12 +45,20 @@ def _step(block_size: int, gen: torch.Generator, num_blocks: int = 64) -> list[S
     start mid-context and cross block boundaries (one longer than a query tile), interleaved so
     the decode rows are not contiguous on the token axis."""
     perm = torch.randperm(num_blocks, generator=gen).tolist()
-    shape = [(2 * block_size + 3, 1), (block_size - 5, block_size + 9), (0, 1), (block_size - 1, 1),
-             (3, 37), (2 * block_size, 1), (0, 5), (5 * block_size + 7, 1)]
+    shape = [
+        (2 * block_size + 3, 1),
+        (block_size - 5, block_size + 9),
+        (0, 1),
+        (block_size - 1, 1),
+        (3, 37),
+        (2 * block_size, 1),
+        (0, 5),
+        (5 * block_size + 7, 1),
+    ]
     seqs, used = [], 0
     for start, new in shape:
         n = -(-(start + new) // block_size)
-        seqs.append(SeqLayout(start, new, perm[used:used + n]))
+        seqs.append(SeqLayout(start, new, perm[used : used + n]))
         used += n
     return seqs
 
@@ -61,7 +72,7 @@ def _run(attn, seqs, heads, kv_heads, head_dim, kv_dtype, gen, dtype=torch.float
     t = sum(s.num_new for s in seqs)
     q = torch.randn(t, heads, head_dim, generator=gen).to(dtype)
     kv = torch.randn(t, 2, kv_heads, head_dim, generator=gen).to(dtype)
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     dev = LayerKVCache(cache.data.to(attn.device), None if cache.scale is None else cache.scale.to(attn.device))
     out = attn.forward(q.to(attn.device), kv.to(attn.device), dev, attn.build_metadata(seqs), scale).cpu()
     cache = LayerKVCache(dev.data.cpu(), None if dev.scale is None else dev.scale.cpu())
@@ -78,9 +89,10 @@ def _run(attn, seqs, heads, kv_heads, head_dim, kv_dtype, gen, dtype=torch.float
 def test_kernels_match_float64(kv_dtype, block_size, heads, kv_heads, head_dim, window):
     gen = torch.Generator().manual_seed(heads * 1000 + block_size + head_dim)
     seqs = _step(block_size, gen)
-    q, cache, out, torch_out = _run(_backend(block_size, window), seqs, heads, kv_heads, head_dim, kv_dtype, gen,
-                                    torch_too=True)
-    ref = paged_attention_reference(q, cache, seqs, block_size, head_dim ** -0.5, window)
+    q, cache, out, torch_out = _run(
+        _backend(block_size, window), seqs, heads, kv_heads, head_dim, kv_dtype, gen, torch_too=True
+    )
+    ref = paged_attention_reference(q, cache, seqs, block_size, head_dim**-0.5, window)
     assert (out.double() - ref).abs().max() < 2e-5
     assert (out - torch_out).abs().max() < 2e-5  # and the torch backend on the same step agrees
 
@@ -90,7 +102,7 @@ def test_bfloat16_within_rounding():
     gen = torch.Generator().manual_seed(7)
     seqs = _step(16, gen)
     q, cache, out = _run(_backend(16), seqs, 6, 2, 32, "auto", gen, dtype=torch.bfloat16)
-    ref = paged_attention_reference(q, cache, seqs, 16, 32 ** -0.5, None)
+    ref = paged_attention_reference(q, cache, seqs, 16, 32**-0.5, None)
     assert out.dtype == torch.bfloat16
     assert (out.double() - ref).abs().max() < 2e-2
 
@@ -98,7 +110,7 @@ def test_bfloat16_within_rounding():
 def test_padding_rows_write_zeros_and_touch_no_real_block():
     """A decode row with context length 0 (a CUDA graph's padding) outputs zeros; its K/V goes to
     the spare block past the pool."""
-    from kvflow.kernels.triton.paged_attention import TritonPagedAttention
+    from kvflow.attention.backends.triton import TritonPagedAttention
 
     attn = TritonPagedAttention(16, None, DEVICE)
     gen = torch.Generator().manual_seed(3)
@@ -118,14 +130,17 @@ def test_padding_rows_write_zeros_and_touch_no_real_block():
 MUTATIONS = {
     "no online-softmax rescale": ("acc = acc * alpha[:, None] + tl.dot", "acc = acc + tl.dot"),
     "decode: no rescale": ("acc = acc * alpha[:, None] + tl.sum", "acc = acc + tl.sum"),
-    "slot offset off by one": ("slot = page.to(tl.int64) * BLOCK_SIZE + n % BLOCK_SIZE",
-                               "slot = page.to(tl.int64) * BLOCK_SIZE + (n + 1) % BLOCK_SIZE"),
+    "slot offset off by one": (
+        "slot = page.to(tl.int64) * BLOCK_SIZE + n % BLOCK_SIZE",
+        "slot = page.to(tl.int64) * BLOCK_SIZE + (n + 1) % BLOCK_SIZE",
+    ),
     "causal mask excludes the diagonal": ("(n[None, :] <= q_pos[:, None])", "(n[None, :] < q_pos[:, None])"),
     "int8 V read with K's scale": ("scale_ptr + s_base + NUM_KV_HEADS", "scale_ptr + s_base"),
-    "decode drops the last key": ("for start in range(lo, ctx, BLOCK_N):\n        n = start + tl.arange(0, BLOCK_N)\n"
-                                  "        n_mask = n < ctx",
-                                  "for start in range(lo, ctx, BLOCK_N):\n        n = start + tl.arange(0, BLOCK_N)\n"
-                                  "        n_mask = n < ctx - 1"),
+    "decode drops the last key": (
+        "for start in range(lo, ctx, BLOCK_N):\n        n = start + tl.arange(0, BLOCK_N)\n        n_mask = n < ctx",
+        "for start in range(lo, ctx, BLOCK_N):\n        n = start + tl.arange(0, BLOCK_N)\n"
+        "        n_mask = n < ctx - 1",
+    ),
     "GQA: wrong kv head for a query head": ("kvh = h // GROUP", "kvh = h % NUM_KV_HEADS"),
 }
 
@@ -147,13 +162,17 @@ def test_planted_bug_fails(mutation, tmp_path, monkeypatch):
     attn = _backend(16)
     monkeypatch.setattr(attn, "_kernels", mutant)
     q, cache, out = _run(attn, seqs, 6, 2, 32, "int8", gen)
-    ref = paged_attention_reference(q, cache, seqs, 16, 32 ** -0.5, None)
+    ref = paged_attention_reference(q, cache, seqs, 16, 32**-0.5, None)
     assert not (out.double() - ref).abs().max() < 1e-3  # (a NaN fails the comparison too)
 
 
 # ---- in the engine ------------------------------------------------------------------------------
-_BASE = ["The quick brown fox", "Once upon a time there was a little engine",
-         "def hello(name):\n    return", "Paris is the capital of France. Berlin is"]
+_BASE = [
+    "The quick brown fox",
+    "Once upon a time there was a little engine",
+    "def hello(name):\n    return",
+    "Paris is the capital of France. Berlin is",
+]
 # A shared prefix (a prefix-cache hit for the second request) and a prompt longer than the step
 # budget of 32 tokens the tests use (chunked prefill).
 PROMPTS = _BASE + [_BASE[1] + " that served", _BASE[0] * 6]
@@ -174,8 +193,11 @@ def torch_llama(tiny_llama):
 @pytest.mark.parametrize("arch,kv_dtype", [("llama", "auto"), ("qwen3", "auto"), ("llama", "int8")])
 def test_engine_greedy_matches_torch_backend(model_factory, torch_llama, arch, kv_dtype):
     path, _ = model_factory(arch)
-    ref = torch_llama if (arch, kv_dtype) == ("llama", "auto") else _generate(
-        path, attention_backend="torch", kv_cache_dtype=kv_dtype, max_num_batched_tokens=32)[0]
+    ref = (
+        torch_llama
+        if (arch, kv_dtype) == ("llama", "auto")
+        else _generate(path, attention_backend="torch", kv_cache_dtype=kv_dtype, max_num_batched_tokens=32)[0]
+    )
     outs, llm = _generate(path, attention_backend="triton", kv_cache_dtype=kv_dtype, max_num_batched_tokens=32)
     assert type(llm.engine.runner.attention).__name__ == "TritonPagedAttention"
     # An int8 cache rounds each written key/value to 1/127 of its head's scale: a difference of
@@ -191,11 +213,19 @@ def test_decode_graph_buffers_pad_and_replay(tiny_llama, torch_llama):
     from kvflow.worker.cuda_graphs import DecodeGraphs
 
     path, ref = tiny_llama[0], torch_llama
-    llm = LLM(path, num_kv_blocks=64, block_size=16, attention_backend="triton", device=DEVICE_NAME,
-              enforce_eager=True, max_num_batched_tokens=32)
+    llm = LLM(
+        path,
+        num_kv_blocks=64,
+        block_size=16,
+        attention_backend="triton",
+        device=DEVICE_NAME,
+        enforce_eager=True,
+        max_num_batched_tokens=32,
+    )
     runner = llm.engine.runner
-    graphs = DecodeGraphs(runner.model, runner.attention, runner.kv_caches, [1, 4, 8], 8, DEVICE,
-                          capture=DEVICE.type == "cuda")
+    graphs = DecodeGraphs(
+        runner.model, runner.attention, runner.kv_caches, [1, 4, 8], 8, DEVICE, capture=DEVICE.type == "cuda"
+    )
     used = []
     real_run = graphs.run
     graphs.run = lambda ids, meta: used.append(ids.shape[0]) or real_run(ids, meta)
@@ -215,7 +245,9 @@ def test_backend_choice_and_errors(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         make_attention_backend("triton", 16, None, CPU, torch.float32, 4, 2, 16)
-    assert type(make_attention_backend("auto", 16, None, CPU, torch.float32, 4, 2, 16)).__name__ != "TritonPagedAttention"
+    assert (
+        type(make_attention_backend("auto", 16, None, CPU, torch.float32, 4, 2, 16)).__name__ != "TritonPagedAttention"
+    )
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="sees no CUDA GPU"):
             EngineConfig(device="cuda")
@@ -227,6 +259,7 @@ def test_backend_choice_and_errors(monkeypatch):
     assert EngineConfig(cuda_graph_sizes=["8", "2"], max_num_seqs=4).graph_batch_sizes() == [2]
 
 
+@pytest.mark.server
 @pytest.mark.skipif(DEVICE_NAME != "cpu", reason="the script itself runs on the GPU there")
 def test_gpu_benchmark_script_smoke(tmp_path):
     """benchmarks/gpu_offline.py, the script a lent GPU runs, through every section at tiny sizes on
@@ -239,8 +272,13 @@ def test_gpu_benchmark_script_smoke(tmp_path):
     root = Path(__file__).resolve().parents[2]
     out = tmp_path / "gpu.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, str(root / "benchmarks" / "gpu_offline.py"), "--device", "cpu", "--smoke",
-                          "--out", str(out)], timeout=240, env=env, capture_output=True, text=True)
+    run = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "gpu_offline.py"), "--device", "cpu", "--smoke", "--out", str(out)],
+        timeout=240,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["equiv"]["torch.float32"]["identical_sequences"] == "3/3"

@@ -7,8 +7,9 @@ import random
 import pytest
 import torch
 
-from conftest import assert_no_leaks, assert_same_completions
 from kvflow import LLM, SamplingParams
+
+from conftest import assert_no_leaks, assert_same_completions
 
 BS = 4
 PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=5)
@@ -36,7 +37,6 @@ def _engine(path, **opts):
 
 def _ask(llm, prompts):
     return [llm.generate([p], PARAMS, use_tqdm=False)[0].outputs[0] for p in prompts]
-
 
 
 def test_cpu_tier_reloads_evicted_blocks(tiny_llama, reference):
@@ -118,6 +118,7 @@ def test_read_write_blocks_round_trip(tiny_llama):
     assert torch.equal(runner.read_blocks([5, 2, 9]), data)
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
 def test_tensor_parallel_tiers(tiny_llama, reference, tmp_path, kv_dtype):
     """TP = 2: each rank holds half of every block's KV heads. The tiers store whole blocks (rank 0
@@ -125,12 +126,25 @@ def test_tensor_parallel_tiers(tiny_llama, reference, tmp_path, kv_dtype):
     rank's tokens. With the default KV dtype a block is stored in one rank's layout, so a disk
     tier written under TP = 2 serves a TP = 1 engine."""
     path = tiny_llama[0]
-    ref = reference if kv_dtype == "auto" else [
-        o.outputs[0] for o in LLM(path, max_model_len=64, block_size=BS, num_kv_blocks=64, kv_cache_dtype=kv_dtype,
-                                  enable_prefix_caching=False).generate(QUESTIONS, PARAMS, use_tqdm=False)]
+    ref = (
+        reference
+        if kv_dtype == "auto"
+        else [
+            o.outputs[0]
+            for o in LLM(
+                path,
+                max_model_len=64,
+                block_size=BS,
+                num_kv_blocks=64,
+                kv_cache_dtype=kv_dtype,
+                enable_prefix_caching=False,
+            ).generate(QUESTIONS, PARAMS, use_tqdm=False)
+        ]
+    )
     disk = tmp_path / "kv"
-    llm = _engine(path, kv_offload_cpu_gb=0.01, kv_offload_disk_dir=str(disk), tensor_parallel_size=2,
-                  kv_cache_dtype=kv_dtype)
+    llm = _engine(
+        path, kv_offload_cpu_gb=0.01, kv_offload_disk_dir=str(disk), tensor_parallel_size=2, kv_cache_dtype=kv_dtype
+    )
     try:
         _ask(llm, QUESTIONS[:1])
         _ask(llm, FILLER)  # evicts DOC into the tiers

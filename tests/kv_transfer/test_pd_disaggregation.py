@@ -10,10 +10,11 @@ import time
 
 import pytest
 
-from conftest import assert_no_leaks, assert_same_completions
 from kvflow import LLM, SamplingParams
+from kvflow.config import KVTransferConfig
 from kvflow.kv_transfer import pd
-from kvflow.kv_transfer.config import KVTransferConfig
+
+from conftest import assert_no_leaks, assert_same_completions
 
 BS = 4
 PARAMS = dict(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3)
@@ -30,13 +31,17 @@ PROMPTS = [SHARED + _ids(10, 9), SHARED + _ids(11, 3), _ids(12, 8), _ids(13, 2)]
 
 def _engine(path, role=None, kv_cache_dtype="auto", connector="tcp", **kv):
     cfg = None if role is None else {"kv_connector": connector, "kv_role": role, **kv}
-    return LLM(path, max_model_len=64, block_size=BS, num_kv_blocks=48, kv_cache_dtype=kv_cache_dtype,
-               kv_transfer_config=cfg)
+    return LLM(
+        path, max_model_len=64, block_size=BS, num_kv_blocks=48, kv_cache_dtype=kv_cache_dtype, kv_transfer_config=cfg
+    )
 
 
 def _prefill(producer: LLM, prompt: list[int]) -> dict | None:
-    out = producer.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1,
-                                                     kv_transfer_params={"do_remote_decode": True}), use_tqdm=False)[0]
+    out = producer.generate(
+        [prompt],
+        SamplingParams(temperature=0.0, max_tokens=1, kv_transfer_params={"do_remote_decode": True}),
+        use_tqdm=False,
+    )[0]
     return out.kv_transfer_params
 
 
@@ -92,14 +97,22 @@ def test_outputs_identical_to_one_engine(tiny_llama, reference, connector, kv_ca
         llm.shutdown()
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("producer_tp,consumer_tp", [(2, 1), (1, 2)])
 def test_tensor_parallel_producer_or_consumer(tiny_llama, reference, producer_tp, consumer_tp):
     """A TP = 2 engine on either side: the producer's held blocks are gathered from both ranks when
     the hold begins (its block server never starts a collective), the consumer scatters fetched
     blocks to both; a block travels in one rank's layout, so TP sizes may differ."""
+
     def engine(role, tp):
-        return LLM(tiny_llama[0], max_model_len=64, block_size=BS, num_kv_blocks=48, tensor_parallel_size=tp,
-                   kv_transfer_config={"kv_connector": "tcp", "kv_role": role})
+        return LLM(
+            tiny_llama[0],
+            max_model_len=64,
+            block_size=BS,
+            num_kv_blocks=48,
+            tensor_parallel_size=tp,
+            kv_transfer_config={"kv_connector": "tcp", "kv_role": role},
+        )
 
     producer, consumer = engine("kv_producer", producer_tp), engine("kv_consumer", consumer_tp)
     try:
@@ -220,8 +233,14 @@ def test_abort_while_fetching(tiny_llama, monkeypatch):
 def test_bad_requests_and_config(tiny_llama):
     consumer = _engine(tiny_llama[0], "kv_consumer")
     plain = _engine(tiny_llama[0])
-    good = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": 1, "remote_transfer_id": "x",
-            "remote_num_blocks": 2, "remote_block_size": BS}
+    good = {
+        "do_remote_prefill": True,
+        "remote_host": "127.0.0.1",
+        "remote_port": 1,
+        "remote_transfer_id": "x",
+        "remote_num_blocks": 2,
+        "remote_block_size": BS,
+    }
     with pytest.raises(ValueError, match="remote_port must be in"):
         consumer.engine.add_request("a", PROMPTS[0], SamplingParams(kv_transfer_params={**good, "remote_port": 0}))
     with pytest.raises(ValueError, match="remote_host must be a str"):
@@ -239,8 +258,12 @@ def test_bad_requests_and_config(tiny_llama):
     with pytest.raises(ValueError, match="kv_connector must be one of"):
         KVTransferConfig.parse({"kv_connector": "nixl", "kv_role": "kv_producer"})
     with pytest.raises(ValueError, match="needs enable_prefix_caching"):
-        LLM(tiny_llama[0], max_model_len=64, enable_prefix_caching=False,
-            kv_transfer_config={"kv_connector": "tcp", "kv_role": "kv_both"})
+        LLM(
+            tiny_llama[0],
+            max_model_len=64,
+            enable_prefix_caching=False,
+            kv_transfer_config={"kv_connector": "tcp", "kv_role": "kv_both"},
+        )
     with socket.create_server(("127.0.0.1", 0)) as taken:
         with pytest.raises(ValueError, match="cannot listen on 127.0.0.1"):
             _engine(tiny_llama[0], "kv_producer", kv_port=taken.getsockname()[1])

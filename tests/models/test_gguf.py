@@ -18,156 +18,7 @@ from kvflow.models import default_model
 from kvflow.models.default_model import DEFAULT_MODEL_PACKAGE, default_model_path
 from kvflow.models.gguf_loader import GGUFCheckpoint, load_gguf
 
-CHATML = (
-    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<repo_name>"]
-TEXTS = [
-    "Hello world! How are you today?",
-    "  leading spaces, trailing spaces   ",
-    "tabs\tand\nnewlines\n\n\nand   runs     of   spaces",
-    "日本語のテキストも大丈夫ですか？東京は大きい。",
-    "emoji 🎉🚀 and 👩‍👩‍👧 family, ünïcödé, Ελληνικά, русский",
-    "def f(x):\n    return x ** 2  # code\n\tif x: pass",
-    "numbers 1234567890 3.14159 -42 1e10 0x1F",
-    "<|im_start|>user\nhi<|im_end|>\n<|endoftext|> special <repo_name>x tokens inline",
-    "it's they're we've I'm you'll he'd DON'T",
-    "",
-    "a",
-    "URL: https://example.com/path?q=1&r=2#frag",
-]
-MESSAGES = [
-    {"role": "system", "content": "You are terse."},
-    {"role": "user", "content": "What is the capital of France?"},
-    {"role": "assistant", "content": "Paris."},
-    {"role": "user", "content": "日本の首都は？ 🎌"},
-]
-CORPUS = "\n".join(TEXTS[:9] * 3) + (
-    "\nThe quick brown fox jumps over the lazy dog. Once upon a time there was a model that "
-    "loaded weights from files and tokenized text in many languages. こんにちは世界。 "
-    "for i in range(10):\n    print(i)\n"
-)
-
-
-# --------------------------------------------------------------------------------------------------
-# A tiny llama GGUF, written the way llama.cpp's converter writes one
-# --------------------------------------------------------------------------------------------------
-
-
-def _train_tokenizer(vocab_size: int = 360) -> tuple[list[str], list[str]]:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator([CORPUS], trainer)
-    import json
-
-    model = json.loads(tok.to_str())["model"]
-    vocab = sorted(model["vocab"].items(), key=lambda kv: kv[1])
-    assert [i for _, i in vocab] == list(range(len(vocab)))
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
-    return [t for t, _ in vocab], merges
-
-
-def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """What llama.cpp's convert_hf_to_gguf does to HF q_proj/k_proj rows."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def _write_tiny(path, *, tied: bool, pre: str = "smollm", add_bos: bool = False, layers: int = 2,
-                hidden: int = 64, ffn: int = 256, heads: int = 4, kv_heads: int = 2,
-                arch: str = "llama", raw_overrides: dict | None = None,
-                raw_blocks: dict | None = None) -> dict[str, np.ndarray]:
-    """Write a tiny llama GGUF; returns the HF-layout float32 weights that went in (pre-quantisation).
-    `raw_overrides`: name -> a type whose tensor is written as zero bytes; `raw_blocks`: name ->
-    (type, uint8 rows of blocks) written as given (formats gguf-py cannot quantize)."""
-    rng = np.random.default_rng(0)
-    tokens, merges = _train_tokenizer()
-    tokens = tokens + ["<think>"]
-    token_types = [3 if t in SPECIALS else 1 for t in tokens[:-1]] + [4]
-    vocab = len(tokens)
-    head_dim = hidden // heads
-    raw_overrides = raw_overrides or {}
-
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_name("Tiny Test Llama")
-    w.add_context_length(512)
-    w.add_embedding_length(hidden)
-    w.add_block_count(layers)
-    w.add_feed_forward_length(ffn)
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv_heads)
-    w.add_rope_dimension_count(head_dim)
-    w.add_rope_freq_base(50000.0)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_vocab_size(vocab)
-    w.add_file_type(1)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(pre)
-    w.add_token_list(tokens)
-    w.add_token_types(token_types)
-    w.add_token_merges(merges)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
-    w.add_pad_token_id(2)
-    w.add_add_bos_token(add_bos)
-    w.add_chat_template(CHATML)
-
-    hf: dict[str, np.ndarray] = {}
-
-    def put(gguf_name: str, hf_name: str, shape, qtype: Q, permute_heads: int | None = None):
-        data = (rng.standard_normal(shape) * 0.5).astype(np.float32)
-        if len(shape) == 1:
-            data = 1.0 + 0.1 * data
-        hf[hf_name] = data
-        stored = _llama_cpp_permute(data, permute_heads) if permute_heads else data
-        if gguf_name in (raw_blocks or {}):
-            rq, raw = raw_blocks[gguf_name]
-            w.add_tensor(gguf_name, raw, raw_dtype=rq)
-        elif gguf_name in raw_overrides:  # an unsupported type, as raw (zero) bytes of the right size
-            rq = raw_overrides[gguf_name]
-            block, size = gguf.GGML_QUANT_SIZES[rq]
-            raw = np.zeros((shape[0], shape[1] // block * size), dtype=np.uint8)
-            w.add_tensor(gguf_name, raw, raw_dtype=rq)
-        elif qtype == Q.F32:
-            w.add_tensor(gguf_name, stored)
-        elif qtype == Q.F16:
-            w.add_tensor(gguf_name, stored.astype(np.float16))
-        else:
-            w.add_tensor(gguf_name, gguf.quants.quantize(stored, qtype), raw_dtype=qtype)
-
-    put("token_embd.weight", "model.embed_tokens.weight", (vocab, hidden), Q.Q8_0)
-    cycle = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.F16, Q.BF16, Q.F32]
-    for i in range(layers):
-        names = ["attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"]
-        lt = {n: cycle[(j + i) % len(cycle)] for j, n in enumerate(names)}
-        p = f"blk.{i}."
-        m = f"model.layers.{i}."
-        put(p + "attn_norm.weight", m + "input_layernorm.weight", (hidden,), Q.F32)
-        put(p + "attn_q.weight", m + "self_attn.q_proj.weight", (heads * head_dim, hidden), lt["attn_q"], heads)
-        put(p + "attn_k.weight", m + "self_attn.k_proj.weight", (kv_heads * head_dim, hidden), lt["attn_k"], kv_heads)
-        put(p + "attn_v.weight", m + "self_attn.v_proj.weight", (kv_heads * head_dim, hidden), lt["attn_v"])
-        put(p + "attn_output.weight", m + "self_attn.o_proj.weight", (hidden, heads * head_dim), lt["attn_output"])
-        put(p + "ffn_norm.weight", m + "post_attention_layernorm.weight", (hidden,), Q.F32)
-        put(p + "ffn_gate.weight", m + "mlp.gate_proj.weight", (ffn, hidden), lt["ffn_gate"])
-        put(p + "ffn_up.weight", m + "mlp.up_proj.weight", (ffn, hidden), lt["ffn_up"])
-        put(p + "ffn_down.weight", m + "mlp.down_proj.weight", (hidden, ffn), lt["ffn_down"])
-    put("output_norm.weight", "model.norm.weight", (hidden,), Q.F32)
-    if not tied:
-        put("output.weight", "lm_head.weight", (vocab, hidden), Q.Q4_1)
-
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return hf
+from gguf_files import MESSAGES, TEXTS, llama_cpp_permute, write_tiny
 
 
 def _hf_model(directory, name):
@@ -196,15 +47,27 @@ def _assert_same_tensors(ck: GGUFCheckpoint, hf_model) -> None:
         assert tuple(tensor.shape) == tuple(sd[name].shape), name
         ref = sd[name].float()
         if not torch.equal(tensor, ref):  # bit-identical in practice; the tolerance is the contract
-            torch.testing.assert_close(tensor, ref, atol=1e-6, rtol=0, msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(tensor, ref, atol=1e-6, rtol=0, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def _assert_same_config(ck: GGUFCheckpoint, hf_model) -> None:
     hc = hf_model.config
     cfg = ck.hf_config
-    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings", "rms_norm_eps",
-                "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id"):
+    for key in (
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "vocab_size",
+        "max_position_embeddings",
+        "rms_norm_eps",
+        "tie_word_embeddings",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+    ):
         assert cfg[key] == getattr(hc, key), key
     assert cfg["rope_parameters"]["rope_theta"] == hc.rope_parameters["rope_theta"] == cfg["rope_theta"]
     assert cfg["rope_parameters"]["rope_type"] == "default"
@@ -218,8 +81,18 @@ def _assert_same_tokenizer(ours, theirs, texts=TEXTS) -> None:
         assert ours.encode(text, add_special_tokens=False) == theirs.encode(text, add_special_tokens=False), text
         assert ours.decode(ids) == theirs.decode(ids), text
         assert ours.decode(ids, skip_special_tokens=True) == theirs.decode(ids, skip_special_tokens=True), text
-    for attr in ("bos_token", "eos_token", "pad_token", "unk_token", "bos_token_id", "eos_token_id",
-                 "pad_token_id", "add_bos_token", "add_eos_token", "chat_template"):
+    for attr in (
+        "bos_token",
+        "eos_token",
+        "pad_token",
+        "unk_token",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "add_bos_token",
+        "add_eos_token",
+        "chat_template",
+    ):
         assert getattr(ours, attr) == getattr(theirs, attr), attr
     assert len(ours) == len(theirs)
     assert sorted(ours.all_special_tokens) == sorted(theirs.all_special_tokens)
@@ -234,17 +107,25 @@ def _assert_same_tokenizer(ours, theirs, texts=TEXTS) -> None:
 
 
 @pytest.mark.parametrize(
-    "tied,pre,add_bos", [(True, "smollm", False), (False, "llama-bpe", True)], ids=["tied-gpt2split", "untied-llama3split"]
+    "tied,pre,add_bos",
+    [(True, "smollm", False), (False, "llama-bpe", True)],
+    ids=["tied-gpt2split", "untied-llama3split"],
 )
 def test_tiny_gguf_matches_transformers(tmp_path, tied, pre, add_bos):
     name = "tiny.gguf"
-    written = _write_tiny(tmp_path / name, tied=tied, pre=pre, add_bos=add_bos)
+    written = write_tiny(tmp_path / name, tied=tied, pre=pre, add_bos=add_bos)
     ck = load_gguf(tmp_path / name)
 
     assert ck.name == "Tiny Test Llama"
     cfg = ck.hf_config
-    assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"],
-            cfg["head_dim"], cfg["intermediate_size"]) == (64, 2, 4, 2, 16, 256)
+    assert (
+        cfg["hidden_size"],
+        cfg["num_hidden_layers"],
+        cfg["num_attention_heads"],
+        cfg["num_key_value_heads"],
+        cfg["head_dim"],
+        cfg["intermediate_size"],
+    ) == (64, 2, 4, 2, 16, 256)
     assert cfg["tie_word_embeddings"] is tied and cfg["rope_theta"] == 50000.0
 
     # Q/K rows are back in HF order: close to the pre-quantisation HF weights we wrote.
@@ -267,12 +148,20 @@ def test_tiny_gguf_matches_transformers(tmp_path, tied, pre, add_bos):
 
 def test_dequantize_is_bit_exact_with_gguf_numpy(tmp_path):
     """Our torch dequantisation equals gguf.quants.dequantize (+ the inverse llama.cpp permutation)."""
-    _write_tiny(tmp_path / "t.gguf", tied=False)
+    write_tiny(tmp_path / "t.gguf", tied=False)
     ck = load_gguf(tmp_path / "t.gguf")
     reader = gguf.GGUFReader(tmp_path / "t.gguf")
-    names = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-             "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-             "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+    names = {
+        "attn_q": "self_attn.q_proj",
+        "attn_k": "self_attn.k_proj",
+        "attn_v": "self_attn.v_proj",
+        "attn_output": "self_attn.o_proj",
+        "ffn_gate": "mlp.gate_proj",
+        "ffn_up": "mlp.up_proj",
+        "ffn_down": "mlp.down_proj",
+        "attn_norm": "input_layernorm",
+        "ffn_norm": "post_attention_layernorm",
+    }
     seen = set()
     for t in reader.tensors:
         ref = gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
@@ -283,8 +172,11 @@ def test_dequantize_is_bit_exact_with_gguf_numpy(tmp_path):
                 heads = 4 if part == "attn_q" else 2
                 ref = ref.reshape(heads, -1, 2, ref.shape[1]).swapaxes(1, 2).reshape(ref.shape)
         else:
-            hf = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-                  "output.weight": "lm_head.weight"}[t.name]
+            hf = {
+                "token_embd.weight": "model.embed_tokens.weight",
+                "output_norm.weight": "model.norm.weight",
+                "output.weight": "lm_head.weight",
+            }[t.name]
         assert np.array_equal(ck.tensors[hf].numpy(), ref), t.name
         seen.add(t.tensor_type)
     assert {Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1} <= seen
@@ -295,7 +187,7 @@ def test_unpermute_inverts_llama_cpp_permutation():
 
     for heads, head_dim in ((4, 16), (3, 64), (2, 8)):
         w = np.arange(heads * head_dim * 5, dtype=np.float32).reshape(heads * head_dim, 5)
-        back = _unpermute_rows(torch.from_numpy(_llama_cpp_permute(w, heads)), heads).numpy()
+        back = _unpermute_rows(torch.from_numpy(llama_cpp_permute(w, heads)), heads).numpy()
         assert np.array_equal(back, w)
 
 
@@ -307,7 +199,7 @@ def test_unpermute_inverts_llama_cpp_permutation():
 @pytest.fixture(scope="module")
 def tiny_bytes(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny") / "good.gguf"
-    _write_tiny(path, tied=True)
+    write_tiny(path, tied=True)
     return path.read_bytes()
 
 
@@ -331,7 +223,7 @@ def test_missing_file(tmp_path):
 @pytest.mark.parametrize("keep", [0, 3, 20, 1000, 20000, -7])
 def test_truncated_file(tmp_path, tiny_bytes, keep):
     path = tmp_path / "cut.gguf"
-    path.write_bytes(tiny_bytes[:keep] if keep >= 0 else tiny_bytes[:keep])
+    path.write_bytes(tiny_bytes[:keep])
     _expect_value_error(path)
 
 
@@ -351,7 +243,7 @@ def test_garbage_array_length_fails_fast(tmp_path, tiny_bytes):
     key = b"tokenizer.ggml.token_type"
     at = tiny_bytes.index(key) + len(key) + 8  # skip value type (ARRAY) and item type
     data = bytearray(tiny_bytes)
-    data[at:at + 8] = (2**62).to_bytes(8, "little")
+    data[at : at + 8] = (2**62).to_bytes(8, "little")
     path = tmp_path / "garbage.gguf"
     path.write_bytes(bytes(data))
     _expect_value_error(path)
@@ -362,7 +254,7 @@ def test_out_of_range_tensor_offset(tmp_path, tiny_bytes):
     t = reader.tensors[5]
     data = bytearray(tiny_bytes)
     off_pos = t.field.offset + sum(int(p.nbytes) for p in t.field.parts[:-1])  # the tensor's data offset
-    data[off_pos:off_pos + 8] = (len(tiny_bytes) * 4).to_bytes(8, "little")
+    data[off_pos : off_pos + 8] = (len(tiny_bytes) * 4).to_bytes(8, "little")
     path = _write_bytes(tmp_path / "offset.gguf", bytes(data))
     del reader
     _expect_value_error(path, t.name)
@@ -373,11 +265,13 @@ def _write_bytes(path, data: bytes):
     return path
 
 
-@pytest.mark.parametrize("qtype,tensor", [(Q.Q2_K, "blk.1.ffn_down.weight"), (Q.Q5_K, "blk.0.ffn_down.weight"),
-                                          (Q.Q5_0, "blk.0.attn_q.weight")])
+@pytest.mark.parametrize(
+    "qtype,tensor",
+    [(Q.Q2_K, "blk.1.ffn_down.weight"), (Q.Q5_K, "blk.0.ffn_down.weight"), (Q.Q5_0, "blk.0.attn_q.weight")],
+)
 def test_unsupported_tensor_type(tmp_path, qtype, tensor):
     path = tmp_path / "unsupported.gguf"
-    _write_tiny(path, tied=True, raw_overrides={tensor: qtype})
+    write_tiny(path, tied=True, raw_overrides={tensor: qtype})
     msg = _expect_value_error(path, tensor, qtype.name)
     assert "Q4_1" in msg and "Q8_0" in msg  # lists what is supported
 
@@ -461,11 +355,12 @@ def test_default_model_tokenizer(default_pair):
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_engine_on_tiny_gguf_matches_transformers(tmp_path, tied):
-    from conftest import assert_no_leaks, hf_greedy, kvflow_prefill_logits
     from kvflow import LLM, SamplingParams
 
+    from conftest import assert_no_leaks, hf_greedy, kvflow_prefill_logits
+
     path = tmp_path / "tiny.gguf"
-    _write_tiny(path, tied=tied)
+    write_tiny(path, tied=tied)
     hf = _hf_model(tmp_path, "tiny.gguf")
     prompt = [5, 9, 33, 2, 71, 100, 12, 8, 40, 41, 42]
     with torch.no_grad():
@@ -480,8 +375,9 @@ def test_engine_on_tiny_gguf_matches_transformers(tmp_path, tied):
 @pytest.mark.slow
 def test_default_model_engine_matches_transformers(default_pair):
     """The real SmolLM2 GGUF: prefill logits within float32 tolerance and identical greedy text."""
-    from conftest import hf_greedy, kvflow_prefill_logits
     from kvflow import LLM, SamplingParams
+
+    from conftest import hf_greedy, kvflow_prefill_logits
 
     ck, hf_model, _, _ = default_pair
     path = default_model_path()
@@ -497,9 +393,10 @@ def test_default_model_engine_matches_transformers(default_pair):
     llm = LLM(max_model_len=512, num_kv_blocks=64, gguf_weights="dequantize")
     out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)[0].outputs[0]
     n = len(out.token_ids)
-    assert out.token_ids == hf_greedy(hf_model, prompt, n)[: n]
+    assert out.token_ids == hf_greedy(hf_model, prompt, n)[:n]
     assert "Paris" in out.text
-    story = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
-                         use_tqdm=False)[0].outputs[0]
+    story = llm.generate(
+        ["Once upon a time"], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False
+    )[0].outputs[0]
     story_prompt = ck.tokenizer("Once upon a time")["input_ids"]
     assert story.token_ids == hf_greedy(hf_model, story_prompt, 24)

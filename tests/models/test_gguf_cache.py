@@ -13,11 +13,12 @@ import sys
 import pytest
 import torch
 
-from kvflow.layers.block_quant import BlockQuantized
 from kvflow.models import gguf_cache, gguf_loader
 from kvflow.models.gguf_loader import load_gguf
 from kvflow.models.tokenizer import FastTokenizer
-from test_gguf import MESSAGES, TEXTS, _write_tiny
+from kvflow.quantization.gguf_blocks import BlockQuantized
+
+from gguf_files import MESSAGES, TEXTS, write_tiny
 
 
 @pytest.fixture
@@ -61,7 +62,7 @@ def _assert_same_checkpoint(a, b) -> None:
 @pytest.mark.parametrize("keep_blocks", [False, True])
 def test_second_load_reads_the_cache(tmp_path, cache_dir, parses, keep_blocks):
     path = tmp_path / "tiny.gguf"
-    _write_tiny(path, tied=False)
+    write_tiny(path, tied=False)
     first = load_gguf(path, keep_blocks=keep_blocks)
     assert len(parses) == 1
     assert gguf_cache.entry_path(str(path)).is_file()
@@ -71,25 +72,33 @@ def test_second_load_reads_the_cache(tmp_path, cache_dir, parses, keep_blocks):
     assert isinstance(second.tokenizer, FastTokenizer)
 
 
+@pytest.mark.server
 def test_second_load_does_not_import_transformers(tmp_path, cache_dir):
     path = tmp_path / "tiny.gguf"
-    _write_tiny(path, tied=True)
+    write_tiny(path, tied=True)
     load_gguf(path)  # fills the cache (builds the tokenizer with transformers)
-    code = ("import sys; from kvflow.models.gguf_loader import load_gguf; "
-            f"ck = load_gguf({str(path)!r}); ck.tokenizer.apply_chat_template([{{'role': 'user', 'content': 'hi'}}], "
-            "tokenize=False, add_generation_prompt=True); ck.tokenizer.decode(ck.tokenizer('hi')['input_ids']); "
-            "print('transformers' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={**os.environ, "KVFLOW_CACHE_DIR": str(cache_dir)})
+    code = (
+        "import sys; from kvflow.models.gguf_loader import load_gguf; "
+        f"ck = load_gguf({str(path)!r}); ck.tokenizer.apply_chat_template([{{'role': 'user', 'content': 'hi'}}], "
+        "tokenize=False, add_generation_prompt=True); ck.tokenizer.decode(ck.tokenizer('hi')['input_ids']); "
+        "print('transformers' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "KVFLOW_CACHE_DIR": str(cache_dir)},
+    )
     assert out.stdout.strip() == "False", out.stdout + out.stderr
 
 
 def test_changed_file_invalidates(tmp_path, cache_dir, parses):
     path = tmp_path / "tiny.gguf"
-    _write_tiny(path, tied=True, add_bos=False)
+    write_tiny(path, tied=True, add_bos=False)
     old = load_gguf(path)
     old_entry = gguf_cache.entry_path(str(path))
-    _write_tiny(path, tied=True, add_bos=True)  # another tokenizer setting, so other ids
+    write_tiny(path, tied=True, add_bos=True)  # another tokenizer setting, so other ids
     st = os.stat(path)
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))  # a new mtime even on coarse clocks
     new = load_gguf(path)
@@ -102,7 +111,7 @@ def test_changed_file_invalidates(tmp_path, cache_dir, parses):
 @pytest.mark.parametrize("damage", ["truncated", "garbage", "other_file", "old_version"])
 def test_damaged_entry_is_ignored_and_rebuilt(tmp_path, cache_dir, parses, damage):
     path = tmp_path / "tiny.gguf"
-    _write_tiny(path, tied=True)
+    write_tiny(path, tied=True)
     good = load_gguf(path)
     entry = gguf_cache.entry_path(str(path))
     raw = entry.read_bytes()
@@ -127,7 +136,7 @@ def test_damaged_entry_is_ignored_and_rebuilt(tmp_path, cache_dir, parses, damag
 
 def test_entry_without_tokenizer_is_completed(tmp_path, cache_dir, parses):
     path = tmp_path / "tiny.gguf"
-    _write_tiny(path, tied=True)
+    write_tiny(path, tied=True)
     assert load_gguf(path, with_tokenizer=False).tokenizer is None  # a tensor-parallel worker's load
     assert load_gguf(path).tokenizer is not None
     assert len(parses) == 2
@@ -140,7 +149,7 @@ def test_unwritable_cache_still_loads(tmp_path, monkeypatch, parses):
     blocker.write_text("")
     monkeypatch.setenv("KVFLOW_CACHE_DIR", str(blocker))
     path = tmp_path / "tiny.gguf"
-    _write_tiny(path, tied=True)
+    write_tiny(path, tied=True)
     assert load_gguf(path).tokenizer("hi")["input_ids"]
     load_gguf(path)
     assert len(parses) == 2
@@ -166,7 +175,7 @@ TOOL_TEMPLATE = (
 def pair(tmp_path_factory):
     """(FastTokenizer, the transformers tokenizer it came from) of a tiny GGUF."""
     d = tmp_path_factory.mktemp("pair")
-    _write_tiny(d / "tiny.gguf", tied=True)
+    write_tiny(d / "tiny.gguf", tied=True)
     hf = gguf_loader._build_tokenizer(str(d / "tiny.gguf"), _meta(d / "tiny.gguf"))
     ours = FastTokenizer.from_state(gguf_loader.state_of(hf))
     return ours, hf
@@ -180,14 +189,30 @@ def _meta(path):
 def test_fast_tokenizer_chat_template_matches_transformers(pair):
     ours, hf = pair
     ours.chat_template = hf.chat_template = TOOL_TEMPLATE
-    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Wetter für <Ort> & \"Zeit\"",
-                                               "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": 'Wetter für <Ort> & "Zeit"',
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+            },
+        }
+    ]
     conversations = [
         MESSAGES,
-        [{"role": "user", "content": "hi", "name": None},
-         {"role": "assistant", "content": None, "reasoning_content": "think first",
-          "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "東京"}}}]},
-         {"role": "tool", "content": "sunny"}],
+        [
+            {"role": "user", "content": "hi", "name": None},
+            {
+                "role": "assistant",
+                "content": None,
+                "reasoning_content": "think first",
+                "tool_calls": [
+                    {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "東京"}}}
+                ],
+            },
+            {"role": "tool", "content": "sunny"},
+        ],
         [{"role": "assistant", "thinking": "old-style reasoning", "content": "ok"}],
     ]
     try:
@@ -200,8 +225,11 @@ def test_fast_tokenizer_chat_template_matches_transformers(pair):
         # Not rendered here (token ids: a BatchEncoding in transformers): the same result from transformers.
         assert ours.apply_chat_template(MESSAGES)["input_ids"] == hf.apply_chat_template(MESSAGES)["input_ids"]
         with pytest.raises(Exception, match="nope"):
-            ours.apply_chat_template([{"role": "user", "content": "{{ raise_exception('nope') }}"}], tokenize=False,
-                                     chat_template="{{ raise_exception('nope') }}")
+            ours.apply_chat_template(
+                [{"role": "user", "content": "{{ raise_exception('nope') }}"}],
+                tokenize=False,
+                chat_template="{{ raise_exception('nope') }}",
+            )
     finally:
         ours.chat_template = hf.chat_template = ours.state["chat_template"]
 
@@ -210,20 +238,25 @@ def test_fast_tokenizer_matches_transformers(pair):
     ours, hf = pair
     for text in TEXTS:
         for special in (True, False):
-            assert ours(text, add_special_tokens=special)["input_ids"] == hf(text, add_special_tokens=special)["input_ids"]
+            assert (
+                ours(text, add_special_tokens=special)["input_ids"] == hf(text, add_special_tokens=special)["input_ids"]
+            )
         ids = hf(text)["input_ids"]
         assert ours.convert_ids_to_tokens(ids) == hf.convert_ids_to_tokens(ids)
         assert ours.convert_ids_to_tokens(ids, skip_special_tokens=True) == hf.convert_ids_to_tokens(
-            ids, skip_special_tokens=True)
+            ids, skip_special_tokens=True
+        )
     batch = TEXTS[:4]
     assert ours(batch)["input_ids"] == hf(batch)["input_ids"]
     assert ours.get_vocab() == hf.get_vocab()
     assert ours.all_special_ids == hf.all_special_ids
     assert ours.special_tokens_map == hf.special_tokens_map
     assert {i: t.content for i, t in ours.added_tokens_decoder.items()} == {
-        i: t.content for i, t in hf.added_tokens_decoder.items()}
+        i: t.content for i, t in hf.added_tokens_decoder.items()
+    }
     assert ours.convert_tokens_to_ids(["<|im_end|>", "no-such-token"]) == hf.convert_tokens_to_ids(
-        ["<|im_end|>", "no-such-token"])
+        ["<|im_end|>", "no-such-token"]
+    )
     assert ours.decode(5) == hf.decode(5)
 
 

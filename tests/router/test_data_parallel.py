@@ -18,15 +18,19 @@ import time
 import httpx
 import pytest
 
-from server_utils import parse_metrics
-
 from kvflow.cli.engine_args import dataclass_flags
 from kvflow.cli.main import build_parser
 from kvflow.config import EngineConfig, ServerConfig
-from kvflow.router.replicas import replica_specs, split_cpus
+from kvflow.router.data_parallel import replica_specs, split_cpus
 
-SYSTEM = ("You are the quick brown fox. You jump over the lazy dog whenever anyone asks, and you tell everyone "
-          "about the little engine that served many requests at once. ") * 2
+from server_utils import parse_metrics
+
+pytestmark = pytest.mark.server  # starts servers or worker processes: not in `make test-fast`
+
+SYSTEM = (
+    "You are the quick brown fox. You jump over the lazy dog whenever anyone asks, and you tell everyone "
+    "about the little engine that served many requests at once. "
+) * 2
 STARTUP_S = 120  # about 15 s on an idle 2-core machine; generous for a loaded one (the test runs niced)
 
 
@@ -44,18 +48,38 @@ def test_split_cpus():
 
 
 def test_replica_specs(tmp_path):
-    specs = replica_specs(2, ["--model", "/m"], str(tmp_path), api_key="sekret", offload_disk_dir="/kv",
-                          cpus=[0, 1, 2, 3], pin=True, ports=[9001, 9002], base_env={"PATH": "/bin"})
+    specs = replica_specs(
+        2,
+        ["--model", "/m"],
+        str(tmp_path),
+        api_key="sekret",
+        offload_disk_dir="/kv",
+        cpus=[0, 1, 2, 3],
+        pin=True,
+        ports=[9001, 9002],
+        base_env={"PATH": "/bin"},
+    )
     a, b = specs
     assert a.argv[:3] == ["taskset", "-c", "0,1"] and b.argv[:3] == ["taskset", "-c", "2,3"]
-    assert a.argv[3:] == [sys.executable, "-m", "kvflow.cli.main", "serve", "--host", "127.0.0.1", "--port", "9001",
-                          "--model", "/m", "--kv-offload-disk-dir", "/kv/replica-0"]
+    assert a.argv[3:] == [
+        sys.executable,
+        "-m",
+        "kvflow.cli.main",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "9001",
+        "--model",
+        "/m",
+        "--kv-offload-disk-dir",
+        "/kv/replica-0",
+    ]
     assert b.argv[-1] == "/kv/replica-1" and b.url == "http://127.0.0.1:9002"
     assert (a.env["OMP_NUM_THREADS"], a.env["MKL_NUM_THREADS"], a.threads, a.cpus) == ("2", "2", 2, [0, 1])
     assert a.env["KVFLOW_API_KEY"] == "sekret" and "sekret" not in " ".join(a.argv)  # not on a command line
     assert a.log_path == str(tmp_path / "replica-0.log") and a.name == "replica 0"
-    [c] = replica_specs(1, [], str(tmp_path), cpus=[0, 1], pin=False, ports=[9003],
-                        base_env={"KVFLOW_API_KEY": "old"})
+    [c] = replica_specs(1, [], str(tmp_path), cpus=[0, 1], pin=False, ports=[9003], base_env={"KVFLOW_API_KEY": "old"})
     assert c.argv[0] == sys.executable and c.cpus is None and c.env["OMP_NUM_THREADS"] == "2"
     assert "KVFLOW_API_KEY" not in c.env  # no key given: none inherited either
     shared = replica_specs(3, [], str(tmp_path), cpus=[0, 1], pin=True, ports=[1, 2, 3], base_env={})
@@ -68,19 +92,51 @@ def _serve_args(argv: list[str]):
 
 def test_replica_flags_round_trip():
     """What a replica is given parses back to the same engine and server options."""
-    argv = ["--model", "/m", "--dtype", "bfloat16", "--no-enable-prefix-caching", "--max-model-len", "256",
-            "--kv-cache-memory-gb", "0.5", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
-            "--allowed-origins", "https://a.example,https://b.example", "--served-model-name", "x",
-            "--shutdown-grace-s", "7", "--data-parallel-size", "2", "--router-policy", "round_robin",
-            "--port", "9000", "--api-key", "k"]
+    argv = [
+        "--model",
+        "/m",
+        "--dtype",
+        "bfloat16",
+        "--no-enable-prefix-caching",
+        "--max-model-len",
+        "256",
+        "--kv-cache-memory-gb",
+        "0.5",
+        "--speculative-config",
+        '{"method": "ngram", "num_speculative_tokens": 3}',
+        "--allowed-origins",
+        "https://a.example,https://b.example",
+        "--served-model-name",
+        "x",
+        "--shutdown-grace-s",
+        "7",
+        "--data-parallel-size",
+        "2",
+        "--router-policy",
+        "round_robin",
+        "--port",
+        "9000",
+        "--api-key",
+        "k",
+    ]
     args = _serve_args(argv)
     front = ("host", "port", "api_key", "data_parallel_size", "router_policy")
     flags = dataclass_flags(ServerConfig, args, exclude=front) + dataclass_flags(EngineConfig, args)
     assert "--port" not in flags and "--api-key" not in flags and "--data-parallel-size" not in flags
     assert "--block-size" not in flags  # defaults are left to the replica's own defaults
     again = _serve_args(flags)
-    for name in ("model", "dtype", "enable_prefix_caching", "max_model_len", "kv_cache_memory_gb",
-                 "speculative_config", "allowed_origins", "served_model_name", "shutdown_grace_s", "block_size"):
+    for name in (
+        "model",
+        "dtype",
+        "enable_prefix_caching",
+        "max_model_len",
+        "kv_cache_memory_gb",
+        "speculative_config",
+        "allowed_origins",
+        "served_model_name",
+        "shutdown_grace_s",
+        "block_size",
+    ):
         assert getattr(again, name) == getattr(args, name), name
     assert again.data_parallel_size == 1 and again.port == 8000
 
@@ -92,16 +148,34 @@ def test_server_config_checks_the_new_fields():
         ServerConfig(data_parallel_size=0)
     with pytest.raises(ValueError, match="router_policy must be one of round_robin, least_loaded, cache_aware"):
         ServerConfig(router_policy="pd")
-    for bad in ({"replica_max_restarts": -1}, {"replica_restart_window_s": 0},
-                {"replica_restart_window_s": float("nan")}):
+    for bad in (
+        {"replica_max_restarts": -1},
+        {"replica_restart_window_s": 0},
+        {"replica_restart_window_s": float("nan")},
+    ):
         with pytest.raises(ValueError, match="replica_max_restarts must be >= 0"):
             ServerConfig(**bad)
     args = _serve_args(["--data-parallel-size", "2", "--replica-max-restarts", "0", "--replica-restart-window-s", "60"])
     assert (args.replica_max_restarts, args.replica_restart_window_s) == (0, 60.0)
 
 
+def test_local_and_ray_replicas_are_replicas(tmp_path):
+    """Both implementations carry what ReplicaSet and GET /replicas read (the `Replica` protocol)."""
+    from kvflow.router.local_replica import LocalReplica
+    from kvflow.router.ray_replica import RayReplica
+    from kvflow.router.replica import Replica, ReplicaSpec
+
+    spec = ReplicaSpec(0, 9001, [sys.executable, "-c", "pass"], {}, None, 1, str(tmp_path / "replica-0.log"))
+    local, ray = LocalReplica(spec, 5, 5), RayReplica(spec, 5, 5, placement=None)
+    for r in (local, ray):
+        assert isinstance(r, Replica)
+        assert (r.name, r.url, r.pid, r.started, r.restarts) == ("replica 0", "http://127.0.0.1:9001", None, False, 0)
+    assert isinstance(local.renewed(1), LocalReplica) and local.renewed(1).restarts == 1
+    assert isinstance(ray.renewed(2), RayReplica) and ray.renewed(2).restarts == 2
+
+
 def test_restart_budget():
-    from kvflow.router.replicas import RestartBudget
+    from kvflow.router.replica_set import RestartBudget
 
     b = RestartBudget(2, 300.0)
     assert b.take(0.0) and b.take(10.0) and not b.take(20.0)  # two within the window, not a third
@@ -119,18 +193,42 @@ def test_bad_router_policy_is_a_usage_error(capsys):
 
 # ---- a real server -------------------------------------------------------------------------------------
 def _free_port() -> int:
-    from kvflow.bench.servers import free_port
+    from kvflow.utils.processes import free_port
 
     return free_port()
 
 
 def _start(model: str, port: int, tmp_path, *extra: str) -> subprocess.Popen:
-    cmd = ["nice", "-n", "19", sys.executable, "-m", "kvflow.cli.main", "serve", "--data-parallel-size", "2",
-           "--model", model, "--num-kv-blocks", "64", "--max-model-len", "256", "--port", str(port),
-           "--log-interval-s", "60", "--shutdown-grace-s", "5", "--served-model-name", "tiny", *extra]
+    cmd = [
+        "nice",
+        "-n",
+        "19",
+        sys.executable,
+        "-m",
+        "kvflow.cli.main",
+        "serve",
+        "--data-parallel-size",
+        "2",
+        "--model",
+        model,
+        "--num-kv-blocks",
+        "64",
+        "--max-model-len",
+        "256",
+        "--port",
+        str(port),
+        "--log-interval-s",
+        "60",
+        "--shutdown-grace-s",
+        "5",
+        "--served-model-name",
+        "tiny",
+        *extra,
+    ]
     env = {**os.environ, "TMPDIR": str(tmp_path)}  # the replicas' logs
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)  # its own group: the cleanup below reaches stragglers
+    return subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+    )  # its own group: the cleanup below reaches stragglers
 
 
 def _output(proc: subprocess.Popen) -> str:
@@ -211,12 +309,15 @@ def dp_server(tiny_llama, tmp_path_factory):
 def _sent(url: str) -> dict[str, float]:
     metrics = parse_metrics(httpx.get(url + "/metrics", timeout=5).text)
     prefix = 'kvflow_router:requests_total{backend="'
-    return {k[len(prefix):].split('"')[0]: v for k, v in metrics.items() if k.startswith(prefix)}
+    return {k[len(prefix) :].split('"')[0]: v for k, v in metrics.items() if k.startswith(prefix)}
 
 
 def _complete(url: str, prompt: str, max_tokens: int = 12) -> httpx.Response:
-    return httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": max_tokens,
-                                                     "temperature": 0, "ignore_eos": True}, timeout=60)
+    return httpx.post(
+        url + "/v1/completions",
+        json={"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True},
+        timeout=60,
+    )
 
 
 def test_data_parallel_server(dp_server, tiny_llama):
@@ -240,8 +341,9 @@ def test_data_parallel_server(dp_server, tiny_llama):
     # greedy answers equal one in-process engine's, whichever replica serves them
     prompts = ["The quick brown fox", "Paris is the capital of", SYSTEM + "What is question number 0?"]
     llm = LLM(model=tiny_llama[0], num_kv_blocks=64, max_model_len=256)
-    want = [o.outputs[0].text for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12,
-                                                                             ignore_eos=True))]
+    want = [
+        o.outputs[0].text for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    ]
     del llm
     got = []
     for p in prompts[:2]:
@@ -274,7 +376,7 @@ def test_data_parallel_server(dp_server, tiny_llama):
     health = httpx.get(url + "/health", timeout=10)
     assert health.status_code == 503 and sticky in health.json()["failed"]
     state = {r["url"]: r for r in httpx.get(url + "/replicas", timeout=5).json()["replicas"]}
-    assert not state[sticky]["running"] and state[[u for u in state if u != sticky][0]]["running"]
+    assert not state[sticky]["running"] and state[next(u for u in state if u != sticky)]["running"]
 
     # SIGTERM: the router and every replica stop, nothing is left behind
     proc.send_signal(signal.SIGTERM)
@@ -310,8 +412,11 @@ def test_a_killed_replica_is_restarted(tiny_llama, tmp_path):
                 break
             assert time.monotonic() < deadline, f"replica 0 not back within {STARTUP_S} s: {now}"
             time.sleep(0.5)
-        assert now["restarts"] == 1 and (now["url"], now["cpus"], now["log"]) == (victim["url"], victim["cpus"],
-                                                                                  victim["log"])
+        assert now["restarts"] == 1 and (now["url"], now["cpus"], now["log"]) == (
+            victim["url"],
+            victim["cpus"],
+            victim["log"],
+        )
         assert httpx.get(url + "/health", timeout=10).status_code == 200
         sent = _sent(url)
         for q in range(4):  # round robin: the restarted replica gets its share
@@ -331,11 +436,22 @@ def test_a_killed_replica_is_restarted(tiny_llama, tmp_path):
 
 def _fake_replicas(tmp_path, *scripts: str, startup_timeout: float = 30, **restarts):
     """A ReplicaSet whose replicas run `python -c SCRIPT` (no model: fast; PORT in it is its port)."""
-    from kvflow.router.replicas import ReplicaSet, ReplicaSpec
+    from kvflow.router.replica import ReplicaSpec
+    from kvflow.router.replica_set import ReplicaSet
 
     ports = [_free_port() for _ in scripts]
-    specs = [ReplicaSpec(k, port, [sys.executable, "-c", code.replace("PORT", str(port))], dict(os.environ), None, 1,
-                         str(tmp_path / f"replica-{k}.log")) for k, (code, port) in enumerate(zip(scripts, ports))]
+    specs = [
+        ReplicaSpec(
+            k,
+            port,
+            [sys.executable, "-c", code.replace("PORT", str(port))],
+            dict(os.environ),
+            None,
+            1,
+            str(tmp_path / f"replica-{k}.log"),
+        )
+        for k, (code, port) in enumerate(zip(scripts, ports))
+    ]
     return ReplicaSet(specs, stop_timeout=5, startup_timeout=startup_timeout, **restarts)
 
 
@@ -381,8 +497,10 @@ def test_a_dead_replica_is_restarted_within_its_budget(tmp_path, caplog):
         assert second.proc.pid != first.proc.pid
         _wait_for(lambda: any("answers /health again after restart 1" in r.getMessage() for r in caplog.records))
         os.killpg(second.proc.pid, signal.SIGKILL)  # its budget (1 per 300 s) is spent: it stays down
-        _wait_for(lambda: any("not restarted (1 restart(s) within 300 s already" in r.getMessage()
-                              for r in caplog.records), what="the budget")
+        _wait_for(
+            lambda: any("not restarted (1 restart(s) within 300 s already" in r.getMessage() for r in caplog.records),
+            what="the budget",
+        )
         time.sleep(0.3)
         assert replicas.procs[0] is second and replicas.running() == [False, True] and not gone.is_set()
         os.killpg(replicas.procs[1].proc.pid, signal.SIGKILL)  # the other's budget is its own
@@ -399,8 +517,10 @@ def test_a_restarted_replica_that_does_not_come_up_is_killed_and_counted(tmp_pat
     """Restarted, it never answers (here: the second run only sleeps): killed after the startup
     timeout, restarted again while the budget lasts, then given up on; every replica gone: on_all_gone."""
     marker = tmp_path / "ran-once"
-    script = (f"import os, time\nif os.path.exists({str(marker)!r}):\n    time.sleep(120)\n"
-              f"open({str(marker)!r}, 'w').close()\n" + HEALTHY)
+    script = (
+        f"import os, time\nif os.path.exists({str(marker)!r}):\n    time.sleep(120)\n"
+        f"open({str(marker)!r}, 'w').close()\n" + HEALTHY
+    )
     replicas = _fake_replicas(tmp_path, script, startup_timeout=3, max_restarts=2, restart_window_s=300)
     gone = threading.Event()
     replicas.launch()
@@ -419,9 +539,14 @@ def test_a_restarted_replica_that_does_not_come_up_is_killed_and_counted(tmp_pat
 
 def test_restarted_replicas_die_with_their_parent(tmp_path):
     """A replica restarted by the watcher thread still gets SIGTERM when the server is SIGKILLed."""
-    parent = subprocess.Popen([sys.executable, "-c", f"""
+    parent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"""
 import os, signal, sys, time
-from kvflow.router.replicas import ReplicaSet, ReplicaSpec
+from kvflow.router.replica import ReplicaSpec
+from kvflow.router.replica_set import ReplicaSet
 specs = [ReplicaSpec(0, 1, [sys.executable, "-c", {SLEEPER!r}], dict(os.environ), None, 1,
                      os.path.join({str(tmp_path)!r}, "replica-0.log"))]
 r = ReplicaSet(specs, stop_timeout=5, max_restarts=1)
@@ -433,7 +558,11 @@ while r.procs[0].proc is None or r.procs[0].proc.pid == first:
     time.sleep(0.05)
 print(first, r.procs[0].proc.pid, flush=True)
 time.sleep(120)
-"""], stdout=subprocess.PIPE, text=True)
+""",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         first, restarted = (int(x) for x in parent.stdout.readline().split())
         assert first != restarted and _alive(restarted)
@@ -444,7 +573,7 @@ time.sleep(120)
 
 
 def test_a_replica_that_exits_stops_the_start_at_once(tmp_path):
-    from kvflow.router.replicas import ReplicaStartError
+    from kvflow.router.replica import ReplicaStartError
 
     replicas = _fake_replicas(tmp_path, SLEEPER, "import sys; print('no model here', flush=True); sys.exit(3)")
     start = time.monotonic()
@@ -455,13 +584,15 @@ def test_a_replica_that_exits_stops_the_start_at_once(tmp_path):
     finally:
         replicas.stop()
     assert time.monotonic() - start < 20  # the sleeper is not waited for
-    assert str(e.value).startswith(f"data-parallel replica 1 ({replicas.urls[1]}) exited with code 3; its log is "
-                                   f"{tmp_path / 'replica-1.log'}, last lines:\n    no model here")
+    assert str(e.value).startswith(
+        f"data-parallel replica 1 ({replicas.urls[1]}) exited with code 3; its log is "
+        f"{tmp_path / 'replica-1.log'}, last lines:\n    no model here"
+    )
     assert replicas.running() == [False, False]
 
 
 def test_a_replica_that_never_answers_is_a_timeout(tmp_path):
-    from kvflow.router.replicas import ReplicaStartError
+    from kvflow.router.replica import ReplicaStartError
 
     replicas = _fake_replicas(tmp_path, SLEEPER, startup_timeout=1)
     replicas.launch()
@@ -485,23 +616,33 @@ def test_the_watcher_reports_when_every_replica_is_gone(tmp_path, caplog):
     finally:
         replicas.stop()
     logged = [r.getMessage() for r in caplog.records if r.name == "kvflow.router.replicas"]
-    assert sum("exited with code 0: out of rotation, not restarted (--replica-max-restarts is 0" in m
-               for m in logged) == 2
+    assert (
+        sum("exited with code 0: out of rotation, not restarted (--replica-max-restarts is 0" in m for m in logged) == 2
+    )
     assert any("every data-parallel replica has exited" in m for m in logged)
 
 
 def test_replicas_die_with_their_parent(tmp_path):
     """Even a SIGKILL of the data-parallel process leaves no replica behind (PR_SET_PDEATHSIG)."""
-    parent = subprocess.Popen([sys.executable, "-c", f"""
+    parent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"""
 import os, sys, time
-from kvflow.router.replicas import ReplicaSet, ReplicaSpec
+from kvflow.router.replica import ReplicaSpec
+from kvflow.router.replica_set import ReplicaSet
 specs = [ReplicaSpec(k, 1, [sys.executable, "-c", {SLEEPER!r}], dict(os.environ), None, 1,
                      os.path.join({str(tmp_path)!r}, f"replica-{{k}}.log")) for k in range(2)]
 r = ReplicaSet(specs, stop_timeout=5)
 r.launch()
 print(" ".join(str(p.proc.pid) for p in r.procs), flush=True)
 time.sleep(120)
-"""], stdout=subprocess.PIPE, text=True)
+""",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         pids = [int(x) for x in parent.stdout.readline().split()]
         assert len(pids) == 2 and all(_alive(p) for p in pids)
@@ -517,20 +658,21 @@ time.sleep(120)
 def test_the_cli_reports_a_failed_replica(tmp_path, monkeypatch, capsys):
     """`kvflow serve --data-parallel-size 2` whose replica fails: exit 1, its name, its log, its words."""
     from kvflow.cli.main import main
-    from kvflow.router import replicas
+    from kvflow.router import data_parallel
 
     monkeypatch.setenv("TMPDIR", str(tmp_path))
-    monkeypatch.setattr(replicas.tempfile, "tempdir", None)  # re-read TMPDIR
+    monkeypatch.setattr(data_parallel.tempfile, "tempdir", None)  # re-read TMPDIR
     fail = "import sys; print('kvflow: error: the model is not there', flush=True); sys.exit(2)"
-    monkeypatch.setattr(replicas, "REPLICA_CMD", (sys.executable, "-c", fail))
+    monkeypatch.setattr(data_parallel, "REPLICA_CMD", (sys.executable, "-c", fail))
     port = _free_port()
+    handlers = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     assert main(["serve", "--data-parallel-size", "2", "--port", str(port), "--model", "/nowhere"]) == 1
     err = capsys.readouterr().err
     assert "kvflow: error: data-parallel replica " in err and "exited with code 2; its log is " in err
     assert "    kvflow: error: the model is not there" in err
     log = err.split("its log is ", 1)[1].split(",", 1)[0]
     assert log.startswith(str(tmp_path)) and "the model is not there" in open(log).read()
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handlers are given back
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == handlers  # given back
 
 
 def test_ray_replicas_serve_restart_and_leave_nothing(tiny_llama, tmp_path):
@@ -552,7 +694,10 @@ def test_ray_replicas_serve_restart_and_leave_nothing(tiny_llama, tmp_path):
 
 def _ray_replicas(model: str, tmp_dir: str) -> None:
     with _dp_server(model, tmp_dir, "--data-parallel-backend", "ray", "--router-policy", "round_robin") as (
-            proc, url, seen):
+        proc,
+        url,
+        seen,
+    ):
         before = {r["index"]: r for r in _replicas(url)}
         assert sorted(before) == [0, 1] and all(r["running"] and r["healthy"] for r in before.values())
         assert len({r["url"] for r in before.values()}) == 2 and all(r["cpus"] is None for r in before.values())

@@ -16,39 +16,18 @@ from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from server_utils import parse_metrics, wait_for
-
 from kvflow.cli.main import main as kvflow_main
 from kvflow.router import RouterConfig, build_router_app
 from kvflow.router.pd import prefill_body, takes_prefill_step
+
+from server_utils import ThreadServer, parse_metrics, wait_for
+
+pytestmark = pytest.mark.server  # starts servers or worker processes: not in `make test-fast`
 
 AUTH = {"Authorization": "Bearer sk-test"}
 
 
 # ---- servers in threads ---------------------------------------------------------------------------------
-class ThreadServer:
-    """An ASGI app on uvicorn in a daemon thread, on a free 127.0.0.1 port."""
-
-    def __init__(self, app) -> None:
-        import uvicorn
-
-        self.app = app
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
-                                                    timeout_graceful_shutdown=1))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        wait_for(lambda: self.server.started, 10, "a test server did not start")
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-        assert not self.thread.is_alive(), "a test server thread did not stop"
-
-
 def dead_url() -> str:
     """A 127.0.0.1 port nobody listens on (connection refused at once)."""
     with socket.socket() as s:
@@ -75,8 +54,9 @@ class FakeEngine:
         @app.post("/v1/chat/completions")
         async def generate(request: Request) -> Response:
             body = json.loads(await request.body())
-            self.calls.append({"path": request.url.path, "body": body,
-                               "authorization": request.headers.get("authorization")})
+            self.calls.append(
+                {"path": request.url.path, "body": body, "authorization": request.headers.get("authorization")}
+            )
             return self.answer(request.url.path, body)
 
         @app.get("/v1/models")
@@ -101,24 +81,48 @@ class FakeEngine:
     def answer(self, path: str, body: dict[str, Any]) -> Response:
         if self.mode == "prefill":
             self.transfers += 1
-            params = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": 41234,
-                      "remote_transfer_id": f"{self.name}-{self.transfers}"}
-            return JSONResponse({"object": "text_completion", "choices": [{"index": 0, "text": "x"}],
-                                 "kv_transfer_params": params})
+            params = {
+                "do_remote_prefill": True,
+                "remote_host": "127.0.0.1",
+                "remote_port": 41234,
+                "remote_transfer_id": f"{self.name}-{self.transfers}",
+            }
+            return JSONResponse(
+                {"object": "text_completion", "choices": [{"index": 0, "text": "x"}], "kv_transfer_params": params}
+            )
         if self.mode == "no_params":
             return JSONResponse({"object": "text_completion", "choices": [{"index": 0, "text": "x"}]})
         if self.mode == "error_400":
-            return JSONResponse({"error": {"message": "temperature: bad", "type": "invalid_request_error",
-                                           "param": "temperature", "code": "invalid_value"}}, status_code=400)
+            return JSONResponse(
+                {
+                    "error": {
+                        "message": "temperature: bad",
+                        "type": "invalid_request_error",
+                        "param": "temperature",
+                        "code": "invalid_value",
+                    }
+                },
+                status_code=400,
+            )
         if self.mode == "error_500":
-            return JSONResponse({"error": {"message": "boom", "type": "server_error", "param": None,
-                                           "code": "engine_error"}}, status_code=500)
+            return JSONResponse(
+                {"error": {"message": "boom", "type": "server_error", "param": None, "code": "engine_error"}},
+                status_code=500,
+            )
         if self.mode == "overloaded":
-            return JSONResponse({"error": {"message": "busy", "type": "server_error", "param": None,
-                                           "code": "overloaded"}}, status_code=503, headers={"Retry-After": "3"})
+            return JSONResponse(
+                {"error": {"message": "busy", "type": "server_error", "param": None, "code": "overloaded"}},
+                status_code=503,
+                headers={"Retry-After": "3"},
+            )
         if not body.get("stream"):
-            return JSONResponse({"object": "text_completion", "decoded_by": self.name,
-                                 "kv_transfer_params_seen": body.get("kv_transfer_params")})
+            return JSONResponse(
+                {
+                    "object": "text_completion",
+                    "decoded_by": self.name,
+                    "kv_transfer_params_seen": body.get("kv_transfer_params"),
+                }
+            )
         return StreamingResponse(self.stream(), media_type="text/event-stream")
 
     async def stream(self):
@@ -163,8 +167,11 @@ class LiveRouter:
 # ---- fixtures -----------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def engines():
-    e = {"prefill": FakeEngine("prefill", "prefill"), "decode1": FakeEngine("decode1", "decode"),
-         "decode2": FakeEngine("decode2", "decode")}
+    e = {
+        "prefill": FakeEngine("prefill", "prefill"),
+        "decode1": FakeEngine("decode1", "decode"),
+        "decode2": FakeEngine("decode2", "decode"),
+    }
     yield e
     for x in e.values():
         x.release.set()
@@ -198,14 +205,24 @@ def decoder(fakes) -> FakeEngine:
 
 def last_params(fakes) -> dict[str, Any]:
     """What the prefill fake returned last."""
-    return {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": 41234,
-            "remote_transfer_id": f"prefill-{fakes['prefill'].transfers}"}
+    return {
+        "do_remote_prefill": True,
+        "remote_host": "127.0.0.1",
+        "remote_port": 41234,
+        "remote_transfer_id": f"prefill-{fakes['prefill'].transfers}",
+    }
 
 
 # ---- the pd flow ----------------------------------------------------------------------------------------------
 def test_pd_completion_prefill_then_decode(pd_router, fakes):
-    original = {"model": "m", "prompt": "The capital of France is", "max_tokens": 20, "temperature": 0,
-                "min_tokens": 3, "priority": 2}
+    original = {
+        "model": "m",
+        "prompt": "The capital of France is",
+        "max_tokens": 20,
+        "temperature": 0,
+        "min_tokens": 3,
+        "priority": 2,
+    }
     resp = pd_router.post("/v1/completions", original)
     assert resp.status_code == 200, resp.text
 
@@ -221,16 +238,25 @@ def test_pd_completion_prefill_then_decode(pd_router, fakes):
     assert dec["body"] == {**original, "kv_transfer_params": params}  # the original body, plus the params
     assert dec["authorization"] == AUTH["Authorization"]
     # the decode engine's answer, unchanged
-    assert resp.json() == {"object": "text_completion", "decoded_by": decoder(fakes).name,
-                           "kv_transfer_params_seen": params}
+    assert resp.json() == {
+        "object": "text_completion",
+        "decoded_by": decoder(fakes).name,
+        "kv_transfer_params_seen": params,
+    }
     assert all(v == 0 for v in pd_router.inflight().values())
 
 
 def test_pd_chat_stream_relayed_unbuffered_in_order(pd_router, fakes):
-    original = {"messages": [{"role": "user", "content": "hi"}], "stream": True,
-                "stream_options": {"include_usage": True}, "max_completion_tokens": 50, "max_tokens": 40}
-    with httpx.stream("POST", pd_router.url + "/v1/chat/completions", json=original, headers=AUTH,
-                      timeout=httpx.Timeout(3)) as resp:
+    original = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "max_completion_tokens": 50,
+        "max_tokens": 40,
+    }
+    with httpx.stream(
+        "POST", pd_router.url + "/v1/chat/completions", json=original, headers=AUTH, timeout=httpx.Timeout(3)
+    ) as resp:
         assert resp.status_code == 200
         assert resp.headers["content-type"].startswith("text/event-stream")
         lines = resp.iter_lines()
@@ -246,8 +272,14 @@ def test_pd_chat_stream_relayed_unbuffered_in_order(pd_router, fakes):
 
     [pre] = fakes["prefill"].calls
     assert pre["path"] == "/v1/chat/completions"
-    assert pre["body"] == {"messages": original["messages"], "max_completion_tokens": 1, "max_tokens": 1,
-                           "stream": False, "n": 1, "kv_transfer_params": {"do_remote_decode": True}}
+    assert pre["body"] == {
+        "messages": original["messages"],
+        "max_completion_tokens": 1,
+        "max_tokens": 1,
+        "stream": False,
+        "n": 1,
+        "kv_transfer_params": {"do_remote_decode": True},
+    }
     [dec] = decode_calls(fakes)
     assert dec["body"] == {**original, "kv_transfer_params": last_params(fakes)}
     wait_for(lambda: all(v == 0 for v in pd_router.inflight().values()), 5, "in-flight counts did not drop")
@@ -310,8 +342,9 @@ def test_decode_status_and_retry_after_relayed(pd_router, fakes):
 
 def test_client_disconnect_closes_the_upstream_stream(pd_router, fakes):
     fakes["decode1"].mode = fakes["decode2"].mode = "endless"
-    with httpx.stream("POST", pd_router.url + "/v1/completions", json={"prompt": "x", "stream": True},
-                      timeout=5) as resp:
+    with httpx.stream(
+        "POST", pd_router.url + "/v1/completions", json={"prompt": "x", "stream": True}, timeout=5
+    ) as resp:
         assert next(line for line in resp.iter_lines() if line).startswith("data: ")
     engine = decoder(fakes)
     assert engine.closed.wait(5), "the decode engine's stream went on after the client left"
@@ -322,8 +355,9 @@ def test_decode_failing_mid_stream_ends_with_an_error_event(pd_router, fakes):
     fakes["decode1"].mode = fakes["decode2"].mode = "broken"
     for e in (fakes["decode1"], fakes["decode2"]):
         e.release.set()
-    with httpx.stream("POST", pd_router.url + "/v1/completions", json={"prompt": "x", "stream": True},
-                      timeout=5) as resp:
+    with httpx.stream(
+        "POST", pd_router.url + "/v1/completions", json={"prompt": "x", "stream": True}, timeout=5
+    ) as resp:
         events = [line for line in resp.iter_lines() if line]
     assert json.loads(events[0].removeprefix("data: "))["i"] == 0
     assert json.loads(events[-2].removeprefix("data: "))["error"]["code"] == "backend_stream_broken"
@@ -409,8 +443,13 @@ def test_prefill_body_is_a_copy():
     body = {"prompt": "x", "stream": True, "stream_options": {"include_usage": True}, "n": 1}
     out = prefill_body("/v1/completions", body)
     assert body["stream"] is True and "stream_options" in body  # the client's body is kept for the decode
-    assert out == {"prompt": "x", "stream": False, "n": 1, "max_tokens": 1,
-                   "kv_transfer_params": {"do_remote_decode": True}}
+    assert out == {
+        "prompt": "x",
+        "stream": False,
+        "n": 1,
+        "max_tokens": 1,
+        "kv_transfer_params": {"do_remote_decode": True},
+    }
     # completions have no max_completion_tokens; chat sets it only when the client did
     assert "max_completion_tokens" not in prefill_body("/v1/chat/completions", {"messages": []})
     assert takes_prefill_step("/v1/completions", {"prompt": [[1, 2]]})  # one token-id prompt
@@ -423,18 +462,21 @@ def test_config_normalises_urls():
     assert RouterConfig(backends=["http://h:1"]).policy == "round_robin"
 
 
-@pytest.mark.parametrize("argv, fragment", [
-    (["--prefill", "http://a:1"], "--decode"),
-    (["--decode", "http://a:1"], "--prefill"),
-    (["--backend", "http://a:1", "--decode", "http://b:1"], "--backend"),
-    (["--policy", "round_robin", "--prefill", "http://a:1", "--decode", "http://b:1"], "--prefill"),
-    (["--policy", "pd", "--backend", "http://a:1"], "--backend"),
-    (["--policy", "round_robin"], "--backend"),
-    ([], "--prefill"),
-    (["--backend", "127.0.0.1:8100"], "--backend"),
-    (["--decode", "http://a:1", "http://a:1/", "--prefill", "http://p:1"], "--decode"),
-    (["--backend", "http://a:1", "--timeout-s", "0"], "--timeout-s"),
-])
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["--prefill", "http://a:1"], "--decode"),
+        (["--decode", "http://a:1"], "--prefill"),
+        (["--backend", "http://a:1", "--decode", "http://b:1"], "--backend"),
+        (["--policy", "round_robin", "--prefill", "http://a:1", "--decode", "http://b:1"], "--prefill"),
+        (["--policy", "pd", "--backend", "http://a:1"], "--backend"),
+        (["--policy", "round_robin"], "--backend"),
+        ([], "--prefill"),
+        (["--backend", "127.0.0.1:8100"], "--backend"),
+        (["--decode", "http://a:1", "http://a:1/", "--prefill", "http://p:1"], "--decode"),
+        (["--backend", "http://a:1", "--timeout-s", "0"], "--timeout-s"),
+    ],
+)
 def test_cli_flag_errors(argv, fragment, capsys):
     assert kvflow_main(["router", *argv]) == 2
     err = capsys.readouterr().err
@@ -457,16 +499,21 @@ class ReplicaFake(FakeEngine):
         self.running, self.waiting, self.kv_usage = 0, 0, 0.0
 
         async def metrics() -> Response:
-            return Response(f"kvflow:num_requests_running {self.running}\nkvflow:num_requests_waiting "
-                            f"{self.waiting}\nkvflow:kv_cache_usage_perc {self.kv_usage}\n", media_type="text/plain")
+            return Response(
+                f"kvflow:num_requests_running {self.running}\nkvflow:num_requests_waiting "
+                f"{self.waiting}\nkvflow:kv_cache_usage_perc {self.kv_usage}\n",
+                media_type="text/plain",
+            )
 
         self.server.app.add_api_route("/metrics", metrics, methods=["GET"])
 
     def answer(self, path: str, body: dict[str, Any]) -> Response:
         if self.mode == "early_break":
+
             async def cut():
                 raise RuntimeError("died before the first token")  # uvicorn cuts the connection
-                yield b""  # noqa: unreachable (makes this an async generator)
+                yield b""  # unreachable: makes this an async generator
+
             return StreamingResponse(cut(), media_type="text/event-stream")
         return super().answer(path, body)
 
@@ -562,8 +609,7 @@ def test_stream_failing_before_its_first_chunk_is_retried(replicas):
     try:
         r1.mode = "early_break"
         r2.release.set()
-        with httpx.stream("POST", r.url + "/v1/completions", json={"prompt": "x", "stream": True},
-                          timeout=5) as resp:
+        with httpx.stream("POST", r.url + "/v1/completions", json={"prompt": "x", "stream": True}, timeout=5) as resp:
             assert resp.status_code == 200
             events = [line for line in resp.iter_lines() if line]
         assert [json.loads(e.removeprefix("data: "))["by"] for e in events[:-1]] == ["r2"] * 3
@@ -582,8 +628,7 @@ def test_replica_failing_mid_stream_is_not_retried(replicas):
         r1.mode = r2.mode = "broken"
         r1.release.set()
         r2.release.set()
-        with httpx.stream("POST", r.url + "/v1/completions", json={"prompt": "x", "stream": True},
-                          timeout=5) as resp:
+        with httpx.stream("POST", r.url + "/v1/completions", json={"prompt": "x", "stream": True}, timeout=5) as resp:
             events = [line for line in resp.iter_lines() if line]
         assert json.loads(events[-2].removeprefix("data: "))["error"]["code"] == "backend_stream_broken"
         assert _m(r, "kvflow_router:retries_total") == 0
@@ -613,8 +658,10 @@ def test_cache_aware_over_http_counts_hits_misses_and_ttfb(replicas):
     r = LiveRouter(backends=[r1.url, r2.url], policy="cache_aware")
     try:
         system = {"role": "system", "content": "You are a helpful assistant who knows a lot about trains. " * 3}
-        served = [r.post("/v1/chat/completions", {"messages": [system, {"role": "user", "content": q}]}
-                         ).json()["decoded_by"] for q in ("hi", "hello", "hey there")]
+        served = [
+            r.post("/v1/chat/completions", {"messages": [system, {"role": "user", "content": q}]}).json()["decoded_by"]
+            for q in ("hi", "hello", "hey there")
+        ]
         assert len(set(served)) == 1
         other = r.post("/v1/completions", {"prompt": "something else entirely " * 4}).json()["decoded_by"]
         assert other != served[0]  # a miss goes to the idle replica, not the same one every time

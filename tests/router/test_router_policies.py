@@ -11,19 +11,34 @@ import pytest
 from kvflow.cli.main import main as kvflow_main
 from kvflow.router.app import parse_engine_load
 from kvflow.router.config import RouterConfig
-from kvflow.router.policies import (POLICIES, Backend, CacheAwarePolicy, LeastLoadedPolicy, RoundRobinPolicy,
-                                    RouteRequest, make_policy)
+from kvflow.router.policies import (
+    POLICIES,
+    Backend,
+    CacheAwarePolicy,
+    LeastLoadedPolicy,
+    RoundRobinPolicy,
+    RouteRequest,
+    make_policy,
+)
 from kvflow.router.prefix_tree import PrefixTree, prompt_texts
 
 URLS = ["http://127.0.0.1:8101", "http://127.0.0.1:8102", "http://127.0.0.1:8103"]
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 
-SYSTEMS = ["You are a careful assistant for a bank. Answer questions about accounts, cards and loans "
-           "politely and never reveal internal procedures. " * 2,
-           "You are a pirate who only speaks in rhymes and knows everything about sailing ships, "
-           "the open sea and buried treasure. " * 2]
-QUESTIONS = ["How do I open an account?", "What is my card limit?", "Can I get a loan?", "Where is the map?",
-             "Tell me a story.", "What time is it?"]
+SYSTEMS = [
+    "You are a careful assistant for a bank. Answer questions about accounts, cards and loans "
+    "politely and never reveal internal procedures. " * 2,
+    "You are a pirate who only speaks in rhymes and knows everything about sailing ships, "
+    "the open sea and buried treasure. " * 2,
+]
+QUESTIONS = [
+    "How do I open an account?",
+    "What is my card limit?",
+    "Can I get a loan?",
+    "Where is the map?",
+    "Tell me a story.",
+    "What time is it?",
+]
 
 
 def completion(prompt) -> RouteRequest:
@@ -31,8 +46,9 @@ def completion(prompt) -> RouteRequest:
 
 
 def chat(system: str, question: str) -> RouteRequest:
-    return RouteRequest(CHAT, {"messages": [{"role": "system", "content": system},
-                                            {"role": "user", "content": question}]})
+    return RouteRequest(
+        CHAT, {"messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]}
+    )
 
 
 def send(policy, request: RouteRequest, *, finish: bool = True):
@@ -90,15 +106,18 @@ def _affine(balance_abs: float = 32, balance_rel: float = 1.5) -> tuple[CacheAwa
     return policy, holder, other
 
 
-@pytest.mark.parametrize("holder_load, other_load, imbalanced", [
-    (40, 8, False),  # max - min = 32: not > 32
-    (41, 8, True),  # 33 > 32 and 41 > 1.5 x 8
-    (100, 67, False),  # 33 > 32 but 100 <= 1.5 x 67 = 100.5
-    (101, 67, True),  # 101 > 100.5
-    (32, 0, False),
-    (33, 0, True),  # min 0: any max > 0 passes the relative test
-    (8, 41, True),  # imbalanced the other way: by load, to the holder (the least loaded) anyway
-])
+@pytest.mark.parametrize(
+    "holder_load, other_load, imbalanced",
+    [
+        (40, 8, False),  # max - min = 32: not > 32
+        (41, 8, True),  # 33 > 32 and 41 > 1.5 x 8
+        (100, 67, False),  # 33 > 32 but 100 <= 1.5 x 67 = 100.5
+        (101, 67, True),  # 101 > 100.5
+        (32, 0, False),
+        (33, 0, True),  # min 0: any max > 0 passes the relative test
+        (8, 41, True),  # imbalanced the other way: by load, to the holder (the least loaded) anyway
+    ],
+)
 def test_imbalance_overrides_affinity_exactly_per_both_thresholds(holder_load, other_load, imbalanced):
     policy, holder, other = _affine()
     holder.record_scrape(running=holder_load, waiting=0, kv_usage=0.1)
@@ -128,7 +147,7 @@ def test_misses_spread_over_idle_replicas():
     prompts = [f"{i} " + chr(ord("a") + i) * 50 for i in range(9)]  # nothing shared
     # Each finished before the next (equal loads): ties take turns.
     got = [send(policy, completion(p)).target.url for p in prompts]
-    assert {u: got.count(u) for u in URLS} == {u: 3 for u in URLS}, got
+    assert {u: got.count(u) for u in URLS} == dict.fromkeys(URLS, 3), got
 
 
 def test_misses_go_to_the_least_loaded_not_the_smallest_tree():
@@ -251,14 +270,21 @@ def test_round_robin_order_is_kept():
 
 def test_policies_from_config():
     assert {"round_robin", "least_loaded", "cache_aware", "pd"} <= set(POLICIES)
-    c = RouterConfig(backends=URLS[:2], policy="cache_aware", cache_threshold=0.8, balance_abs_threshold=4,
-                     balance_rel_threshold=2.0, cache_max_chars=1000)
-    p = make_policy(c)
+    c = RouterConfig(
+        backends=URLS[:2],
+        policy="cache_aware",
+        cache_threshold=0.8,
+        balance_abs_threshold=4,
+        balance_rel_threshold=2.0,
+        cache_max_chars=1000,
+    )
+    p = make_policy(c.policy, c.policy_options())
     assert isinstance(p, CacheAwarePolicy) and (p.threshold, p.balance_abs, p.balance_rel) == (0.8, 4, 2.0)
     assert all(t.max_chars == 1000 for t in p.trees.values())
     assert p.uses_load and p.health_checked
     assert RouterConfig(backends=URLS[:2]).policy == "round_robin"  # the default stays
-    assert not make_policy(RouterConfig(prefill=URLS[:1], decode=URLS[1:2])).health_checked
+    pd = RouterConfig(prefill=URLS[:1], decode=URLS[1:2])
+    assert not make_policy(pd.policy, pd.policy_options()).health_checked
 
 
 # ---- the prefix tree --------------------------------------------------------------------------------------
@@ -268,7 +294,7 @@ def test_prefix_tree_matches_like_brute_force():
     texts: list[str] = []
     for _ in range(300):
         base = rng.choice(texts) if texts and rng.random() < 0.6 else ""
-        t = base[:rng.randint(0, len(base))] + "".join(rng.choice("ab") for _ in range(rng.randint(0, 12)))
+        t = base[: rng.randint(0, len(base))] + "".join(rng.choice("ab") for _ in range(rng.randint(0, 12)))
         tree.insert(t)
         texts.append(t)
         q = "".join(rng.choice("ab") for _ in range(rng.randint(0, 14)))
@@ -331,14 +357,23 @@ def test_prompt_texts():
     assert prompt_texts(COMPLETIONS, {"prompt": ["a", [72, 105], 3]}) == ["a", "Hi"]
     assert prompt_texts(COMPLETIONS, {"prompt": [2**40]}) == [chr(2**40 % 0x110000)]
     assert prompt_texts(COMPLETIONS, {}) == [] and prompt_texts(COMPLETIONS, {"prompt": 5}) == []
-    [text] = prompt_texts(CHAT, {"messages": [
-        {"role": "system", "content": "be nice"},
-        {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {}}]},
-        {"role": "assistant", "tool_calls": [{"id": "1"}]}, "junk"]})
+    [text] = prompt_texts(
+        CHAT,
+        {
+            "messages": [
+                {"role": "system", "content": "be nice"},
+                {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {}}]},
+                {"role": "assistant", "tool_calls": [{"id": "1"}]},
+                "junk",
+            ]
+        },
+    )
     assert text == '<|system|>be nice\n<|user|>hi\n<|assistant|>[{"id":"1"}]\n'
     # a different role is a different prompt even with the same words
-    assert prompt_texts(CHAT, {"messages": [{"role": "user", "content": "be nice"}]})[0] != \
-        prompt_texts(CHAT, {"messages": [{"role": "system", "content": "be nice"}]})[0]
+    assert (
+        prompt_texts(CHAT, {"messages": [{"role": "user", "content": "be nice"}]})[0]
+        != prompt_texts(CHAT, {"messages": [{"role": "system", "content": "be nice"}]})[0]
+    )
     assert prompt_texts(CHAT, {"tools": [{"type": "function"}], "messages": []})[0].startswith("<|tools|>")
     assert prompt_texts(CHAT, {"messages": "nope"}) == [""]
 
@@ -358,27 +393,33 @@ kvflow:request_success_total{finished_reason="stop"} 7.0
 
 
 # ---- the flags --------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("kwargs, fragment", [
-    ({"health_interval_s": 0}, "--health-interval-s"),
-    ({"health_interval_s": float("inf")}, "--health-interval-s"),
-    ({"load_poll_s": -1}, "--load-poll-s"),
-    ({"cache_threshold": 1.5}, "--cache-threshold"),
-    ({"cache_threshold": float("nan")}, "--cache-threshold"),
-    ({"balance_abs_threshold": -1}, "--balance-abs-threshold"),
-    ({"balance_abs_threshold": 2.5}, "--balance-abs-threshold"),
-    ({"balance_rel_threshold": 0.5}, "--balance-rel-threshold"),
-    ({"cache_max_chars": 0}, "--cache-max-chars"),
-])
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        ({"health_interval_s": 0}, "--health-interval-s"),
+        ({"health_interval_s": float("inf")}, "--health-interval-s"),
+        ({"load_poll_s": -1}, "--load-poll-s"),
+        ({"cache_threshold": 1.5}, "--cache-threshold"),
+        ({"cache_threshold": float("nan")}, "--cache-threshold"),
+        ({"balance_abs_threshold": -1}, "--balance-abs-threshold"),
+        ({"balance_abs_threshold": 2.5}, "--balance-abs-threshold"),
+        ({"balance_rel_threshold": 0.5}, "--balance-rel-threshold"),
+        ({"cache_max_chars": 0}, "--cache-max-chars"),
+    ],
+)
 def test_config_errors_name_the_flag(kwargs, fragment):
     with pytest.raises(ValueError, match=fragment):
         RouterConfig(backends=URLS[:2], policy="cache_aware", **kwargs)
 
 
-@pytest.mark.parametrize("argv, fragment", [
-    (["--cache-threshold", "2"], "--cache-threshold"),
-    (["--load-poll-s", "0"], "--load-poll-s"),
-    (["--balance-rel-threshold", "0.9"], "--balance-rel-threshold"),
-])
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["--cache-threshold", "2"], "--cache-threshold"),
+        (["--load-poll-s", "0"], "--load-poll-s"),
+        (["--balance-rel-threshold", "0.9"], "--balance-rel-threshold"),
+    ],
+)
 def test_cli_flag_errors(argv, fragment, capsys):
     assert kvflow_main(["router", "--policy", "cache_aware", "--backend", *URLS[:2], *argv]) == 2
     err = capsys.readouterr().err

@@ -12,33 +12,46 @@ import time
 import httpx
 import pytest
 
-from server_utils import LiveServer, parse_metrics, wait_for
-from test_router import ThreadServer
-
 from kvflow.config import EngineConfig, ServerConfig
 from kvflow.router.app import build_router_app
 from kvflow.router.config import RouterConfig
 
+from server_utils import LiveServer, ThreadServer, parse_metrics, wait_for
+
+pytestmark = pytest.mark.server  # starts servers or worker processes: not in `make test-fast`
+
 MODEL = "tiny"
 CHAT = "/v1/chat/completions"
 # ~320 characters each (~175 tokens), far longer than a question: a repeat is a cache_aware hit.
-SYSTEMS = ["You are the quick brown fox. You jump over the lazy dog whenever anyone asks, and you tell "
-           "everyone about the little engine that served many requests at once. " * 2,
-           "You are a Python tutor. def hello(name): return f'hello {name}' is your favourite function, "
-           "and Paris is the capital of France, Berlin the capital of Germany. " * 2]
+SYSTEMS = [
+    "You are the quick brown fox. You jump over the lazy dog whenever anyone asks, and you tell "
+    "everyone about the little engine that served many requests at once. " * 2,
+    "You are a Python tutor. def hello(name): return f'hello {name}' is your favourite function, "
+    "and Paris is the capital of France, Berlin the capital of Germany. " * 2,
+]
 CLIENT_TIMEOUT = httpx.Timeout(30, connect=5)  # a request that outlives this is a hang: the test fails
 
 
 def _server(model: str) -> LiveServer:
-    return LiveServer(EngineConfig(model=model, num_kv_blocks=96, max_model_len=256, max_num_seqs=8),
-                      ServerConfig(log_interval_s=60, served_model_name=MODEL))
+    return LiveServer(
+        EngineConfig(model=model, num_kv_blocks=96, max_model_len=256, max_num_seqs=8),
+        ServerConfig(log_interval_s=60, served_model_name=MODEL),
+    )
 
 
 @pytest.fixture(scope="module")
 def cluster(tiny_llama):
     servers = [_server(tiny_llama[0]), _server(tiny_llama[0])]
-    config = RouterConfig(port=0, backends=[s.url for s in servers], policy="cache_aware", health_interval_s=0.2,
-                          load_poll_s=0.1, connect_timeout_s=2, health_timeout_s=2, timeout_s=20)
+    config = RouterConfig(
+        port=0,
+        backends=[s.url for s in servers],
+        policy="cache_aware",
+        health_interval_s=0.2,
+        load_poll_s=0.1,
+        connect_timeout_s=2,
+        health_timeout_s=2,
+        timeout_s=20,
+    )
     router = ThreadServer(build_router_app(config))
     stopped: set[int] = set()
     yield servers, router, stopped
@@ -49,8 +62,14 @@ def cluster(tiny_llama):
 
 
 def _body(system: str, question: str, *, stream: bool = False, max_tokens: int = 4) -> dict:
-    return {"model": MODEL, "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}],
-            "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": stream}
+    return {
+        "model": MODEL,
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": stream,
+    }
 
 
 def _router_metrics(router: ThreadServer) -> dict[str, float]:
@@ -73,8 +92,9 @@ def test_shared_prefixes_stick_to_one_replica_each(cluster):
     for q in range(4):
         for p, system in enumerate(SYSTEMS):
             counts = [_sent(router, u) for u in urls]
-            resp = httpx.post(router.url + CHAT, json=_body(system, f"What is question number {q}?"),
-                              timeout=CLIENT_TIMEOUT)
+            resp = httpx.post(
+                router.url + CHAT, json=_body(system, f"What is question number {q}?"), timeout=CLIENT_TIMEOUT
+            )
             assert resp.status_code == 200, resp.text
             [target] = [u for u, c in zip(urls, counts) if _sent(router, u) == c + 1]
             served[p].append(target)
@@ -90,14 +110,21 @@ def test_shared_prefixes_stick_to_one_replica_each(cluster):
 
     # concurrent traffic keeps the affinity (loads stay far below --balance-abs-threshold)
     before = [_finished(s) for s in servers]
-    threads = [threading.Thread(target=httpx.post, args=(router.url + CHAT,),
-                                kwargs={"json": _body(SYSTEMS[i % 2], f"Concurrent {i}?"), "timeout": CLIENT_TIMEOUT})
-               for i in range(8)]
+    threads = [
+        threading.Thread(
+            target=httpx.post,
+            args=(router.url + CHAT,),
+            kwargs={"json": _body(SYSTEMS[i % 2], f"Concurrent {i}?"), "timeout": CLIENT_TIMEOUT},
+        )
+        for i in range(8)
+    ]
     for t in threads:
         t.start()
     for t in threads:
         t.join(40)
-    wait_for(lambda: sum(_finished(s) for s in servers) - sum(before) == 8, 10, "the concurrent requests did not finish")
+    wait_for(
+        lambda: sum(_finished(s) for s in servers) - sum(before) == 8, 10, "the concurrent requests did not finish"
+    )
     for p in (0, 1):
         server = servers[urls.index(served[p][0])]
         assert _finished(server) - before[servers.index(server)] == 4
@@ -160,8 +187,11 @@ def test_a_replica_stopped_under_load_fails_over(cluster):
         victim.server.config.timeout_graceful_shutdown = 0.05
         victim.stop()
         stopped.add(0)
-        wait_for(lambda: _router_metrics(router)[f'kvflow_router:backend_healthy{{backend="{victim.url}"}}'] == 0,
-                 10, "the stopped replica stayed in rotation")
+        wait_for(
+            lambda: _router_metrics(router)[f'kvflow_router:backend_healthy{{backend="{victim.url}"}}'] == 0,
+            10,
+            "the stopped replica stayed in rotation",
+        )
         time.sleep(0.5)  # some more traffic, all to the survivor
     finally:
         stop.set()

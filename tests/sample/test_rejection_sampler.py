@@ -42,8 +42,10 @@ def test_greedy_matches_brute_force_even_mixed_with_random_rows():
     logits = [torch.randn(k + 1, vocab, generator=g) for k in ks]
     drafts = []
     for lg, k in zip(logits, ks):  # mostly the argmax, sometimes not: every outcome occurs
-        d = [int(lg[j].argmax()) if torch.rand((), generator=g) < 0.7 else int(torch.randint(vocab, (), generator=g))
-             for j in range(k)]
+        d = [
+            int(lg[j].argmax()) if torch.rand((), generator=g) < 0.7 else int(torch.randint(vocab, (), generator=g))
+            for j in range(k)
+        ]
         drafts.append(d)
     params = [GREEDY if i % 2 == 0 else RANDOM for i in range(rows)]
     q = [torch.softmax(torch.randn(k, vocab, generator=g), -1) for k in ks]
@@ -61,10 +63,22 @@ def test_greedy_matches_brute_force_even_mixed_with_random_rows():
 
 # ---- the output distribution of random rows --------------------------------------------------
 # Per position j: target logits LOGITS[j], draft distribution Q[j] (p != q; Q[2] has a zero).
-LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -0.5, 1.5], [0.0, 1.5, -1.0, 1.0, 0.5, 0.2],
-                       [1.0, 0.0, 0.0, 2.0, 0.0, -1.0], [0.3, 0.2, 0.1, 0.0, -0.1, -0.2]])
-Q = torch.tensor([[0.05, 0.3, 0.3, 0.05, 0.25, 0.05], [0.4, 0.05, 0.3, 0.05, 0.1, 0.1],
-                  [0.2, 0.2, 0.2, 0.2, 0.2, 0.0], [0.1, 0.1, 0.1, 0.1, 0.1, 0.5]])
+LOGITS = torch.tensor(
+    [
+        [2.0, 1.0, 0.5, 0.0, -0.5, 1.5],
+        [0.0, 1.5, -1.0, 1.0, 0.5, 0.2],
+        [1.0, 0.0, 0.0, 2.0, 0.0, -1.0],
+        [0.3, 0.2, 0.1, 0.0, -0.1, -0.2],
+    ]
+)
+Q = torch.tensor(
+    [
+        [0.05, 0.3, 0.3, 0.05, 0.25, 0.05],
+        [0.4, 0.05, 0.3, 0.05, 0.1, 0.1],
+        [0.2, 0.2, 0.2, 0.2, 0.2, 0.0],
+        [0.1, 0.1, 0.1, 0.1, 0.1, 0.5],
+    ]
+)
 N_ROWS = 40_000
 K_MAX = 3
 DELTA = 1e-9  # chance that a correct sampler fails the bound
@@ -92,12 +106,13 @@ def _draws(sampler, params, q_of, draft_mode: str, seed: int, claimed_q=None) ->
         if draft_mode == "onehot":  # a deterministic proposer: fixed tokens, q one-hot
             drafts = [[(first_pos + j + i) % vocab for j in range(n)] for i, n in enumerate(ks)]
         else:
-            cols = [torch.multinomial(q_of[first_pos + j], len(ks), replacement=True, generator=g)
-                    for j in range(max(ks))]
+            cols = [
+                torch.multinomial(q_of[first_pos + j], len(ks), replacement=True, generator=g) for j in range(max(ks))
+            ]
             table = torch.stack(cols, 1).tolist() if cols else [[] for _ in ks]
             drafts = [row[:n] for row, n in zip(table, ks)]
         # "sampled_as_onehot": drafts from q, but q withheld from the sampler
-        probs = [claimed_q[first_pos: first_pos + n] if draft_mode == "q" else None for n in ks]
+        probs = [claimed_q[first_pos : first_pos + n] if draft_mode == "q" else None for n in ks]
         return sampler(logits, drafts, probs, [params] * len(ks), [None] * len(ks)).token_ids
 
     first = step(0, [i % (K_MAX + 1) for i in range(N_ROWS)])
@@ -175,8 +190,12 @@ def test_seeded_rows_do_not_depend_on_the_batch():
     for seed in range(12):
         alone = RejectionSampler(seed=0, device=CPU)(la, [da], [qa], [RANDOM], [torch.Generator().manual_seed(seed)])
         mixed = RejectionSampler(seed=99, device=CPU)(
-            _flat([lb, la, lc]), [db, da, []], [qb, qa, None], [RANDOM, RANDOM, RANDOM],
-            [None, torch.Generator().manual_seed(seed), torch.Generator().manual_seed(1234)])
+            _flat([lb, la, lc]),
+            [db, da, []],
+            [qb, qa, None],
+            [RANDOM, RANDOM, RANDOM],
+            [None, torch.Generator().manual_seed(seed), torch.Generator().manual_seed(1234)],
+        )
         assert mixed.token_ids[1] == alone.token_ids[0] and mixed.num_accepted[1] == alone.num_accepted[0]
         outs.add(tuple(alone.token_ids[0]))
     assert len(outs) > 1  # the seed matters: the test is not passing on a deterministic row
@@ -187,8 +206,9 @@ def test_zero_draft_probability_accepts_iff_target_allows_it():
     logits = torch.zeros(3, vocab)
     q = torch.tensor([[0.0, 0.25, 0.25, 0.25, 0.25]] * 2)  # the drafts (token 0) have q = 0, p > 0
     rows = 100
-    out = RejectionSampler(seed=0, device=CPU)(_flat([logits] * rows), [[0, 0]] * rows, [q] * rows,
-                                               [RANDOM] * rows, [None] * rows)
+    out = RejectionSampler(seed=0, device=CPU)(
+        _flat([logits] * rows), [[0, 0]] * rows, [q] * rows, [RANDOM] * rows, [None] * rows
+    )
     assert out.num_accepted == [2] * rows
 
 
@@ -198,22 +218,23 @@ def test_empty_residual_falls_back_to_p():
     logits = torch.tensor([[1.0, 0.0, -1.0, -float("inf")]] * 2)
     p = torch.softmax(logits, -1)
     rows = 400
-    out = RejectionSampler(seed=0, device=CPU)(_flat([logits] * rows), [[0]] * rows, [2 * p[:1]] * rows,
-                                               [RANDOM] * rows, [None] * rows)
+    out = RejectionSampler(seed=0, device=CPU)(
+        _flat([logits] * rows), [[0]] * rows, [2 * p[:1]] * rows, [RANDOM] * rows, [None] * rows
+    )
     rejected = [t[0] for t, a in zip(out.token_ids, out.num_accepted) if a == 0]
     assert 100 < len(rejected) < 300
     assert set(rejected) <= {0, 1, 2} and len(set(rejected)) == 3  # from p (token 3 has p = 0)
     # Float noise: q = p plus tiny positive and negative errors still samples valid tokens.
     noisy = p[:1] + torch.tensor([[1e-9, -1e-9, 2e-9, 0.0]])
-    out = RejectionSampler(seed=0, device=CPU)(_flat([logits] * rows), [[1]] * rows, [noisy] * rows,
-                                               [RANDOM] * rows, [None] * rows)
+    out = RejectionSampler(seed=0, device=CPU)(
+        _flat([logits] * rows), [[1]] * rows, [noisy] * rows, [RANDOM] * rows, [None] * rows
+    )
     assert {t[-1] for t in out.token_ids} <= {0, 1, 2}
 
 
 def test_no_drafts_and_bad_shapes():
     logits = torch.randn(3, 7)
-    out = RejectionSampler(seed=0, device=CPU)(logits, [[], [], []], [None] * 3, [RANDOM, GREEDY, RANDOM],
-                                               [None] * 3)
+    out = RejectionSampler(seed=0, device=CPU)(logits, [[], [], []], [None] * 3, [RANDOM, GREEDY, RANDOM], [None] * 3)
     assert out.num_accepted == [0, 0, 0] and all(len(t) == 1 for t in out.token_ids)
     assert out.token_ids[1] == [int(logits[1].argmax())]
     assert RejectionSampler(seed=0, device=CPU)(logits[:0], [], [], [], []).token_ids == []

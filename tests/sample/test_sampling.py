@@ -7,10 +7,11 @@ import math
 import pytest
 import torch
 
-from conftest import assert_no_leaks, make_tokenizer
 from kvflow import LLM, SamplingParams
 from kvflow.engine.detokenizer import IncrementalDetokenizer
 from kvflow.sample.sampler import Sampler, SamplingBatch
+
+from conftest import assert_no_leaks, make_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -21,8 +22,13 @@ def llm(tiny_llama):
 def _batch(params, outputs=None, prompts=None):
     n = len(params)
     outputs = outputs or [None] * n
-    return SamplingBatch(params=params, generators=[None] * n, prompt_ids=prompts or [None] * n,
-                         output_ids=outputs, num_output_tokens=[len(o or []) for o in outputs])
+    return SamplingBatch(
+        params=params,
+        generators=[None] * n,
+        prompt_ids=prompts or [None] * n,
+        output_ids=outputs,
+        num_output_tokens=[len(o or []) for o in outputs],
+    )
 
 
 def test_seed_gives_same_text_whatever_the_batch(llm):
@@ -40,12 +46,19 @@ def test_truncation_never_emits_excluded_tokens():
     torch.manual_seed(0)
     logits = torch.randn(4, 50) * 3
     probs = torch.softmax(logits, -1)
-    params = [SamplingParams(temperature=1.0, top_k=5), SamplingParams(temperature=1.0, top_p=0.5),
-              SamplingParams(temperature=1.0, min_p=0.3), SamplingParams(temperature=0.7, top_k=3, top_p=0.9)]
+    params = [
+        SamplingParams(temperature=1.0, top_k=5),
+        SamplingParams(temperature=1.0, top_p=0.5),
+        SamplingParams(temperature=1.0, min_p=0.3),
+        SamplingParams(temperature=0.7, top_k=3, top_p=0.9),
+    ]
     sampler = Sampler(seed=0, device=torch.device("cpu"))
-    allowed = [set(logits[0].topk(5).indices.tolist()), _nucleus(probs[1], 0.5),
-               set(torch.nonzero(probs[2] >= 0.3 * probs[2].max()).flatten().tolist()),
-               set(logits[3].topk(3).indices.tolist())]
+    allowed = [
+        set(logits[0].topk(5).indices.tolist()),
+        _nucleus(probs[1], 0.5),
+        set(torch.nonzero(probs[2] >= 0.3 * probs[2].max()).flatten().tolist()),
+        set(logits[3].topk(3).indices.tolist()),
+    ]
     seen = [set() for _ in range(4)]
     for _ in range(300):
         toks = sampler(logits, _batch(params)).token_ids.tolist()
@@ -113,21 +126,24 @@ def test_logprobs_equal_log_softmax(llm, tiny_llama):
 
 
 def test_sampled_token_logprob_and_rank_outside_top(llm):
-    out = llm.generate([[4, 5]], SamplingParams(temperature=5.0, seed=0, max_tokens=12, logprobs=0,
-                                                ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        [[4, 5]], SamplingParams(temperature=5.0, seed=0, max_tokens=12, logprobs=0, ignore_eos=True), use_tqdm=False
+    )[0].outputs[0]
     for tok, entry in zip(out.token_ids, out.logprobs):
         assert list(entry) == [tok] and entry[tok].rank >= 1 and entry[tok].logprob <= 0
 
 
 def test_stop_string_cut_and_held_back(llm):
-    base = llm.generate(["Paris is"], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
-                        use_tqdm=False)[0].outputs[0]
+    base = llm.generate(["Paris is"], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)[
+        0
+    ].outputs[0]
     text = base.text
     assert len(text) > 6
     stop = text[3:6]
     engine = llm.engine
-    rid = engine.add_request(None, "Paris is", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
-                                                               stop=[stop]))
+    rid = engine.add_request(
+        None, "Paris is", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop])
+    )
     seen = []
     while engine.has_unfinished_requests():
         for o in engine.step():
@@ -140,16 +156,19 @@ def test_stop_string_cut_and_held_back(llm):
 
 
 def test_stop_token_ids_and_eos(llm):
-    base = llm.generate([[7, 8, 9]], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
-                        use_tqdm=False)[0].outputs[0]
+    base = llm.generate([[7, 8, 9]], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)[
+        0
+    ].outputs[0]
     stop_tok = base.token_ids[4]
-    out = llm.generate([[7, 8, 9]], SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop_tok]),
-                       use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        [[7, 8, 9]], SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop_tok]), use_tqdm=False
+    )[0].outputs[0]
     first = base.token_ids.index(stop_tok)
     assert out.token_ids == base.token_ids[: first + 1]
     assert out.finish_reason == "stop" and out.stop_reason == stop_tok
-    length = llm.generate([[7, 8, 9]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
-                          use_tqdm=False)[0].outputs[0]
+    length = llm.generate([[7, 8, 9]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)[
+        0
+    ].outputs[0]
     assert length.finish_reason == "length" and len(length.token_ids) == 3
 
 
@@ -165,9 +184,21 @@ def test_incremental_detokenization_never_breaks_characters(text):
     assert not any("\ufffd" in d for d in deltas)
 
 
-@pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(n=0),
-                                 dict(max_tokens=0), dict(top_k=-2), dict(min_p=2), dict(logprobs=99),
-                                 dict(min_tokens=5, max_tokens=2), dict(repetition_penalty=0)])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(temperature=-1),
+        dict(top_p=0),
+        dict(top_p=1.5),
+        dict(n=0),
+        dict(max_tokens=0),
+        dict(top_k=-2),
+        dict(min_p=2),
+        dict(logprobs=99),
+        dict(min_tokens=5, max_tokens=2),
+        dict(repetition_penalty=0),
+    ],
+)
 def test_invalid_sampling_values_name_the_field(bad):
     field = next(iter(bad)) if "min_tokens" not in bad else "min_tokens"
     with pytest.raises(ValueError, match=field):
@@ -197,8 +228,9 @@ def test_metrics_timestamps_ordered(llm):
 
 
 def test_chat_applies_template(llm):
-    out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=4, ignore_eos=True),
-                   use_tqdm=False)[0]
+    out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)[
+        0
+    ]
     tok = llm.tokenizer
     want = tok("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
     assert out.prompt_token_ids == want
@@ -242,7 +274,7 @@ def test_bf16_logits_sample_as_their_float32_copy():
 def test_bf16_engine_greedy_matches_float32_logits(tiny_llama):
     """Through the engine: a bf16 model's first greedy token is the argmax of the same prefill's
     float32 logits, recomputed here through the same runner."""
-    from kvflow.layers.attention import SeqLayout
+    from kvflow.attention.backend import SeqLayout
 
     llm = LLM(tiny_llama[0], num_kv_blocks=64, max_model_len=128, dtype="bfloat16")
     runner = llm.engine.executor.runner

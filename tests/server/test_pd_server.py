@@ -9,12 +9,13 @@ import json
 import httpx
 import pytest
 
-from server_utils import LiveServer, wait_for
-from test_router import ThreadServer
-
 from kvflow.config import EngineConfig, ServerConfig
 from kvflow.router.app import build_router_app
 from kvflow.router.config import RouterConfig
+
+from server_utils import LiveServer, ThreadServer, wait_for
+
+pytestmark = pytest.mark.server  # starts servers or worker processes: not in `make test-fast`
 
 MODEL = "tiny"
 PROMPTS = ["the quick brown fox jumps over the lazy dog " * 3, "def hello(name):\n    return f'hello {name}'\n" * 2]
@@ -22,14 +23,19 @@ PROMPTS = ["the quick brown fox jumps over the lazy dog " * 3, "def hello(name):
 
 def _server(model: str, role: str | None) -> LiveServer:
     kv = None if role is None else {"kv_connector": "tcp", "kv_role": role}
-    return LiveServer(EngineConfig(model=model, num_kv_blocks=128, block_size=4, max_num_seqs=8,
-                                   kv_transfer_config=kv), ServerConfig(log_interval_s=60, served_model_name=MODEL))
+    return LiveServer(
+        EngineConfig(model=model, num_kv_blocks=128, block_size=4, max_num_seqs=8, kv_transfer_config=kv),
+        ServerConfig(log_interval_s=60, served_model_name=MODEL),
+    )
 
 
 @pytest.fixture(scope="module")
 def cluster(tiny_llama):
-    single, producer, consumer = _server(tiny_llama[0], None), _server(tiny_llama[0], "kv_producer"), \
-        _server(tiny_llama[0], "kv_consumer")
+    single, producer, consumer = (
+        _server(tiny_llama[0], None),
+        _server(tiny_llama[0], "kv_producer"),
+        _server(tiny_llama[0], "kv_consumer"),
+    )
     router = ThreadServer(build_router_app(RouterConfig(port=0, prefill=[producer.url], decode=[consumer.url])))
     yield single, producer, consumer, router
     router.stop()
@@ -54,9 +60,16 @@ def _completion(url: str, prompt: str, stream: bool) -> str:
 
 def _settled(server: LiveServer) -> None:
     """No request, no transfer in flight, every block free (held blocks released by the consumer)."""
+
     def idle() -> bool:
-        return server.call(lambda e: not e.has_unfinished_requests() and not e.has_pending_kv_transfers()
-                           and e.kv_cache.pool.num_free_blocks == e.kv_cache.pool.num_blocks)
+        return server.call(
+            lambda e: (
+                not e.has_unfinished_requests()
+                and not e.has_pending_kv_transfers()
+                and e.kv_cache.pool.num_free_blocks == e.kv_cache.pool.num_blocks
+            )
+        )
+
     wait_for(idle, 10, "the engine still holds requests, transfers or blocks")
 
 
@@ -65,8 +78,12 @@ def test_router_pd_matches_one_engine(cluster):
     for prompt in PROMPTS:
         for stream in (False, True):
             assert _completion(router.url, prompt, stream) == _completion(single.url, prompt, False)
-    chat = {"model": MODEL, "messages": [{"role": "user", "content": "tell me about foxes and dogs " * 3}],
-            "max_tokens": 10, "temperature": 0}
+    chat = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "tell me about foxes and dogs " * 3}],
+        "max_tokens": 10,
+        "temperature": 0,
+    }
     via_router = httpx.post(router.url + "/v1/chat/completions", json=chat, timeout=60).json()
     direct = httpx.post(single.url + "/v1/chat/completions", json=chat, timeout=60).json()
     assert via_router["choices"][0]["message"]["content"] == direct["choices"][0]["message"]["content"]
@@ -74,6 +91,8 @@ def test_router_pd_matches_one_engine(cluster):
         _settled(s)
     got = consumer.metrics()
     assert got['kvflow:kv_transfer_blocks_total{direction="received"}'] > 0
-    assert producer.metrics()['kvflow:kv_transfer_bytes_total{direction="sent"}'] == \
-        got['kvflow:kv_transfer_bytes_total{direction="received"}']
+    assert (
+        producer.metrics()['kvflow:kv_transfer_bytes_total{direction="sent"}']
+        == got['kvflow:kv_transfer_bytes_total{direction="received"}']
+    )
     assert got["kvflow:kv_transfer_seconds_count"] >= 1

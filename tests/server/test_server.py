@@ -18,10 +18,12 @@ import httpx
 import openai
 import pytest
 
+from kvflow.config import EngineConfig, ServerConfig
+
 from conftest import assert_no_leaks
 from server_utils import LiveServer, wait_for
 
-from kvflow.config import EngineConfig, ServerConfig
+pytestmark = pytest.mark.server  # starts servers or worker processes: not in `make test-fast`
 
 GREEDY = {"temperature": 0.0}
 IGNORE_EOS = {"ignore_eos": True}
@@ -30,8 +32,10 @@ IGNORE_EOS = {"ignore_eos": True}
 @pytest.fixture(scope="module")
 def server(tiny_llama):
     path, _ = tiny_llama
-    s = LiveServer(EngineConfig(model=path, num_kv_blocks=512, max_num_seqs=64),
-                   ServerConfig(max_request_body_bytes=20_000, log_interval_s=0.5))
+    s = LiveServer(
+        EngineConfig(model=path, num_kv_blocks=512, max_num_seqs=64),
+        ServerConfig(max_request_body_bytes=20_000, log_interval_s=0.5),
+    )
     yield s
     s.stop()
 
@@ -73,8 +77,7 @@ def test_models_health_metrics(server, client):
 
 
 def test_completion_usage_and_defaults(server, client):
-    r = client.completions.create(model=server.model, prompt="The quick brown fox", max_tokens=5,
-                                  extra_body=IGNORE_EOS)
+    r = client.completions.create(model=server.model, prompt="The quick brown fox", max_tokens=5, extra_body=IGNORE_EOS)
     n_prompt = post(server, "/tokenize", {"prompt": "The quick brown fox"}).json()["count"]
     assert r.object == "text_completion" and r.model == server.model and r.id.startswith("cmpl-")
     assert r.usage.prompt_tokens == n_prompt
@@ -89,13 +92,18 @@ def test_completion_usage_and_defaults(server, client):
     chat = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}])
     assert chat.to_sampling_params().max_tokens is None
     assert CompletionRequest(prompt="x").to_sampling_params().max_tokens == 16
-    assert ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}],
-                                 max_completion_tokens=7).to_sampling_params().max_tokens == 7
+    assert (
+        ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], max_completion_tokens=7)
+        .to_sampling_params()
+        .max_tokens
+        == 7
+    )
 
 
 def test_completion_stream_equals_nonstream(server, client):
-    kw = dict(model=server.model, prompt="Once upon a time", max_tokens=12, temperature=0.9, seed=1234,
-              extra_body=IGNORE_EOS)
+    kw = dict(
+        model=server.model, prompt="Once upon a time", max_tokens=12, temperature=0.9, seed=1234, extra_body=IGNORE_EOS
+    )
     full = client.completions.create(**kw)
     again = client.completions.create(**kw)
     assert again.choices[0].text == full.choices[0].text  # the seed makes it reproducible
@@ -113,9 +121,14 @@ def test_completion_stream_equals_nonstream(server, client):
 
 
 def test_chat_and_stream(server, client):
-    kw = dict(model=server.model, messages=[{"role": "system", "content": "be brief"},
-                                            {"role": "user", "content": "Paris is the capital of"}],
-              max_tokens=10, temperature=0.7, seed=99, extra_body=IGNORE_EOS)
+    kw = dict(
+        model=server.model,
+        messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "Paris is the capital of"}],
+        max_tokens=10,
+        temperature=0.7,
+        seed=99,
+        extra_body=IGNORE_EOS,
+    )
     full = client.chat.completions.create(**kw)
     msg = full.choices[0].message
     assert full.object == "chat.completion" and msg.role == "assistant" and full.id.startswith("chatcmpl-")
@@ -133,32 +146,46 @@ def test_chat_and_stream(server, client):
 
 
 def test_n_and_batched_prompts(server, client):
-    r = client.completions.create(model=server.model, prompt="Berlin is", n=3, max_tokens=6, temperature=1.0,
-                                  seed=5, extra_body=IGNORE_EOS)
+    r = client.completions.create(
+        model=server.model, prompt="Berlin is", n=3, max_tokens=6, temperature=1.0, seed=5, extra_body=IGNORE_EOS
+    )
     assert sorted(c.index for c in r.choices) == [0, 1, 2]
     assert r.usage.completion_tokens == 18
     assert len({c.text for c in r.choices}) > 1  # each choice has its own seed stream
     ids = post(server, "/tokenize", {"prompt": "hello world"}).json()["tokens"]
-    r = client.completions.create(model=server.model, prompt=["Berlin is", "Paris is"], n=2, max_tokens=3,
-                                  extra_body=IGNORE_EOS, **GREEDY)
+    r = client.completions.create(
+        model=server.model, prompt=["Berlin is", "Paris is"], n=2, max_tokens=3, extra_body=IGNORE_EOS, **GREEDY
+    )
     assert sorted(c.index for c in r.choices) == [0, 1, 2, 3]
-    single = client.completions.create(model=server.model, prompt="Paris is", max_tokens=3, extra_body=IGNORE_EOS,
-                                       **GREEDY)
+    single = client.completions.create(
+        model=server.model, prompt="Paris is", max_tokens=3, extra_body=IGNORE_EOS, **GREEDY
+    )
     assert {c.index: c.text for c in r.choices}[2] == single.choices[0].text
     # token-id prompts: one list, and a list of lists
     a = client.completions.create(model=server.model, prompt=ids, max_tokens=4, extra_body=IGNORE_EOS, **GREEDY)
-    b = client.completions.create(model=server.model, prompt="hello world", max_tokens=4, extra_body=IGNORE_EOS,
-                                  **GREEDY)
+    b = client.completions.create(
+        model=server.model, prompt="hello world", max_tokens=4, extra_body=IGNORE_EOS, **GREEDY
+    )
     assert a.choices[0].text == b.choices[0].text and a.usage.prompt_tokens == len(ids)
-    c = client.completions.create(model=server.model, prompt=[ids, ids[:2]], max_tokens=2, extra_body=IGNORE_EOS,
-                                  **GREEDY)
+    c = client.completions.create(
+        model=server.model, prompt=[ids, ids[:2]], max_tokens=2, extra_body=IGNORE_EOS, **GREEDY
+    )
     assert len(c.choices) == 2 and c.usage.prompt_tokens == len(ids) + 2
-    chat = client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "x"}], n=2,
-                                          max_tokens=3, extra_body=IGNORE_EOS)
+    chat = client.chat.completions.create(
+        model=server.model, messages=[{"role": "user", "content": "x"}], n=2, max_tokens=3, extra_body=IGNORE_EOS
+    )
     assert sorted(ch.index for ch in chat.choices) == [0, 1]
     # streamed n: every choice gets its role chunk and its finish
-    chunks = list(client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "x"}],
-                                                 n=2, max_tokens=3, stream=True, extra_body=IGNORE_EOS))
+    chunks = list(
+        client.chat.completions.create(
+            model=server.model,
+            messages=[{"role": "user", "content": "x"}],
+            n=2,
+            max_tokens=3,
+            stream=True,
+            extra_body=IGNORE_EOS,
+        )
+    )
     assert {c.choices[0].index for c in chunks if c.choices[0].delta.role == "assistant"} == {0, 1}
     assert {c.choices[0].index for c in chunks if c.choices[0].finish_reason} == {0, 1}
 
@@ -166,40 +193,60 @@ def test_n_and_batched_prompts(server, client):
 def test_stop_strings(server, client):
     kw = dict(model=server.model, prompt="The quick brown fox jumps", max_tokens=24, extra_body=IGNORE_EOS, **GREEDY)
     text = client.completions.create(**kw).choices[0].text
-    stop = next((text[i:i + 2] for i in range(3, len(text) - 2) if text[i:i + 2].strip()
-                 and text.find(text[i:i + 2]) == i), None)
+    stop = next(
+        (
+            text[i : i + 2]
+            for i in range(3, len(text) - 2)
+            if text[i : i + 2].strip() and text.find(text[i : i + 2]) == i
+        ),
+        None,
+    )
     assert stop, text
     r = client.completions.create(stop=[stop, "zzzz-never"], **kw)
     c = r.choices[0]
-    assert c.finish_reason == "stop" and text.startswith(c.text) and c.text == text[:text.find(stop)]
+    assert c.finish_reason == "stop" and text.startswith(c.text) and c.text == text[: text.find(stop)]
     assert c.model_extra["stop_reason"] == stop
     streamed = "".join(ch.choices[0].text for ch in client.completions.create(stop=stop, stream=True, **kw))
     assert streamed == c.text
     # stop_token_ids (vLLM extra) and chat stop
-    chat = client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "hi"}],
-                                          max_tokens=24, stop=[stop], extra_body=IGNORE_EOS, **GREEDY)
+    chat = client.chat.completions.create(
+        model=server.model,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=24,
+        stop=[stop],
+        extra_body=IGNORE_EOS,
+        **GREEDY,
+    )
     assert stop not in chat.choices[0].message.content
 
 
 def test_logprobs(server, client):
-    r = client.completions.create(model=server.model, prompt="Emoji test", max_tokens=6, logprobs=3,
-                                  extra_body=IGNORE_EOS, **GREEDY)
+    r = client.completions.create(
+        model=server.model, prompt="Emoji test", max_tokens=6, logprobs=3, extra_body=IGNORE_EOS, **GREEDY
+    )
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
-    for tok, val, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+    for val, top in zip(lp.token_logprobs, lp.top_logprobs):
         assert val <= 0 and 1 <= len(top) <= 4  # top 3 + the sampled one (keys are strings: may collide)
         assert max(top.values()) == pytest.approx(val, abs=1e-4)  # greedy: the sampled token is the top one
     assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
     # streamed logprobs add up to the same
     toks = []
-    for ch in client.completions.create(model=server.model, prompt="Emoji test", max_tokens=6, logprobs=3,
-                                        stream=True, extra_body=IGNORE_EOS, **GREEDY):
+    for ch in client.completions.create(
+        model=server.model, prompt="Emoji test", max_tokens=6, logprobs=3, stream=True, extra_body=IGNORE_EOS, **GREEDY
+    ):
         if ch.choices[0].logprobs:
             toks += ch.choices[0].logprobs.tokens
     assert toks == lp.tokens
-    chat = client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "hi"}],
-                                          max_tokens=5, logprobs=True, top_logprobs=2, extra_body=IGNORE_EOS,
-                                          **GREEDY)
+    chat = client.chat.completions.create(
+        model=server.model,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=5,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body=IGNORE_EOS,
+        **GREEDY,
+    )
     content = chat.choices[0].logprobs.content
     assert len(content) == 5
     for entry in content:
@@ -208,8 +255,9 @@ def test_logprobs(server, client):
         assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-4)
         raw = bytes(entry.bytes)
         assert entry.token == (raw.decode() if _utf8(raw) else "bytes:" + "".join(f"\\x{b:02x}" for b in raw))
-    plain = client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "hi"}],
-                                           max_tokens=2)
+    plain = client.chat.completions.create(
+        model=server.model, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+    )
     assert plain.choices[0].logprobs is None
 
 
@@ -222,10 +270,12 @@ def _utf8(raw: bytes) -> bool:
 
 
 def test_echo_and_tokenize_roundtrip(server, client):
-    r = client.completions.create(model=server.model, prompt="Paris is the", max_tokens=3, echo=True,
-                                  extra_body=IGNORE_EOS, **GREEDY)
-    plain = client.completions.create(model=server.model, prompt="Paris is the", max_tokens=3,
-                                      extra_body=IGNORE_EOS, **GREEDY)
+    r = client.completions.create(
+        model=server.model, prompt="Paris is the", max_tokens=3, echo=True, extra_body=IGNORE_EOS, **GREEDY
+    )
+    plain = client.completions.create(
+        model=server.model, prompt="Paris is the", max_tokens=3, extra_body=IGNORE_EOS, **GREEDY
+    )
     assert r.choices[0].text == "Paris is the" + plain.choices[0].text
     tok = post(server, "/tokenize", {"prompt": "Paris is the", "return_token_strs": True}).json()
     assert tok["count"] == len(tok["tokens"]) == len(tok["token_strs"]) and tok["max_model_len"] == 512
@@ -233,16 +283,19 @@ def test_echo_and_tokenize_roundtrip(server, client):
 
 
 # ---- errors (raw HTTP) ------------------------------------------------------------------------------
-@pytest.mark.parametrize("field,value,fragment", [
-    ("temperature", -1, ">= 0"),
-    ("top_p", 1.5, "(0, 1]"),
-    ("logprobs", 25, "[0, 20]"),
-    ("n", 0, "greater than or equal to 1"),
-    ("max_tokens", 0, ">= 1"),
-    ("max_tokens", "many", "valid integer"),
-    ("presence_penalty", 3, "[-2, 2]"),
-    ("top_k", -5, "positive integer"),
-])
+@pytest.mark.parametrize(
+    "field,value,fragment",
+    [
+        ("temperature", -1, ">= 0"),
+        ("top_p", 1.5, "(0, 1]"),
+        ("logprobs", 25, "[0, 20]"),
+        ("n", 0, "greater than or equal to 1"),
+        ("max_tokens", 0, ">= 1"),
+        ("max_tokens", "many", "valid integer"),
+        ("presence_penalty", 3, "[-2, 2]"),
+        ("top_k", -5, "positive integer"),
+    ],
+)
 def test_completion_validation_errors(server, field, value, fragment):
     r = post(server, "/v1/completions", {"model": server.model, "prompt": "hi", field: value})
     assert_error(r, 400, param=field, contains=(field, fragment))
@@ -253,27 +306,58 @@ def test_request_errors(server):
     assert_error(post(server, "/v1/completions", {"model": m}), 400, param="prompt", contains=("prompt",))
     assert_error(post(server, "/v1/completions", {"model": m, "prompt": []}), 400, param="prompt")
     assert_error(post(server, "/v1/completions", {"model": m, "prompt": [1, "a"]}), 400, param="prompt")
-    assert_error(post(server, "/v1/completions", {"model": m, "prompt": [100000]}), 400, param="prompt",
-                 contains=("100000", "out of range"))
+    assert_error(
+        post(server, "/v1/completions", {"model": m, "prompt": [100000]}),
+        400,
+        param="prompt",
+        contains=("100000", "out of range"),
+    )
     assert_error(post(server, "/v1/chat/completions", {"model": m, "messages": []}), 400, param="messages")
-    assert_error(post(server, "/v1/chat/completions", {"model": m, "messages": [{"role": "robot", "content": "x"}]}),
-                 400, param="messages.0.role")
-    assert_error(post(server, "/v1/chat/completions", {"model": m, "messages": [{"role": "user", "content": "x"}],
-                                                       "top_logprobs": 30, "logprobs": True}),
-                 400, param="top_logprobs", contains=("20",))
+    assert_error(
+        post(server, "/v1/chat/completions", {"model": m, "messages": [{"role": "robot", "content": "x"}]}),
+        400,
+        param="messages.0.role",
+    )
+    assert_error(
+        post(
+            server,
+            "/v1/chat/completions",
+            {"model": m, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 30, "logprobs": True},
+        ),
+        400,
+        param="top_logprobs",
+        contains=("20",),
+    )
     # context length: both lengths in the message
-    err = assert_error(post(server, "/v1/completions", {"model": m, "prompt": [5] * 600}), 400, param="prompt",
-                       code="context_length_exceeded")
+    err = assert_error(
+        post(server, "/v1/completions", {"model": m, "prompt": [5] * 600}),
+        400,
+        param="prompt",
+        code="context_length_exceeded",
+    )
     assert "600" in err["message"] and "512" in err["message"]
-    err = assert_error(post(server, "/v1/completions", {"model": m, "prompt": [5] * 10, "max_tokens": 510}), 400,
-                       param="max_tokens", code="context_length_exceeded")
+    err = assert_error(
+        post(server, "/v1/completions", {"model": m, "prompt": [5] * 10, "max_tokens": 510}),
+        400,
+        param="max_tokens",
+        code="context_length_exceeded",
+    )
     assert "510" in err["message"] and "512" in err["message"]
-    err = assert_error(post(server, "/v1/chat/completions", {"model": m, "messages": [
-        {"role": "user", "content": "hello " * 600}]}), 400, param="messages", code="context_length_exceeded")
+    err = assert_error(
+        post(server, "/v1/chat/completions", {"model": m, "messages": [{"role": "user", "content": "hello " * 600}]}),
+        400,
+        param="messages",
+        code="context_length_exceeded",
+    )
     assert "512" in err["message"]
     # unknown model
-    assert_error(post(server, "/v1/completions", {"model": "gpt-17", "prompt": "hi"}), 404, param="model",
-                 code="model_not_found", contains=("gpt-17",))
+    assert_error(
+        post(server, "/v1/completions", {"model": "gpt-17", "prompt": "hi"}),
+        404,
+        param="model",
+        code="model_not_found",
+        contains=("gpt-17",),
+    )
     assert_error(httpx.get(server.url + "/v1/models/gpt-17"), 404, code="model_not_found")
     # malformed JSON, not an object
     for raw in (b"{not json", b"[1, 2]", b"\xff\xfe"):
@@ -306,8 +390,9 @@ def test_api_key(tiny_llama):
     try:
         body = {"model": s.model, "prompt": "hi", "max_tokens": 2}
         assert_error(post(s, "/v1/completions", body), 401, code="invalid_api_key", contains=("missing",))
-        assert_error(post(s, "/v1/completions", body, headers={"Authorization": "Bearer wrong"}), 401,
-                     code="invalid_api_key")
+        assert_error(
+            post(s, "/v1/completions", body, headers={"Authorization": "Bearer wrong"}), 401, code="invalid_api_key"
+        )
         assert_error(httpx.get(s.url + "/v1/models"), 401)
         assert post(s, "/v1/completions", body, headers={"Authorization": "Bearer sekret"}).status_code == 200
         assert httpx.get(s.url + "/health").status_code == 200  # probes stay open
@@ -323,8 +408,16 @@ def test_api_key(tiny_llama):
 
 
 # ---- concurrency, disconnects -----------------------------------------------------------------------
-PROMPTS = ["The quick brown fox", "Once upon a time", "def hello(name):", "Paris is the capital",
-           "Berlin is", "Emoji test:", "a little engine", "served many requests"]
+PROMPTS = [
+    "The quick brown fox",
+    "Once upon a time",
+    "def hello(name):",
+    "Paris is the capital",
+    "Berlin is",
+    "Emoji test:",
+    "a little engine",
+    "served many requests",
+]
 
 
 def test_128_concurrent_streams(server, client):
@@ -370,20 +463,31 @@ def test_128_concurrent_streams(server, client):
     assert m["kvflow:num_requests_waiting"] == 0.0
     assert seen["running"] > 0 and seen["kv"] > 0, seen
     assert m["kvflow:generation_tokens_total"] - before["kvflow:generation_tokens_total"] == 128 * 8
-    assert m['kvflow:request_success_total{finished_reason="length"}'] - \
-        before['kvflow:request_success_total{finished_reason="length"}'] == 128
+    assert (
+        m['kvflow:request_success_total{finished_reason="length"}']
+        - before['kvflow:request_success_total{finished_reason="length"}']
+        == 128
+    )
     server.call(assert_no_leaks)
 
 
 def test_disconnects_free_everything(server):
     before = server.metrics()['kvflow:request_success_total{finished_reason="abort"}']
-    body = {"model": server.model, "prompt": "The quick brown fox", "max_tokens": 480, "ignore_eos": True,
-            "stream": True}
+    body = {
+        "model": server.model,
+        "prompt": "The quick brown fox",
+        "max_tokens": 480,
+        "ignore_eos": True,
+        "stream": True,
+    }
 
     async def stream_and_close(aclient: httpx.AsyncClient, i: int):
         path = "/v1/completions" if i % 2 else "/v1/chat/completions"
-        b = dict(body) if i % 2 else {k: v for k, v in body.items() if k != "prompt"} | {
-            "messages": [{"role": "user", "content": "hi"}]}
+        b = (
+            dict(body)
+            if i % 2
+            else {k: v for k, v in body.items() if k != "prompt"} | {"messages": [{"role": "user", "content": "hi"}]}
+        )
         async with aclient.stream("POST", server.url + path, json=b) as r:
             assert r.status_code == 200
             n = 0
@@ -400,8 +504,9 @@ def test_disconnects_free_everything(server):
     async def run():
         limits = httpx.Limits(max_keepalive_connections=0)
         async with httpx.AsyncClient(timeout=30, limits=limits) as aclient:
-            await asyncio.gather(*(stream_and_close(aclient, i) for i in range(20)),
-                                 *(non_stream_timeout(aclient) for _ in range(3)))
+            await asyncio.gather(
+                *(stream_and_close(aclient, i) for i in range(20)), *(non_stream_timeout(aclient) for _ in range(3))
+            )
 
     runner = server.engine.runner
     real_execute = runner.execute
@@ -419,8 +524,11 @@ def test_disconnects_free_everything(server):
     server.wait_engine_idle(timeout=10)
     assert time.monotonic() - t0 < 5
     server.call(assert_no_leaks)
-    wait_for(lambda: server.metrics()['kvflow:request_success_total{finished_reason="abort"}'] - before >= 23, 5,
-             "aborts not counted")
+    wait_for(
+        lambda: server.metrics()['kvflow:request_success_total{finished_reason="abort"}'] - before >= 23,
+        5,
+        "aborts not counted",
+    )
     m = server.metrics()
     assert m["kvflow:num_requests_running"] == 0 and m["kvflow:kv_cache_usage_perc"] == 0
     assert server.llm.num_in_flight == 0
@@ -429,8 +537,14 @@ def test_disconnects_free_everything(server):
 def test_latency_metrics_moved(server, client):
     client.completions.create(model=server.model, prompt="hi", max_tokens=3, extra_body=IGNORE_EOS)
     m = server.metrics()
-    for name in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
-                 "request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds"):
+    for name in (
+        "time_to_first_token_seconds",
+        "inter_token_latency_seconds",
+        "e2e_request_latency_seconds",
+        "request_queue_time_seconds",
+        "request_prefill_time_seconds",
+        "request_decode_time_seconds",
+    ):
         assert m[f"kvflow:{name}_count"] > 0 and m[f"kvflow:{name}_sum"] > 0, name
     assert m["kvflow:prompt_tokens_total"] > 0 and m["kvflow:generation_tokens_total"] > 0
     assert m['kvflow:request_success_total{finished_reason="length"}'] > 0
@@ -455,8 +569,10 @@ def test_stats_log_line(server, client, caplog):
 @pytest.fixture(scope="module")
 def small_server(tiny_llama):
     # 8 blocks of 16 tokens: four 50-token sequences need 16 blocks, so they preempt each other.
-    s = LiveServer(EngineConfig(model=tiny_llama[0], num_kv_blocks=8, max_model_len=64, max_num_seqs=4),
-                   ServerConfig(max_waiting_requests=4))
+    s = LiveServer(
+        EngineConfig(model=tiny_llama[0], num_kv_blocks=8, max_model_len=64, max_num_seqs=4),
+        ServerConfig(max_waiting_requests=4),
+    )
     yield s
     s.stop()
 
@@ -467,8 +583,9 @@ def test_preemption_metric(small_server):
 
     async def run():
         async with httpx.AsyncClient(timeout=60) as c:
-            return await asyncio.gather(*(c.post(s.url + "/v1/completions", json={**body, "prompt": p})
-                                          for p in PROMPTS[:4]))
+            return await asyncio.gather(
+                *(c.post(s.url + "/v1/completions", json={**body, "prompt": p}) for p in PROMPTS[:4])
+            )
 
     results = asyncio.run(run())
     assert all(r.status_code == 200 for r in results), [r.text for r in results]
@@ -499,9 +616,15 @@ def test_admission_control(small_server):
     runner.execute = slow_execute
     burst.start()
     try:  # 8 blocks hold two 62-token sequences: some run, the rest wait (the gauges move)
-        wait_for(lambda: (m := s.metrics())["kvflow:num_requests_waiting"] > 0
-                 and m["kvflow:num_requests_running"] > 0 and m["kvflow:kv_cache_usage_perc"] > 0, 20,
-                 "the gauges did not move")
+        wait_for(
+            lambda: (
+                (m := s.metrics())["kvflow:num_requests_waiting"] > 0
+                and m["kvflow:num_requests_running"] > 0
+                and m["kvflow:kv_cache_usage_perc"] > 0
+            ),
+            20,
+            "the gauges did not move",
+        )
     finally:
         burst.join(60)
         runner.execute = real_execute
@@ -550,9 +673,13 @@ def test_engine_fault(tiny_llama):
             results[f"stream{i}"] = events
 
         async def non_streamer(c: httpx.AsyncClient, i: int):
-            results[f"plain{i}"] = await c.post(s.url + "/v1/chat/completions",
-                                                json={**{k: v for k, v in body.items() if k != "prompt"},
-                                                      "messages": [{"role": "user", "content": "x"}]})
+            results[f"plain{i}"] = await c.post(
+                s.url + "/v1/chat/completions",
+                json={
+                    **{k: v for k, v in body.items() if k != "prompt"},
+                    "messages": [{"role": "user", "content": "x"}],
+                },
+            )
 
         async def run():
             async with httpx.AsyncClient(timeout=30) as c:
@@ -604,8 +731,10 @@ def test_drain_in_process(tiny_llama):
                         first_chunk[name].set()
             results[name] = events
 
-        threads = [threading.Thread(target=stream, args=("short", 20)),
-                   threading.Thread(target=stream, args=("long", 400))]
+        threads = [
+            threading.Thread(target=stream, args=("short", 20)),
+            threading.Thread(target=stream, args=("long", 400)),
+        ]
         for t in threads:
             t.start()
         for e in first_chunk.values():
@@ -620,8 +749,10 @@ def test_drain_in_process(tiny_llama):
         for t in threads:
             t.join(10)
         assert s.exit_codes == [0]
-        finishes = {name: [json.loads(e)["choices"][0]["finish_reason"] for e in ev[:-1] if json.loads(e)["choices"]]
-                    for name, ev in results.items()}
+        finishes = {
+            name: [json.loads(e)["choices"][0]["finish_reason"] for e in ev[:-1] if json.loads(e)["choices"]]
+            for name, ev in results.items()
+        }
         assert results["short"][-1] == "[DONE]" and finishes["short"][-1] == "length"  # finished in the grace
         assert results["long"][-1] == "[DONE]" and finishes["long"][-1] == "abort"  # aborted at its end
         s.wait_engine_idle()
@@ -639,9 +770,26 @@ def test_sigterm_subprocess(tiny_llama, tmp_path):
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "kvflow.cli.main", "serve", "--model", tiny_llama[0],
-                             "--port", str(port), "--num-kv-blocks", "64", "--shutdown-grace-s", "20"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvflow.cli.main",
+            "serve",
+            "--model",
+            tiny_llama[0],
+            "--port",
+            str(port),
+            "--num-kv-blocks",
+            "64",
+            "--shutdown-grace-s",
+            "20",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         line = proc.stdout.readline()
         assert f"http://127.0.0.1:{port}" in line, (line, proc.poll())
@@ -699,14 +847,17 @@ def test_engine_fault_exits_process(tiny_llama):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-c", _FAULTY_SERVER, tiny_llama[0], str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _FAULTY_SERVER, tiny_llama[0], str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
     try:
         line = proc.stdout.readline()
         assert line.startswith("ready"), (line, proc.poll())
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "hi", "max_tokens": 20},
-                       timeout=30)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "hi", "max_tokens": 20}, timeout=30)
         assert_error(r, 500, code="engine_error", contains=("injected fault",))
         assert proc.wait(30) == 1
     finally:

@@ -11,21 +11,23 @@ import json
 import httpx
 import pytest
 
-from server_utils import LiveServer
-
 from kvflow.config import EngineConfig, ServerConfig
 from kvflow.engine.async_llm import RequestHandle
 
-PRODUCED = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": 41234,
-            "remote_transfer_id": "xfer-1"}
+from server_utils import LiveServer
+
+pytestmark = pytest.mark.server  # starts servers or worker processes: not in `make test-fast`
+
+PRODUCED = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": 41234, "remote_transfer_id": "xfer-1"}
 # Opaque to the HTTP layer, and asks the engine for no transfer (it has no connector here).
 MARKER = {"fake_producer": True}
 
 
 @pytest.fixture(scope="module")
 def server(tiny_llama):
-    s = LiveServer(EngineConfig(model=tiny_llama[0], num_kv_blocks=128, max_num_seqs=8),
-                   ServerConfig(log_interval_s=60))
+    s = LiveServer(
+        EngineConfig(model=tiny_llama[0], num_kv_blocks=128, max_num_seqs=8), ServerConfig(log_interval_s=60)
+    )
     yield s
     s.stop()
 
@@ -74,8 +76,15 @@ def test_request_field_reaches_sampling_params_and_response_carries_it(server, s
 
 @pytest.mark.parametrize("path, base", [("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)])
 def test_stream_puts_it_on_the_final_chunk_only(server, seen, path, base):
-    body = {**base, "max_tokens": 3, "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}, "kv_transfer_params": MARKER}
+    body = {
+        **base,
+        "max_tokens": 3,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "kv_transfer_params": MARKER,
+    }
     with httpx.stream("POST", server.url + path, json=body, timeout=30) as resp:
         assert resp.status_code == 200
         events = [line.removeprefix("data: ") for line in resp.iter_lines() if line]
@@ -98,12 +107,15 @@ def test_absent_unless_the_engine_sets_it(server, seen, path, base):
         assert all("kv_transfer_params" not in line for line in r.iter_lines())
 
 
-@pytest.mark.parametrize("body, fragment", [
-    ({**COMPLETION, "n": 2, "kv_transfer_params": MARKER}, "n=1"),
-    ({"prompt": ["a", "b"], "kv_transfer_params": MARKER}, "single prompt"),
-    ({**COMPLETION, "kv_transfer_params": [1]}, ""),
-    ({**COMPLETION, "kv_transfer_params": "x"}, ""),
-])
+@pytest.mark.parametrize(
+    "body, fragment",
+    [
+        ({**COMPLETION, "n": 2, "kv_transfer_params": MARKER}, "n=1"),
+        ({"prompt": ["a", "b"], "kv_transfer_params": MARKER}, "single prompt"),
+        ({**COMPLETION, "kv_transfer_params": [1]}, ""),
+        ({**COMPLETION, "kv_transfer_params": "x"}, ""),
+    ],
+)
 def test_refused_with_400_naming_it(server, body, fragment):
     resp = post(server, "/v1/completions", body)
     assert resp.status_code == 400, resp.text

@@ -11,13 +11,24 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvflow.entrypoints.openai.tool_parsers import (FORMATS, TOOL_CALL_PARSERS, StreamingToolParser, ToolCall,
-                                                    generic_system_prompt, get_tool_format,
-                                                    make_tool_call_id)
+from kvflow.entrypoints.openai.tool_parsers import (
+    FORMATS,
+    TOOL_CALL_PARSERS,
+    StreamingToolParser,
+    ToolCall,
+    generic_system_prompt,
+    get_tool_format,
+    make_tool_call_id,
+)
 
 HERMES, LLAMA, MISTRAL, GENERIC = (FORMATS[n]() for n in ("hermes", "llama3_json", "mistral", "generic"))
-CHECKS = settings(max_examples=150, deadline=None, database=None, derandomize=True,
-                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+CHECKS = settings(
+    max_examples=150,
+    deadline=None,
+    database=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 
 def calls(*pairs: tuple[str, str]) -> list[ToolCall]:
@@ -30,7 +41,7 @@ def test_hermes_parse():
     assert HERMES.parse(one).content is None
     assert HERMES.parse(one).tool_calls == calls(("get_weather", '{"city": "Paris"}'))
 
-    two = 'Let me check.\n\n' + one + '\n<tool_call>\n{"name": "b", "arguments": {"x": "}{\\"", "y": []}}\n</tool_call>'
+    two = "Let me check.\n\n" + one + '\n<tool_call>\n{"name": "b", "arguments": {"x": "}{\\"", "y": []}}\n</tool_call>'
     out = HERMES.parse(two)
     assert out.content == "Let me check."
     assert out.tool_calls == calls(("get_weather", '{"city": "Paris"}'), ("b", '{"x": "}{\\"", "y": []}'))
@@ -43,16 +54,19 @@ def test_hermes_parse():
     assert HERMES.parse(odd).tool_calls == calls(("z", '{"a": 1}'), ("y", "{}"))
 
 
-@pytest.mark.parametrize("text", [
-    "<tool_call>\nnot json\n</tool_call>",
-    '<tool_call>\n{"nam": "f", "arguments": {}}\n</tool_call>',
-    '<tool_call>\n{"name": 3, "arguments": {}}\n</tool_call>',
-    '<tool_call>\n{"name": "f", "arguments": "{}"}\n</tool_call>',
-    '<tool_call>\n{"name": "f"}\n</tool_call>',
-    "<tool_call>",
-    "use <tool_call> tags",
-    "a < b and <tool_cal",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "<tool_call>\nnot json\n</tool_call>",
+        '<tool_call>\n{"nam": "f", "arguments": {}}\n</tool_call>',
+        '<tool_call>\n{"name": 3, "arguments": {}}\n</tool_call>',
+        '<tool_call>\n{"name": "f", "arguments": "{}"}\n</tool_call>',
+        '<tool_call>\n{"name": "f"}\n</tool_call>',
+        "<tool_call>",
+        "use <tool_call> tags",
+        "a < b and <tool_cal",
+    ],
+)
 def test_hermes_malformed_is_content(text):
     out = HERMES.parse(text)
     assert out.tool_calls == [] and out.content == text
@@ -68,10 +82,12 @@ def test_llama3_parse():
     text = '<|python_tag|>{"name": "f", "parameters": {"a": 1}}; {"name": "g", "parameters": {"b": "; {"}}'
     assert LLAMA.parse(text).tool_calls == calls(("f", '{"a": 1}'), ("g", '{"b": "; {"}'))
     assert LLAMA.parse(text).content is None
-    assert LLAMA.parse('\n {"name":"f","arguments":{}}\n{"name":"g","parameters":{}}').tool_calls == \
-        calls(("f", "{}"), ("g", "{}"))
-    assert LLAMA.parse('{"type": "function", "name": "f", "parameters": {"x": 1}}').tool_calls == \
-        calls(("f", '{"x": 1}'))
+    assert LLAMA.parse('\n {"name":"f","arguments":{}}\n{"name":"g","parameters":{}}').tool_calls == calls(
+        ("f", "{}"), ("g", "{}")
+    )
+    assert LLAMA.parse('{"type": "function", "name": "f", "parameters": {"x": 1}}').tool_calls == calls(
+        ("f", '{"x": 1}')
+    )
     for content in ['Hello {"name": "f", "parameters": {}}', '  {"answer": 42}', "<|python_tag|>print(1)", "{oops"]:
         assert LLAMA.parse(content).tool_calls == [] and LLAMA.parse(content).content == content
 
@@ -94,7 +110,7 @@ def test_generic_parse():
     spaced = '\n{ "tool_calls" : [\n  { "name" : "f" , "arguments" : { "a" : 1 } }\n] }\n'
     assert GENERIC.parse(spaced).tool_calls == calls(("f", '{ "a" : 1 }'))
     assert GENERIC.parse('{"response": "hi \\u00e9 \\ud83d\\ude00 \\"q\\" \\\\n"}').content == 'hi é 😀 "q" \\n'
-    assert GENERIC.parse('{"response": " \\n "}') .content is None
+    assert GENERIC.parse('{"response": " \\n "}').content is None
     assert GENERIC.parse('{"response": "cut short \\u00').content == "cut short "
     for content in ["plain text", '{"answer": 1}', '{"tool_calls": "no"}']:
         assert GENERIC.parse(content).tool_calls == [] and GENERIC.parse(content).content == content
@@ -145,17 +161,27 @@ def assert_streams_like_parse(fmt, text: str, cuts) -> None:
 
 _WS = st.sampled_from(["", " ", "\n", "  ", "\t", " \n "])
 _NAMES = st.sampled_from(["get_weather", "f", 'say "hi"', "東京_lookup", "a\\b", "x{y}", "<tool_call>"])
-_CHARS = st.sampled_from(list('ab Z09"\\{}[]:,;/\n\t') + ["é", "世", "🚀", "\u2028", "\x00", "<tool_call>", "</tool_call>",
-                                                          "[TOOL_CALLS]", '"}'])
+_CHARS = st.sampled_from(
+    list('ab Z09"\\{}[]:,;/\n\t')
+    + ["é", "世", "🚀", "\u2028", "\x00", "<tool_call>", "</tool_call>", "[TOOL_CALLS]", '"}']
+)
 _STRINGS = st.lists(_CHARS, max_size=5).map("".join)
-_VALUES = st.recursive(st.none() | st.booleans() | st.integers(-999, 999) | st.floats(width=32, allow_nan=False,
-                                                                                       allow_infinity=False) | _STRINGS,
-                       lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_STRINGS, inner, max_size=3),
-                       max_leaves=6)
-_ARGUMENTS = st.builds(lambda obj, ascii_only, indent, seps: json.dumps(obj, ensure_ascii=ascii_only, indent=indent,
-                                                                        separators=seps),
-                       st.dictionaries(_STRINGS, _VALUES, max_size=3), st.booleans(), st.sampled_from([None, 2]),
-                       st.sampled_from([None, (",", ":"), (", ", ": ")]))
+_VALUES = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-999, 999)
+    | st.floats(width=32, allow_nan=False, allow_infinity=False)
+    | _STRINGS,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_STRINGS, inner, max_size=3),
+    max_leaves=6,
+)
+_ARGUMENTS = st.builds(
+    lambda obj, ascii_only, indent, seps: json.dumps(obj, ensure_ascii=ascii_only, indent=indent, separators=seps),
+    st.dictionaries(_STRINGS, _VALUES, max_size=3),
+    st.booleans(),
+    st.sampled_from([None, 2]),
+    st.sampled_from([None, (",", ":"), (", ", ": ")]),
+)
 # text that cannot form a marker or a call by itself
 _CONTENT = st.lists(st.sampled_from(list("ab Z.,!?'\n:;\"}]") + ["é", "世界", "🚀", "\u3000"]), max_size=8).map("".join)
 
@@ -213,28 +239,91 @@ def generic_texts(draw) -> tuple[str, list[ToolCall]]:
     w = [draw(_WS) for _ in range(8)]
     if draw(st.booleans()):
         said = draw(_STRINGS)
-        return (w[0] + "{" + w[1] + '"response"' + w[2] + ":" + w[3] + json.dumps(said, ensure_ascii=draw(st.booleans()))
-                + w[4] + "}"), said
+        return (
+            w[0]
+            + "{"
+            + w[1]
+            + '"response"'
+            + w[2]
+            + ":"
+            + w[3]
+            + json.dumps(said, ensure_ascii=draw(st.booleans()))
+            + w[4]
+            + "}"
+        ), said
     envs = draw(st.lists(envelopes("arguments"), min_size=1, max_size=3))
-    return (w[0] + "{" + w[1] + '"tool_calls"' + w[2] + ":" + w[3] + "[" + _joined(draw, [e for e, _ in envs], ",")
-            + w[4] + "]" + w[5] + "}" + w[6]), [c for _, c in envs]
+    return (
+        w[0]
+        + "{"
+        + w[1]
+        + '"tool_calls"'
+        + w[2]
+        + ":"
+        + w[3]
+        + "["
+        + _joined(draw, [e for e, _ in envs], ",")
+        + w[4]
+        + "]"
+        + w[5]
+        + "}"
+        + w[6]
+    ), [c for _, c in envs]
 
 
-WELL_FORMED = {"hermes": hermes_texts(), "mistral": mistral_texts(), "llama3_json": llama_texts(),
-               "generic": generic_texts()}
+WELL_FORMED = {
+    "hermes": hermes_texts(),
+    "mistral": mistral_texts(),
+    "llama3_json": llama_texts(),
+    "generic": generic_texts(),
+}
 # anything at all: markers, pieces of markers and of calls, broken escapes, whole calls, cut anywhere
-_SCRAPS = st.sampled_from([
-    "<tool_call>", "</tool_call>", "<tool", "</tool_", "[TOOL_CALLS]", "[TOOL", "<|python_tag|>", "<|py", "{", "}",
-    "[", "]", '"', "\\", ",", ";", ":", " ", "\n", '"name"', '"arguments"', '"parameters"', '"response"',
-    '"tool_calls"', '{"name": "f", "arguments": {', '{"name": "g", "parameters": {"q": "', '{"response": "',
-    '{"tool_calls": [', "\\u00e9", "\\ud83d", "\\ude80", "\\u12", '\\"', "é", "🚀", "text"])
+_SCRAPS = st.sampled_from(
+    [
+        "<tool_call>",
+        "</tool_call>",
+        "<tool",
+        "</tool_",
+        "[TOOL_CALLS]",
+        "[TOOL",
+        "<|python_tag|>",
+        "<|py",
+        "{",
+        "}",
+        "[",
+        "]",
+        '"',
+        "\\",
+        ",",
+        ";",
+        ":",
+        " ",
+        "\n",
+        '"name"',
+        '"arguments"',
+        '"parameters"',
+        '"response"',
+        '"tool_calls"',
+        '{"name": "f", "arguments": {',
+        '{"name": "g", "parameters": {"q": "',
+        '{"response": "',
+        '{"tool_calls": [',
+        "\\u00e9",
+        "\\ud83d",
+        "\\ude80",
+        "\\u12",
+        '\\"',
+        "é",
+        "🚀",
+        "text",
+    ]
+)
 
 
 @st.composite
 def any_texts(draw, fmt_name: str) -> str:
     pieces = draw(st.lists(st.one_of(_SCRAPS, _CONTENT, WELL_FORMED[fmt_name].map(lambda t: t[0])), max_size=8))
     text = "".join(pieces)
-    return text[:draw(st.integers(0, len(text)))] if draw(st.booleans()) else text  # max_tokens, or not
+    return text[: draw(st.integers(0, len(text)))] if draw(st.booleans()) else text  # max_tokens, or not
 
 
 _CUTS = st.lists(st.integers(0, 400), max_size=25)
@@ -265,15 +354,21 @@ def test_any_output_streams_like_parse(name, data):
     assert_streams_like_parse(fmt, text, data.draw(_CUTS))
 
 
-@pytest.mark.parametrize("fmt,text", [
-    (HERMES, 'Sure thing.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "東京", "note": "a \\"}\\" b"}}\n'
-             '</tool_call>\n<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'),
-    (HERMES, "a <tool_call>oops</tool_call> b <tool_cal"),
-    (LLAMA, '<|python_tag|>{"name": "f", "parameters": {"x": [1, {"y": "}"}]}}; {"arguments": {}, "name": "g"}'),
-    (MISTRAL, 'x [TOOL_CALLS][{"name": "f", "arguments": {"a": "]"}}, {"name": "g", "arguments": {"b": 2}}] y'),
-    (GENERIC, '{"response": "caf\\u00e9 \\ud83d\\ude80 \\"quoted\\" {braces}"}'),
-    (GENERIC, '{"tool_calls": [{"name": "f", "arguments": {"a": "\\\\"}}, {"name": "g", "arguments": {}}]}'),
-])
+@pytest.mark.parametrize(
+    "fmt,text",
+    [
+        (
+            HERMES,
+            'Sure thing.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "東京", "note": "a \\"}\\" b"}}\n'
+            '</tool_call>\n<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>',
+        ),
+        (HERMES, "a <tool_call>oops</tool_call> b <tool_cal"),
+        (LLAMA, '<|python_tag|>{"name": "f", "parameters": {"x": [1, {"y": "}"}]}}; {"arguments": {}, "name": "g"}'),
+        (MISTRAL, 'x [TOOL_CALLS][{"name": "f", "arguments": {"a": "]"}}, {"name": "g", "arguments": {"b": 2}}] y'),
+        (GENERIC, '{"response": "caf\\u00e9 \\ud83d\\ude80 \\"quoted\\" {braces}"}'),
+        (GENERIC, '{"tool_calls": [{"name": "f", "arguments": {"a": "\\\\"}}, {"name": "g", "arguments": {}}]}'),
+    ],
+)
 def test_every_prefix(fmt, text):
     assert_streams_like_parse(fmt, text, range(len(text)))
 
@@ -286,8 +381,10 @@ def test_streaming_holds_back_what_is_undecided():
     assert content == "" and deltas[0]["function"] == {"name": "get_weather", "arguments": ""}
     assert deltas[1] == {"index": 0, "function": {"arguments": '{"ci'}}
     assert p.tool_call_ids == [deltas[0]["id"]]
-    assert p.feed('Hello <tool_call>\n{"name": "get_weather", "arguments": {"city": "P"}}\n</tool_call>', True) == \
-        ("", [{"index": 0, "function": {"arguments": 'ty": "P"}'}}])
+    assert p.feed('Hello <tool_call>\n{"name": "get_weather", "arguments": {"city": "P"}}\n</tool_call>', True) == (
+        "",
+        [{"index": 0, "function": {"arguments": 'ty": "P"}'}}],
+    )
 
     p = StreamingToolParser(GENERIC)
     assert p.feed('{"response": "caf\\u00', False) == ("caf", [])
@@ -299,20 +396,30 @@ def test_streaming_holds_back_what_is_undecided():
 
 
 # ---- choosing a format --------------------------------------------------------------------------------
-QWEN_TEMPLATE = ("{%- if tools %}{{- '<|im_start|>system\\n# Tools\\n<tools>' }}{%- for tool in tools %}"
-                 "{{- tool | tojson }}{%- endfor %}{{- '</tools>\\n<tool_call>\\n{\"name\": <function-name>, "
-                 "\"arguments\": <args-json-object>}\\n</tool_call>' }}{%- endif %}")
+QWEN_TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\\n# Tools\\n<tools>' }}{%- for tool in tools %}"
+    '{{- tool | tojson }}{%- endfor %}{{- \'</tools>\\n<tool_call>\\n{"name": <function-name>, '
+    '"arguments": <args-json-object>}\\n</tool_call>\' }}{%- endif %}'
+)
 MISTRAL_TEMPLATE = "{%- if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{%- endif %}[TOOL_CALLS]"
 LLAMA31_TEMPLATE = "{%- if builtin_tools is defined %}<|python_tag|>{%- endif %}{{ tools }}"
-LLAMA32_TEMPLATE = ('{%- if tools is not none %}Respond in the format {"name": function name, "parameters": '
-                    'dictionary of argument name and its value}.{%- endif %}')
+LLAMA32_TEMPLATE = (
+    '{%- if tools is not none %}Respond in the format {"name": function name, "parameters": '
+    "dictionary of argument name and its value}.{%- endif %}"
+)
 
 
-@pytest.mark.parametrize("template,expected", [
-    (QWEN_TEMPLATE, "hermes"), (MISTRAL_TEMPLATE, "mistral"), (LLAMA31_TEMPLATE, "llama3_json"),
-    (LLAMA32_TEMPLATE, "llama3_json"), ("{% for m in messages %}{{ m['content'] }}{% endfor %}", "generic"),
-    (None, "generic"),
-])
+@pytest.mark.parametrize(
+    "template,expected",
+    [
+        (QWEN_TEMPLATE, "hermes"),
+        (MISTRAL_TEMPLATE, "mistral"),
+        (LLAMA31_TEMPLATE, "llama3_json"),
+        (LLAMA32_TEMPLATE, "llama3_json"),
+        ("{% for m in messages %}{{ m['content'] }}{% endfor %}", "generic"),
+        (None, "generic"),
+    ],
+)
 def test_auto_picks_from_the_template(template, expected):
     fmt = get_tool_format("auto", template)
     assert fmt.name == expected and fmt.uses_template_tools == (expected != "generic")
@@ -327,16 +434,39 @@ def test_named_formats():
 
 
 # ---- constraining -------------------------------------------------------------------------------------
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather now", "parameters": {
-    "type": "object", "additionalProperties": False, "required": ["city"],
-    "properties": {"city": {"type": "string", "enum": ["Paris", "東京", 'Quote"Town']},
-                   "unit": {"type": "string", "enum": ["c", "f"]},
-                   "days": {"type": "integer", "minimum": 1, "maximum": 7}}}}}
-SAY = {"type": "function", "function": {"name": 'say "hi"', "parameters": {
-    "type": "object", "additionalProperties": False, "required": ["text"],
-    "properties": {"text": {"type": "string", "pattern": "^[a-z ]{0,6}$"}, "loud": {"type": "boolean"}}}}}
-NOW = {"type": "function", "function": {"name": "now", "parameters": {
-    "type": "object", "properties": {}, "additionalProperties": False}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather now",
+        "parameters": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["city"],
+            "properties": {
+                "city": {"type": "string", "enum": ["Paris", "東京", 'Quote"Town']},
+                "unit": {"type": "string", "enum": ["c", "f"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+        },
+    },
+}
+SAY = {
+    "type": "function",
+    "function": {
+        "name": 'say "hi"',
+        "parameters": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["text"],
+            "properties": {"text": {"type": "string", "pattern": "^[a-z ]{0,6}$"}, "loud": {"type": "boolean"}},
+        },
+    },
+}
+NOW = {
+    "type": "function",
+    "function": {"name": "now", "parameters": {"type": "object", "properties": {}, "additionalProperties": False}},
+}
 TOOLS = [WEATHER, SAY, NOW]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
@@ -402,7 +532,9 @@ def test_constrained_output_is_a_valid_call(grammar, name, choice, parallel):
     walk, _ = grammar
     fmt = FORMATS[name]()
     named = 'say "hi"' if choice == "named" else None
-    tag = fmt.structural_tag(TOOLS, {"type": "function", "function": {"name": named}} if named else "required", parallel)
+    tag = fmt.structural_tag(
+        TOOLS, {"type": "function", "function": {"name": named}} if named else "required", parallel
+    )
     for seed in range(3):
         text = walk(tag, seed)
         check_calls(fmt, text, parallel, named)
@@ -428,8 +560,7 @@ def test_generic_auto_is_calls_or_a_response(grammar):
     assert not accepts(tag, "plain text") and not accepts(tag, '{"response": 1}')
 
 
-@pytest.mark.parametrize("fmt,start", [(HERMES, "Let me look.\n<tool_call>"), (MISTRAL, "[TOOL_CALLS]"),
-                                       (LLAMA, "{")])
+@pytest.mark.parametrize("fmt,start", [(HERMES, "Let me look.\n<tool_call>"), (MISTRAL, "[TOOL_CALLS]"), (LLAMA, "{")])
 def test_auto_constrains_a_call_once_it_starts(grammar, fmt, start):
     walk, accepts = grammar
     tag = fmt.structural_tag(TOOLS, "auto", False)

@@ -18,8 +18,8 @@ def _reference(tokens: list[int], lo: int, hi: int, k: int) -> list[int]:
             continue
         suffix = tokens[-n:]
         for s in range(n_tok - n - 1, -1, -1):
-            if tokens[s: s + n] == suffix:
-                return tokens[s + n: s + n + k]
+            if tokens[s : s + n] == suffix:
+                return tokens[s + n : s + n + k]
     return []
 
 
@@ -60,7 +60,7 @@ def test_most_recent_occurrence():
 
 def test_matches_the_definition_on_random_sequences():
     rng = random.Random(0)
-    for trial in range(300):
+    for _ in range(300):
         seq = [rng.randrange(4) for _ in range(rng.randrange(0, 40))]
         lo = rng.randint(1, 3)
         hi = rng.randint(lo, 5)
@@ -96,32 +96,45 @@ def test_config_defaults():
     assert (c.prompt_lookup_min, c.prompt_lookup_max) == (3, 3)
     c = SpeculativeConfig.from_dict({"method": "draft_model", "num_speculative_tokens": 3, "quantization": "int8"})
     assert c.model is None and c.quantization == "int8"
-    c = SpeculativeConfig.from_dict({"method": "draft_model", "num_speculative_tokens": 3, "model": "/m",
-                                     "adaptive": False})
+    c = SpeculativeConfig.from_dict(
+        {"method": "draft_model", "num_speculative_tokens": 3, "model": "/m", "adaptive": False}
+    )
     assert c.model == "/m" and c.quantization is None and not c.adaptive
 
 
-@pytest.mark.parametrize("d, match", [
-    ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, r"unknown.*'lookahead'.*valid keys.*'method'"),
-    ({"method": "eagle", "num_speculative_tokens": 2}, r"method must be one of \('ngram', 'draft_model'\)"),
-    ({"num_speculative_tokens": 2}, r"needs 'method'.*ngram"),
-    ({"method": "ngram"}, r"needs 'num_speculative_tokens'"),
-    ({"method": "ngram", "num_speculative_tokens": 0}, r"num_speculative_tokens must be an integer >= 1"),
-    ({"method": "ngram", "num_speculative_tokens": "3"}, r"num_speculative_tokens must be an integer"),
-    ({"method": "ngram", "num_speculative_tokens": True}, r"num_speculative_tokens must be an integer"),
-    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
-     r"prompt_lookup_min \(4\) must be <= prompt_lookup_max \(2\)"),
-    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0}, r"prompt_lookup_min must be"),
-    ({"method": "ngram", "num_speculative_tokens": 2, "model": "/m"}, r"model applies to method 'draft_model'"),
-    ({"method": "ngram", "num_speculative_tokens": 2, "quantization": "int8"}, r"quantization applies to"),
-    ({"method": "draft_model", "num_speculative_tokens": 2}, r"needs a model.*quantization='int8'"),
-    ({"method": "draft_model", "num_speculative_tokens": 2, "prompt_lookup_max": 3},
-     r"prompt_lookup_max applies to method 'ngram'"),
-    ({"method": "draft_model", "num_speculative_tokens": 2, "quantization": "fp8"},
-     r"quantization must be one of \(None, 'int8'\)"),
-    ({"method": "draft_model", "num_speculative_tokens": 2, "model": ""}, r"model must be a path"),
-    ({"method": "ngram", "num_speculative_tokens": 2, "adaptive": "yes"}, r"adaptive must be true or false"),
-])
+@pytest.mark.parametrize(
+    "d, match",
+    [
+        (
+            {"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3},
+            r"unknown.*'lookahead'.*valid keys.*'method'",
+        ),
+        ({"method": "eagle", "num_speculative_tokens": 2}, r"method must be one of \('ngram', 'draft_model'\)"),
+        ({"num_speculative_tokens": 2}, r"needs 'method'.*ngram"),
+        ({"method": "ngram"}, r"needs 'num_speculative_tokens'"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, r"num_speculative_tokens must be an integer >= 1"),
+        ({"method": "ngram", "num_speculative_tokens": "3"}, r"num_speculative_tokens must be an integer"),
+        ({"method": "ngram", "num_speculative_tokens": True}, r"num_speculative_tokens must be an integer"),
+        (
+            {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+            r"prompt_lookup_min \(4\) must be <= prompt_lookup_max \(2\)",
+        ),
+        ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0}, r"prompt_lookup_min must be"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "model": "/m"}, r"model applies to method 'draft_model'"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "quantization": "int8"}, r"quantization applies to"),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, r"needs a model.*quantization='int8'"),
+        (
+            {"method": "draft_model", "num_speculative_tokens": 2, "prompt_lookup_max": 3},
+            r"prompt_lookup_max applies to method 'ngram'",
+        ),
+        (
+            {"method": "draft_model", "num_speculative_tokens": 2, "quantization": "fp8"},
+            r"quantization must be one of \(None, 'int8'\)",
+        ),
+        ({"method": "draft_model", "num_speculative_tokens": 2, "model": ""}, r"model must be a path"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "adaptive": "yes"}, r"adaptive must be true or false"),
+    ],
+)
 def test_config_errors(d, match):
     with pytest.raises(ValueError, match=match):
         SpeculativeConfig.from_dict(d)

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import assert_no_leaks, hf_greedy
-
 from kvflow import LLM, SamplingParams
+from kvflow.config import SpeculativeConfig
 from kvflow.core.request import Request
 from kvflow.core.step_cost import StepCostModel
-from kvflow.spec_decode.config import SpeculativeConfig
 from kvflow.spec_decode.ngram_proposer import NgramBatchProposer
 from kvflow.spec_decode.speculator import Speculator
+
+from conftest import assert_no_leaks, hf_greedy
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 # Repetitive prompts: prompt lookup finds matches, so drafts are proposed and some accepted.
@@ -40,10 +40,14 @@ def spec_llm(path: str, config: dict | None = None, **kw) -> LLM:
 
 def method_configs(model_factory, arch: str) -> dict[str, dict]:
     # a smaller random model of the same family and vocabulary as the draft
-    small, _ = model_factory(arch, num_hidden_layers=1, hidden_size=32, intermediate_size=64,
-                             **({"head_dim": 8} if arch == "qwen3" else {}))
-    return {"ngram": NGRAM, "self-draft int8": SELF_DRAFT,
-            "draft model": {"method": "draft_model", "model": small, "num_speculative_tokens": 3}}
+    small, _ = model_factory(
+        arch, num_hidden_layers=1, hidden_size=32, intermediate_size=64, **({"head_dim": 8} if arch == "qwen3" else {})
+    )
+    return {
+        "ngram": NGRAM,
+        "self-draft int8": SELF_DRAFT,
+        "draft model": {"method": "draft_model", "model": small, "num_speculative_tokens": 3},
+    }
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
@@ -90,10 +94,14 @@ def test_stops_max_tokens_logprobs_n(tiny_llama):
     ref = generate(plain, PROMPTS[:1], base)[0]
     # a stop token inside an accepted run ends the request there; max_tokens is exact
     stop_tok = ref[17]
-    for params in (SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop_token_ids=[stop_tok]),
-                   SamplingParams(temperature=0, max_tokens=13, ignore_eos=True)):
-        a, b = plain.generate(PROMPTS[:1], params, use_tqdm=False)[0], spec.generate(PROMPTS[:1], params,
-                                                                                     use_tqdm=False)[0]
+    for params in (
+        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop_token_ids=[stop_tok]),
+        SamplingParams(temperature=0, max_tokens=13, ignore_eos=True),
+    ):
+        a, b = (
+            plain.generate(PROMPTS[:1], params, use_tqdm=False)[0],
+            spec.generate(PROMPTS[:1], params, use_tqdm=False)[0],
+        )
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert a.outputs[0].finish_reason == b.outputs[0].finish_reason
         assert a.outputs[0].text == b.outputs[0].text
@@ -101,10 +109,16 @@ def test_stops_max_tokens_logprobs_n(tiny_llama):
     text = plain.generate(PROMPTS[:1], base, use_tqdm=False)[0].outputs[0].text
     stop = text[10:14]
     p = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop])
-    a, b = plain.generate(PROMPTS[:1], p, use_tqdm=False)[0].outputs[0], spec.generate(PROMPTS[:1], p,
-                                                                                       use_tqdm=False)[0].outputs[0]
-    assert (a.text, a.token_ids, a.finish_reason, a.stop_reason) == (b.text, b.token_ids, b.finish_reason,
-                                                                   b.stop_reason)
+    a, b = (
+        plain.generate(PROMPTS[:1], p, use_tqdm=False)[0].outputs[0],
+        spec.generate(PROMPTS[:1], p, use_tqdm=False)[0].outputs[0],
+    )
+    assert (a.text, a.token_ids, a.finish_reason, a.stop_reason) == (
+        b.text,
+        b.token_ids,
+        b.finish_reason,
+        b.stop_reason,
+    )
     # logprobs of the emitted tokens equal plain decoding's
     p = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=3)
     a, b = plain.generate(PROMPTS, p, use_tqdm=False), spec.generate(PROMPTS, p, use_tqdm=False)
@@ -134,8 +148,10 @@ def test_seeded_sampling_is_reproducible(tiny_llama, config):
 def test_draft_model_must_share_the_vocabulary(model_factory, tiny_llama):
     other, _ = model_factory("llama", vocab_size=256)
     with pytest.raises(ValueError, match="vocabulary"):
-        LLM(model=tiny_llama[0], speculative_config={"method": "draft_model", "model": other,
-                                                     "num_speculative_tokens": 2})
+        LLM(
+            model=tiny_llama[0],
+            speculative_config={"method": "draft_model", "model": other, "num_speculative_tokens": 2},
+        )
 
 
 def test_adaptive_turns_rejected_drafts_off(tiny_llama):
@@ -204,15 +220,18 @@ def test_config_errors():
         LLM(model=None, speculative_config={"method": "ngram", "num_speculative_tokens": 2, "gamma": 3})
 
 
+@pytest.mark.server
 def test_server_streams_several_tokens_a_step(tiny_llama):
     import httpx
 
-    from server_utils import LiveServer, parse_metrics
-
     from kvflow.config import EngineConfig, ServerConfig
 
-    s = LiveServer(EngineConfig(model=tiny_llama[0], num_kv_blocks=256, speculative_config={**NGRAM, "adaptive": False}),
-                   ServerConfig())
+    from server_utils import LiveServer, parse_metrics
+
+    s = LiveServer(
+        EngineConfig(model=tiny_llama[0], num_kv_blocks=256, speculative_config={**NGRAM, "adaptive": False}),
+        ServerConfig(),
+    )
     try:
         client = s.openai()
         kw = dict(model=s.model, prompt=PROMPTS[0], max_tokens=40, temperature=0, extra_body={"ignore_eos": True})
@@ -234,15 +253,24 @@ def test_default_model_self_draft_greedy_is_fp32_greedy():
     output. (On the GGUF's own blocks the verification pass, a chunk through the prefill attention,
     rounds differently from a decode step, and quantizing activations turns that into different
     tokens at near-ties: exact in distribution, not bit for bit.)"""
-    chats = [[{"role": "user", "content": q}] for q in (
-        "What is the capital of France?", "Write a haiku about autumn.",
-        "Repeat exactly: the quick brown fox jumps over the lazy dog.")]
+    chats = [
+        [{"role": "user", "content": q}]
+        for q in (
+            "What is the capital of France?",
+            "Write a haiku about autumn.",
+            "Repeat exactly: the quick brown fox jumps over the lazy dog.",
+        )
+    ]
     sp = SamplingParams(temperature=0, max_tokens=48)
     plain = LLM(max_model_len=1024, num_kv_blocks=256, gguf_weights="dequantize")
     ref = [o.outputs[0].token_ids for o in plain.chat(chats, sp, use_tqdm=False)]
     del plain
-    llm = LLM(max_model_len=1024, num_kv_blocks=256, gguf_weights="dequantize",
-              speculative_config={**SELF_DRAFT, "num_speculative_tokens": 4, "adaptive": False})
+    llm = LLM(
+        max_model_len=1024,
+        num_kv_blocks=256,
+        gguf_weights="dequantize",
+        speculative_config={**SELF_DRAFT, "num_speculative_tokens": 4, "adaptive": False},
+    )
     got = [o.outputs[0].token_ids for o in llm.chat(chats, sp, use_tqdm=False)]
     assert got == ref
     stats = llm.engine.speculator.stats

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
-from kvflow.core.sched.fairness import FAIRNESS_MODES, VirtualTokenCounter
-from kvflow.core.sched.policy import SCHEDULING_POLICIES, AdmissionRejected, SchedulingPolicy
+from kvflow.config import SCHEDULING_POLICIES
+from kvflow.core.sched.fairness import VirtualTokenCounter
+from kvflow.core.sched.policy import AdmissionRejected, SchedulingPolicy
 from kvflow.core.step_cost import StepCostModel
 
-__all__ = ["SCHEDULING_POLICIES", "FAIRNESS_MODES", "AdmissionRejected", "SchedulingPolicy", "VirtualTokenCounter",
-           "make_policy"]
+__all__ = [
+    "AdmissionRejected",
+    "SchedulingPolicy",
+    "VirtualTokenCounter",
+    "make_policy",
+]
 
 
-def make_policy(name: str, cost: StepCostModel, max_num_batched_tokens: int, aging_s: float,
-                admission_factor: float | None) -> SchedulingPolicy:
+def make_policy(
+    name: str, cost: StepCostModel, max_num_batched_tokens: int, aging_s: float, admission_factor: float | None
+) -> SchedulingPolicy:
     if name == "priority":
         from kvflow.core.sched.priority import PriorityPolicy
 

@@ -16,8 +16,6 @@ from collections.abc import Sequence
 
 from kvflow.core.request import Request
 
-FAIRNESS_MODES = ("none", "vtc")
-
 
 class VirtualTokenCounter:
     def __init__(self, input_weight: float = 1.0, output_weight: float = 2.0) -> None:
@@ -37,8 +35,9 @@ class VirtualTokenCounter:
     def charge(self, req: Request, prompt_tokens: int, output_tokens: int) -> None:
         if prompt_tokens or output_tokens:
             client = req.client or ""
-            self.counters[client] = (self.counters.get(client, 0.0) + self.input_weight * prompt_tokens
-                                     + self.output_weight * output_tokens)
+            self.counters[client] = (
+                self.counters.get(client, 0.0) + self.input_weight * prompt_tokens + self.output_weight * output_tokens
+            )
 
     def order(self, candidates: list[Request]) -> list[Request]:
         """The candidates (in the policy's order), client by client, least service first; each

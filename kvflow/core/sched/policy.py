@@ -9,12 +9,10 @@ under a fake clock in the tests.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
 from dataclasses import dataclass
+from typing import Any
 
 from kvflow.core.request import Request
-
-SCHEDULING_POLICIES = ("fcfs", "priority", "slo")
 
 
 class AdmissionRejected(Exception):
@@ -64,7 +62,9 @@ class SchedulingPolicy:
         """Raise AdmissionRejected to refuse `req` at arrival."""
 
 
-def merge_started(partial: Sequence[Request], waiting: Sequence[Request], key: Callable[[Request], Any]) -> list[Request]:
+def merge_started(
+    partial: Sequence[Request], waiting: Sequence[Request], key: Callable[[Request], Any]
+) -> list[Request]:
     """Started prompts (sorted by `key`) merged into the admission order by the same key, the
     admission order itself kept (fairness may have interleaved it by client). Each key is
     computed once."""

@@ -46,9 +46,17 @@ PROMOTED, RANKED, RELEGATED = 0, 1, 2
 class SLOPolicy(SchedulingPolicy):
     name = "slo"
 
-    def __init__(self, cost: StepCostModel, max_num_batched_tokens: int, admission_factor: float | None = 2.0,
-                 min_chunk: int = 32, promote_after: float = 2.0, min_samples: int = 8,
-                 arrival_share: float = 0.4, slo_memory_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        cost: StepCostModel,
+        max_num_batched_tokens: int,
+        admission_factor: float | None = 2.0,
+        min_chunk: int = 32,
+        promote_after: float = 2.0,
+        min_samples: int = 8,
+        arrival_share: float = 0.4,
+        slo_memory_s: float = 60.0,
+    ) -> None:
         self.cost = cost
         self.min_samples = min_samples
         self.max_tokens = max_num_batched_tokens
@@ -90,10 +98,10 @@ class SLOPolicy(SchedulingPolicy):
         context = sum(r.num_tokens for r in decodes) + start + avg
         return steps * self.cost.predict(len(decodes) + avg, 1, context, pairs)
 
-    def largest_chunk(self, decodes: Sequence[Request], candidates: Sequence[Request], seconds: float,
-                      cap: int) -> int:
+    def largest_chunk(self, decodes: Sequence[Request], candidates: Sequence[Request], seconds: float, cap: int) -> int:
         """The most prefill tokens (at most `cap`, handed to `candidates` in order) whose step
         the cost model says lasts at most `seconds`; the cost grows with tokens: bisection."""
+
         def fits(n: int) -> bool:
             return self.step_time(decodes, _hand_out(candidates, n)) <= seconds
 
@@ -141,15 +149,19 @@ class SLOPolicy(SchedulingPolicy):
         self._decodes = decodes
         # TPOT is an average ((last - first) / (tokens - 1)), so the next token of a request with n
         # tokens is due by first + n x SLO.
-        due = [r.first_token_time + r.num_output_tokens * r.tpot_slo - now for r in decodes
-               if r.tpot_slo is not None and r.first_token_time is not None]
+        due = [
+            r.first_token_time + r.num_output_tokens * r.tpot_slo - now
+            for r in decodes
+            if r.tpot_slo is not None and r.first_token_time is not None
+        ]
         reserve = self.arrival_share * min(self._ttft_seen) if self._ttft_seen else None
         limits = [*([min(due)] if due else []), *([reserve] if reserve is not None else [])]
         if not limits or not self.predicts or cap <= 0:
             self._chunk = max(cap, 1)
             return view.max_num_batched_tokens
-        candidates = self.prefill_order([r for r in view.running if r.prefilling],
-                                        self.waiting_order(view.waiting, now), now)
+        candidates = self.prefill_order(
+            [r for r in view.running if r.prefilling], self.waiting_order(view.waiting, now), now
+        )
         n = self.largest_chunk(decodes, candidates, min(limits), cap)
         if candidates and candidates[0].ttft_slo is not None:
             # The most urgent prompt whole when that makes its TTFT and the step stays within
@@ -158,8 +170,11 @@ class SLOPolicy(SchedulingPolicy):
             urgent = candidates[0]
             rest = urgent.num_tokens - urgent.num_computed_tokens
             whole = self.step_time(decodes, [(urgent.num_computed_tokens, rest)])
-            if n < rest <= cap and now + whole <= urgent.arrival_time + urgent.ttft_slo and (
-                    reserve is None or whole <= 2 * reserve):
+            if (
+                n < rest <= cap
+                and now + whole <= urgent.arrival_time + urgent.ttft_slo
+                and (reserve is None or whole <= 2 * reserve)
+            ):
                 n = rest
         if n < self.min_chunk:
             n = self.min_chunk if not decodes or self._must_progress(candidates, now) else 0
@@ -182,15 +197,20 @@ class SLOPolicy(SchedulingPolicy):
         if self.admission_factor is None or req.ttft_slo is None or not self.predicts:
             return
         mine = self.rank(req, now)
-        ahead = [r for r in (*view.waiting, *(r for r in view.running if r.prefilling))
-                 if r.ttft_slo is not None and self.rank(r, now) <= mine]
+        ahead = [
+            r
+            for r in (*view.waiting, *(r for r in view.running if r.prefilling))
+            if r.ttft_slo is not None and self.rank(r, now) <= mine
+        ]
         queued = sum(self.prefill_time(r) for r in ahead)
         predicted = queued + self.prefill_time(req)
         if predicted > self.admission_factor * req.ttft_slo:
             raise AdmissionRejected(
                 f"the server cannot meet this request's TTFT SLO ({1000 * req.ttft_slo:.0f} ms): its predicted "
                 f"TTFT is {1000 * predicted:.0f} ms (> {self.admission_factor:g}x the SLO); retry later",
-                reason="slo", retry_after_s=queued)
+                reason="slo",
+                retry_after_s=queued,
+            )
 
 
 def _hand_out(candidates: Sequence[Request], tokens: int) -> list[tuple[int, int]]:

@@ -41,13 +41,18 @@ from kvflow.engine.async_llm import AsyncLLM
 from kvflow.engine.engine_thread import EngineThread
 from kvflow.engine.llm_engine import LLMEngine
 from kvflow.entrypoints.openai.openapi import install_openapi, json_body, responses
-from kvflow.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                               TokenizeRequest)
+from kvflow.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from kvflow.entrypoints.openai.serving import RETRY_AFTER_S
 from kvflow.entrypoints.openai.serving_chat import ServingChat
 from kvflow.entrypoints.openai.serving_completion import ServingCompletion
 from kvflow.entrypoints.openai.utils import APIError, parse_body, pydantic_error
 from kvflow.metrics import EngineMetrics
+from kvflow.utils.http import url_host
 
 logger = logging.getLogger("kvflow")
 
@@ -59,8 +64,14 @@ _ABORT_WAIT_S = 5.0  # after the grace period: how long aborted requests get to 
 class ServerState:
     """What the routes and the middleware share (one per app)."""
 
-    def __init__(self, llm: AsyncLLM, config: ServerConfig, metrics: EngineMetrics, served_model_name: str,
-                 exit_action: Callable[[int], None]) -> None:
+    def __init__(
+        self,
+        llm: AsyncLLM,
+        config: ServerConfig,
+        metrics: EngineMetrics,
+        served_model_name: str,
+        exit_action: Callable[[int], None],
+    ) -> None:
         self.llm = llm
         self.config = config
         self.metrics = metrics
@@ -145,12 +156,14 @@ class GateMiddleware:
             token = auth[7:] if auth[:7].lower() == "bearer " else ""
             if not hmac.compare_digest(token.encode(), cfg.api_key.encode()):
                 message = "invalid API key" if token else "missing API key: send 'Authorization: Bearer <key>'"
-                await APIError(401, message, code="invalid_api_key",
-                               headers={"WWW-Authenticate": "Bearer"}).response()(scope, receive, send)
+                await APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}).response()(
+                    scope, receive, send
+                )
                 return
         if state.draining:
-            await APIError(503, "the server is shutting down", code="shutting_down",
-                           headers={"Retry-After": RETRY_AFTER_S}).response()(scope, receive, send)
+            await APIError(
+                503, "the server is shutting down", code="shutting_down", headers={"Retry-After": RETRY_AFTER_S}
+            ).response()(scope, receive, send)
             return
         if scope["method"] in ("POST", "PUT", "PATCH"):
             body = await self._read_body(scope, receive, send, headers)
@@ -192,8 +205,11 @@ class GateMiddleware:
 
 def _too_large(size: int | None, limit: int) -> Response:
     got = f" ({size} bytes)" if size is not None else ""
-    return APIError(413, f"the request body is too large{got}; the limit is {limit} bytes (max_request_body_bytes)",
-                    code="request_too_large").response()
+    return APIError(
+        413,
+        f"the request body is too large{got}; the limit is {limit} bytes (max_request_body_bytes)",
+        code="request_too_large",
+    ).response()
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:
@@ -224,16 +240,25 @@ def _default_exit(code: int) -> None:
     threading.Timer(0.5, os._exit, (code,)).start()
 
 
-def build_app(engine: LLMEngine, config: ServerConfig | None = None, *,
-              exit_action: Callable[[int], None] | None = None,
-              engine_thread: EngineThread | None = None) -> FastAPI:
+def build_app(
+    engine: LLMEngine,
+    config: ServerConfig | None = None,
+    *,
+    exit_action: Callable[[int], None] | None = None,
+    engine_thread: EngineThread | None = None,
+) -> FastAPI:
     """The ASGI app. The engine loop starts with the app's lifespan (on `engine_thread`, best the
     one that built the engine) and stops with it. `exit_action(code)` is called once when the
     process should end (1: the engine failed, 0: a graceful shutdown finished)."""
     config = config or ServerConfig()
     metrics = EngineMetrics()
-    llm = AsyncLLM(engine, max_waiting_requests=config.max_waiting_requests, metrics=metrics,
-                   log_interval_s=config.log_interval_s, engine_thread=engine_thread)
+    llm = AsyncLLM(
+        engine,
+        max_waiting_requests=config.max_waiting_requests,
+        metrics=metrics,
+        log_interval_s=config.log_interval_s,
+        engine_thread=engine_thread,
+    )
     served = config.served_model_name or engine.model_name
     state = ServerState(llm, config, metrics, served, exit_action or _default_exit)
     llm.on_fatal = state.on_engine_dead
@@ -254,8 +279,12 @@ def build_app(engine: LLMEngine, config: ServerConfig | None = None, *,
     if config.allowed_origins:  # no CORS headers at all unless asked for
         from starlette.middleware.cors import CORSMiddleware
 
-        app.add_middleware(CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=["GET", "POST"],
-                           allow_headers=["Authorization", "Content-Type"])
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=config.allowed_origins,
+            allow_methods=["GET", "POST"],
+            allow_headers=["Authorization", "Content-Type"],
+        )
     install_openapi(app, (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest))
 
     @app.exception_handler(APIError)
@@ -286,14 +315,28 @@ def build_app(engine: LLMEngine, config: ServerConfig | None = None, *,
             return APIError(503, "the server is shutting down", code="shutting_down").response()
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics", responses={200: {"description": "Prometheus text format",
-                                          "content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}}}})
+    @app.get(
+        "/metrics",
+        responses={
+            200: {
+                "description": "Prometheus text format",
+                "content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}},
+            }
+        },
+    )
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     def model_card() -> dict[str, Any]:
-        return {"id": served, "object": "model", "created": state.created, "owned_by": "kvflow",
-                "root": getattr(engine, "model_path", served), "parent": None, "max_model_len": llm.max_model_len}
+        return {
+            "id": served,
+            "object": "model",
+            "created": state.created,
+            "owned_by": "kvflow",
+            "root": getattr(engine, "model_path", served),
+            "parent": None,
+            "max_model_len": llm.max_model_len,
+        }
 
     @app.get("/v1/models", responses=responses())
     async def list_models() -> Response:
@@ -340,8 +383,7 @@ def build_app(engine: LLMEngine, config: ServerConfig | None = None, *,
         vocab = engine.model_config.vocab_size
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:
-            raise APIError(400, f"token id {bad[0]} is out of range [0, {vocab})", param="tokens",
-                           code="invalid_value")
+            raise APIError(400, f"token id {bad[0]} is out of range [0, {vocab})", param="tokens", code="invalid_value")
         return JSONResponse({"prompt": completions.decode(req.tokens)})
 
     return app
@@ -357,8 +399,7 @@ class _UvicornServer:
         import uvicorn
 
         class Server(uvicorn.Server):
-            def __init__(self, config: uvicorn.Config, state: ServerState,
-                         on_ready: Callable[[], None] | None) -> None:
+            def __init__(self, config: uvicorn.Config, state: ServerState, on_ready: Callable[[], None] | None) -> None:
                 super().__init__(config)
                 self.kvflow_state = state
                 self.on_ready = on_ready
@@ -398,8 +439,13 @@ class _UvicornServer:
         return Server(*args, **kwargs)
 
 
-def serve(engine: LLMEngine, config: ServerConfig, *, on_ready: Callable[[str], None] | None = None,
-          engine_thread: EngineThread | None = None) -> int:
+def serve(
+    engine: LLMEngine,
+    config: ServerConfig,
+    *,
+    on_ready: Callable[[str], None] | None = None,
+    engine_thread: EngineThread | None = None,
+) -> int:
     """Run the server until SIGTERM (returns 0) or an engine failure (returns 1). `engine_thread`:
     the thread that built `engine`, which then steps it."""
     import uvicorn
@@ -417,26 +463,27 @@ def serve(engine: LLMEngine, config: ServerConfig, *, on_ready: Callable[[str], 
 
     app = build_app(engine, config, exit_action=exit_action, engine_thread=engine_thread)
     state: ServerState = app.state.kvflow
-    url = f"http://{_url_host(config.host)}:{config.port}"
+    url = f"http://{url_host(config.host)}:{config.port}"
 
     def ready() -> None:
-        # The grammar compiler (importing xgrammar and transformers, ~1.5 s on 2 cores) builds in the
-        # background from here: started earlier it held the GIL against the start-up itself.
+        # The grammar compiler (it imports xgrammar and transformers: seconds on a small CPU) builds
+        # in the background from here: started earlier it held the GIL against the start-up itself.
         if engine.structured is not None:
             engine.structured.warm_up()
         if on_ready is not None:
             on_ready(url)
 
-    uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level="warning", access_log=False,
-                               timeout_graceful_shutdown=5, lifespan="on")
+    uv_config = uvicorn.Config(
+        app,
+        host=config.host,
+        port=config.port,
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=5,
+        lifespan="on",
+    )
     server = _UvicornServer(uv_config, state, ready)
     server.run()
     if state.exit_code is None:  # uvicorn stopped on its own (e.g. the port was taken)
         return 1 if not server.started else 0
     return state.exit_code
-
-
-def _url_host(host: str) -> str:
-    if host in ("0.0.0.0", ""):
-        return "127.0.0.1"
-    return f"[{host}]" if ":" in host else host

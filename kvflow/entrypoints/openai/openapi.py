@@ -31,8 +31,12 @@ class ErrorResponse(BaseModel):
 
 
 def json_body(model: type[BaseModel]) -> dict[str, Any]:
-    return {"requestBody": {"required": True, "content": {
-        "application/json": {"schema": {"$ref": _REF.format(model=model.__name__)}}}}}
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": {"$ref": _REF.format(model=model.__name__)}}},
+        }
+    }
 
 
 def responses(stream: bool = False) -> dict[int | str, dict[str, Any]]:
@@ -40,12 +44,15 @@ def responses(stream: bool = False) -> dict[int | str, dict[str, Any]]:
     if stream:
         ok["content"]["text/event-stream"] = {}  # data: lines, each an OpenAI chunk object
     err = {"model": ErrorResponse}
-    return {200: ok, 400: {**err, "description": "Invalid request"},
-            401: {**err, "description": "Missing or wrong API key"},
-            404: {**err, "description": "Unknown model or route"},
-            413: {**err, "description": "Request body too large"},
-            500: {**err, "description": "This request failed (the others go on)"},
-            503: {**err, "description": "Overloaded, draining, or the engine failed"}}
+    return {
+        200: ok,
+        400: {**err, "description": "Invalid request"},
+        401: {**err, "description": "Missing or wrong API key"},
+        404: {**err, "description": "Unknown model or route"},
+        413: {**err, "description": "Request body too large"},
+        500: {**err, "description": "This request failed (the others go on)"},
+        503: {**err, "description": "Overloaded, draining, or the engine failed"},
+    }
 
 
 def install_openapi(app: FastAPI, models: tuple[type[BaseModel], ...]) -> None:

@@ -19,8 +19,9 @@ from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, create_model,
 from kvflow.entrypoints.openai.utils import APIError
 from kvflow.sampling_params import MAX_N, SamplingParams
 from kvflow.structured_output.params import StructuredOutputsParams
+from kvflow.utils.validation import is_int
 
-# Limits of the wire only (the README lists them with SamplingParams' own).
+# Limits of the wire only (docs/serving.md lists them with SamplingParams' own).
 MAX_PROMPTS = 256  # prompts in one /v1/completions request
 MAX_MESSAGES = 1024  # messages in one chat request
 MAX_TOOLS = 128  # tools in one chat request (OpenAI's limit)
@@ -161,13 +162,19 @@ class _SamplingFields(BaseModel):
 
 
 Prompt = str | list[int]
-_PROMPT_SCHEMA = {"anyOf": [
-    {"type": "string"},
-    {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": MAX_PROMPTS},
-    {"type": "array", "items": {"type": "integer"}, "minItems": 1},
-    {"type": "array", "items": {"type": "array", "items": {"type": "integer"}, "minItems": 1},
-     "minItems": 1, "maxItems": MAX_PROMPTS},
-]}
+_PROMPT_SCHEMA = {
+    "anyOf": [
+        {"type": "string"},
+        {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": MAX_PROMPTS},
+        {"type": "array", "items": {"type": "integer"}, "minItems": 1},
+        {
+            "type": "array",
+            "items": {"type": "array", "items": {"type": "integer"}, "minItems": 1},
+            "minItems": 1,
+            "maxItems": MAX_PROMPTS,
+        },
+    ]
+}
 
 
 class CompletionRequest(_SamplingFields):
@@ -208,21 +215,17 @@ def parse_prompts(v: Any) -> list[Prompt]:
         raise ValueError(shape)
     if not v:
         raise ValueError("prompt must not be empty")
-    if all(_is_token(x) for x in v):
+    if all(is_int(x) for x in v):
         return [list(v)]
     if len(v) > MAX_PROMPTS:
         raise ValueError(f"prompt holds {len(v)} prompts; at most {MAX_PROMPTS} are allowed in one request")
     if all(isinstance(x, str) for x in v):
         return list(v)
-    if all(isinstance(x, list) and all(_is_token(t) for t in x) for x in v):
+    if all(isinstance(x, list) and all(is_int(t) for t in x) for x in v):
         if any(not x for x in v):
             raise ValueError("prompt must not contain an empty token list")
         return [list(x) for x in v]
     raise ValueError(shape)
-
-
-def _is_token(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 # ---- chat messages: OpenAI's per-role rules ----------------------------------------------------------
@@ -300,9 +303,14 @@ class AssistantMessage(_Message):
     def template_dict(self) -> dict[str, Any]:
         msg = super().template_dict()
         if self.tool_calls:
-            msg["tool_calls"] = [{"id": c.id, "type": "function",
-                                  "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
-                                 for c in self.tool_calls]
+            msg["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)},
+                }
+                for c in self.tool_calls
+            ]
         return msg
 
 
@@ -327,8 +335,9 @@ class ToolMessage(_Message):
         return {**super().template_dict(), "tool_call_id": self.tool_call_id}
 
 
-ChatMessage = Annotated[SystemMessage | DeveloperMessage | UserMessage | AssistantMessage | ToolMessage,
-                        Field(discriminator="role")]
+ChatMessage = Annotated[
+    SystemMessage | DeveloperMessage | UserMessage | AssistantMessage | ToolMessage, Field(discriminator="role")
+]
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -345,8 +354,12 @@ def check_messages(v: Any) -> Any:
         return APIError(400, f"messages[{i}]{'.' + field if field else ''} {message}", param=param, code=code)
 
     if len(v) > MAX_MESSAGES:
-        raise APIError(400, f"messages holds {len(v)} messages; at most {MAX_MESSAGES} are allowed",
-                       param="messages", code="invalid_value")
+        raise APIError(
+            400,
+            f"messages holds {len(v)} messages; at most {MAX_MESSAGES} are allowed",
+            param="messages",
+            code="invalid_value",
+        )
     for i, m in enumerate(v):
         if not isinstance(m, dict):
             raise bad(i, None, "must be an object with a role and content")
@@ -360,8 +373,11 @@ def check_messages(v: Any) -> Any:
         if m.get("tool_calls") is not None and role != "assistant":
             raise bad(i, "tool_calls", "is only allowed in assistant messages")
         if m.get("content") is None and not (role == "assistant" and m.get("tool_calls")):
-            raise bad(i, "content", f"is required for a {role} message" +
-                      (" without tool_calls" if role == "assistant" else ""))
+            raise bad(
+                i,
+                "content",
+                f"is required for a {role} message" + (" without tool_calls" if role == "assistant" else ""),
+            )
         if role == "tool" and m.get("tool_call_id") is None:
             raise bad(i, "tool_call_id", "is required for a tool message")
     return v

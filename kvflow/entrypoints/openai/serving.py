@@ -10,8 +10,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvflow.engine.detokenizer import TokenBytes
 from kvflow.engine.async_llm import AsyncLLM, EngineDeadError, EngineOverloadedError, RequestHandle
+from kvflow.engine.detokenizer import TokenBytes
 from kvflow.entrypoints.openai.utils import APIError, abort_all, safe_logprob, value_error
 from kvflow.outputs import Logprob
 from kvflow.sampling_params import SamplingParams
@@ -28,8 +28,12 @@ class OpenAIServing:
 
     def model_name(self, requested: str | None) -> str:
         if requested is not None and requested != self.served_model_name:
-            raise APIError(404, f"the model `{requested}` does not exist; this server serves "
-                                f"`{self.served_model_name}`", param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"the model `{requested}` does not exist; this server serves `{self.served_model_name}`",
+                param="model",
+                code="model_not_found",
+            )
         return self.served_model_name
 
     # ---- tokens ------------------------------------------------------------------------------------
@@ -45,32 +49,51 @@ class OpenAIServing:
             return ""
         return self.tokenizer.decode(token_ids)
 
-    def apply_chat_template(self, conversation: list[dict[str, Any]], add_generation_prompt: bool,
-                            tools: list[dict[str, Any]] | None = None) -> str:
+    def apply_chat_template(
+        self, conversation: list[dict[str, Any]], add_generation_prompt: bool, tools: list[dict[str, Any]] | None = None
+    ) -> str:
         tok = self.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
         try:
-            return tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                           **({"tools": tools} if tools else {}))
+            return tok.apply_chat_template(
+                conversation,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                **({"tools": tools} if tools else {}),
+            )
         except Exception as e:  # jinja errors, raise_exception() in the template
             raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
 
     # ---- requests ----------------------------------------------------------------------------------
-    async def add_requests(self, request_id: str, prompts: Sequence[list[int]], params: SamplingParams,
-                           prompt_param: str, arrival_time: float, client: str | None = None) -> list[RequestHandle]:
+    async def add_requests(
+        self,
+        request_id: str,
+        prompts: Sequence[list[int]],
+        params: SamplingParams,
+        prompt_param: str,
+        arrival_time: float,
+        client: str | None = None,
+    ) -> list[RequestHandle]:
         """Add one engine request per prompt; all or none (a failure aborts those already added)."""
         limit = self.llm.max_waiting_requests
         if limit is not None and params.n * len(prompts) > limit:
             # Never admissible, however idle the server: the client's error, not an overload.
-            raise APIError(400, f"n ({params.n}) x {len(prompts)} prompts = {params.n * len(prompts)} sequences "
-                                f"exceeds the server's max_waiting_requests ({limit})", param="n",
-                           code="invalid_value")
+            raise APIError(
+                400,
+                f"n ({params.n}) x {len(prompts)} prompts = {params.n * len(prompts)} sequences "
+                f"exceeds the server's max_waiting_requests ({limit})",
+                param="n",
+                code="invalid_value",
+            )
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         results = await asyncio.gather(
-            *(self.llm.add_request(rid, p, params, arrival_time=arrival_time, client=client)
-              for rid, p in zip(ids, prompts)),
-            return_exceptions=True)
+            *(
+                self.llm.add_request(rid, p, params, arrival_time=arrival_time, client=client)
+                for rid, p in zip(ids, prompts)
+            ),
+            return_exceptions=True,
+        )
         handles = [r for r in results if isinstance(r, RequestHandle)]
         errors = [r for r in results if not isinstance(r, RequestHandle)]
         if not errors:
@@ -111,8 +134,14 @@ def now_s() -> int:
     return int(time.time())
 
 
-def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], num: int, offset: int,
-                        tokens: TokenBytes | None, start: int = 0) -> dict[str, Any]:
+def completion_logprobs(
+    token_ids: list[int],
+    logprobs: list[dict[int, Logprob]],
+    num: int,
+    offset: int,
+    tokens: TokenBytes | None,
+    start: int = 0,
+) -> dict[str, Any]:
     """OpenAI's legacy format for tokens [start:] of a completion: tokens, token_logprobs,
     top_logprobs (top `num` plus the sampled token), text_offset (the characters of the text
     before each token, from `offset`; a token ending inside a character moves it by nothing).
@@ -131,19 +160,27 @@ def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]]
             top_logprobs.append(top)
             text_offset.append(offset)
         offset += len(utf8.decode(tokens.bytes(tid))) if tokens is not None else 0
-    return {"tokens": out_tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
-            "text_offset": text_offset}
+    return {
+        "tokens": out_tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top_logprobs,
+        "text_offset": text_offset,
+    }
 
 
-def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], num: int,
-                  tokens: TokenBytes | None) -> dict[str, Any]:
+def chat_logprobs(
+    token_ids: list[int], logprobs: list[dict[int, Logprob]], num: int, tokens: TokenBytes | None
+) -> dict[str, Any]:
     """OpenAI's chat format: {"content": [{token, logprob, bytes, top_logprobs: [...]}]}; `bytes`
     are the token's own (a piece of a multi-byte character included), `token` is its text or, for
     such a piece, `bytes:\\xe3\\x81`."""
+
     def entry_of(t: int, lp: Logprob | None) -> dict[str, Any]:
-        return {"token": _token_text(t, lp, tokens),
-                "logprob": safe_logprob(lp.logprob) if lp is not None else -9999.0,
-                "bytes": list(tokens.bytes(t)) if tokens is not None else []}
+        return {
+            "token": _token_text(t, lp, tokens),
+            "logprob": safe_logprob(lp.logprob) if lp is not None else -9999.0,
+            "bytes": list(tokens.bytes(t)) if tokens is not None else [],
+        }
 
     content = []
     for tid, entry in zip(token_ids, logprobs):

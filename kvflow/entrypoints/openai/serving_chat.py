@@ -20,11 +20,27 @@ from starlette.responses import JSONResponse, Response
 from kvflow.engine.async_llm import RequestFailedError, RequestHandle
 from kvflow.entrypoints.openai.protocol import ChatCompletionRequest
 from kvflow.entrypoints.openai.serving import OpenAIServing, chat_logprobs, client_of, now_s, sampling_params
-from kvflow.entrypoints.openai.tool_parsers import (StreamingToolParser, ToolCall, ToolCallFormat,
-                                                    generic_system_prompt, get_tool_format, make_tool_call_id)
-from kvflow.entrypoints.openai.utils import (SSE_DONE, APIError, OwnedStreamingResponse,
-                                             finish_unstreamed, kv_transfer_fields, merge_handles,
-                                             parse_body, sse, sse_error, usage, value_error)
+from kvflow.entrypoints.openai.tool_parsers import (
+    StreamingToolParser,
+    ToolCall,
+    ToolCallFormat,
+    generic_system_prompt,
+    get_tool_format,
+    make_tool_call_id,
+)
+from kvflow.entrypoints.openai.utils import (
+    SSE_DONE,
+    APIError,
+    OwnedStreamingResponse,
+    finish_unstreamed,
+    kv_transfer_fields,
+    merge_handles,
+    parse_body,
+    sse,
+    sse_error,
+    usage,
+    value_error,
+)
 from kvflow.outputs import CompletionOutput, RequestOutput
 from kvflow.sampling_params import SamplingParams
 from kvflow.structured_output.params import StructuredOutputsParams
@@ -62,8 +78,12 @@ class ServingChat(OpenAIServing):
             raise APIError(400, f"tools: {e}", param="tools", code="invalid_value") from None
         if tag is not None:
             if params.structured_outputs is not None:
-                raise APIError(400, "response_format and structured_outputs cannot be combined with tools (unless "
-                                    "tool_choice is none)", param="response_format", code="invalid_value")
+                raise APIError(
+                    400,
+                    "response_format and structured_outputs cannot be combined with tools (unless tool_choice is none)",
+                    param="response_format",
+                    code="invalid_value",
+                )
             params.structured_outputs = StructuredOutputsParams(structural_tag=json.dumps(tag, ensure_ascii=False))
         return fmt
 
@@ -75,8 +95,9 @@ class ServingChat(OpenAIServing):
         tools = self._tools(req, params)
         prompt_ids = self.chat_prompt_ids(req, tools)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        handles = await self.add_requests(request_id, [prompt_ids], params, "messages", arrival,
-                                          client_of(raw, req.user))
+        handles = await self.add_requests(
+            request_id, [prompt_ids], params, "messages", arrival, client_of(raw, req.user)
+        )
         created = now_s()
         if req.stream:
             return OwnedStreamingResponse(self._stream(request_id, model, created, req, handles, tools), handles)
@@ -90,21 +111,46 @@ class ServingChat(OpenAIServing):
             return None
         return chat_logprobs(token_ids, logprobs, req.top_logprobs or 0, self.token_bytes)
 
-    def _response(self, request_id: str, model: str, created: int, req: ChatCompletionRequest,
-                  out: RequestOutput, tools: ToolCallFormat | None) -> dict[str, Any]:
+    def _response(
+        self,
+        request_id: str,
+        model: str,
+        created: int,
+        req: ChatCompletionRequest,
+        out: RequestOutput,
+        tools: ToolCallFormat | None,
+    ) -> dict[str, Any]:
         choices = []
         for c in out.outputs:
             message, reason = _message(c, tools)
-            choices.append({"index": c.index, "message": message,
-                            "logprobs": self._logprobs(req, c.token_ids, c.logprobs), "finish_reason": reason,
-                            "stop_reason": c.stop_reason})
-        return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
-                "choices": choices,
-                "usage": usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs)),
-                **kv_transfer_fields([out])}
+            choices.append(
+                {
+                    "index": c.index,
+                    "message": message,
+                    "logprobs": self._logprobs(req, c.token_ids, c.logprobs),
+                    "finish_reason": reason,
+                    "stop_reason": c.stop_reason,
+                }
+            )
+        return {
+            "id": request_id,
+            "object": "chat.completion",
+            "created": created,
+            "model": model,
+            "choices": choices,
+            "usage": usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs)),
+            **kv_transfer_fields([out]),
+        }
 
-    async def _stream(self, request_id: str, model: str, created: int, req: ChatCompletionRequest,
-                      handles: list[RequestHandle], tools: ToolCallFormat | None) -> AsyncIterator[str]:
+    async def _stream(
+        self,
+        request_id: str,
+        model: str,
+        created: int,
+        req: ChatCompletionRequest,
+        handles: list[RequestHandle],
+        tools: ToolCallFormat | None,
+    ) -> AsyncIterator[str]:
         base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
         extra = {"usage": None} if req.include_usage else {}
         parsers = [StreamingToolParser(tools) if tools is not None else None for _ in range(req.n)]
@@ -115,8 +161,20 @@ class ServingChat(OpenAIServing):
         n_prompt = 0
         try:
             for i in range(req.n):  # the role first, before any token
-                yield sse({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                                "logprobs": None, "finish_reason": None}], **extra})
+                yield sse(
+                    {
+                        **base,
+                        "choices": [
+                            {
+                                "index": i,
+                                "delta": {"role": "assistant", "content": ""},
+                                "logprobs": None,
+                                "finish_reason": None,
+                            }
+                        ],
+                        **extra,
+                    }
+                )
             async for _, out in merge_handles(handles):
                 n_prompt = len(out.prompt_token_ids)
                 for c in out.outputs:
@@ -126,7 +184,7 @@ class ServingChat(OpenAIServing):
                     delta: dict[str, Any] = {}
                     parser = parsers[i]
                     if parser is None:
-                        text = c.text[sent_text[i]:]
+                        text = c.text[sent_text[i] :]
                     else:  # tool calls: the parser decides what of the new text is content
                         text, calls = parser.feed(c.text, c.finished)
                         if calls:
@@ -134,14 +192,17 @@ class ServingChat(OpenAIServing):
                             made_calls[i] = True
                     if text:
                         delta["content"] = text
-                    new_ids = c.token_ids[sent_tokens[i]:]
+                    new_ids = c.token_ids[sent_tokens[i] :]
                     if not delta and not c.finished and not (req.logprobs and new_ids):
                         continue
-                    new_lps = c.logprobs[sent_tokens[i]:] if c.logprobs is not None else None
+                    new_lps = c.logprobs[sent_tokens[i] :] if c.logprobs is not None else None
                     reason = "tool_calls" if made_calls[i] and c.finish_reason == "stop" else c.finish_reason
-                    choice: dict[str, Any] = {"index": i, "delta": delta,
-                                              "logprobs": self._logprobs(req, new_ids, new_lps),
-                                              "finish_reason": reason}
+                    choice: dict[str, Any] = {
+                        "index": i,
+                        "delta": delta,
+                        "logprobs": self._logprobs(req, new_ids, new_lps),
+                        "finish_reason": reason,
+                    }
                     final: dict[str, Any] = {}
                     if c.finished:
                         choice["stop_reason"] = c.stop_reason
@@ -164,21 +225,25 @@ def _message(c: CompletionOutput, tools: ToolCallFormat | None) -> tuple[dict[st
     message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
     if not parsed.tool_calls:
         return message, c.finish_reason
-    message["tool_calls"] = [{"id": make_tool_call_id(), "type": "function",
-                              "function": {"name": t.name, "arguments": t.arguments}} for t in parsed.tool_calls]
+    message["tool_calls"] = [
+        {"id": make_tool_call_id(), "type": "function", "function": {"name": t.name, "arguments": t.arguments}}
+        for t in parsed.tool_calls
+    ]
     return message, "tool_calls" if c.finish_reason == "stop" else c.finish_reason
 
 
-def _generic_conversation(conversation: list[dict[str, Any]], fmt: ToolCallFormat,
-                          req: ChatCompletionRequest) -> list[dict[str, Any]]:
+def _generic_conversation(
+    conversation: list[dict[str, Any]], fmt: ToolCallFormat, req: ChatCompletionRequest
+) -> list[dict[str, Any]]:
     """For a template that knows nothing of tools: the tools and the reply protocol go into the
     system message, and earlier calls are written back as the text the protocol produces."""
     prompt = generic_system_prompt(req.tool_dicts(), req.effective_tool_choice, req.parallel_tool_calls)
     out = []
     for m in conversation:
         if m.get("tool_calls"):
-            calls = [ToolCall(c["function"]["name"], _arguments_text(c["function"]["arguments"]))
-                     for c in m["tool_calls"]]
+            calls = [
+                ToolCall(c["function"]["name"], _arguments_text(c["function"]["arguments"])) for c in m["tool_calls"]
+            ]
             m = {"role": "assistant", "content": fmt.history_text(calls)}
         out.append(m)
     if out and out[0]["role"] == "system":

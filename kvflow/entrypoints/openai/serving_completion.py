@@ -13,9 +13,17 @@ from starlette.responses import JSONResponse, Response
 from kvflow.engine.async_llm import RequestFailedError, RequestHandle
 from kvflow.entrypoints.openai.protocol import CompletionRequest
 from kvflow.entrypoints.openai.serving import OpenAIServing, client_of, completion_logprobs, now_s, sampling_params
-from kvflow.entrypoints.openai.utils import (SSE_DONE, OwnedStreamingResponse,
-                                             finish_unstreamed, kv_transfer_fields, merge_handles,
-                                             parse_body, sse, sse_error, usage)
+from kvflow.entrypoints.openai.utils import (
+    SSE_DONE,
+    OwnedStreamingResponse,
+    finish_unstreamed,
+    kv_transfer_fields,
+    merge_handles,
+    parse_body,
+    sse,
+    sse_error,
+    usage,
+)
 from kvflow.outputs import RequestOutput
 
 
@@ -37,19 +45,29 @@ class ServingCompletion(OpenAIServing):
             return Response(status_code=499)  # the client closed the connection
         return JSONResponse(self._response(ctx, finals))
 
-    def _choice(self, ctx: "_Ctx", prompt_index: int, c, text: str, first_token: int) -> dict[str, Any]:
+    def _choice(self, ctx: _Ctx, prompt_index: int, c, text: str, first_token: int) -> dict[str, Any]:
         """The choice for text `text` and the logprobs of c's tokens from `first_token` on."""
         lp = None
         if ctx.req.logprobs is not None and c.logprobs is not None:
-            lp = completion_logprobs(c.token_ids, c.logprobs, ctx.req.logprobs, len(ctx.echo[prompt_index]),
-                                     self.token_bytes, start=first_token)
-        choice = {"index": prompt_index * ctx.req.n + c.index, "text": text, "logprobs": lp,
-                  "finish_reason": c.finish_reason}
+            lp = completion_logprobs(
+                c.token_ids,
+                c.logprobs,
+                ctx.req.logprobs,
+                len(ctx.echo[prompt_index]),
+                self.token_bytes,
+                start=first_token,
+            )
+        choice = {
+            "index": prompt_index * ctx.req.n + c.index,
+            "text": text,
+            "logprobs": lp,
+            "finish_reason": c.finish_reason,
+        }
         if c.finish_reason is not None:
             choice["stop_reason"] = c.stop_reason
         return choice
 
-    def _response(self, ctx: "_Ctx", finals: list[RequestOutput]) -> dict[str, Any]:
+    def _response(self, ctx: _Ctx, finals: list[RequestOutput]) -> dict[str, Any]:
         choices = []
         for pi, out in enumerate(finals):
             for c in out.outputs:
@@ -57,10 +75,17 @@ class ServingCompletion(OpenAIServing):
                 choices.append(self._choice(ctx, pi, c, prefix + c.text, 0))
         n_prompt = sum(len(o.prompt_token_ids) for o in finals)
         n_out = sum(len(c.token_ids) for o in finals for c in o.outputs)
-        return {"id": ctx.request_id, "object": "text_completion", "created": ctx.created, "model": ctx.model,
-                "choices": choices, "usage": usage(n_prompt, n_out), **kv_transfer_fields(finals)}
+        return {
+            "id": ctx.request_id,
+            "object": "text_completion",
+            "created": ctx.created,
+            "model": ctx.model,
+            "choices": choices,
+            "usage": usage(n_prompt, n_out),
+            **kv_transfer_fields(finals),
+        }
 
-    async def _stream(self, ctx: "_Ctx", handles: list[RequestHandle]) -> AsyncIterator[str]:
+    async def _stream(self, ctx: _Ctx, handles: list[RequestHandle]) -> AsyncIterator[str]:
         req = ctx.req
         base = {"id": ctx.request_id, "object": "text_completion", "created": ctx.created, "model": ctx.model}
         extra = {"usage": None} if req.include_usage else {}
@@ -79,8 +104,12 @@ class ServingCompletion(OpenAIServing):
                     n_chars, n_tok = sent_text.get(idx, 0), sent_tokens.get(idx, 0)
                     delta = c.text[n_chars:]
                     new_ids = c.token_ids[n_tok:]
-                    if not delta and not c.finished and not (req.logprobs is not None and new_ids) and not (
-                            first and ctx.echo[pi]):
+                    if (
+                        not delta
+                        and not c.finished
+                        and not (req.logprobs is not None and new_ids)
+                        and not (first and ctx.echo[pi])
+                    ):
                         continue
                     prefix = ctx.echo[pi] if first else ""
                     choice = self._choice(ctx, pi, c, prefix + delta, n_tok)
@@ -90,8 +119,9 @@ class ServingCompletion(OpenAIServing):
                         finished.add(idx)
                     yield sse({**base, "choices": [choice], **extra, **final})
             if req.include_usage:
-                yield sse({**base, "choices": [], "usage": usage(sum(prompt_tokens.values()),
-                                                                 sum(sent_tokens.values()))})
+                yield sse(
+                    {**base, "choices": [], "usage": usage(sum(prompt_tokens.values()), sum(sent_tokens.values()))}
+                )
         except RequestFailedError as e:
             yield sse_error(str(e))
         yield SSE_DONE

@@ -22,7 +22,7 @@ import re
 import secrets
 from dataclasses import dataclass
 
-TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral", "generic")
+from kvflow.config import TOOL_CALL_PARSERS
 
 
 @dataclass
@@ -60,7 +60,7 @@ def _skip_ws(text: str, i: int) -> int:
 
 def _starts(text: str, i: int, literal: str, final: bool) -> bool:
     """Whether `literal` is at text[i:]. Raises _NeedMore while the text ends inside a prefix of it."""
-    chunk = text[i:i + len(literal)]
+    chunk = text[i : i + len(literal)]
     if chunk == literal:
         return True
     if len(chunk) < len(literal) and literal.startswith(chunk) and not final:
@@ -197,7 +197,7 @@ def _unescape(text: str, i: int) -> tuple[str, int] | None:
     """text[i] is a backslash inside a JSON string: (what it stands for, how many chars it spans), or
     None while the text ends inside it. Lenient: a bad escape stands for the escaped char itself and a
     lone surrogate for U+FFFD, so model output never raises."""
-    rest = text[i:i + 6]
+    rest = text[i : i + 6]
     if len(rest) < 2:
         return None
     if rest[1] != "u":
@@ -206,7 +206,7 @@ def _unescape(text: str, i: int) -> tuple[str, int] | None:
     if code is None:
         return None if len(rest) < 6 and _could_become(rest, _HEX_ESCAPE) else ("u", 2)
     if 0xD800 <= code < 0xDC00:  # a high surrogate: the pair's low half should follow
-        low = text[i + 6:i + 12]
+        low = text[i + 6 : i + 12]
         if len(low) < 6 and _could_become(low, _LOW_SURROGATE_ESCAPE):
             return None
         low_code = _hex4(low[2:]) if low[:2] == "\\u" else None
@@ -253,7 +253,7 @@ class _Content:
             self.pending += s
             return
         self.events.append(("content", self.pending + body))
-        self.started, self.pending, self.gap = True, s[len(body):], False
+        self.started, self.pending, self.gap = True, s[len(body) :], False
 
     def call(self) -> None:
         if not self.started:  # whitespace before the first call is not content
@@ -357,7 +357,7 @@ class _CallScanner:
         return False
 
     def _plain(self) -> bool:  # text to the end, no markers
-        self.content.text(self.text[self.pos:])
+        self.content.text(self.text[self.pos :])
         self.pos = len(self.text)
         return False
 
@@ -421,7 +421,7 @@ class _CallScanner:
         end = self.brackets.scan(self.text, self.pos)
         stop = len(self.text) if end is None else end
         if stop > self.pos:
-            self._args(self.text[self.pos:stop])
+            self._args(self.text[self.pos : stop])
             self.pos = stop
         if end is None:
             return False
@@ -541,8 +541,10 @@ def _named_tool(tool_choice: str | dict, names: list[str]) -> str | None:
     function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
     name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(name, str):
-        raise ValueError("tool_choice must be 'auto', 'required' or "
-                         f"{{'type': 'function', 'function': {{'name': ...}}}}, got {tool_choice!r}")
+        raise ValueError(
+            "tool_choice must be 'auto', 'required' or "
+            f"{{'type': 'function', 'function': {{'name': ...}}}}, got {tool_choice!r}"
+        )
     if name not in names:
         raise ValueError(f"tool_choice names the tool {name!r}, which is not among the tools")
     return name
@@ -616,12 +618,21 @@ class ToolCallFormat:
 
     def _call_tag(self, name: str, schema: dict) -> dict:
         # The begin string fixes the name, so only the arguments are left to the JSON schema.
-        return {"type": "tag", "begin": self._call_head(name),
-                "content": {"type": "json_schema", "json_schema": schema}, "end": "}" + self.call_suffix}
+        return {
+            "type": "tag",
+            "begin": self._call_head(name),
+            "content": {"type": "json_schema", "json_schema": schema},
+            "end": "}" + self.call_suffix,
+        }
 
     def _calls_list(self, tags: list[dict], parallel: bool) -> dict:
-        return {"type": "tags_with_separator", "tags": tags, "separator": self.call_separator,
-                "at_least_one": True, "stop_after_first": not parallel}
+        return {
+            "type": "tags_with_separator",
+            "tags": tags,
+            "separator": self.call_separator,
+            "at_least_one": True,
+            "stop_after_first": not parallel,
+        }
 
     def _calls_format(self, tags: list[dict], parallel: bool) -> dict:
         """Nothing but one or more calls."""
@@ -637,19 +648,20 @@ class ToolCallFormat:
 
 class HermesFormat(ToolCallFormat):
     """Qwen2.5 / Hermes: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` per call."""
+
     name = "hermes"
     markers = ("<tool_call>",)
     block_close = ("</tool_call>",)
     call_prefix, call_suffix, call_separator = "<tool_call>\n", "\n</tool_call>", "\n"
 
     def _auto_format(self, tags: list[dict], parallel: bool) -> dict | None:
-        return {"type": "triggered_tags", "triggers": ["<tool_call>"], "tags": tags,
-                "stop_after_first": not parallel}
+        return {"type": "triggered_tags", "triggers": ["<tool_call>"], "tags": tags, "stop_after_first": not parallel}
 
 
 class Llama3JsonFormat(ToolCallFormat):
     """Llama 3.x JSON tool calls: the output is `{"name": ..., "parameters": {...}}; {...}` (maybe after
     <|python_tag|>), or it is plain content."""
+
     name = "llama3_json"
     start_markers = ("<|python_tag|>", "")
     separator, separator_optional = ";", True
@@ -666,6 +678,7 @@ class Llama3JsonFormat(ToolCallFormat):
 class MistralFormat(ToolCallFormat):
     """Mistral: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`. [TOOL_CALLS] is a special token,
     so a bare list opening the output is read as calls too (text decoded without special tokens)."""
+
     name = "mistral"
     markers = ("[TOOL_CALLS]",)
     start_markers = ("",)
@@ -673,16 +686,25 @@ class MistralFormat(ToolCallFormat):
     call_separator, list_open, list_close = ", ", "[TOOL_CALLS][", "]"
 
     def _auto_format(self, tags: list[dict], parallel: bool) -> dict | None:
-        calls = {"type": "tag", "begin": self.list_open, "content": self._calls_list(tags, parallel),
-                 "end": self.list_close}
-        return {"type": "triggered_tags", "triggers": ["[TOOL_CALLS]"], "tags": [calls],
-                "stop_after_first": not parallel}
+        calls = {
+            "type": "tag",
+            "begin": self.list_open,
+            "content": self._calls_list(tags, parallel),
+            "end": self.list_close,
+        }
+        return {
+            "type": "triggered_tags",
+            "triggers": ["[TOOL_CALLS]"],
+            "tags": [calls],
+            "stop_after_first": not parallel,
+        }
 
 
 class GenericFormat(ToolCallFormat):
     """kvflow's protocol for templates without tool support (tools are described in the system prompt):
     the output is one JSON object, `{"tool_calls": [{"name": ..., "arguments": {...}}]}` or
     `{"response": "text"}`."""
+
     name = "generic"
     uses_template_tools = False
     start_markers = ("",)
@@ -691,13 +713,20 @@ class GenericFormat(ToolCallFormat):
     call_separator, list_open, list_close = ", ", '{"tool_calls": [', "]}"
 
     def _auto_format(self, tags: list[dict], parallel: bool) -> dict | None:
-        response = {"type": "sequence", "elements": [
-            _const('{"response": '), {"type": "json_schema", "json_schema": {"type": "string"}}, _const("}")]}
+        response = {
+            "type": "sequence",
+            "elements": [
+                _const('{"response": '),
+                {"type": "json_schema", "json_schema": {"type": "string"}},
+                _const("}"),
+            ],
+        }
         return {"type": "or", "elements": [self._calls_format(tags, parallel), response]}
 
 
 FORMATS: dict[str, type[ToolCallFormat]] = {
-    cls.name: cls for cls in (HermesFormat, Llama3JsonFormat, MistralFormat, GenericFormat)}
+    cls.name: cls for cls in (HermesFormat, Llama3JsonFormat, MistralFormat, GenericFormat)
+}
 
 
 def get_tool_format(name: str, chat_template: str | None) -> ToolCallFormat:
@@ -721,13 +750,16 @@ def generic_system_prompt(tools: list[dict], tool_choice: str | dict, parallel: 
     """The instructions that stand in for a chat template's tool support (with GenericFormat)."""
     specs = _function_specs(tools)
     named = _named_tool(tool_choice, [name for name, _, _ in specs])
-    described = [{"name": name, **({"description": d} if d else {}), "parameters": schema}
-                 for name, schema, d in specs]
-    call = ('{"tool_calls": [{"name": "<tool name>", "arguments": {<arguments, as the tool\'s parameters '
-            'schema says>}}]}')
-    lines = ["You can call these tools (functions), described here in JSON:",
-             json.dumps(described, indent=2, ensure_ascii=False), "",
-             "Reply with exactly one JSON object and nothing else."]
+    described = [{"name": name, **({"description": d} if d else {}), "parameters": schema} for name, schema, d in specs]
+    call = (
+        '{"tool_calls": [{"name": "<tool name>", "arguments": {<arguments, as the tool\'s parameters schema says>}}]}'
+    )
+    lines = [
+        "You can call these tools (functions), described here in JSON:",
+        json.dumps(described, indent=2, ensure_ascii=False),
+        "",
+        "Reply with exactly one JSON object and nothing else.",
+    ]
     if named is not None:
         lines.append(f"You must call the tool {json.dumps(named, ensure_ascii=False)}, like this:")
         lines.append(call.replace('"<tool name>"', json.dumps(named, ensure_ascii=False)))
@@ -765,8 +797,14 @@ class StreamingToolParser:
                 content.append(event[1])
             elif event[0] == "call":
                 self.tool_call_ids.append(make_tool_call_id())
-                deltas.append({"index": event[1], "id": self.tool_call_ids[-1], "type": "function",
-                               "function": {"name": event[2], "arguments": ""}})
+                deltas.append(
+                    {
+                        "index": event[1],
+                        "id": self.tool_call_ids[-1],
+                        "type": "function",
+                        "function": {"name": event[2], "arguments": ""},
+                    }
+                )
             elif deltas and "id" not in deltas[-1] and deltas[-1]["index"] == event[1]:
                 deltas[-1]["function"]["arguments"] += event[2]
             else:

@@ -22,15 +22,29 @@ from kvflow.sampling_params import SamplingParams, check_text
 
 M = TypeVar("M", bound=BaseModel)
 
-_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-          413: "invalid_request_error", 500: "server_error", 503: "server_error"}
+_TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    404: "invalid_request_error",
+    413: "invalid_request_error",
+    500: "server_error",
+    503: "server_error",
+}
 
 
 class APIError(Exception):
     """Becomes `{"error": {"message", "type", "param", "code"}}` with this HTTP status."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type: str | None = None, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -127,8 +141,12 @@ def pydantic_error(err: dict[str, Any]) -> APIError:
     raw_loc = [x for x in err.get("loc", ()) if x != "body"]
     loc: list[str] = []
     for i, x in enumerate(raw_loc):
-        if i > 0 and isinstance(x, str) and _UNION_PARTS.match(x) and (isinstance(raw_loc[i - 1], int) or
-                                                                         i == len(raw_loc) - 1):
+        if (
+            i > 0
+            and isinstance(x, str)
+            and _UNION_PARTS.match(x)
+            and (isinstance(raw_loc[i - 1], int) or i == len(raw_loc) - 1)
+        ):
             continue
         loc.append(str(x))
     param = ".".join(loc) or None
@@ -151,8 +169,22 @@ def _short(value: Any) -> bool:
 
 
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)} | {
-    "best_of", "suffix", "echo", "top_logprobs", "logit_bias", "n", "stream_options", "response_format", "tools",
-    "tool_choice", "functions", "function_call", "messages", "parallel_tool_calls", "structured_outputs"}
+    "best_of",
+    "suffix",
+    "echo",
+    "top_logprobs",
+    "logit_bias",
+    "n",
+    "stream_options",
+    "response_format",
+    "tools",
+    "tool_choice",
+    "functions",
+    "function_call",
+    "messages",
+    "parallel_tool_calls",
+    "structured_outputs",
+}
 
 
 def value_error(e: ValueError, prompt_param: str = "prompt") -> APIError:
@@ -187,8 +219,12 @@ class OwnedStreamingResponse(StreamingResponse):
     cancelled before the body iterator ever ran)."""
 
     def __init__(self, content: AsyncIterator[str], handles: Sequence[RequestHandle], **kwargs: Any) -> None:
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}, **kwargs)
+        super().__init__(
+            content,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            **kwargs,
+        )
         self.handles = handles
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -279,8 +315,11 @@ def kv_transfer_fields(outputs: Sequence[RequestOutput]) -> dict[str, Any]:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def safe_logprob(x: float) -> float:

@@ -5,9 +5,10 @@ are freed) with fresh mmaps and frees them with munmap, and trims the heap top p
 step's activations of a few MB each (a prefill chunk's [2048, 3072] projection output, a batch's
 [64, 49152] logits) are then new pages every time, faulted in and zeroed by the kernel on first
 touch. Raising both thresholds keeps freed blocks in the heap for the next step (as vLLM's CPU
-build gets by preloading tcmalloc). On a 2-vCPU Xeon, benchmarks/serve_replay.py --dtype bfloat16:
-the steps carrying prefill chunks 0.77-0.97 s -> 0.54-0.62 s. The heap then holds its peak (the pool of activations a step
-needs); the KV cache and the weights above 32 MB are mmaps of their own either way.
+build gets by preloading tcmalloc): steps carrying prefill chunks got markedly faster under
+benchmarks/serve_replay.py (figures in docs/benchmarks/results/). The heap then holds its peak
+(the pool of activations a step needs); the KV cache and the weights above 32 MB are mmaps of
+their own either way.
 """
 
 from __future__ import annotations

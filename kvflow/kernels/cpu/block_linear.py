@@ -1,7 +1,7 @@
 """The linear over block-quantized weights on the CPU: `BlockQuantKernel`, csrc/block_linear.cpp's
 integer dot products over GGUF's blocks as stored (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) with activations
 quantized per 32 values to int8, the norm / activation that feeds the projection and the residual
-in the same call. The ``gguf`` and ``int4`` backends of kvflow.layers.linear.
+in the same call. The ``gguf`` and ``int4`` backends of kvflow.layers.linear_kernels.
 """
 
 from __future__ import annotations
@@ -9,15 +9,12 @@ from __future__ import annotations
 import ctypes
 import functools
 import weakref
-from typing import TYPE_CHECKING
 
 import torch
 
 from kvflow.kernels.cpu import native
-from kvflow.layers.block_quant import BlockQuantized, quantize
-
-if TYPE_CHECKING:
-    from kvflow.layers.norm import RMSNorm
+from kvflow.kernels.norm import NormWeights
+from kvflow.quantization.gguf_blocks import BlockQuantized, quantize
 
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 _SIGNATURES = {
@@ -61,7 +58,7 @@ class BlockQuantKernel:
     output channels (a fused projection keeps each part's own format), all over the same inputs.
 
     Takes `norm=` / `silu_mul=` as the other native kernels do, so the per-layer path and the fused
-    decode pass (kvflow.kernels.cpu.decode_pass) run the same code on a token."""
+    decode pass (kvflow.models.decode_pass) run the same code on a token."""
 
     backend = "gguf"
 
@@ -95,9 +92,17 @@ class BlockQuantKernel:
         self._lib.kvflow_block_rows(self.native_handle, flat.data_ptr(), flat.numel(), out.data_ptr())
         return out.view(*ids.shape, self.in_features)
 
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None, *,
-                 norm: RMSNorm | None = None, silu_mul: bool = False) -> torch.Tensor:
-        return native.fused_linear(self, self._lib.kvflow_block_linear, x, residual, norm, silu_mul, "block-quantized linear")
+    def __call__(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None = None,
+        *,
+        norm: NormWeights | None = None,
+        silu_mul: bool = False,
+    ) -> torch.Tensor:
+        return native.fused_linear(
+            self, self._lib.kvflow_block_linear, x, residual, norm, silu_mul, "block-quantized linear"
+        )
 
     def dequantized_weight(self) -> torch.Tensor:
         return self.rows(torch.arange(self.out_features))

@@ -3,22 +3,19 @@ over a packed copy of the weight (panels of output channels, register tiles of r
 with the norm / activation that feeds the projection and the residual in the same call. float32
 sums; the weight in float32, or in bfloat16 (half the bytes a decode step reads: through the CPU's
 bf16 dot product on bf16-rounded inputs where it has AVX512-BF16, `bf16_dot` -- on AMX tiles where
-it has those, `bf16_amx` -- else widened in registers). The ``native`` path of kvflow.layers.linear
-for float32 and bfloat16 models.
+it has those, `bf16_amx` -- else widened in registers). The ``native`` path of
+kvflow.layers.linear_kernels for float32 and bfloat16 models.
 """
 
 from __future__ import annotations
 
 import ctypes
 import weakref
-from typing import TYPE_CHECKING
 
 import torch
 
 from kvflow.kernels.cpu import native
-
-if TYPE_CHECKING:
-    from kvflow.layers.norm import RMSNorm
+from kvflow.kernels.norm import NormWeights
 
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 _SIGNATURES = {
@@ -55,16 +52,18 @@ class NativeFloatKernel:
     """y = residual + W . pre(x) + bias in float32, W [out, in] (float32 or bfloat16) packed once
     into the kernel's layout; the result in x's dtype.
 
-    `norm=<RMSNorm>` / `silu_mul=True` apply the op that produces the projection's input first
+    `norm=<NormWeights>` / `silu_mul=True` apply the op that produces the projection's input first
     (as Int8Kernel takes them), so the per-layer path and the fused decode pass
-    (kvflow.kernels.cpu.decode_pass) run the same code on a token."""
+    (kvflow.models.decode_pass) run the same code on a token."""
 
     backend = "native"
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         if weight.dtype not in WEIGHT_TYPES or weight.device.type != "cpu":
-            raise ValueError(f"the native float linear takes float32 or bfloat16 CPU weights, got {weight.dtype} "
-                             f"on {weight.device.type}")
+            raise ValueError(
+                f"the native float linear takes float32 or bfloat16 CPU weights, got {weight.dtype} "
+                f"on {weight.device.type}"
+            )
         self._lib = float_library()
         if self._lib is None:
             raise RuntimeError("the native linear library could not be built here (see the log)")
@@ -72,16 +71,24 @@ class NativeFloatKernel:
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else bias.detach().float().contiguous().clone()
         w = weight.detach().contiguous()
-        self.native_handle = self._lib.kvflow_float_pack(w.data_ptr(), self.out_features, self.in_features,
-                                                         WEIGHT_TYPES[weight.dtype])
+        self.native_handle = self._lib.kvflow_float_pack(
+            w.data_ptr(), self.out_features, self.in_features, WEIGHT_TYPES[weight.dtype]
+        )
         if not self.native_handle:
             raise MemoryError(f"no memory for the packed {self.out_features}x{self.in_features} weight")
         weakref.finalize(self, self._lib.kvflow_float_free, self.native_handle)
 
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None, *,
-                 norm: RMSNorm | None = None, silu_mul: bool = False) -> torch.Tensor:
-        return native.fused_linear(self, self._lib.kvflow_float_linear, x, residual, norm, silu_mul,
-                                   "native float linear")
+    def __call__(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None = None,
+        *,
+        norm: NormWeights | None = None,
+        silu_mul: bool = False,
+    ) -> torch.Tensor:
+        return native.fused_linear(
+            self, self._lib.kvflow_float_linear, x, residual, norm, silu_mul, "native float linear"
+        )
 
     def dequantized_weight(self) -> torch.Tensor:
         """The weight back from the packed copy, in its own dtype (tests)."""
@@ -91,5 +98,6 @@ class NativeFloatKernel:
 
     @property
     def nbytes(self) -> int:
-        return self.out_features * self.in_features * self.weight_dtype.itemsize + \
-            (0 if self.bias is None else self.bias.numel() * 4)
+        return self.out_features * self.in_features * self.weight_dtype.itemsize + (
+            0 if self.bias is None else self.bias.numel() * 4
+        )

@@ -9,16 +9,13 @@ import ctypes
 import os
 import warnings
 import weakref
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from kvflow.kernels.cpu import native
-from kvflow.layers.quant import quantize_weight_per_channel
-
-if TYPE_CHECKING:
-    from kvflow.layers.norm import RMSNorm
+from kvflow.kernels.norm import NormWeights, rms_norm
+from kvflow.quantization.int8 import quantize_weight_per_channel
 
 # FBGEMM's AVX2 kernels multiply u8 activations by s8 weights with vpmaddubsw, which can saturate
 # the int16 sum of two adjacent products; 7-bit activations rule that out at a cost in accuracy.
@@ -37,11 +34,11 @@ class Int8Kernel:
     does, a token with massive activations flattens the others: perplexity +200% on SmolLM2-135M),
     and a token's result does not depend on what it is batched with.
 
-    `norm=<RMSNorm>` or `silu_mul=True` apply the op that produces the projection's input first
+    `norm=<NormWeights>` or `silu_mul=True` apply the op that produces the projection's input first
     (that RMSNorm; silu(x[:, :k]) * x[:, k:]), and `residual` is added to the output: with the native
     library (csrc/int8_linear.cpp, FBGEMM called directly) a projection and its neighbours are then
     one call; without it, the same maths runs as torch ops around `torch.ops.quantized`. The
-    ``int8`` backend of kvflow.layers.linear.
+    ``int8`` backend of kvflow.layers.linear_kernels.
     """
 
     backend = "int8"
@@ -59,8 +56,12 @@ class Int8Kernel:
         self.native_handle: int | None = None
         if self._lib is not None:
             self.native_handle = self._lib.kvflow_int8_pack(
-                q.contiguous().data_ptr(), scale.contiguous().data_ptr(), self.out_features, self.in_features,
-                self.x_zero_point - 1)
+                q.contiguous().data_ptr(),
+                scale.contiguous().data_ptr(),
+                self.out_features,
+                self.in_features,
+                self.x_zero_point - 1,
+            )
         if self.native_handle is not None:
             weakref.finalize(self, self._lib.kvflow_int8_free, self.native_handle)
         else:
@@ -71,18 +72,39 @@ class Int8Kernel:
     def native(self) -> bool:
         return self.native_handle is not None
 
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None, *,
-                 norm: RMSNorm | None = None, silu_mul: bool = False) -> torch.Tensor:
+    def __call__(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None = None,
+        *,
+        norm: NormWeights | None = None,
+        silu_mul: bool = False,
+    ) -> torch.Tensor:
         dtype = x.dtype
         if x.shape[-1] != (2 if silu_mul else 1) * self.in_features:
-            raise ValueError(f"int8 linear of {self.in_features} inputs got rows of {x.shape[-1]}"
-                             + (" (silu_mul takes gate and up: twice the inputs)" if silu_mul else ""))
-        if self.native and dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1 and (
-                residual is None or residual.stride(1) == 1):
-            return native.call_linear(self._lib.kvflow_int8_linear, self.native_handle, x, residual, norm, silu_mul,
-                                      self.bias, self.out_features)
+            raise ValueError(
+                f"int8 linear of {self.in_features} inputs got rows of {x.shape[-1]}"
+                + (" (silu_mul takes gate and up: twice the inputs)" if silu_mul else "")
+            )
+        if (
+            self.native
+            and dtype == torch.float32
+            and x.dim() == 2
+            and x.stride(1) == 1
+            and (residual is None or residual.stride(1) == 1)
+        ):
+            return native.call_linear(
+                self._lib.kvflow_int8_linear,
+                self.native_handle,
+                x,
+                residual,
+                norm,
+                silu_mul,
+                self.bias,
+                self.out_features,
+            )
         if norm is not None:
-            x = norm.forward(x)
+            x = rms_norm(x, norm.weight, norm.eps)
         x = x.float()
         if silu_mul:
             gate, up = x.chunk(2, dim=-1)
@@ -132,7 +154,8 @@ def fbgemm_prepack(q: torch.Tensor, scale: torch.Tensor):
     with warnings.catch_warnings():  # torch deprecates quantized tensors; FBGEMM's prepack takes one
         warnings.simplefilter("ignore")
         qweight = torch._make_per_channel_quantized_tensor(
-            q, scale.double(), torch.zeros(len(scale), dtype=torch.long), 0)
+            q, scale.double(), torch.zeros(len(scale), dtype=torch.long), 0
+        )
     previous = torch.backends.quantized.engine
     torch.backends.quantized.engine = "fbgemm"
     try:
@@ -156,7 +179,8 @@ def activation_qparams() -> tuple[float, int]:
     if _QPARAMS is None:
         k = 64
         y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
-            torch.ones(1, k), 1 / 127, 128, fbgemm_prepack(*quantize_weight_per_channel(torch.ones(8, k))))
+            torch.ones(1, k), 1 / 127, 128, fbgemm_prepack(*quantize_weight_per_channel(torch.ones(8, k)))
+        )
         exact = torch.allclose(y, torch.full_like(y, float(k)), rtol=1e-3)
         _QPARAMS = (1 / 127, 128) if exact else (1 / 63, 64)
     return _QPARAMS

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from kvflow.cache import cache_root
+from kvflow.kernels.norm import NormWeights
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +42,12 @@ LINK_FLAGS = ("-shared", "-fopenmp", "-lm")
 _TORCH = Path(torch.__file__).parent
 LANGUAGES = {  # suffix -> (compiler: $env or the first found, standard, extra compile flags, extra link flags)
     ".c": (("CC", "gcc", "cc"), "-std=c11", (), ()),
-    ".cpp": (("CXX", "g++", "c++"), "-std=c++17", (f"-I{_TORCH / 'include'}",),
-             (f"-L{_TORCH / 'lib'}", "-ltorch_cpu", f"-Wl,-rpath,{_TORCH / 'lib'}")),
+    ".cpp": (
+        ("CXX", "g++", "c++"),
+        "-std=c++17",
+        (f"-I{_TORCH / 'include'}",),
+        (f"-L{_TORCH / 'lib'}", "-ltorch_cpu", f"-Wl,-rpath,{_TORCH / 'lib'}"),
+    ),
 }
 
 _cache: dict[str, ctypes.CDLL | None] = {}
@@ -74,8 +79,10 @@ def cpu_id() -> str:
 # or contracted differently from one tile shape to the next (a token's result would depend on its
 # batch: gcc fused one float tile shape's multiply-adds and not another's on an AVX2 EPYC); the
 # float kernel's FMAs are written out (simd.h fmadd).
-SOURCE_FLAGS = {"block_linear.cpp": ("-fno-associative-math", "-ffp-contract=off"),
-                "float_linear.cpp": ("-fno-associative-math", "-ffp-contract=off")}
+SOURCE_FLAGS = {
+    "block_linear.cpp": ("-fno-associative-math", "-ffp-contract=off"),
+    "float_linear.cpp": ("-fno-associative-math", "-ffp-contract=off"),
+}
 
 # Library -> its sources (one language per library). Headers (csrc/*.h) are shared.
 LIBRARIES = {
@@ -95,8 +102,18 @@ def _build(name: str, sources: list[Path], cc: str) -> Path:
     texts = [p.read_bytes() for p in (*sources, *sorted(CSRC.glob("*.h")))]
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     per_source = [" ".join(SOURCE_FLAGS.get(src.name, ())).encode() for src in sources]
-    key = hashlib.sha256(b"\0".join([*texts, *per_source, " ".join(compile_flags + link_flags).encode(), version.encode(),
-                                     torch.__version__.encode(), cpu_id().encode()])).hexdigest()[:16]
+    key = hashlib.sha256(
+        b"\0".join(
+            [
+                *texts,
+                *per_source,
+                " ".join(compile_flags + link_flags).encode(),
+                version.encode(),
+                torch.__version__.encode(),
+                cpu_id().encode(),
+            ]
+        )
+    ).hexdigest()[:16]
     out = cache_dir() / f"{name}-{key}.so"
     if out.exists():
         return out
@@ -104,8 +121,10 @@ def _build(name: str, sources: list[Path], cc: str) -> Path:
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         objs = [Path(tmp) / f"{src.stem}.o" for src in sources]
         lib = Path(tmp) / f"{name}.so"
-        cmds = [[cc, *compile_flags, *SOURCE_FLAGS.get(src.name, ()), "-c", str(src), "-o", str(obj)]
-                for src, obj in zip(sources, objs)]
+        cmds = [
+            [cc, *compile_flags, *SOURCE_FLAGS.get(src.name, ()), "-c", str(src), "-o", str(obj)]
+            for src, obj in zip(sources, objs)
+        ]
         # The sources compile side by side, one process per CPU this process may use (a first start).
         with ThreadPoolExecutor(max(1, len(os.sched_getaffinity(0)))) as pool:
             for cmd, r in zip(cmds, pool.map(_run, cmds)):
@@ -146,8 +165,13 @@ def _open(name: str) -> ctypes.CDLL | None:
     cc = _compiler(suffix)
     if cc is None:
         env, *names = LANGUAGES[suffix][0]
-        logger.warning("no compiler for %s found (%s, or $%s): native %s kernels off, using the torch path",
-                       suffix, "/".join(names), env, name)
+        logger.warning(
+            "no compiler for %s found (%s, or $%s): native %s kernels off, using the torch path",
+            suffix,
+            "/".join(names),
+            env,
+            name,
+        )
         return None
     try:
         return ctypes.CDLL(str(_build(name, sources, cc)))
@@ -160,35 +184,58 @@ def _open(name: str) -> ctypes.CDLL | None:
 PLAIN, RMSNORM, SILU_MUL = 0, 1, 2
 
 
-def call_linear(fn, handle: int, x: torch.Tensor, residual: torch.Tensor | None, norm, silu_mul: bool,
-                bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    """One call of a native linear (kvflow_int8_linear / kvflow_float_linear share this signature):
-    out = residual + W . pre(x) + bias, pre being `norm` (an RMSNorm), silu * mul, or nothing. x and
-    residual: 2-D float32 with unit column stride."""
+def call_linear(
+    fn,
+    handle: int,
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm: NormWeights | None,
+    silu_mul: bool,
+    bias: torch.Tensor | None,
+    out_features: int,
+) -> torch.Tensor:
+    """One call of a native linear (kvflow_int8_linear / kvflow_float_linear / kvflow_block_linear
+    share this signature): out = residual + W . pre(x) + bias, pre being the RMSNorm `norm`, silu *
+    mul, or nothing. x and residual: 2-D float32 with unit column stride."""
     out = torch.empty(x.shape[0], out_features)
     if norm is not None:
-        kind, norm_w, eps = RMSNORM, norm.float_weight().data_ptr(), norm.eps
+        kind, norm_w, eps = RMSNORM, norm.float_weight.data_ptr(), norm.eps
     else:
         kind, norm_w, eps = (SILU_MUL if silu_mul else PLAIN), None, 0.0
-    fn(handle, x.data_ptr(), x.stride(0), x.shape[0], kind, norm_w, eps, None if bias is None else bias.data_ptr(),
-       None if residual is None else residual.data_ptr(), 0 if residual is None else residual.stride(0),
-       out.data_ptr(), torch.get_num_threads())
+    fn(
+        handle,
+        x.data_ptr(),
+        x.stride(0),
+        x.shape[0],
+        kind,
+        norm_w,
+        eps,
+        None if bias is None else bias.data_ptr(),
+        None if residual is None else residual.data_ptr(),
+        0 if residual is None else residual.stride(0),
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
     return out
 
 
-def fused_linear(kernel, fn, x: torch.Tensor, residual: torch.Tensor | None, norm, silu_mul: bool,
-                 what: str) -> torch.Tensor:
+def fused_linear(
+    kernel, fn, x: torch.Tensor, residual: torch.Tensor | None, norm: NormWeights | None, silu_mul: bool, what: str
+) -> torch.Tensor:
     """A native linear `kernel` (in_features, out_features, bias, native_handle) called through
     `fn` on any input: the width checked (`what` names the kernel in the error), leading dims
     flattened, float32 unit-stride rows made, the result back in x's dtype."""
     width = (2 if silu_mul else 1) * kernel.in_features
     if x.shape[-1] != width:
-        raise ValueError(f"{what} of {kernel.in_features} inputs got rows of {x.shape[-1]}"
-                         + (" (silu_mul takes gate and up: twice the inputs)" if silu_mul else ""))
+        raise ValueError(
+            f"{what} of {kernel.in_features} inputs got rows of {x.shape[-1]}"
+            + (" (silu_mul takes gate and up: twice the inputs)" if silu_mul else "")
+        )
     if x.dim() != 2:
         res = None if residual is None else residual.reshape(-1, kernel.out_features)
         return fused_linear(kernel, fn, x.reshape(-1, x.shape[-1]), res, norm, silu_mul, what).view(
-            *x.shape[:-1], kernel.out_features)
+            *x.shape[:-1], kernel.out_features
+        )
     dtype = x.dtype
     if dtype != torch.float32 or x.stride(1) != 1:
         x = x.float().contiguous()

@@ -2,7 +2,5 @@
 
 * `attention_kernels` -- paged decode (GQA: a kv head read once for its query heads) and paged
   prefill / chunk attention (FlashAttention-style tiles, online softmax), int8 KV dequantized as
-  it is loaded.
-* `paged_attention`   -- `TritonPagedAttention`, the attention backend built on them, with the
-  static metadata buffers CUDA graphs of decode steps replay from.
+  it is loaded. The backend built on them is kvflow.attention.backends.triton.
 """

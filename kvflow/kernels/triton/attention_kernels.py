@@ -2,7 +2,7 @@
 through each sequence's block table (PagedAttention), with the online softmax of FlashAttention
 (one pass over the keys, running max and sum in float32, no [q, kv] score matrix in memory).
 
-The cache is kvflow's layout (kvflow.layers.attention.LayerKVCache): slot-major
+The cache is kvflow's layout (kvflow.attention.backend.LayerKVCache): slot-major
 ``[num_slots, 2 (K, V), kv_heads, head_dim]`` with slot = block * block_size + offset; an int8
 cache has one float32 scale per (slot, K/V, kv head), applied here as the values are loaded.
 
@@ -28,8 +28,24 @@ import triton.language as tl
 
 
 @triton.jit
-def _kv_tile(kv_ptr, scale_ptr, tables_ptr, seq, table_stride, n, n_mask, d, d_valid, kvh, slot_stride, part_stride,
-             BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_KV_HEADS: tl.constexpr, QUANT: tl.constexpr):
+def _kv_tile(
+    kv_ptr,
+    scale_ptr,
+    tables_ptr,
+    seq,
+    table_stride,
+    n,
+    n_mask,
+    d,
+    d_valid,
+    kvh,
+    slot_stride,
+    part_stride,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    QUANT: tl.constexpr,
+):
     """K and V [N, D] of keys `n` (masked by n_mask) of sequence `seq`, kv head `kvh`: each key's slot
     from the block table; in the cache's dtype, or in float32 with an int8 cache's scales applied."""
     page = tl.load(tables_ptr + seq * table_stride + n // BLOCK_SIZE, mask=n_mask, other=0)
@@ -46,12 +62,33 @@ def _kv_tile(kv_ptr, scale_ptr, tables_ptr, seq, table_stride, n, n_mask, d, d_v
 
 
 @triton.jit
-def _decode_kernel(q_ptr, q_stride_t, q_stride_h, kv_ptr, scale_ptr, slot_stride, part_stride,
-                   tables_ptr, table_stride, ctx_ptr, qstart_ptr, seqs_ptr, out_ptr, out_stride,
-                   sm_scale, window,
-                   BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                   GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-                   NUM_KV_HEADS: tl.constexpr, QUANT: tl.constexpr, SLIDING: tl.constexpr):
+def _decode_kernel(
+    q_ptr,
+    q_stride_t,
+    q_stride_h,
+    kv_ptr,
+    scale_ptr,
+    slot_stride,
+    part_stride,
+    tables_ptr,
+    table_stride,
+    ctx_ptr,
+    qstart_ptr,
+    seqs_ptr,
+    out_ptr,
+    out_stride,
+    sm_scale,
+    window,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    QUANT: tl.constexpr,
+    SLIDING: tl.constexpr,
+):
     i = tl.program_id(0)
     kvh = tl.program_id(1)
     seq = tl.load(seqs_ptr + i)
@@ -72,8 +109,24 @@ def _decode_kernel(q_ptr, q_stride_t, q_stride_h, kv_ptr, scale_ptr, slot_stride
     for start in range(lo, ctx, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_mask = n < ctx
-        k, v = _kv_tile(kv_ptr, scale_ptr, tables_ptr, seq, table_stride, n, n_mask, d, d < HEAD_DIM, kvh,
-                        slot_stride, part_stride, BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, QUANT)
+        k, v = _kv_tile(
+            kv_ptr,
+            scale_ptr,
+            tables_ptr,
+            seq,
+            table_stride,
+            n,
+            n_mask,
+            d,
+            d < HEAD_DIM,
+            kvh,
+            slot_stride,
+            part_stride,
+            BLOCK_SIZE,
+            HEAD_DIM,
+            NUM_KV_HEADS,
+            QUANT,
+        )
         k = k.to(tl.float32)
         v = v.to(tl.float32)
         s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * sm_scale  # [G, N]
@@ -86,18 +139,44 @@ def _decode_kernel(q_ptr, q_stride_t, q_stride_h, kv_ptr, scale_ptr, slot_stride
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
         m_i = m_new
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + row * out_stride + heads[:, None] * HEAD_DIM + d[None, :],
-             o.to(out_ptr.dtype.element_ty), mask=gd_mask)
+    tl.store(
+        out_ptr + row * out_stride + heads[:, None] * HEAD_DIM + d[None, :],
+        o.to(out_ptr.dtype.element_ty),
+        mask=gd_mask,
+    )
 
 
 @triton.jit
-def _prefill_kernel(q_ptr, q_stride_t, q_stride_h, kv_ptr, scale_ptr, slot_stride, part_stride,
-                    tables_ptr, table_stride, ctx_ptr, qstart_ptr, tile_seq_ptr, tile_start_ptr,
-                    out_ptr, out_stride, sm_scale, window,
-                    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    NUM_KV_HEADS: tl.constexpr, QUANT: tl.constexpr, SLIDING: tl.constexpr,
-                    PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+def _prefill_kernel(
+    q_ptr,
+    q_stride_t,
+    q_stride_h,
+    kv_ptr,
+    scale_ptr,
+    slot_stride,
+    part_stride,
+    tables_ptr,
+    table_stride,
+    ctx_ptr,
+    qstart_ptr,
+    tile_seq_ptr,
+    tile_start_ptr,
+    out_ptr,
+    out_stride,
+    sm_scale,
+    window,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    QUANT: tl.constexpr,
+    SLIDING: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     tile = tl.program_id(0)
     h = tl.program_id(1)
     kvh = h // GROUP
@@ -112,8 +191,11 @@ def _prefill_kernel(q_ptr, q_stride_t, q_stride_h, kv_ptr, scale_ptr, slot_strid
     d_valid = d < HEAD_DIM
     q_pos = ctx - q_len + m  # absolute position of each query row
     rows = (q0 + m).to(tl.int64)
-    q = tl.load(q_ptr + rows[:, None] * q_stride_t + h * q_stride_h + d[None, :],
-                mask=m_valid[:, None] & d_valid[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + rows[:, None] * q_stride_t + h * q_stride_h + d[None, :],
+        mask=m_valid[:, None] & d_valid[None, :],
+        other=0.0,
+    )
     if UPCAST:
         q = q.to(tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -126,8 +208,24 @@ def _prefill_kernel(q_ptr, q_stride_t, q_stride_h, kv_ptr, scale_ptr, slot_strid
     for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_mask = n < hi
-        k, v = _kv_tile(kv_ptr, scale_ptr, tables_ptr, seq, table_stride, n, n_mask, d, d_valid, kvh,
-                        slot_stride, part_stride, BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, QUANT)
+        k, v = _kv_tile(
+            kv_ptr,
+            scale_ptr,
+            tables_ptr,
+            seq,
+            table_stride,
+            n,
+            n_mask,
+            d,
+            d_valid,
+            kvh,
+            slot_stride,
+            part_stride,
+            BLOCK_SIZE,
+            HEAD_DIM,
+            NUM_KV_HEADS,
+            QUANT,
+        )
         k = k.to(q.dtype)  # (int8: dequantized to the model's dtype; under UPCAST q is float32)
         v = v.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale  # [M, N] float32
@@ -143,8 +241,11 @@ def _prefill_kernel(q_ptr, q_stride_t, q_stride_h, kv_ptr, scale_ptr, slot_strid
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + rows[:, None] * out_stride + h * HEAD_DIM + d[None, :], o.to(out_ptr.dtype.element_ty),
-             mask=m_valid[:, None] & d_valid[None, :])
+    tl.store(
+        out_ptr + rows[:, None] * out_stride + h * HEAD_DIM + d[None, :],
+        o.to(out_ptr.dtype.element_ty),
+        mask=m_valid[:, None] & d_valid[None, :],
+    )
 
 
 def _pow2(n: int, least: int) -> int:
@@ -153,15 +254,25 @@ def _pow2(n: int, least: int) -> int:
 
 def _cache_args(data: torch.Tensor, scale: torch.Tensor | None) -> tuple:
     """The cache's pointer, its scales' (or the data again: unread without QUANT) and its strides."""
-    nb, bs, two, kv_heads, head_dim = data.shape
+    *_, kv_heads, head_dim = data.shape
     if not data.is_contiguous():
         raise ValueError("the paged KV cache must be contiguous")
     return data, data if scale is None else scale, 2 * kv_heads * head_dim, kv_heads * head_dim
 
 
-def paged_decode(q: torch.Tensor, data: torch.Tensor, scale: torch.Tensor | None, tables: torch.Tensor,
-                 context_lens: torch.Tensor, query_start: torch.Tensor, seqs: torch.Tensor, out: torch.Tensor,
-                 sm_scale: float, sliding_window: int | None, block_n: int = 32) -> None:
+def paged_decode(
+    q: torch.Tensor,
+    data: torch.Tensor,
+    scale: torch.Tensor | None,
+    tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_start: torch.Tensor,
+    seqs: torch.Tensor,
+    out: torch.Tensor,
+    sm_scale: float,
+    sliding_window: int | None,
+    block_n: int = 32,
+) -> None:
     """Attention of the one-token sequences `seqs` (indices into tables / context_lens /
     query_start, whose entry is the sequence's row in q and out): q [T, heads, head_dim] (heads
     contiguous), out [T, heads * head_dim]; sequence s attends to its first context_lens[s] keys."""
@@ -170,17 +281,49 @@ def paged_decode(q: torch.Tensor, data: torch.Tensor, scale: torch.Tensor | None
     group = num_heads // kv_heads
     kv, sc, slot_stride, part_stride = _cache_args(data, scale)
     _decode_kernel[(seqs.shape[0], kv_heads)](
-        q, q.stride(0), q.stride(1), kv, sc, slot_stride, part_stride, tables, tables.stride(0), context_lens,
-        query_start, seqs, out, out.stride(0), sm_scale, sliding_window or 0,
-        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_D=_pow2(head_dim, 16), GROUP=group,
-        BLOCK_G=_pow2(group, 2), BLOCK_N=block_n, NUM_KV_HEADS=kv_heads, QUANT=scale is not None,
-        SLIDING=sliding_window is not None)
+        q,
+        q.stride(0),
+        q.stride(1),
+        kv,
+        sc,
+        slot_stride,
+        part_stride,
+        tables,
+        tables.stride(0),
+        context_lens,
+        query_start,
+        seqs,
+        out,
+        out.stride(0),
+        sm_scale,
+        sliding_window or 0,
+        BLOCK_SIZE=block_size,
+        HEAD_DIM=head_dim,
+        BLOCK_D=_pow2(head_dim, 16),
+        GROUP=group,
+        BLOCK_G=_pow2(group, 2),
+        BLOCK_N=block_n,
+        NUM_KV_HEADS=kv_heads,
+        QUANT=scale is not None,
+        SLIDING=sliding_window is not None,
+    )
 
 
-def paged_prefill(q: torch.Tensor, data: torch.Tensor, scale: torch.Tensor | None, tables: torch.Tensor,
-                  context_lens: torch.Tensor, query_start: torch.Tensor, tile_seq: torch.Tensor,
-                  tile_start: torch.Tensor, out: torch.Tensor, sm_scale: float, sliding_window: int | None,
-                  block_m: int, block_n: int = 32) -> None:
+def paged_prefill(
+    q: torch.Tensor,
+    data: torch.Tensor,
+    scale: torch.Tensor | None,
+    tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_start: torch.Tensor,
+    tile_seq: torch.Tensor,
+    tile_start: torch.Tensor,
+    out: torch.Tensor,
+    sm_scale: float,
+    sliding_window: int | None,
+    block_m: int,
+    block_n: int = 32,
+) -> None:
     """Attention of chunks: sequence s's queries are rows query_start[s] : query_start[s + 1] of q,
     the last of its context_lens[s] positions (their keys already in the cache); one program per
     (tile, head), tile t covering rows tile_start[t] : + block_m of sequence tile_seq[t]."""
@@ -193,8 +336,32 @@ def paged_prefill(q: torch.Tensor, data: torch.Tensor, scale: torch.Tensor | Non
     # products are taken in float32 instead.
     upcast = q.dtype != torch.float32 and os.environ.get("TRITON_INTERPRET") == "1"
     _prefill_kernel[(tile_seq.shape[0], num_heads)](
-        q, q.stride(0), q.stride(1), kv, sc, slot_stride, part_stride, tables, tables.stride(0), context_lens,
-        query_start, tile_seq, tile_start, out, out.stride(0), sm_scale, sliding_window or 0,
-        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_D=_pow2(head_dim, 16), GROUP=num_heads // kv_heads,
-        BLOCK_M=block_m, BLOCK_N=block_n, NUM_KV_HEADS=kv_heads, QUANT=scale is not None,
-        SLIDING=sliding_window is not None, PRECISION=precision, UPCAST=upcast)
+        q,
+        q.stride(0),
+        q.stride(1),
+        kv,
+        sc,
+        slot_stride,
+        part_stride,
+        tables,
+        tables.stride(0),
+        context_lens,
+        query_start,
+        tile_seq,
+        tile_start,
+        out,
+        out.stride(0),
+        sm_scale,
+        sliding_window or 0,
+        BLOCK_SIZE=block_size,
+        HEAD_DIM=head_dim,
+        BLOCK_D=_pow2(head_dim, 16),
+        GROUP=num_heads // kv_heads,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        NUM_KV_HEADS=kv_heads,
+        QUANT=scale is not None,
+        SLIDING=sliding_window is not None,
+        PRECISION=precision,
+        UPCAST=upcast,
+    )

@@ -26,7 +26,7 @@ using kvflow::vfloat;
 #define CHUNK 32 /* keys scored per online-softmax update */
 #define MAX_SWEEP_HEADS 8 /* kv heads a row task sweeps together (attend_fixed) */
 #define PARALLEL_MIN 65536 /* elements below which rotary / cache writes stay on one thread */
-#define MIN_KV_SCALE 1e-12f /* as kvflow.layers.quant: an all-zero vector quantizes to zeros */
+#define MIN_KV_SCALE 1e-12f /* as kvflow.quantization.int8: an all-zero vector quantizes to zeros */
 
 /* Element types of a KV cache (`fmt` below; kvflow.kernels.cpu.paged_attention.KV_FORMATS). */
 enum { KV_F32 = 0, KV_INT8 = 1, KV_BF16 = 2 };
@@ -302,9 +302,9 @@ struct HeadState {
 /* The next chunk's keys and values of the heads a task reads (each slot's K lines of those heads,
  * then its V lines), fetched into L2 `per` lines at a time between the current chunk's keys. Issued
  * in one burst, the prefetches held the thread on its fill buffers until most of the chunk had
- * arrived, and then it computed with nothing in flight: fetch and compute took turns (on the 2-vCPU
- * AMX Xeon, 32 rows x 222 fp32 tokens from memory: 584 -> 554 us a layer;
- * benchmarks/decode_attention.py --caches 30). */
+ * arrived, and then it computed with nothing in flight: fetch and compute took turns (spread, a
+ * layer from memory is faster: benchmarks/decode_attention.py --caches 30, figures in
+ * docs/benchmarks/results/). */
 struct FetchAhead {
     const char *at = nullptr;  /* the chunk's first slot */
     long slot_bytes = 0, k_off = 0, v_off = 0;  /* where the heads' K and V lines start in a slot */
@@ -364,13 +364,13 @@ static inline __attribute__((always_inline)) void attend_chunk(HeadState<D, G> &
  * for every head before the next chunk. With all of a row's heads (heads = kv_heads) the row's
  * slots are read front to back, each once (a slot holds every head's key and value side by side),
  * where a head at a time reads a slot's 2 * D elements of each 2 * kv_heads * D in kv_heads separate
- * sweeps, which the hardware prefetchers follow badly: on a 2-vCPU AMX Xeon a layer of 16 decode
- * rows over 415-token bf16 contexts read from memory took 491 us against 305 us for the same bytes
- * with one kv head (benchmarks/decode_attention.py --caches 30). While a chunk computes, the next
+ * sweeps, which the hardware prefetchers follow badly (a layer of decode rows read from memory took
+ * over half as long again as the same bytes with one kv head). While a chunk computes, the next
  * one's keys and values are fetched into L2 (a block's successor lies anywhere in the pool), spread
- * over its keys (FetchAhead): 469 -> 367 us there as one burst, and 1512 -> 1164 us for 64 rows of
- * 330 tokens; spread, that case 1136 -> 985 us. Fetching two chunks ahead, or the share of the
- * next chunk in the first half of this one, was no faster. Each head's sums are the same either way. */
+ * over its keys (FetchAhead), which shortened such a layer further. Fetching two chunks ahead, or
+ * the share of the next chunk in the first half of this one, was no faster. Figures:
+ * benchmarks/decode_attention.py --caches 30, docs/benchmarks/results/. Each head's sums are the
+ * same either way. */
 template <int D, int G, int FMT>
 static inline void attend_fixed(const float *restrict q, const void *kv,
                                 const int32_t *restrict table, int begin, int end, int kv_heads, int block_size,

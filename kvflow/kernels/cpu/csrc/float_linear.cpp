@@ -7,12 +7,11 @@
  * feature, broadcasts each row's input value, and accumulates R x J vectors of outputs: every
  * weight load serves R rows, nothing needs a horizontal sum, and a thread reads its panels as J
  * sequential streams. Rows beyond R reuse the same panels from L2, and meanwhile fetch the thread's
- * next group of panels into L2, so reading it from memory overlaps arithmetic (batched decode on a
- * 2-vCPU Xeon: the fp32 projections 10-17% faster, benchmarks/cpu_speed.py). A single row, bound by memory
- * alone, instead reads three of the thread's groups at once: three streams keep more of memory's
- * bandwidth busy than one. This kernel and the fused decode
- * pass over it (decode_pass.cpp) are the autotune's native candidates
- * (kvflow/kernels/cpu/autotune.py).
+ * next group of panels into L2, so reading it from memory overlaps arithmetic (batched decode:
+ * benchmarks/cpu_speed.py). A single row, bound by memory alone, instead reads three of the
+ * thread's groups at once: three streams keep more of memory's bandwidth busy than one. This kernel
+ * and the fused decode pass over it (decode_pass.cpp) are the autotune's native candidates
+ * (kvflow/worker/autotune.py).
  *
  * bfloat16 weights: where the CPU has AVX512-BF16 each row's input is rounded to bf16 once per call
  * and pairs of features go through vdpbf16ps (two exact products per lane, summed in float32), as
@@ -54,9 +53,8 @@ constexpr bool PAIRED_BF16 = false;
 #endif
 
 // R x J accumulators and the J weight vectors fill the registers (the broadcast is an operand from
-// memory): AVX-512's 32 take 7 rows x 4 panels + 4; on the 2-vCPU AMX Xeon the fp32 projections of
-// a layer took 1143 / 1961 us at 32 / 64 rows against 1324 / 2211 with 4 rows (8 spill: 1343 /
-// 2165). Under AVX2's 16, 3 rows ran faster than 2 (and than 4) at 8-64 rows on an AVX2 EPYC.
+// memory): AVX-512's 32 take 7 rows x 4 panels + 4, faster at 32-64 rows than 4 rows (8 spill);
+// under AVX2's 16, 3 rows ran faster than 2 or 4 at 8-64 rows (docs/benchmarks/results/).
 constexpr int TILE_ROWS = LANES_OUT == 16 ? 7 : 3;
 constexpr int GROUP = 4;  // panels per tile (J), stored interleaved
 

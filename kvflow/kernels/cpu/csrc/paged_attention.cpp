@@ -6,7 +6,7 @@
  * reads K/V where they lie, once, with an online softmax -- so a step costs the KV that is really
  * there, and blocks shared by several sequences (prefix caching) are read from cache, not copied.
  *
- * Cache layout (see kvflow/layers/attention.py): data [num_blocks, block_size, 2, kv_heads, head_dim],
+ * Cache layout (see kvflow/attention/backend.py): data [num_blocks, block_size, 2, kv_heads, head_dim],
  * float32, bfloat16 (`fmt` KV_BF16: computed in float32, stored rounded to nearest), or int8 with scales
  * [num_blocks, block_size, 2, kv_heads] (one per token, K/V and head).
  *

@@ -69,8 +69,8 @@ inline vint round_to_int(vfloat t) {
 
 /* exp of each lane, x clamped to [-86, 86]: Cephes' expf -- x = n ln2 + r with |r| <= ln2 / 2, a
  * degree-7 polynomial in r, 2^n added to the exponent bits -- in vector registers, where glibc's
- * expf ran one lane at a time in the loops it was called from (2.8 ns an element on the AVX-512
- * EPYC; this 0.37). Within 1 ulp of exp over the range (checked against double precision). The
+ * expf ran one lane at a time in the loops it was called from (several times slower an element).
+ * Within 1 ulp of exp over the range (checked against double precision). The
  * steps go through fmadd: -ffast-math may not merge the two parts of ln2 (Cody-Waite) back into one,
  * which cost 67 ulp at x = -72. Every lane takes the same path, so a value's result does not depend
  * on its neighbours. */

@@ -2,7 +2,7 @@
  * from DRAM once, so with 4 KB pages each page is a TLB miss whose page walk itself misses the
  * caches. Where the kernel's transparent huge pages are on request ("madvise", a common default)
  * buffers of 2 MB and more are fresh 2 MB-aligned mappings asked for huge pages before their first
- * write (README, session 13's figures, for what it measured). */
+ * write, saving those page walks (figures: docs/benchmarks/results/). */
 #ifndef KVFLOW_WEIGHT_MEMORY_H
 #define KVFLOW_WEIGHT_MEMORY_H
 

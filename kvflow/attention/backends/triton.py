@@ -1,7 +1,7 @@
 """`TritonPagedAttention`: the attention backend whose every step reads the paged KV cache in place
-with the Triton kernels of `attention_kernels` -- decode rows through `paged_decode` (a program per
-sequence and kv head), prefill / chunk rows through `paged_prefill` (tiles of queries) -- instead of
-gathering and padding contexts as the torch reference does.
+with the Triton kernels of kvflow.kernels.triton.attention_kernels -- decode rows through
+`paged_decode` (a program per sequence and kv head), prefill / chunk rows through `paged_prefill`
+(tiles of queries) -- instead of gathering and padding contexts as the torch reference does.
 
 The metadata of a step is built once on the host and moved to the device in two copies (one int64
 tensor, one int32); a layer's forward then launches at most two kernels and never syncs. Decode-only
@@ -20,8 +20,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kvflow.layers.attention import (AttentionMetadata, LayerKVCache, SeqLayout, TokenLayout,
-                                     TorchPagedAttention)
+from kvflow.attention.backend import AttentionMetadata, LayerKVCache, SeqLayout, TokenLayout
+from kvflow.attention.backends.torch import TorchPagedAttention
 
 
 def triton_unsupported(device: torch.device) -> str | None:
@@ -50,8 +50,9 @@ class TritonMetadata(AttentionMetadata):
 class TritonPagedAttention(TorchPagedAttention):
     supports_decode_graphs = True
 
-    def __init__(self, block_size: int, sliding_window: int | None, device: torch.device,
-                 block_m: int | None = None) -> None:
+    def __init__(
+        self, block_size: int, sliding_window: int | None, device: torch.device, block_m: int | None = None
+    ) -> None:
         super().__init__(block_size, sliding_window, device)
         from kvflow.kernels.triton import attention_kernels
 
@@ -60,8 +61,15 @@ class TritonPagedAttention(TorchPagedAttention):
         self.block_m = block_m or (64 if device.type == "cuda" else 16)
         self.pad_slot = 0
 
-    def allocate_kv_cache(self, num_layers: int, num_blocks: int, num_kv_heads: int, head_dim: int,
-                          dtype: torch.dtype, kv_cache_dtype: str = "auto") -> list[LayerKVCache]:
+    def allocate_kv_cache(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        kv_cache_dtype: str = "auto",
+    ) -> list[LayerKVCache]:
         # One block more than the pool hands out: padded rows of a CUDA graph write their K/V there.
         self.pad_slot = num_blocks * self.block_size
         return super().allocate_kv_cache(num_layers, num_blocks + 1, num_kv_heads, head_dim, dtype, kv_cache_dtype)
@@ -72,17 +80,39 @@ class TritonPagedAttention(TorchPagedAttention):
         decode = [i for i, n in enumerate(lens) if n == 1]
         tiles = [(i, m) for i, n in enumerate(lens) if n > 1 for m in range(0, n, self.block_m)]
         b, width = t.tables.shape
-        small = torch.cat((t.tables.flatten(), t.starts + t.lens, torch.tensor([0]), torch.cumsum(t.lens, 0),
-                           torch.tensor(decode, dtype=torch.long), torch.tensor([s for s, _ in tiles], dtype=torch.long),
-                           torch.tensor([m for _, m in tiles], dtype=torch.long))).to(torch.int32).to(self.device)
+        small = (
+            torch.cat(
+                (
+                    t.tables.flatten(),
+                    t.starts + t.lens,
+                    torch.tensor([0]),
+                    torch.cumsum(t.lens, 0),
+                    torch.tensor(decode, dtype=torch.long),
+                    torch.tensor([s for s, _ in tiles], dtype=torch.long),
+                    torch.tensor([m for _, m in tiles], dtype=torch.long),
+                )
+            )
+            .to(torch.int32)
+            .to(self.device)
+        )
         tables, ctx, qs, dec, tseq, tstart = small.split([b * width, b, b + 1, len(decode), len(tiles), len(tiles)])
         big = torch.cat((t.positions, t.slot_mapping)).to(self.device)
         positions, slot_mapping = big.split(t.positions.shape[0])
-        return TritonMetadata(positions=positions, slot_mapping=slot_mapping, groups=[], tables=tables.view(b, width),
-                              context_lens=ctx, query_start=qs, decode_seqs=dec, tile_seq=tseq, tile_start=tstart)
+        return TritonMetadata(
+            positions=positions,
+            slot_mapping=slot_mapping,
+            groups=[],
+            tables=tables.view(b, width),
+            context_lens=ctx,
+            query_start=qs,
+            decode_seqs=dec,
+            tile_seq=tseq,
+            tile_start=tstart,
+        )
 
-    def forward(self, q: torch.Tensor, kv: torch.Tensor, kv_cache: LayerKVCache, meta: TritonMetadata,
-                scale: float) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, kv: torch.Tensor, kv_cache: LayerKVCache, meta: TritonMetadata, scale: float
+    ) -> torch.Tensor:
         """q: [T, H, D] (heads contiguous); kv: [T, 2, KV, D] -> [T, H * D]."""
         self._write_kv(kv, kv_cache, meta)
         t, num_heads, head_dim = q.shape
@@ -91,11 +121,33 @@ class TritonPagedAttention(TorchPagedAttention):
         out = torch.empty(t, num_heads * head_dim, dtype=q.dtype, device=q.device)
         k = self._kernels
         if meta.decode_seqs.shape[0]:
-            k.paged_decode(q, kv_cache.data, kv_cache.scale, meta.tables, meta.context_lens, meta.query_start,
-                           meta.decode_seqs, out, scale, self.sliding_window)
+            k.paged_decode(
+                q,
+                kv_cache.data,
+                kv_cache.scale,
+                meta.tables,
+                meta.context_lens,
+                meta.query_start,
+                meta.decode_seqs,
+                out,
+                scale,
+                self.sliding_window,
+            )
         if meta.tile_seq.shape[0]:
-            k.paged_prefill(q, kv_cache.data, kv_cache.scale, meta.tables, meta.context_lens, meta.query_start,
-                            meta.tile_seq, meta.tile_start, out, scale, self.sliding_window, self.block_m)
+            k.paged_prefill(
+                q,
+                kv_cache.data,
+                kv_cache.scale,
+                meta.tables,
+                meta.context_lens,
+                meta.query_start,
+                meta.tile_seq,
+                meta.tile_start,
+                out,
+                scale,
+                self.sliding_window,
+                self.block_m,
+            )
         return out
 
     # ---- static buffers of decode-only steps, for CUDA graphs ----------------------------------
@@ -105,19 +157,28 @@ class TritonPagedAttention(TorchPagedAttention):
         dev, i32 = self.device, torch.int32
         return TritonMetadata(
             positions=torch.zeros(batch, dtype=torch.long, device=dev),
-            slot_mapping=torch.full((batch,), self.pad_slot, dtype=torch.long, device=dev), groups=[],
+            slot_mapping=torch.full((batch,), self.pad_slot, dtype=torch.long, device=dev),
+            groups=[],
             tables=torch.zeros(batch, max_blocks, dtype=i32, device=dev),
             context_lens=torch.zeros(batch, dtype=i32, device=dev),
             query_start=torch.arange(batch + 1, dtype=i32, device=dev),
             decode_seqs=torch.arange(batch, dtype=i32, device=dev),
-            tile_seq=torch.zeros(0, dtype=i32, device=dev), tile_start=torch.zeros(0, dtype=i32, device=dev))
+            tile_seq=torch.zeros(0, dtype=i32, device=dev),
+            tile_start=torch.zeros(0, dtype=i32, device=dev),
+        )
 
     @staticmethod
     def view_decode_metadata(static: TritonMetadata, batch: int) -> TritonMetadata:
         """The first `batch` rows of `static` (views: a graph captured on them sees every refill)."""
-        return replace(static, positions=static.positions[:batch], slot_mapping=static.slot_mapping[:batch],
-                       tables=static.tables[:batch], context_lens=static.context_lens[:batch],
-                       query_start=static.query_start[:batch + 1], decode_seqs=static.decode_seqs[:batch])
+        return replace(
+            static,
+            positions=static.positions[:batch],
+            slot_mapping=static.slot_mapping[:batch],
+            tables=static.tables[:batch],
+            context_lens=static.context_lens[:batch],
+            query_start=static.query_start[: batch + 1],
+            decode_seqs=static.decode_seqs[:batch],
+        )
 
     def copy_decode_metadata(self, static: TritonMetadata, meta: TritonMetadata, batch: int) -> None:
         """This decode-only step's metadata into rows 0..n-1 of `static`; rows n..batch-1 padding."""

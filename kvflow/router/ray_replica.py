@@ -7,7 +7,8 @@ this machine (the same command line, a log file, its own process group, SIGTERM 
 dies). The router in this process reaches the replicas over HTTP at the URLs the actors report, so
 nothing but requests crosses machines. A replica process that exits is restarted by its actor in
 place (same node, same port: the router's backend list stays valid) within the restart budget of
-`ReplicaSet`; an actor that is lost (its node died) takes its replica out of rotation for good.
+`ReplicaSet` (`replica_set.py`); an actor that is lost (its node died) takes its replica out of
+rotation for good. `RayReplica` is this process's `Replica` (`replica.py`) for one actor.
 
 Ray joins the cluster named by RAY_ADDRESS, or the one this process already started, or starts a
 local one (and stops it at the end). Actor calls carry plain data (lists, dicts of strings and
@@ -23,11 +24,12 @@ import sys
 import tempfile
 from typing import Any
 
-from kvflow.bench.servers import ServerError, what_failed
-from kvflow.executor.ray_executor import import_ray, join_ray
-from kvflow.router.replicas import ReplicaSpec, ReplicaStartError, LocalReplica
+from kvflow.router.local_replica import LocalReplica
+from kvflow.router.replica import REPLICA_LOGGER, ReplicaSpec, ReplicaStartError
+from kvflow.utils.processes import ServerError, free_port, what_failed
+from kvflow.utils.ray import import_ray, join_ray
 
-logger = logging.getLogger("kvflow.router.replicas")
+logger = logging.getLogger(REPLICA_LOGGER)
 
 CALL_TIMEOUT_S = 30.0  # one actor call (a /health probe there, a poll): a node that does not answer is lost
 PLACEMENT_TIMEOUT_S = 60.0
@@ -39,19 +41,28 @@ class ReplicaHost:
     """On a Ray node: one replica's `kvflow serve` process. `argv` is the command line built for
     this machine; its interpreter, --host and --port are replaced by the node's own."""
 
-    def __init__(self, index: int, argv: list[str], env: dict[str, str], threads: int, log_name: str,
-                 stop_timeout: float, startup_timeout: float) -> None:
+    def __init__(
+        self,
+        index: int,
+        argv: list[str],
+        env: dict[str, str],
+        threads: int,
+        log_name: str,
+        stop_timeout: float,
+        startup_timeout: float,
+    ) -> None:
         import ray
 
         host = ray.util.get_node_ip_address()
-        port = _free_port_on(host)
+        port = free_port(host)
         argv = [sys.executable, *argv[1:]]
         for flag, value in (("--host", host), ("--port", str(port))):
             argv[argv.index(flag) + 1] = value
         log_dir = os.path.join(tempfile.gettempdir(), "kvflow-dp-ray")
         os.makedirs(log_dir, exist_ok=True)
-        self.spec = ReplicaSpec(index, port, argv, {**os.environ, **env}, None, threads,
-                                os.path.join(log_dir, log_name), host=host)
+        self.spec = ReplicaSpec(
+            index, port, argv, {**os.environ, **env}, None, threads, os.path.join(log_dir, log_name), host=host
+        )
         self.stop_timeout, self.startup_timeout = stop_timeout, startup_timeout
         self.proc: LocalReplica | None = None
 
@@ -86,26 +97,24 @@ class ReplicaHost:
             self.proc.kill()
 
 
-def _free_port_on(host: str) -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 class RayReplica:
-    """This process's handle on a replica that a `ReplicaHost` actor runs (the interface
-    `ReplicaSet` uses, as `LocalReplica` for a local process)."""
+    """`Replica` for one that a `ReplicaHost` actor runs: this process's handle on it."""
 
-    def __init__(self, spec: ReplicaSpec, stop_timeout: float, startup_timeout: float, *, placement: "RayPlacement",
-                 restarts: int = 0, actor: Any = None) -> None:
+    def __init__(
+        self,
+        spec: ReplicaSpec,
+        stop_timeout: float,
+        startup_timeout: float,
+        *,
+        placement: RayPlacement,
+        restarts: int = 0,
+        actor: Any = None,
+    ) -> None:
         self.spec, self.name, self.restarts = spec, spec.name, restarts
         self.stop_timeout, self.startup_timeout = stop_timeout, startup_timeout
         self.placement, self.actor = placement, actor
         self._info: dict[str, Any] | None = None
 
-    # -- what ReplicaSet reads ----------------------------------------------------------------
     @property
     def url(self) -> str:
         return self._info["url"] if self._info else self.spec.url
@@ -129,8 +138,9 @@ class RayReplica:
                 self.actor = self.placement.actor(self.spec, self.stop_timeout, self.startup_timeout)
             self._info = ray.get(self.actor.launch.remote(self.restarts), timeout=self.startup_timeout)
         except Exception as e:  # the actor could not be created, or its node could not start the process
-            raise ReplicaStartError(f"data-parallel {self.name}: its Ray actor could not start it "
-                                    f"({type(e).__name__}: {e})") from None
+            raise ReplicaStartError(
+                f"data-parallel {self.name}: its Ray actor could not start it ({type(e).__name__}: {e})"
+            ) from None
 
     def exit_code(self) -> int | None:
         try:
@@ -145,9 +155,11 @@ class RayReplica:
         return healthy
 
     def failure(self, returncode: int | None) -> ReplicaStartError:
-        return ReplicaStartError(f"data-parallel {self.name} ({self.url}, a Ray actor) "
-                                 f"{what_failed(returncode, self.startup_timeout)}; its log is {self.log_path} on its "
-                                 f"node, last lines:\n{self.log_tail()}")
+        return ReplicaStartError(
+            f"data-parallel {self.name} ({self.url}, a Ray actor) "
+            f"{what_failed(returncode, self.startup_timeout)}; its log is {self.log_path} on its "
+            f"node, last lines:\n{self.log_tail()}"
+        )
 
     def log_tail(self, lines: int = 20) -> str:
         try:
@@ -171,10 +183,16 @@ class RayReplica:
         with contextlib.suppress(Exception):
             self._call("kill")
 
-    def renewed(self, restarts: int) -> "RayReplica":
+    def renewed(self, restarts: int) -> RayReplica:
         """The replica's next process, by the same actor (same node, same port)."""
-        return RayReplica(self.spec, self.stop_timeout, self.startup_timeout, placement=self.placement,
-                          restarts=restarts, actor=self.actor)
+        return RayReplica(
+            self.spec,
+            self.stop_timeout,
+            self.startup_timeout,
+            placement=self.placement,
+            restarts=restarts,
+            actor=self.actor,
+        )
 
     def close(self) -> None:
         if self.actor is not None:
@@ -186,7 +204,9 @@ class RayReplica:
         try:
             return ray.get(getattr(self.actor, method).remote(*args), timeout=CALL_TIMEOUT_S)
         except Exception as e:  # RayActorError, GetTimeoutError, ...
-            raise ReplicaStartError(f"data-parallel {self.name}: its Ray actor is lost ({type(e).__name__}: {e})") from None
+            raise ReplicaStartError(
+                f"data-parallel {self.name}: its Ray actor is lost ({type(e).__name__}: {e})"
+            ) from None
 
 
 class RayPlacement:
@@ -204,8 +224,10 @@ class RayPlacement:
         if not ready:
             cpus = ray.cluster_resources().get("CPU", 0)
             self.close()
-            raise ValueError(f"Ray could not place {n} data-parallel replicas of {threads} CPU(s) each within "
-                             f"{PLACEMENT_TIMEOUT_S:g} s (the cluster has {cpus:g} CPUs)")
+            raise ValueError(
+                f"Ray could not place {n} data-parallel replicas of {threads} CPU(s) each within "
+                f"{PLACEMENT_TIMEOUT_S:g} s (the cluster has {cpus:g} CPUs)"
+            )
         self._actor_cls = ray.remote(ReplicaHost)
 
     def factory(self, spec: ReplicaSpec, stop_timeout: float, startup_timeout: float) -> RayReplica:
@@ -217,8 +239,14 @@ class RayPlacement:
         strategy = PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=spec.index)
         env = {k: spec.env[k] for k in _REPLICA_ENV if k in spec.env}
         return self._actor_cls.options(num_cpus=self.threads, scheduling_strategy=strategy, max_restarts=0).remote(
-            spec.index, list(spec.argv), env, spec.threads, os.path.basename(spec.log_path), stop_timeout,
-            startup_timeout)
+            spec.index,
+            list(spec.argv),
+            env,
+            spec.threads,
+            os.path.basename(spec.log_path),
+            stop_timeout,
+            startup_timeout,
+        )
 
     def close(self) -> None:
         ray = import_ray()

@@ -2,10 +2,10 @@
 `--quantization int4` (round-to-nearest into the same 4-bit blocks at load).
 
 A `BlockQuantized` is a weight [rows, cols] as `rows` rows of bytes, each the blocks of one output
-channel over all inputs in GGML's layout (see csrc/block_linear.cpp for the formats). Rows can be
-permuted, sliced and concatenated without touching the blocks, which is all the loader and the
-model need (llama.cpp's Q/K row order, fused q|k|v and gate|up). `dequantize` is the float32 view
-(the `--gguf-weights dequantize` path), in torch.
+channel over all inputs in GGML's layout (see kvflow/kernels/cpu/csrc/block_linear.cpp for the
+formats). Rows can be permuted, sliced and concatenated without touching the blocks, which is all
+the loader and the model need (llama.cpp's Q/K row order, fused q|k|v and gate|up). `dequantize`
+is the float32 view (the `--gguf-weights dequantize` path), in torch.
 """
 
 from __future__ import annotations
@@ -23,13 +23,16 @@ class BlockFormat:
     block_bytes: int
 
 
-FORMATS: dict[str, BlockFormat] = {f.name: f for f in (
-    BlockFormat("Q4_0", 2, 32, 18),
-    BlockFormat("Q4_1", 3, 32, 20),
-    BlockFormat("Q8_0", 8, 32, 34),
-    BlockFormat("Q4_K", 12, 256, 144),
-    BlockFormat("Q6_K", 14, 256, 210),
-)}
+FORMATS: dict[str, BlockFormat] = {
+    f.name: f
+    for f in (
+        BlockFormat("Q4_0", 2, 32, 18),
+        BlockFormat("Q4_1", 3, 32, 20),
+        BlockFormat("Q8_0", 8, 32, 34),
+        BlockFormat("Q4_K", 12, 256, 144),
+        BlockFormat("Q6_K", 14, 256, 210),
+    )
+}
 
 
 @dataclass
@@ -43,8 +46,10 @@ class BlockQuantized:
         if self.data.dtype != torch.uint8 or self.data.dim() != 2:
             raise ValueError("block-quantized data must be a 2-D uint8 tensor (one row of blocks per channel)")
         if self.data.shape[1] % self.format.block_bytes:
-            raise ValueError(f"{self.format.name} rows of {self.data.shape[1]} bytes are not whole blocks "
-                             f"of {self.format.block_bytes}")
+            raise ValueError(
+                f"{self.format.name} rows of {self.data.shape[1]} bytes are not whole blocks "
+                f"of {self.format.block_bytes}"
+            )
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -62,7 +67,7 @@ class BlockQuantized:
 
 
 def _f16(b: torch.Tensor, start: int) -> torch.Tensor:
-    return b[:, start:start + 2].contiguous().view(torch.float16).float()
+    return b[:, start : start + 2].contiguous().view(torch.float16).float()
 
 
 def _nibbles(qs: torch.Tensor) -> torch.Tensor:

@@ -1,22 +1,25 @@
-"""Linear-kernel choice by measurement: which path runs each projection shape at each row count.
+"""Linear-kernel choice by measurement: which path runs each projection shape at each row count,
+and the other start-up measurements of the CPU kernels (the decode pass's row limit, the path of
+prefill attention rows).
 
-The fastest way to multiply a few rows by a weight differs between CPUs (on the AVX2 Zen 3 the
-notes were written on, MKL's sgemv beat oneDNN at 1-2 rows; on an AVX512 EPYC oneDNN was 1.7x
-faster there), so no rule is written down: at the first start on a machine `plan_kernels` times
-each candidate path (`PATHS`: the native float GEMM, `F.linear`, oneDNN's blocked layout) on the
-model's own projection shapes at the row counts of `ROW_BUCKETS`, each call on its own copy of the
-weight, and where a decode step's weights are more than the last-level cache holds, with the copies
-pushed out of it first (`CacheEvictor`: a step streams them from memory); it keeps the times in the
-kernel cache (``$KVFLOW_CACHE_DIR/kernels/autotune-<key>.json``), keyed by the CPU (model and
-flags), torch's version, the thread count, the kernels' sources, the dtype and whether the weights
-were timed from memory. Later starts read
-them; shapes not in the file are timed and added. From the times, `KernelPlan` picks per shape and
-row bucket the fastest path. Whether a decode-only step of so many rows should run as one native
-pass (kvflow.kernels.cpu.decode_pass) is measured on the model itself, once its KV cache exists:
-`measure_pass_rows` times decode steps both ways (the model runner provides them), because what the
-pass saves -- the per-layer path's Python, its torch ops and the idle threads between its calls --
-was seen to be several times what timing the matmuls alone predicts. That limit is stored beside the
-times (`store_pass_rows`).
+The fastest way to multiply a few rows by a weight differs between CPUs (MKL's sgemv, oneDNN's
+blocked layout and the native GEMV each win somewhere: docs/benchmarks/results/), so no rule is
+written down: at the first start on a machine `plan_kernels` times each candidate path
+(kvflow.layers.linear_kernels.PATHS: the native float GEMM, `F.linear`, oneDNN's blocked layout)
+on the model's own projection shapes at the row counts of `ROW_BUCKETS`, each call on its own
+copy of the weight, and where a decode step's weights are more than the last-level cache holds,
+with the copies pushed out of it first (`CacheEvictor`: a step streams them from memory); it keeps
+the times in the kernel cache (``$KVFLOW_CACHE_DIR/kernels/autotune-<key>.json``), keyed by the
+CPU (model and flags), torch's version, the thread count, the kernels' sources, the dtype and
+whether the weights were timed from memory. Later starts read them; shapes not in the file are
+timed and added. From the times, a `KernelPlan` (kvflow.layers.linear_kernels, which owns the
+choice) holds per shape and row bucket the fastest path. Whether a decode-only step of so many
+rows should run as one native pass (kvflow.models.decode_pass) is measured on the model itself,
+once its KV cache exists: `measure_pass_rows` times decode steps both ways (the model runner
+provides them), because what the pass saves -- the per-layer path's Python, its torch ops and the
+idle threads between its calls -- was seen to be several times what timing the matmuls alone
+predicts. That limit is stored beside the times (`store_pass_rows`), as is the path prefill rows
+of attention take on the CPU backend (`measure_prefill_attention`).
 
 `--kernel-autotune off` uses `default_plan` instead, documented there. The thread count is the
 engine's (one per core it may use); it is part of the key, not a candidate.
@@ -24,25 +27,32 @@ engine's (one per core it may use); it is part of the key, not a candidate.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import logging
 import os
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from kvflow.config import KERNEL_AUTOTUNE_MODES
 from kvflow.kernels.cpu import native
+from kvflow.layers.linear_kernels import (
+    ROW_BUCKETS,
+    KernelPlan,
+    Shape,
+    candidates,
+    default_choice,
+    dtype_name,
+    make_path_kernel,
+    native_available,
+)
+from kvflow.worker import machine_load
 
 logger = logging.getLogger(__name__)
 
-ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # a call with m rows runs the choice of the first bucket >= m
-PATHS = ("native", "dense", "onednn")
 COLD_BYTES = 64 << 20  # weight copies rotated per timing (at most 64 copies; see time_shape)
 EVICT_MAX_BYTES = 1 << 30  # the most read to push the copies out of a last-level cache larger than them
 ROUNDS = 3  # interleaved sweeps per (shape, rows)
@@ -60,83 +70,6 @@ MANY_ROWS = ("onednn", "dense")
 # native GEMM timed at every row count)
 VERSION = 4
 
-Shape = tuple[int, int]  # (out_features, in_features)
-
-
-@dataclass
-class KernelPlan:
-    """The chosen path per (shape, row bucket), and the decode pass's row limit (0: never)."""
-
-    dtype: str
-    choices: dict[Shape, dict[int, str]]
-    decode_pass_rows: int
-    source: str  # "measured" (this start), "cache" (an earlier start), "default" (autotune off)
-    pass_shapes: tuple[Shape, ...] = ()  # one decoder layer's projections: what the decode pass runs
-    seconds: float = 0.0  # spent measuring at this start
-    # decode_pass_rows is only the bound to time the pass up to (measure_pass_rows), not yet a limit
-    pass_unmeasured: bool = False
-    weights_cold: bool = False  # timed with the weights evicted from the last-level cache (plan_kernels)
-
-    def choice(self, shape: Shape) -> dict[int, str]:
-        return self.choices.get(shape) or default_choice(self.dtype)
-
-    def describe(self) -> str:
-        """One line per shape: row ranges and their path; then the decode pass."""
-        lines = []
-        for (n, k), by_rows in sorted(self.choices.items()):
-            spans: list[list] = []  # [first bucket, last bucket, path]
-            for b, path in by_rows.items():
-                if spans and spans[-1][2] == path:
-                    spans[-1][1] = b
-                else:
-                    spans.append([b, b, path])
-            text = ", ".join(f"{lo}{'' if lo == hi else f'-{hi}'} {path}" for lo, hi, path in spans)
-            lines.append(f"{n}x{k}: {text}")
-        rows = self.decode_pass_rows
-        lines.append(f"decode pass: {'off' if not rows else f'timed on the model up to {rows} rows' if self.pass_unmeasured else f'up to {rows} rows'}")
-        took = f" in {self.seconds:.1f} s" if self.source == "measured" else ""
-        return f"linear kernels ({self.source}{took}, {self.dtype}): " + "; ".join(lines)
-
-
-def native_available(dtype: torch.dtype) -> bool:
-    from kvflow.kernels.cpu.float_linear import WEIGHT_TYPES, float_library
-
-    return dtype in WEIGHT_TYPES and float_library() is not None
-
-
-@functools.cache
-def onednn_available(dtype: torch.dtype) -> bool:
-    """oneDNN's blocked-weight linear for `dtype` on this CPU (bf16 needs AVX512-BW/VL/DQ or
-    AVX-NE-CONVERT; probed by reordering a small weight, as the check lives inside oneDNN)."""
-    if dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available() or not hasattr(
-            torch.ops.mkldnn, "_linear_pointwise"):
-        return False
-    try:
-        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype), 1)
-    except RuntimeError:
-        return False
-    return True
-
-
-def candidates(dtype: torch.dtype) -> list[str]:
-    return [p for p in PATHS if p == "dense" or (p == "native" and native_available(dtype))
-            or (p == "onednn" and onednn_available(dtype))]
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def default_choice(dtype: str) -> dict[int, str]:
-    """`--kernel-autotune off`: the native GEMV up to 4 rows (where it builds), oneDNN's
-    blocked layout from 8 (where it runs for the dtype), else `F.linear`. A fixed rule, not a
-    measurement: on the AVX2 EPYC of 2026-12-01 the autotune chose native up to 4-16 rows and
-    oneDNN beyond on most of the default model's shapes."""
-    paths = candidates(getattr(torch, dtype))
-    small = "native" if "native" in paths else "dense"
-    large = "onednn" if "onednn" in paths else "dense"
-    return {b: small if b <= 4 else large for b in ROW_BUCKETS}
-
 
 def default_plan(shapes: Iterable[Shape], layer_shapes: list[Shape], dtype: torch.dtype) -> KernelPlan:
     name = dtype_name(dtype)
@@ -146,8 +79,9 @@ def default_plan(shapes: Iterable[Shape], layer_shapes: list[Shape], dtype: torc
     return KernelPlan(name, {s: dict(choice) for s in shapes}, pass_rows, "default", tuple(layer_shapes))
 
 
-def plan_kernels(shapes: list[Shape], layer_shapes: list[Shape], dtype: torch.dtype, mode: str = "on",
-                 num_layers: int = 1) -> KernelPlan:
+def plan_kernels(
+    shapes: list[Shape], layer_shapes: list[Shape], dtype: torch.dtype, mode: str = "on", num_layers: int = 1
+) -> KernelPlan:
     """The plan for a model whose projections have `shapes` (`layer_shapes`: one decoder layer's
     qkv, o, gate_up, down, for the decode-pass decision; `num_layers` of them). `mode` "off":
     `default_plan`."""
@@ -158,8 +92,9 @@ def plan_kernels(shapes: list[Shape], layer_shapes: list[Shape], dtype: torch.dt
     name = dtype_name(dtype)
     # Timed from memory where a decode step's weights are more than the last-level cache holds.
     llc = last_level_cache_bytes()
-    step_bytes = dtype.itemsize * (sum(n * k for n, k in shapes if (n, k) not in layer_shapes)
-                                   + num_layers * sum(n * k for n, k in layer_shapes))
+    step_bytes = dtype.itemsize * (
+        sum(n * k for n, k in shapes if (n, k) not in layer_shapes) + num_layers * sum(n * k for n, k in layer_shapes)
+    )
     cold = 0 < llc < step_bytes
     path = cache_path(name, cold)
     stored = _read(path)
@@ -168,17 +103,29 @@ def plan_kernels(shapes: list[Shape], layer_shapes: list[Shape], dtype: torch.dt
     paths = candidates(dtype)  # (builds the native library first: not part of the measuring time)
     t0 = time.perf_counter()
     if missing:
-        logger.info("autotuning linear kernels: %d shapes x %d row counts x %s (first start on this CPU; "
-                    "stored in %s)", len(missing), len(ROW_BUCKETS), "/".join(paths), path)
+        logger.info(
+            "autotuning linear kernels: %d shapes x %d row counts x %s (first start on this CPU; stored in %s)",
+            len(missing),
+            len(ROW_BUCKETS),
+            "/".join(paths),
+            path,
+        )
         unloaded = []
         evict = CacheEvictor(llc) if cold else None
         for i, shape in enumerate(missing):
             times[shape], load = time_shape_unloaded(shape, dtype, evict)
             if load <= LOAD_LIMIT:
                 unloaded.append(shape)
-            logger.info("autotune %d/%d: %dx%d done (%.1f s)%s", i + 1, len(missing), *shape,
-                        time.perf_counter() - t0, "" if load <= LOAD_LIMIT else
-                        f" -- other processes used {load:.2f} cores meanwhile: used now, not stored")
+            logger.info(
+                "autotune %d/%d: %dx%d done (%.1f s)%s",
+                i + 1,
+                len(missing),
+                *shape,
+                time.perf_counter() - t0,
+                ""
+                if load <= LOAD_LIMIT
+                else f" -- other processes used {load:.2f} cores meanwhile: used now, not stored",
+            )
         stored["shapes"].update({s: times[s] for s in unloaded})
         if unloaded:
             _write(path, stored)
@@ -189,28 +136,37 @@ def plan_kernels(shapes: list[Shape], layer_shapes: list[Shape], dtype: torch.dt
             pass_rows, unmeasured = pass_bound(times, layer_shapes), True
     seconds = time.perf_counter() - t0
     choices = {s: choose(by_rows) for s, by_rows in times.items()}
-    return KernelPlan(name, choices, pass_rows, "measured" if missing else "cache", tuple(layer_shapes), seconds,
-                      pass_unmeasured=unmeasured and pass_rows > 0, weights_cold=cold)
+    return KernelPlan(
+        name,
+        choices,
+        pass_rows,
+        "measured" if missing else "cache",
+        tuple(layer_shapes),
+        seconds,
+        pass_unmeasured=unmeasured and pass_rows > 0,
+        weights_cold=cold,
+    )
 
 
 def choose(by_rows: dict[int, dict[str, float]]) -> dict[int, str]:
     """The fastest path per bucket; the last bucket (which also runs every larger call) from the
     many-row paths only."""
     last = max(by_rows)
-    return {b: min((p for p in t if b != last or p in MANY_ROWS), key=t.get, default=min(t, key=t.get))
-            for b, t in by_rows.items()}
+    return {
+        b: min((p for p in t if b != last or p in MANY_ROWS), key=t.get, default=min(t, key=t.get))
+        for b, t in by_rows.items()
+    }
 
 
-def time_shape_unloaded(shape: Shape, dtype: torch.dtype,
-                        evict: Callable[[], None] | None = None) -> tuple[dict[int, dict[str, float]], float]:
+def time_shape_unloaded(
+    shape: Shape, dtype: torch.dtype, evict: Callable[[], None] | None = None
+) -> tuple[dict[int, dict[str, float]], float]:
     """`time_shape`, again while other processes took more than LOAD_LIMIT cores (at most ATTEMPTS
     timings, each path keeping its best time: load only ever adds time); with the least load seen."""
-    from kvflow.kernels.cpu.machine_load import ForeignLoad
-
     best: dict[int, dict[str, float]] = {}
     least = float("inf")
     for _ in range(ATTEMPTS):
-        with ForeignLoad() as load:
+        with machine_load.ForeignLoad() as load:
             times = time_shape(shape, dtype, evict)
         for b, by_path in times.items():
             for p, t in by_path.items():
@@ -242,12 +198,10 @@ def measure_pass_rows(step: Callable[[int, bool], None], bound: int) -> tuple[in
     one step of `rows` decode rows with (fused) or without the pass; each bucket up to `bound` is
     timed ROUNDS times each way, interleaved, best of each. The limit is the last bucket (from 1,
     without a gap) where the pass was no slower; with the most CPU other processes used meanwhile."""
-    from kvflow.kernels.cpu.machine_load import ForeignLoad
-
     rows = 0
-    with ForeignLoad() as load:
+    with machine_load.ForeignLoad() as load:
         for b in (b for b in ROW_BUCKETS if b <= bound):
-            best = _best_times(lambda fused: step(b, fused), (True, False))
+            best = _best_times(lambda fused, b=b: step(b, fused), (True, False))
             if best[True] > best[False]:
                 break
             rows = b
@@ -281,7 +235,7 @@ def store_pass_rows(plan: KernelPlan, rows: int) -> None:
     _store(plan, "pass_rows", layer_key(list(plan.pass_shapes)), rows)
 
 
-PREFILL_PATHS = ("native", "torch")  # kvflow.kernels.cpu.paged_attention.CpuPagedAttention.prefill_path
+PREFILL_PATHS = ("native", "torch")  # kvflow.attention.backends.cpu.CpuPagedAttention.prefill_path
 
 
 def stored_prefill_attention(plan: KernelPlan, key: str) -> str | None:
@@ -294,9 +248,7 @@ def measure_prefill_attention(run: Callable[[str], None]) -> tuple[str, float]:
     it; ROUNDS times each, interleaved, best of each. With the most CPU other processes used
     meanwhile. (The native kernel won on the AVX-512 EPYC; gather + SDPA, through oneDNN's bf16
     kernels, on the AMX Xeon in bf16.)"""
-    from kvflow.kernels.cpu.machine_load import ForeignLoad
-
-    with ForeignLoad() as load:
+    with machine_load.ForeignLoad() as load:
         best = _best_times(run, PREFILL_PATHS)
     return min(best, key=best.get), load.value
 
@@ -326,9 +278,9 @@ def last_level_cache_bytes() -> int:
 class CacheEvictor:
     """Reads a buffer of twice the last-level cache (at most EVICT_MAX_BYTES): before each sweep
     where a model's weights are more than that cache holds, so the copies a sweep rotates through are
-    timed from memory, as a decode step streaming all of the weights reads them. On a Xeon with a
-    480 MB L3 (seen here) the copies otherwise stayed in it, and MKL's sgemv, fast on cache-hot
-    weights, was chosen over the native GEMV, faster from memory. A model that fits is timed hot."""
+    timed from memory, as a decode step streaming all of the weights reads them. Under a large L3
+    (480 MB on some Xeons) the copies otherwise stay in it, and MKL's sgemv, fast on cache-hot
+    weights, gets chosen over the native GEMV, faster from memory. A model that fits is timed hot."""
 
     def __init__(self, llc_bytes: int) -> None:
         self._buf = torch.ones(min(2 * llc_bytes, EVICT_MAX_BYTES) // 4)
@@ -337,7 +289,9 @@ class CacheEvictor:
         self._buf.sum()
 
 
-def time_shape(shape: Shape, dtype: torch.dtype, evict: Callable[[], None] | None = None) -> dict[int, dict[str, float]]:
+def time_shape(
+    shape: Shape, dtype: torch.dtype, evict: Callable[[], None] | None = None
+) -> dict[int, dict[str, float]]:
     """Seconds per call of each candidate path for `shape` at each row bucket, each call on a copy of
     the weight that no call of the sweep touched before.
 
@@ -346,8 +300,6 @@ def time_shape(shape: Shape, dtype: torch.dtype, evict: Callable[[], None] | Non
     by milliseconds, and would decide a mean or a single sweep. Shapes larger than COLD_BYTES are
     timed on their first COLD_BYTES of output channels and scaled (the cost is linear in them).
     Each sweep reads every path's copies once, after `evict()` where given (a `CacheEvictor`)."""
-    from kvflow.layers.linear import make_path_kernel
-
     n, k = shape
     itemsize = dtype.itemsize
     rows_timed = max(1, min(n, COLD_BYTES // (k * itemsize)))
@@ -386,8 +338,15 @@ def time_shape(shape: Shape, dtype: torch.dtype, evict: Callable[[], None] | Non
 
 
 def cache_key(dtype: str, cold: bool = False) -> str:
-    parts = [native.cpu_id(), torch.__version__, str(torch.get_num_threads()), dtype, str(VERSION), str(cold),
-             *(p.read_text() for p in sorted(native.CSRC.glob("float_linear.*")))]
+    parts = [
+        native.cpu_id(),
+        torch.__version__,
+        str(torch.get_num_threads()),
+        dtype,
+        str(VERSION),
+        str(cold),
+        *(p.read_text() for p in sorted(native.CSRC.glob("float_linear.*"))),
+    ]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 
@@ -405,12 +364,16 @@ def _read(path: Path) -> dict:
     empty: dict = {"shapes": {}, "pass_rows": {}, "prefill_attention": {}}
     try:
         raw = json.loads(path.read_text())
-        shapes = {tuple(map(int, s.split("x"))): {int(b): {p: float(t) for p, t in by.items()}
-                                                  for b, by in rows.items()}
-                  for s, rows in raw["shapes"].items()}
+        shapes = {
+            tuple(map(int, s.split("x"))): {int(b): {p: float(t) for p, t in by.items()} for b, by in rows.items()}
+            for s, rows in raw["shapes"].items()
+        }
         prefill = {str(k): str(v) for k, v in raw.get("prefill_attention", {}).items() if v in PREFILL_PATHS}
-        return {"shapes": shapes, "pass_rows": {str(k): int(v) for k, v in raw.get("pass_rows", {}).items()},
-                "prefill_attention": prefill}
+        return {
+            "shapes": shapes,
+            "pass_rows": {str(k): int(v) for k, v in raw.get("pass_rows", {}).items()},
+            "prefill_attention": prefill,
+        }
     except FileNotFoundError:
         return empty
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
@@ -419,9 +382,14 @@ def _read(path: Path) -> dict:
 
 
 def _write(path: Path, stored: dict) -> None:
-    raw = {"cpu": native.cpu_id().split(" | ")[0], "torch": torch.__version__, "threads": torch.get_num_threads(),
-           "pass_rows": stored["pass_rows"], "prefill_attention": stored["prefill_attention"],
-           "shapes": {f"{n}x{k}": {str(b): by for b, by in rows.items()} for (n, k), rows in stored["shapes"].items()}}
+    raw = {
+        "cpu": native.cpu_id().split(" | ")[0],
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "pass_rows": stored["pass_rows"],
+        "prefill_attention": stored["prefill_attention"],
+        "shapes": {f"{n}x{k}": {str(b): by for b, by in rows.items()} for (n, k), rows in stored["shapes"].items()},
+    }
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(raw, indent=1))

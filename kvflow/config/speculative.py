@@ -39,8 +39,9 @@ class SpeculativeConfig:
         if not isinstance(self.adaptive, bool):
             raise ValueError(f"speculative_config adaptive must be true or false, got {self.adaptive!r}")
         if self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"speculative_config quantization must be one of {QUANTIZATIONS}, "
-                             f"got {self.quantization!r}")
+            raise ValueError(
+                f"speculative_config quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}"
+            )
         if self.method == "ngram":
             for name in ("model", "quantization"):
                 if getattr(self, name) is not None:
@@ -62,19 +63,22 @@ class SpeculativeConfig:
             if self.model is not None and (not isinstance(self.model, str) or not self.model):
                 raise ValueError(f"speculative_config model must be a path, got {self.model!r}")
             if self.model is None and self.quantization is None:
-                raise ValueError("speculative_config method 'draft_model' needs a model (a path) or "
-                                 "quantization='int8' (self-draft: the target model quantized)")
+                raise ValueError(
+                    "speculative_config method 'draft_model' needs a model (a path) or "
+                    "quantization='int8' (self-draft: the target model quantized)"
+                )
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "SpeculativeConfig":
+    def from_dict(cls, d: dict[str, Any]) -> SpeculativeConfig:
         names = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(d) - set(names))
         if unknown:
             raise ValueError(f"unknown speculative_config key(s) {unknown}; valid keys: {names}")
         for name in ("method", "num_speculative_tokens"):
             if name not in d:
-                raise ValueError(f"speculative_config needs {name!r}"
-                                 + (f" (one of {METHODS})" if name == "method" else ""))
+                raise ValueError(
+                    f"speculative_config needs {name!r}" + (f" (one of {METHODS})" if name == "method" else "")
+                )
         return cls(**d)
 
 

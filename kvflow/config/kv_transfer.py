@@ -30,13 +30,16 @@ class KVTransferConfig:
 
     def __post_init__(self) -> None:
         if self.kv_connector not in CONNECTORS:
-            raise ValueError(f"kv_transfer_config: kv_connector must be one of {', '.join(CONNECTORS)}, "
-                             f"got {self.kv_connector!r}")
+            raise ValueError(
+                f"kv_transfer_config: kv_connector must be one of {', '.join(CONNECTORS)}, got {self.kv_connector!r}"
+            )
         if self.kv_role not in ROLES:
             raise ValueError(f"kv_transfer_config: kv_role must be one of {', '.join(ROLES)}, got {self.kv_role!r}")
         if self.kv_load_failure_policy not in FAILURE_POLICIES:
-            raise ValueError(f"kv_transfer_config: kv_load_failure_policy must be one of "
-                             f"{', '.join(FAILURE_POLICIES)}, got {self.kv_load_failure_policy!r}")
+            raise ValueError(
+                f"kv_transfer_config: kv_load_failure_policy must be one of "
+                f"{', '.join(FAILURE_POLICIES)}, got {self.kv_load_failure_policy!r}"
+            )
         if not isinstance(self.kv_port, int) or not 0 <= self.kv_port <= 65535:
             raise ValueError(f"kv_transfer_config: kv_port must be an integer in [0, 65535], got {self.kv_port!r}")
         for name in ("kv_lease_s", "kv_transfer_timeout_s"):
@@ -53,7 +56,7 @@ class KVTransferConfig:
         return self.kv_role in ("kv_consumer", "kv_both")
 
     @classmethod
-    def parse(cls, value: "KVTransferConfig | dict | str") -> "KVTransferConfig":
+    def parse(cls, value: KVTransferConfig | dict | str) -> KVTransferConfig:
         if isinstance(value, KVTransferConfig):
             return value
         if isinstance(value, str):
@@ -69,6 +72,7 @@ class KVTransferConfig:
             raise ValueError(f"kv_transfer_config: unknown key(s) {unknown}; valid keys: {sorted(known)}")
         for key in ("kv_connector", "kv_role"):
             if key not in value:
-                raise ValueError(f"kv_transfer_config needs {key!r} (e.g. {{\"kv_connector\": \"tcp\", "
-                                 f"\"kv_role\": \"kv_producer\"}})")
+                raise ValueError(
+                    f'kv_transfer_config needs {key!r} (e.g. {{"kv_connector": "tcp", "kv_role": "kv_producer"}})'
+                )
         return cls(**value)

@@ -1,0 +1,247 @@
+"""`EngineConfig`: what the user chooses for an engine. Every field is an `LLM(...)` keyword and a
+`kvflow serve --flag`; its help text and accepted values are declared here once (`option`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from kvflow.config.kv_transfer import KVTransferConfig
+from kvflow.config.options import check_choices, option, positive
+from kvflow.config.speculative import SpeculativeConfig
+
+DTYPES = ("float32", "bfloat16", "float16")
+QUANTIZATIONS = (None, "int8", "int4")
+GGUF_WEIGHTS = ("native", "dequantize")
+KV_CACHE_DTYPES = ("auto", "int8")
+KERNEL_AUTOTUNE_MODES = ("on", "off")
+ATTENTION_BACKENDS = ("auto", "torch", "native", "triton")
+DISTRIBUTED_EXECUTOR_BACKENDS = (None, "uni", "mp", "ray")
+# The scheduling policies and fairness modes kvflow/core/sched/ implements (it registers each under
+# one of these names).
+SCHEDULING_POLICIES = ("fcfs", "priority", "slo")
+FAIRNESS_MODES = ("none", "vtc")
+
+
+@dataclass
+class EngineConfig:
+    """Engine options. `None` means "derive from the model or the machine"."""
+
+    model: str | None = option(None, "HF model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    dtype: str = option("float32", "weight and KV dtype", choices=DTYPES)
+    device: str = option("cpu", "torch device: cpu, cuda or cuda:N")
+    max_model_len: int | None = option(None, "longest prompt + output in tokens (default: the model's context length)")
+    block_size: int = option(16, "tokens per KV block")
+    num_kv_blocks: int | None = option(None, "KV pool size in blocks (overrides --kv-cache-memory-gb)")
+    kv_cache_memory_gb: float = option(2.0, "memory for the KV pool in GiB")
+    max_num_batched_tokens: int = option(2048, "token budget of one engine step (prefill chunks + decodes)")
+    max_num_seqs: int = option(256, "most sequences running at once")
+    seed: int = option(0, "seed of the engine's shared random generator")
+    tokenizer: str | None = option(None, "tokenizer folder (default: the model's own)")
+    enable_prefix_caching: bool = option(True, "share the KV of common prompt prefixes between requests")
+    quantization: str | None = option(
+        None,
+        "weight quantization: int8 (W8A8, per-channel weights, per-token activations, FBGEMM), "
+        "int4 (4-bit blocks of 32 with scale and offset, GGML's Q4_1 for the projections and Q8_0 for the "
+        "logits, rounded at load; block kernels) or unset (weights in --dtype)",
+        choices=QUANTIZATIONS,
+    )
+    gguf_weights: str = option(
+        "native",
+        "a GGUF's quantized tensors: native (kept in their block formats and run by the block "
+        "kernels where they can run: CPU, float32, one rank) or dequantize (float32 at load: exact HF "
+        "equivalence)",
+        choices=GGUF_WEIGHTS,
+    )
+    kv_cache_dtype: str = option(
+        "auto", "KV cache dtype: auto (= --dtype) or int8 (per-token, per-head scales)", choices=KV_CACHE_DTYPES
+    )
+    attention_backend: str = option(
+        "auto",
+        "attention: native (C++ kernel reading the paged cache in place, CPU), triton (Triton "
+        "kernels reading it in place, CUDA), torch (gather + SDPA, any device) or auto (triton on CUDA, "
+        "native on the CPU where it runs, else torch)",
+        choices=ATTENTION_BACKENDS,
+    )
+    enforce_eager: bool = option(False, "CUDA: run decode steps eagerly instead of replaying CUDA graphs")
+    cuda_graph_sizes: list[int] | None = option(
+        None,
+        "CUDA: decode batch sizes to capture graphs for, comma-separated; a decode step pads up to "
+        "the next one, larger steps run eagerly (default: 1, 2, 4 and multiples of 8 up to "
+        "min(max_num_seqs, 256))",
+    )
+    kernel_autotune: str = option(
+        "on",
+        "on: time the linear kernel paths on this CPU at the first start and cache the choice (a "
+        "few seconds, once); off: the documented default choice",
+        choices=KERNEL_AUTOTUNE_MODES,
+    )
+    # Lower KV tiers for evicted prefix-cache blocks ("prefill once").
+    kv_offload_cpu_gb: float = option(0.0, "CPU-memory tier for evicted prefix-cache blocks, GiB (0 = off)")
+    kv_offload_disk_dir: str | None = option(
+        None, "directory of the disk tier for evicted prefix-cache blocks (kept across runs)"
+    )
+    kv_offload_disk_gb: float = option(4.0, "size limit of the disk tier, GiB (with --kv-offload-disk-dir)")
+    kv_transfer_config: dict[str, Any] | None = option(
+        None,
+        'prefill/decode disaggregation as a JSON object, e.g. \'{"kv_connector": "tcp", '
+        '"kv_role": "kv_producer"}\' (keys: kv_connector tcp|shm, kv_role '
+        "kv_producer|kv_consumer|kv_both, kv_ip, kv_port, kv_lease_s, kv_transfer_timeout_s, "
+        "kv_load_failure_policy recompute|fail, engine_id; see KVTransferConfig)",
+    )
+    tensor_parallel_size: int = option(
+        1,
+        "split every layer over this many ranks (worker processes on this machine, all-reduce over "
+        "shared memory or gloo, whichever measures faster)",
+    )
+    distributed_executor_backend: str | None = option(
+        None,
+        "uni (one rank), mp (a process per rank, the default for TP > 1) or ray (Ray actors in a "
+        "placement group; RAY_ADDRESS joins a cluster)",
+        choices=DISTRIBUTED_EXECUTOR_BACKENDS,
+    )
+    cpu_threads_per_rank: int | None = option(
+        None, "torch threads (and pinned CPUs) per tensor-parallel rank (default: this process's CPUs split evenly)"
+    )
+    speculative_config: dict[str, Any] | None = option(
+        None,
+        'speculative decoding as a JSON object, e.g. \'{"method": "ngram", '
+        '"num_speculative_tokens": 4}\' (keys: method, num_speculative_tokens, prompt_lookup_min, '
+        "prompt_lookup_max, model, quantization, adaptive; see SpeculativeConfig)",
+    )
+    structured_outputs_compile_timeout_s: float = option(
+        10.0, "structured outputs: a grammar that does not compile within this many seconds is refused (400)"
+    )
+    scheduling_policy: str = option(
+        "fcfs",
+        "fcfs | priority (lower first, with aging) | slo (goodput: chunk size from slack, EDF + "
+        "shortest prompt, relegation, admission by predicted TTFT)",
+        choices=SCHEDULING_POLICIES,
+    )
+    fairness: str = option("none", "none | vtc (a fair share of service across clients)", choices=FAIRNESS_MODES)
+    default_ttft_slo_ms: float | None = option(None, "TTFT SLO of requests that give none, ms")
+    default_tpot_slo_ms: float | None = option(None, "TPOT SLO of requests that give none, ms")
+    max_queue_time_s: float | None = option(None, "a request not scheduled within this many seconds ends with an error")
+    priority_aging_s: float = option(
+        10.0, "priority policy: a waiting request becomes one level more important per this many seconds"
+    )
+    slo_admission_factor: float | None = option(
+        2.0,
+        "slo policy: refuse (503) a request whose predicted TTFT exceeds this many times its TTFT SLO (unset: never)",
+    )
+
+    def __post_init__(self) -> None:
+        check_choices(self)
+        self._check_device()
+        positive("block_size", self.block_size)
+        positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        positive("max_num_seqs", self.max_num_seqs)
+        if self.num_kv_blocks is not None:
+            positive("num_kv_blocks", self.num_kv_blocks)
+        if self.kv_cache_memory_gb <= 0:
+            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if self.max_model_len is not None:
+            positive("max_model_len", self.max_model_len)
+        if self.kv_offload_cpu_gb < 0 or self.kv_offload_disk_gb < 0:
+            raise ValueError("kv_offload_cpu_gb and kv_offload_disk_gb must be >= 0")
+        for name in ("default_ttft_slo_ms", "default_tpot_slo_ms", "max_queue_time_s", "slo_admission_factor"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0 (or unset), got {value}")
+        if not self.priority_aging_s > 0:
+            raise ValueError(f"priority_aging_s must be > 0, got {self.priority_aging_s}")
+        if not self.structured_outputs_compile_timeout_s > 0:
+            raise ValueError(
+                f"structured_outputs_compile_timeout_s must be > 0, got {self.structured_outputs_compile_timeout_s}"
+            )
+        if self.speculative_config is not None:
+            self.speculative()  # validate now, with a message naming the key
+        if (self.kv_offload_cpu_gb > 0 or self.kv_offload_disk_dir) and not self.enable_prefix_caching:
+            raise ValueError("the KV offload tiers hold prefix-cache blocks: they need enable_prefix_caching")
+        self._check_parallel()
+        if self.kv_transfer_config is not None:
+            self.kv_transfer()  # validate now, with a message naming the key
+            if not self.enable_prefix_caching:
+                raise ValueError(
+                    "kv_transfer_config: transferred blocks are found by their prefix-cache hashes; "
+                    "it needs enable_prefix_caching"
+                )
+            if self.kv_offload_cpu_gb > 0 or self.kv_offload_disk_dir:
+                raise ValueError(
+                    "kv_transfer_config cannot be combined with the KV offload tiers yet "
+                    "(kv_offload_cpu_gb / kv_offload_disk_dir): choose one"
+                )
+
+    def _check_device(self) -> None:
+        kind = self.device.split(":")[0]
+        if kind not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda' (or 'cuda:N'), got {self.device!r}")
+        if kind == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ValueError(
+                    f"device={self.device!r} but this torch ({torch.__version__}) sees no CUDA GPU "
+                    "(a CPU-only build, or no visible device); use device='cpu'"
+                )
+        if self.cuda_graph_sizes is not None:
+            sizes = [int(x) for x in self.cuda_graph_sizes]
+            if not sizes or min(sizes) < 1:
+                raise ValueError(f"cuda_graph_sizes must be positive batch sizes, got {self.cuda_graph_sizes!r}")
+            self.cuda_graph_sizes = sorted(set(sizes))
+
+    def graph_batch_sizes(self) -> list[int]:
+        """The decode batch sizes CUDA graphs are captured for (see cuda_graph_sizes)."""
+        if self.cuda_graph_sizes is not None:
+            return [b for b in self.cuda_graph_sizes if b <= self.max_num_seqs] or [1]
+        top = min(self.max_num_seqs, 256)
+        return [b for b in (1, 2, 4, *range(8, top + 1, 8)) if b <= top]
+
+    def _check_parallel(self) -> None:
+        positive("tensor_parallel_size", self.tensor_parallel_size)
+        if self.cpu_threads_per_rank is not None:
+            positive("cpu_threads_per_rank", self.cpu_threads_per_rank)
+        tp = self.tensor_parallel_size
+        if tp == 1:
+            return
+        if self.distributed_executor_backend == "uni":
+            raise ValueError(
+                f"tensor_parallel_size={tp} needs worker processes: distributed_executor_backend 'mp' (or unset)"
+            )
+        if self.device != "cpu":
+            raise ValueError(f"tensor parallelism runs over gloo on CPU so far; device is {self.device!r}")
+        unsupported = [
+            name
+            for name, on in ((f"quantization={self.quantization!r}", self.quantization not in (None, "int8")),)
+            if on
+        ]
+        if unsupported:
+            raise ValueError(f"tensor_parallel_size={tp} does not work with {', '.join(unsupported)} yet")
+
+    def speculative(self) -> SpeculativeConfig | None:
+        """The typed `SpeculativeConfig`, or None when speculation is off."""
+        if self.speculative_config is None:
+            return None
+        if isinstance(self.speculative_config, SpeculativeConfig):
+            return self.speculative_config
+        if not isinstance(self.speculative_config, dict):
+            raise ValueError(f"speculative_config must be a dict (JSON object), got {self.speculative_config!r}")
+        return SpeculativeConfig.from_dict(self.speculative_config)
+
+    def kv_transfer(self) -> KVTransferConfig | None:
+        """The typed `KVTransferConfig`, or None when disaggregation is off."""
+        if self.kv_transfer_config is None:
+            return None
+        return KVTransferConfig.parse(self.kv_transfer_config)
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        unknown = set(kwargs) - cls.field_names()
+        if unknown:
+            raise TypeError(f"unknown engine option(s) {sorted(unknown)}; valid options: {sorted(cls.field_names())}")
+        return cls(**kwargs)

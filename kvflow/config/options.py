@@ -1,0 +1,40 @@
+"""How a config field declares itself: its default, its help text and the values it accepts.
+
+Each option is declared once, here in `kvflow/config/`: `EngineConfig` and `ServerConfig` validate
+against the declared choices, the CLI turns every field into a `--dashed-flag` with that help, and
+docs/cli.md is generated from the CLI.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+
+def option(default: Any, help: str, *, choices: Sequence[Any] | None = None) -> Any:
+    """A dataclass field carrying its CLI help and, where the value is one of a fixed set, `choices`
+    (checked by `check_choices`; `None` among them means "unset is allowed")."""
+    metadata = {"help": help, "choices": tuple(choices) if choices is not None else None}
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def choices_text(choices: Sequence[Any]) -> str:
+    """`a, b, c` (and `(or unset)` when None is accepted), as error messages and help print them."""
+    named = ", ".join(str(c) for c in choices if c is not None)
+    return named + (" (or unset)" if None in choices else "")
+
+
+def check_choices(obj: Any) -> None:
+    """Raise a ValueError naming the field, the accepted values and the value given, for the first
+    field of the dataclass `obj` whose value is not among its declared choices."""
+    for f in dataclasses.fields(obj):
+        choices = f.metadata.get("choices")
+        value = getattr(obj, f.name)
+        if choices is not None and value not in choices:
+            raise ValueError(f"{f.name} must be one of {choices_text(choices)}, got {value!r}")
+
+
+def positive(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")

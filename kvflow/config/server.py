@@ -1,0 +1,89 @@
+"""`ServerConfig`: the options of `kvflow serve` beyond the engine's (each is a `--dashed-flag`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvflow.config.options import check_choices, option, positive
+
+# The tool-call formats kvflow/entrypoints/openai/tool_parsers.py implements, and the router
+# policies kvflow/router/policies.py implements (each registers under one of these names).
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral", "generic")
+ROUTER_POLICIES = ("round_robin", "least_loaded", "cache_aware")
+DATA_PARALLEL_BACKENDS = ("mp", "ray")
+
+
+@dataclass
+class ServerConfig:
+    host: str = option("127.0.0.1", "address to bind; 0.0.0.0 exposes the server to the network")
+    port: int = option(8000, "TCP port")
+    api_key: str | None = option(
+        None,
+        "require 'Authorization: Bearer KEY' on every API route (/health and /metrics stay open); "
+        "also read from $KVFLOW_API_KEY",
+    )
+    served_model_name: str | None = option(
+        None, "the model name clients send and /v1/models lists (default: the model's name)"
+    )
+    max_waiting_requests: int = option(
+        512, "admission control: past this many waiting sequences, requests get 503 + Retry-After"
+    )
+    max_request_body_bytes: int = option(4 * 2**20, "larger request bodies get 413")
+    log_interval_s: float = option(5.0, "seconds between stats log lines while busy")
+    shutdown_grace_s: float = option(
+        30.0, "on SIGTERM, seconds in-flight requests get to finish before they are aborted"
+    )
+    allowed_origins: list[str] | None = option(
+        None,
+        "CORS: origins that browsers may call the API from (comma-separated; '*' for any); without "
+        "it no CORS headers are sent",
+    )
+    tool_call_parser: str = option(
+        "auto",
+        "how the chat template writes tool calls: auto (from the template), hermes, llama3_json, "
+        "mistral, or generic (kvflow's JSON protocol, for templates without tool support)",
+        choices=TOOL_CALL_PARSERS,
+    )
+    data_parallel_size: int = option(
+        1,
+        "data parallelism: start this many engine replicas (processes on 127.0.0.1 ports, each pinned "
+        "to an even share of this process's CPUs, OMP_NUM_THREADS = that share) behind one router on "
+        "--host/--port; every other flag applies to each replica. GET /replicas lists them",
+    )
+    router_policy: str = option(
+        "cache_aware",
+        "with --data-parallel-size > 1: how requests are spread over the replicas: "
+        "round_robin, least_loaded (fewest running + waiting requests) or cache_aware (the replica that "
+        "holds most of the prompt's prefix, unless loads are imbalanced)",
+        choices=ROUTER_POLICIES,
+    )
+    # A replica that keeps crashing stays out of rotation rather than restarting forever.
+    replica_max_restarts: int = option(
+        3,
+        "with --data-parallel-size > 1: a replica that exits while serving is restarted (same port, "
+        "CPUs and flags), at most this many times within --replica-restart-window-s; past that it stays "
+        "out of rotation (0: never restarted)",
+    )
+    replica_restart_window_s: float = option(300.0, "the window of --replica-max-restarts, in seconds")
+    data_parallel_backend: str = option(
+        "mp",
+        "with --data-parallel-size > 1: mp (replica processes on this machine) or ray (each replica a "
+        "Ray actor running its server on a node of the cluster named by RAY_ADDRESS, or of a local Ray "
+        "started for it)",
+        choices=DATA_PARALLEL_BACKENDS,
+    )
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port must be in 1..65535, got {self.port}")
+        positive("data_parallel_size", self.data_parallel_size)
+        check_choices(self)
+        if self.replica_max_restarts < 0 or not 0 < self.replica_restart_window_s < float("inf"):
+            raise ValueError(
+                f"replica_max_restarts must be >= 0 and replica_restart_window_s a finite number > 0, "
+                f"got {self.replica_max_restarts} and {self.replica_restart_window_s}"
+            )
+        positive("max_waiting_requests", self.max_waiting_requests)
+        positive("max_request_body_bytes", self.max_request_body_bytes)
+        if self.log_interval_s <= 0 or self.shutdown_grace_s < 0:
+            raise ValueError("log_interval_s must be > 0 and shutdown_grace_s >= 0")
