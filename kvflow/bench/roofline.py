@@ -9,6 +9,17 @@ Decode step of `batch` sequences, each holding `context` tokens of KV:
     step time     = max(memory floor, compute floor)
     tokens/s      = batch / step time           (per device)
     $ per 1M tok  = price per hour / (3600 × tokens/s) × 1e6
+
+Mixture-of-Experts models (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE): every weight stays resident
+(memory fit counts the total parameters), but a decode step reads only the experts its batch routes
+to. Each MoE layer holds E experts of which each token picks k distinct ones; under uniform,
+independent routing a batch of B tokens touches on average
+    E × (1 − ((E − k) / E)^B)
+distinct experts per layer (an expert is missed by one token with probability (E − k)/E). Then
+    weight bytes read = dense bytes + MoE layers × experts touched × bytes of one expert
+    compute floor     = 2 × active params × batch      (active: the top-k experts, not all E)
+where the dense bytes are everything but the routed experts (attention, embeddings, routers,
+shared experts, dense MLP layers). A measured distinct-expert count can replace the expectation.
 """
 
 from __future__ import annotations
@@ -47,6 +58,23 @@ def dtype_bytes(name: str) -> float:
 
 
 @dataclass
+class MoESpec:
+    """The routed experts of a MoE model. Parameter counts are per layer (`expert_params`: one
+    expert); `expert_bytes` (one expert, one layer) is used with `ModelSpec.weight_bytes_override`
+    (a GGUF file's real bytes), else bytes follow the weight dtype."""
+
+    num_experts: int
+    top_k: int
+    num_moe_layers: int
+    expert_params: float
+    router_params: float = 0.0
+    shared_expert_params: float = 0.0
+    expert_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    expert_bytes: float | None = None
+
+
+@dataclass
 class ModelSpec:
     name: str
     num_layers: int
@@ -59,12 +87,46 @@ class ModelSpec:
     num_params: float
     weight_dtype: str = "bf16"
     weight_bytes_override: float | None = None  # e.g. a GGUF file's real tensor bytes
+    moe: MoESpec | None = None  # None: a dense model
 
     @property
     def weight_bytes(self) -> float:
+        """Bytes of all weights (all experts of a MoE model): what must fit in memory."""
         if self.weight_bytes_override is not None:
             return self.weight_bytes_override
         return self.num_params * dtype_bytes(self.weight_dtype)
+
+    @property
+    def active_params(self) -> float:
+        """Parameters one token computes with: all but the experts it is not routed to."""
+        if self.moe is None:
+            return self.num_params
+        m = self.moe
+        return self.num_params - m.num_moe_layers * (m.num_experts - m.top_k) * m.expert_params
+
+    @property
+    def expert_weight_bytes(self) -> float:
+        """Bytes of one routed expert in one layer (0 for a dense model)."""
+        if self.moe is None:
+            return 0.0
+        if self.weight_bytes_override is not None and self.moe.expert_bytes is not None:
+            return self.moe.expert_bytes
+        return self.moe.expert_params * dtype_bytes(self.weight_dtype)
+
+    @property
+    def dense_weight_bytes(self) -> float:
+        """Bytes every decode step reads whatever the routing: all but the routed experts."""
+        if self.moe is None:
+            return self.weight_bytes
+        return self.weight_bytes - self.moe.num_moe_layers * self.moe.num_experts * self.expert_weight_bytes
+
+    def step_weight_bytes(self, experts_touched: float | None = None) -> float:
+        """Weight bytes one decode step reads when each MoE layer touches `experts_touched`
+        distinct experts (a dense model: all its weights)."""
+        if self.moe is None:
+            return self.weight_bytes
+        touched = self.moe.num_experts if experts_touched is None else experts_touched
+        return self.dense_weight_bytes + self.moe.num_moe_layers * touched * self.expert_weight_bytes
 
 
 @dataclass
@@ -144,9 +206,20 @@ def model_from_hf_config(cfg: dict, name: str = "model") -> ModelSpec:
         "geglu",
     )
     tied = bool(cfg.get("tie_word_embeddings", model_type in ("opt", "gpt2")))
-    params = cfg.get("num_parameters") or estimate_params(
-        layers, hidden, heads, kv_heads, head_dim, ffn, vocab, gated, tied
-    )
+    moe = _experts_from_hf_config(cfg, int(layers), int(hidden), gated, name)
+    if moe is None:
+        params = cfg.get("num_parameters") or estimate_params(
+            layers, hidden, heads, kv_heads, head_dim, ffn, vocab, gated, tied
+        )
+    else:  # attention + embeddings, then the MLPs layer by layer (a config's num_parameters can't be split)
+        params = estimate_params(layers, hidden, heads, kv_heads, head_dim, 0, vocab, gated, tied)
+        params += moe.num_moe_layers * (moe.num_experts * moe.expert_params + moe.router_params)
+        params += moe.num_moe_layers * moe.shared_expert_params
+        dense_layers = int(layers) - moe.num_moe_layers
+        if dense_layers:
+            if cfg.get("intermediate_size") is None:
+                raise ValueError(f"{name}: MoE config with {dense_layers} dense MLP layers lacks intermediate_size")
+            params += dense_layers * (3 if gated else 2) * int(hidden) * int(cfg["intermediate_size"])
     torch_dtype = str(_first(cfg, "torch_dtype", "dtype", default="bfloat16")).replace("torch.", "")
     wdt = torch_dtype if torch_dtype in DTYPE_BYTES else "bf16"
     return ModelSpec(
@@ -160,6 +233,65 @@ def model_from_hf_config(cfg: dict, name: str = "model") -> ModelSpec:
         int(vocab),
         float(params),
         wdt,
+        moe=moe,
+    )
+
+
+def _int_key(cfg: dict, key: str, name: str, minimum: int) -> int:
+    v = cfg[key]
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or int(v) != v or v < minimum:
+        raise ValueError(f"{name}: {key} must be an integer >= {minimum}, got {v!r}")
+    return int(v)
+
+
+def _experts_from_hf_config(cfg: dict, layers: int, hidden: int, gated: bool, name: str) -> MoESpec | None:
+    """The routed experts of a HF MoE config, None for a dense one.
+
+    Keys as HF writes them: Mixtral `num_local_experts`; Qwen2-MoE / Qwen3-MoE / OLMoE
+    `num_experts`; all `num_experts_per_tok`. Expert size: `moe_intermediate_size` (Qwen2/3-MoE,
+    whose `intermediate_size` is the dense MLP of non-MoE layers), else `intermediate_size`
+    (Mixtral, OLMoE). Qwen2-MoE's shared expert: `shared_expert_intermediate_size`, plus its
+    sigmoid gate (hidden -> 1). Layer i is MoE unless i is in `mlp_only_layers` or
+    (i + 1) % `decoder_sparse_step` != 0 (HF Qwen2/3-MoE's rule). Router: hidden x E, no bias."""
+    key = "num_local_experts" if cfg.get("num_local_experts") is not None else "num_experts"
+    if cfg.get(key) is None:
+        return None
+    num_experts = _int_key(cfg, key, name, 0)
+    if num_experts == 0:  # Qwen2-MoE with num_experts 0: every layer dense
+        return None
+    if cfg.get("num_experts_per_tok") is None:
+        raise ValueError(f"{name}: MoE config ({key} = {num_experts}) lacks num_experts_per_tok")
+    top_k = _int_key(cfg, "num_experts_per_tok", name, 1)
+    if top_k > num_experts:
+        raise ValueError(f"{name}: num_experts_per_tok = {top_k} exceeds {key} = {num_experts}")
+    model_type = str(cfg.get("model_type", "")).lower()
+    if cfg.get("moe_intermediate_size") is not None:
+        expert_ffn = _int_key(cfg, "moe_intermediate_size", name, 1)
+    elif model_type in ("qwen2_moe", "qwen3_moe"):
+        raise ValueError(f"{name}: {model_type} config lacks moe_intermediate_size (the size of one expert)")
+    elif cfg.get("intermediate_size") is not None:
+        expert_ffn = _int_key(cfg, "intermediate_size", name, 1)
+    else:
+        raise ValueError(f"{name}: MoE config lacks intermediate_size (or moe_intermediate_size), the expert size")
+    step = _int_key(cfg, "decoder_sparse_step", name, 1) if cfg.get("decoder_sparse_step") is not None else 1
+    mlp_only = cfg.get("mlp_only_layers") or []
+    if not isinstance(mlp_only, (list, tuple)) or not all(isinstance(i, int) for i in mlp_only):
+        raise ValueError(f"{name}: mlp_only_layers must be a list of layer indices, got {mlp_only!r}")
+    mlp_only = set(mlp_only)
+    moe_layers = sum(1 for i in range(layers) if i not in mlp_only and (i + 1) % step == 0)
+    shared_ffn = 0
+    if cfg.get("shared_expert_intermediate_size"):
+        shared_ffn = _int_key(cfg, "shared_expert_intermediate_size", name, 0)
+    mult = 3 if gated else 2
+    return MoESpec(
+        num_experts=num_experts,
+        top_k=top_k,
+        num_moe_layers=moe_layers,
+        expert_params=float(mult * hidden * expert_ffn),
+        router_params=float(hidden * num_experts),
+        shared_expert_params=float(mult * hidden * shared_ffn + hidden) if shared_ffn else 0.0,
+        expert_intermediate_size=expert_ffn,
+        shared_expert_intermediate_size=shared_ffn,
     )
 
 
@@ -191,6 +323,7 @@ def model_from_gguf(path: str) -> ModelSpec:
     params = sum(int(t.n_elements) for t in r.tensors)
     wbytes = sum(int(t.n_bytes) for t in r.tensors)
     name = os.path.basename(path)
+    moe = _experts_from_gguf(r, arch, name, val)
     return ModelSpec(
         name,
         int(layers),
@@ -203,7 +336,94 @@ def model_from_gguf(path: str) -> ModelSpec:
         float(params),
         "gguf",
         weight_bytes_override=float(wbytes),
+        moe=moe,
     )
+
+
+def _experts_from_gguf(r: Any, arch: str, name: str, val: Any) -> MoESpec | None:
+    """The routed experts of a GGUF file, from its tensors as stored (llama.cpp's 3-D
+    `blk.N.ffn_{gate,up,down}_exps`, router `ffn_gate_inp`, shared expert `*_shexp`): one expert's
+    parameters and real bytes are the layer's expert tensors divided by the expert count."""
+    num_experts = int(val(f"{arch}.expert_count", 0) or 0)
+    exps = [t for t in r.tensors if t.name.startswith("blk.") and "_exps." in t.name]
+    if not num_experts or not exps:
+        return None
+    top_k = int(val(f"{arch}.expert_used_count", 0) or 0)
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(
+            f"{name}: {arch}.expert_used_count = {top_k} must be in 1..{arch}.expert_count = {num_experts}"
+        )
+    moe_layers = len({t.name.split(".")[1] for t in exps})
+    n = moe_layers * num_experts
+    exp_names = {t.name for t in exps}
+
+    def total(pred: Any, attr: str) -> float:
+        return float(sum(int(getattr(t, attr)) for t in r.tensors if pred(t.name)))
+
+    return MoESpec(
+        num_experts=num_experts,
+        top_k=top_k,
+        num_moe_layers=moe_layers,
+        expert_params=total(lambda s: s in exp_names, "n_elements") / n,
+        router_params=total(lambda s: ".ffn_gate_inp." in s, "n_elements") / moe_layers,
+        shared_expert_params=total(lambda s: "_shexp." in s, "n_elements") / moe_layers,
+        expert_intermediate_size=int(val(f"{arch}.expert_feed_forward_length", 0) or 0),
+        shared_expert_intermediate_size=int(val(f"{arch}.expert_shared_feed_forward_length", 0) or 0),
+        expert_bytes=total(lambda s: s in exp_names, "n_bytes") / n,
+    )
+
+
+# MoE presets: the shapes of the published HF config.json files (keys as HF writes them).
+MOE_PRESET_CONFIGS: dict[str, dict] = {
+    "mixtral-8x7b": {  # mistralai/Mixtral-8x7B-v0.1: 46.7B total, 12.9B active
+        "model_type": "mixtral",
+        "num_hidden_layers": 32,
+        "hidden_size": 4096,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "intermediate_size": 14336,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "vocab_size": 32000,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    },
+    "qwen3-30b-a3b": {  # Qwen/Qwen3-30B-A3B: 30.5B total, 3.3B active
+        "model_type": "qwen3_moe",
+        "num_hidden_layers": 48,
+        "hidden_size": 2048,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "vocab_size": 151936,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    },
+    "olmoe-1b-7b": {  # allenai/OLMoE-1B-7B-0924: 6.9B total, 1.3B active
+        "model_type": "olmoe",
+        "num_hidden_layers": 16,
+        "hidden_size": 2048,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "intermediate_size": 1024,
+        "num_experts": 64,
+        "num_experts_per_tok": 8,
+        "vocab_size": 50304,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    },
+}
+MODEL_PRESETS.update({k: model_from_hf_config(cfg, k) for k, cfg in MOE_PRESET_CONFIGS.items()})
 
 
 def resolve_model(model: str | None = None, config: str | None = None) -> ModelSpec:
@@ -344,6 +564,34 @@ class RooflineRow:
     tokens_per_s: float  # per device
     tokens_per_s_per_user: float
     cost_per_million: float
+    weight_bytes_read: float = 0.0  # per step: all weights (dense), dense part + touched experts (MoE)
+    experts_touched: float | None = None  # distinct experts per MoE layer this step (None: dense)
+
+
+def expected_experts_touched(num_experts: int, top_k: int, batch: int) -> float:
+    """Expected distinct experts one MoE layer routes a batch of `batch` tokens to, each token
+    picking `top_k` distinct experts of `num_experts` uniformly and independently:
+    E × (1 − ((E − k) / E)^B)  (an expert escapes one token with probability (E − k)/E)."""
+    if num_experts < 1 or not 1 <= top_k <= num_experts:
+        raise ValueError(f"need 1 <= top_k <= num_experts, got top_k={top_k}, num_experts={num_experts}")
+    if batch < 0:
+        raise ValueError(f"batch must be >= 0, got {batch}")
+    return num_experts * (1.0 - ((num_experts - top_k) / num_experts) ** batch)
+
+
+def check_experts_touched(model: ModelSpec, batch: int, touched: float) -> float:
+    """A given distinct-expert count must be possible: k (one token) <= N <= min(E, batch × k)."""
+    if model.moe is None:
+        raise ValueError(f"--experts-touched applies to MoE models; {model.name} is dense")
+    e, k = model.moe.num_experts, model.moe.top_k
+    hi = min(e, batch * k)
+    if not k <= touched <= hi:
+        can = f"exactly {k}" if hi == k else f"between {k} and {hi}"
+        raise ValueError(
+            f"--experts-touched {touched:g} at batch {batch}: a MoE layer with {e} experts, top-{k} "
+            f"touches {can} distinct experts"
+        )
+    return float(touched)
 
 
 def max_sequences(model: ModelSpec, hw: Hardware, context: int, kv_dtype: str = "bf16") -> int:
@@ -354,11 +602,28 @@ def max_sequences(model: ModelSpec, hw: Hardware, context: int, kv_dtype: str = 
 
 
 def decode_step(
-    model: ModelSpec, hw: Hardware, batch: int, context: int, kv_dtype: str = "bf16", price_per_hour: float = 3.0
+    model: ModelSpec,
+    hw: Hardware,
+    batch: int,
+    context: int,
+    kv_dtype: str = "bf16",
+    price_per_hour: float = 3.0,
+    experts_touched: float | None = None,
 ) -> RooflineRow:
+    """One decode step of `batch` sequences. A MoE model reads its dense part and, per MoE layer,
+    `experts_touched` distinct experts (default: the expectation under uniform routing)."""
     kv = batch * context * kv_bytes_per_token(model, kv_dtype)
-    mem_floor = (model.weight_bytes + kv) / hw.bandwidth
-    comp_floor = 2 * model.num_params * batch / hw.flops
+    touched = None
+    if model.moe is not None:
+        if experts_touched is None:
+            touched = expected_experts_touched(model.moe.num_experts, model.moe.top_k, batch)
+        else:
+            touched = check_experts_touched(model, batch, experts_touched)
+    elif experts_touched is not None:
+        check_experts_touched(model, batch, experts_touched)
+    read = model.step_weight_bytes(touched)
+    mem_floor = (read + kv) / hw.bandwidth
+    comp_floor = 2 * model.active_params * batch / hw.flops
     step = max(mem_floor, comp_floor)
     tps = batch / step
     return RooflineRow(
@@ -373,6 +638,8 @@ def decode_step(
         tokens_per_s=tps,
         tokens_per_s_per_user=1.0 / step,
         cost_per_million=cost_per_million_tokens(price_per_hour, tps),
+        weight_bytes_read=read,
+        experts_touched=touched,
     )
 
 
@@ -390,10 +657,24 @@ def roofline_table(
     kv_dtype: str = "bf16",
     price_per_hour: float = 3.0,
     batches: Iterable[int] = DEFAULT_BATCHES,
+    experts_touched: float | Sequence[float] | None = None,
 ) -> list[RooflineRow]:
+    """`experts_touched`: None (expected under uniform routing), one count for every batch size,
+    or one per batch size (e.g. measured on real traffic)."""
     if context < 1:
         raise ValueError("--context must be >= 1")
-    return [decode_step(model, hw, b, context, kv_dtype, price_per_hour) for b in batches]
+    batches = list(batches)
+    if experts_touched is None or isinstance(experts_touched, (int, float)):
+        touched: list[float | None] = [experts_touched] * len(batches)
+    else:
+        touched = list(experts_touched)
+        if len(touched) == 1:
+            touched *= len(batches)
+        if len(touched) != len(batches):
+            raise ValueError(
+                f"--experts-touched: give one count or one per batch size ({len(batches)}), got {len(touched)}"
+            )
+    return [decode_step(model, hw, b, context, kv_dtype, price_per_hour, t) for b, t in zip(batches, touched)]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -10,6 +10,12 @@ compute floor), memory floor = (weight bytes + batch x context x KV bytes/token)
 compute floor = 2 x params x batch / FLOP/s; tokens/s per device = batch / step;
 cost per 1M tokens = price / (3600 x tokens/s) x 1e6. Also prints the speculative-decoding table:
 speed-up (1-a^(g+1)) / ((1-a)(g c+1)) and tokens per target pass (1-a^(g+1)) / (1-a).
+
+Mixture-of-Experts models (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE configs; presets mixtral-8x7b,
+qwen3-30b-a3b, olmoe-1b-7b): all weights must fit, but a step reads the dense part (attention,
+embeddings, routers, shared experts, dense layers) plus, per MoE layer, the distinct experts its
+batch touches: E x (1 - ((E-k)/E)^B) on average for B tokens routed uniformly to top-k of E
+experts, or the count given by --experts-touched. Compute floor = 2 x active params x batch.
 """
 
 
@@ -30,6 +36,27 @@ def _ints(s: str) -> list[int]:
     return vals
 
 
+def _param_lines(model) -> list[tuple[str, str]]:
+    if model.moe is None:
+        return [("parameters", f"{model.num_params / 1e9:.3f} B")]
+    m = model.moe
+    shape = (
+        f"{m.num_experts} experts, top-{m.top_k}, {m.num_moe_layers} of {model.num_layers} layers MoE, "
+        f"expert intermediate {m.expert_intermediate_size}"
+    )
+    if m.shared_expert_params:
+        shape += f", shared expert intermediate {m.shared_expert_intermediate_size}"
+    return [
+        ("parameters", f"{model.num_params / 1e9:.3f} B total, {model.active_params / 1e9:.3f} B active per token"),
+        ("experts", shape),
+        (
+            "bytes per step",
+            f"{model.dense_weight_bytes / 1e9:.3f} GB dense + {model.expert_weight_bytes / 1e6:.2f} MB "
+            "per expert per MoE layer touched",
+        ),
+    ]
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "roofline",
@@ -41,8 +68,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     src.add_argument(
         "--model",
         default=None,
-        help="preset (llama3-8b, opt-13b), a model folder (config.json or .gguf inside), "
-        "a .gguf file, or 'default' (the default model); default: llama3-8b",
+        help="preset (llama3-8b, opt-13b, mixtral-8x7b, qwen3-30b-a3b, olmoe-1b-7b), a model folder "
+        "(config.json or .gguf inside), a .gguf file, or 'default' (the default model); default: llama3-8b",
     )
     src.add_argument("--config", default=None, metavar="FILE", help="a HF config.json")
     p.add_argument("--hardware", default="h100", help="h100, h200, a100-40gb or local (measures this machine)")
@@ -56,6 +83,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--context", type=int, default=2048, help="tokens held per sequence (default 2048)")
     p.add_argument("--price-per-hour", type=float, default=3.0, help="device price, $/hour (default 3)")
     p.add_argument("--batches", type=_ints, default=None, help="comma-separated batch sizes (default 1,2,4,...,512)")
+    p.add_argument(
+        "--experts-touched",
+        type=_floats,
+        default=None,
+        metavar="N[,N...]",
+        help="MoE: distinct experts a step reads per MoE layer (e.g. measured on real traffic), one count "
+        "for every batch size or one per --batches entry (default: the expectation under uniform routing)",
+    )
     p.add_argument(
         "--alpha",
         type=_floats,
@@ -84,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--price-per-hour must be >= 0")
     hw = rf.resolve_hardware(args.hardware, args.bandwidth, args.flops, args.memory_gb)
     batches = args.batches or list(rf.DEFAULT_BATCHES)
-    rows = rf.roofline_table(model, hw, args.context, args.kv_dtype, args.price_per_hour, batches)
+    rows = rf.roofline_table(model, hw, args.context, args.kv_dtype, args.price_per_hour, batches, args.experts_touched)
     kvt = rf.kv_bytes_per_token(model, args.kv_dtype)
     fit = rf.max_sequences(model, hw, args.context, args.kv_dtype)
 
@@ -96,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
                     f"{model.name}: {model.num_layers} layers, hidden {model.hidden_size}, {model.num_heads} heads, "
                     f"{model.num_kv_heads} kv heads, head_dim {model.head_dim}",
                 ),
-                ("parameters", f"{model.num_params / 1e9:.3f} B"),
+                *_param_lines(model),
                 ("weight bytes", f"{model.weight_bytes / 1e9:.3f} GB ({model.weight_dtype})"),
                 ("KV bytes/token", f"{kvt:,.0f} B = {kvt / 1024:,.1f} KiB ({args.kv_dtype})"),
                 (f"KV per sequence @ {args.context}", f"{kvt * args.context / 1e9:.3f} GB"),
@@ -111,12 +146,14 @@ def run(args: argparse.Namespace) -> int:
         )
     )
     print()
+    moe = model.moe is not None
     table_rows = []
     for r in rows:
         table_rows.append(
             [
                 r.batch,
                 "yes" if r.fits else "NO",
+                *([r.experts_touched, r.weight_bytes_read / 1e9] if moe else []),
                 r.memory_needed_bytes / 1e9,
                 r.memory_floor_s * 1e3,
                 r.compute_floor_s * 1e3,
@@ -132,6 +169,7 @@ def run(args: argparse.Namespace) -> int:
             [
                 "batch",
                 "fits",
+                *(["experts/layer", "read GB"] if moe else []),
                 "mem GB",
                 "mem floor ms",
                 "compute ms",
@@ -144,7 +182,14 @@ def run(args: argparse.Namespace) -> int:
             table_rows,
             digits=3,
             title=f"Decode at context {args.context}, ${args.price_per_hour:g}/hour "
-            "(fits=NO: weights + KV exceed device memory)",
+            "(fits=NO: weights + KV exceed device memory)"
+            + (
+                "\nexperts/layer: distinct experts read per MoE layer ("
+                + ("given" if args.experts_touched else "expected, uniform routing")
+                + "); read GB: weight bytes read per step (mem floor adds the KV)"
+                if moe
+                else ""
+            ),
         )
     )
     print()
@@ -178,6 +223,9 @@ def run(args: argparse.Namespace) -> int:
                 "model": asdict(model),
                 "hardware": asdict(hw),
                 "kv_bytes_per_token": kvt,
+                "active_params": model.active_params,
+                "dense_weight_bytes": model.dense_weight_bytes,
+                "expert_weight_bytes": model.expert_weight_bytes,
                 "max_sequences": fit,
                 "rows": rf.rows_as_dicts(rows),
                 "speculative": spec,
