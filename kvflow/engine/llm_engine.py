@@ -141,6 +141,7 @@ class LLMEngine:
         self.slo = SLOTracker()
         self._children: dict[str, list[str]] = {}
         self._ids = itertools.count()
+        self._shut_down = False
         self._peak_usage = 0.0
         self._prompt_tokens = 0
         self._generation_tokens = 0
@@ -541,8 +542,11 @@ class LLMEngine:
         return [] if self.executor.kv_connector is None else self.executor.kv_connector.take_transfer_times()
 
     def shutdown(self) -> None:
-        """Stop the KV connector; the offload tiers first persist the prefix cache (a disk tier
-        then serves the next run)."""
+        """Stop the KV connector (the offload tiers first persist the prefix cache: a disk tier then
+        serves the next run), the grammar compiler and the workers. A second call does nothing."""
+        if self._shut_down:
+            return
+        self._shut_down = True
         if self.structured is not None:
             self.structured.shutdown()
         if self.kv_connector is not None:  # (before the workers go: under TP every rank holds a share)

@@ -1,8 +1,15 @@
-"""The offline API: `LLM(model=...).generate(prompts, SamplingParams(...))`, as in vLLM."""
+"""The offline API: `LLM(model=...).generate(prompts, SamplingParams(...))`, as in vLLM.
+
+A prompt is a string, a list of token ids, or vLLM's prompt dicts: `{"prompt": "..."}` (TextPrompt)
+and `{"prompt_token_ids": [...]}` (TokensPrompt). `LLM` owns its engine's worker processes and
+process groups: `shutdown()`, leaving a `with LLM(...) as llm:` block, and the object being
+collected each release them (once), so a second engine in the same process starts clean.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import weakref
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvflow.config import EngineConfig
@@ -10,12 +17,41 @@ from kvflow.engine.llm_engine import EngineStats, LLMEngine
 from kvflow.outputs import RequestOutput
 from kvflow.sampling_params import SamplingParams
 
-Prompt = str | list[int]
+Prompt = str | list[int] | Mapping[str, Any]
+# vLLM's prompt dict keys (one of them per prompt)
+_PROMPT_KEYS = ("prompt", "prompt_token_ids")
+
+
+def _prompt_of(prompt: Prompt) -> str | list[int]:
+    """The text or token ids a prompt (a string, token ids, or one of vLLM's prompt dicts) holds."""
+    if not isinstance(prompt, Mapping):
+        return prompt
+    unknown = sorted(set(prompt) - set(_PROMPT_KEYS))
+    if unknown:
+        raise ValueError(f"unsupported prompt key(s) {unknown}; a prompt dict holds one of {list(_PROMPT_KEYS)}")
+    given = [k for k in _PROMPT_KEYS if k in prompt]
+    if len(given) != 1:
+        raise ValueError(f"a prompt dict holds exactly one of {list(_PROMPT_KEYS)}, got {sorted(prompt)}")
+    value = prompt[given[0]]
+    if given[0] == "prompt" and not isinstance(value, str):
+        raise ValueError(f"'prompt' must be a string, got {type(value).__name__}")
+    if given[0] == "prompt_token_ids" and not (isinstance(value, list) and all(isinstance(t, int) for t in value)):
+        raise ValueError("'prompt_token_ids' must be a list of integers")
+    return value
 
 
 class LLM:
     def __init__(self, model: str | None = None, **engine_options: Any) -> None:
         self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_options))
+        # Runs engine.shutdown at most once: from shutdown(), from __exit__, when this object is
+        # collected, or at interpreter exit (the finalizer holds the engine, not the LLM).
+        self._finalizer = weakref.finalize(self, LLMEngine.shutdown, self.engine)
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
     @property
     def tokenizer(self) -> Any:
@@ -27,9 +63,11 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, Mapping)) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
             prompts = [prompts]
-        prompts = list(prompts)
+        prompts = [_prompt_of(p) for p in prompts]
         params = sampling_params if sampling_params is not None else SamplingParams()
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
@@ -90,5 +128,6 @@ class LLM:
         return self.engine.get_stats()
 
     def shutdown(self) -> None:
-        """Persist the prefix cache to the KV offload tiers, if any are configured."""
-        self.engine.shutdown()
+        """Release the engine: persist the prefix cache to the KV offload tiers (if configured), stop
+        the KV connector and the worker processes, and leave the process group. Idempotent."""
+        self._finalizer()
