@@ -75,6 +75,12 @@ def make_tokenizer():
     )
 
 
+# Tiny Mixture-of-Experts models: 4 experts, top-2; Mixtral's and OLMoE's experts are
+# intermediate_size wide, Qwen2/3-MoE's moe_intermediate_size (their dense layers', if any, the former).
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+_QWEN_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+
+
 def make_model(path, arch: str = "llama", **overrides):
     """Save a random tiny model of the given family (with a tokenizer) to `path`."""
     from transformers import (
@@ -82,10 +88,18 @@ def make_model(path, arch: str = "llama", **overrides):
         LlamaForCausalLM,
         MistralConfig,
         MistralForCausalLM,
+        MixtralConfig,
+        MixtralForCausalLM,
+        OlmoeConfig,
+        OlmoeForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
+        Qwen2MoeConfig,
+        Qwen2MoeForCausalLM,
         Qwen3Config,
         Qwen3ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
     )
 
     common = dict(
@@ -106,16 +120,28 @@ def make_model(path, arch: str = "llama", **overrides):
         "mistral": (MistralConfig, MistralForCausalLM, dict(tie_word_embeddings=False, sliding_window=None)),
         "qwen2": (Qwen2Config, Qwen2ForCausalLM, dict(tie_word_embeddings=True)),
         "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(tie_word_embeddings=True, head_dim=16)),
+        "mixtral": (
+            MixtralConfig,
+            MixtralForCausalLM,
+            dict(tie_word_embeddings=False, sliding_window=None, num_local_experts=4, num_experts_per_tok=2),
+        ),
+        "qwen2_moe": (
+            Qwen2MoeConfig,
+            Qwen2MoeForCausalLM,
+            dict(_QWEN_MOE, tie_word_embeddings=False, shared_expert_intermediate_size=48),
+        ),
+        "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, dict(_QWEN_MOE, tie_word_embeddings=True, head_dim=16)),
+        "olmoe": (OlmoeConfig, OlmoeForCausalLM, dict(num_experts=4, num_experts_per_tok=2)),
     }
     config_cls, model_cls, extra = families[arch]
     torch.manual_seed(1234)
     model = model_cls(config_cls(**{**extra, **common}))
-    if arch == "qwen2":  # random biases, so a missing bias would show
+    if arch in ("qwen2", "qwen2_moe"):  # random biases, so a missing bias would show
         with torch.no_grad():
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.1)
-    if arch == "qwen3":
+    if arch in ("qwen3", "qwen3_moe", "olmoe"):
         with torch.no_grad():
             for layer in model.model.layers:
                 layer.self_attn.q_norm.weight.normal_(1, 0.2)
@@ -169,33 +195,39 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     import copy
 
     gc = copy.deepcopy(model.generation_config)
-    gc.eos_token_id, gc.pad_token_id, gc.do_sample = None, 0, False
+    gc.pad_token_id, gc.do_sample = 0, False
+    # (eos_token_id=None as an argument: a None in the config is filled from the model's own.)
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt_ids]), generation_config=gc, max_new_tokens=max_new_tokens)
+        out = model.generate(
+            torch.tensor([prompt_ids]), generation_config=gc, max_new_tokens=max_new_tokens, eos_token_id=None
+        )
     return out[0, len(prompt_ids) :].tolist()
 
 
-def kvflow_prefill_logits(path: str, prompt: list[int], chunk: int, num_blocks: int = 32) -> torch.Tensor:
-    """Logits at every prompt position, computed `chunk` tokens at a time through the paged cache."""
+def kvflow_prefill_logits(
+    path: str, prompt: list[int], chunk: int, num_blocks: int = 32, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Logits (float32) at every prompt position, computed `chunk` tokens at a time through the
+    paged cache, by a model in `dtype` on the dense linear path."""
     import random
 
     from kvflow.attention.backend import SeqLayout
     from kvflow.attention.backends.torch import TorchPagedAttention
     from kvflow.config import ModelConfig
     from kvflow.core.kv_cache_manager import KVCacheManager
-    from kvflow.models.llama import LlamaForCausalLM
     from kvflow.models.loader import load_checkpoint
+    from kvflow.models.registry import causal_lm_class
 
     ckpt = load_checkpoint(path)
     cfg = ModelConfig.from_hf_config(ckpt.hf_config)
     dev = torch.device("cpu")
     attn = TorchPagedAttention(block_size=4, sliding_window=None, device=dev)
-    model = LlamaForCausalLM(cfg, attn, num_blocks * 4, torch.float32, dev)
+    model = causal_lm_class(cfg)(cfg, attn, num_blocks * 4, dtype, dev)
     model.load_weights(ckpt.weights)
     kv = KVCacheManager(num_blocks=num_blocks, block_size=4, enable_caching=False)
     # Shuffle the pool so the block table is not the identity.
     kv.pool._free = type(kv.pool._free).fromkeys(random.Random(0).sample(range(num_blocks), num_blocks))
-    caches = attn.allocate_kv_cache(cfg.num_layers, num_blocks, cfg.num_kv_heads, cfg.head_dim, torch.float32)
+    caches = attn.allocate_kv_cache(cfg.num_layers, num_blocks, cfg.num_kv_heads, cfg.head_dim, dtype)
 
     class Seq:
         request_id, num_computed_tokens = "x", 0

@@ -20,7 +20,7 @@ from kvflow.config.engine import (
     EngineConfig,
 )
 from kvflow.config.kv_transfer import KVTransferConfig
-from kvflow.config.model import SUPPORTED_ARCHITECTURES, ModelConfig, RopeConfig
+from kvflow.config.model import MOE_ARCHITECTURES, SUPPORTED_ARCHITECTURES, ModelConfig, MoeConfig, RopeConfig
 from kvflow.config.server import ROUTER_POLICIES, TOOL_CALL_PARSERS, ServerConfig
 from kvflow.config.speculative import SpeculativeConfig
 
@@ -31,6 +31,7 @@ __all__ = [
     "GGUF_WEIGHTS",
     "KERNEL_AUTOTUNE_MODES",
     "KV_CACHE_DTYPES",
+    "MOE_ARCHITECTURES",
     "ROUTER_POLICIES",
     "SCHEDULING_POLICIES",
     "SUPPORTED_ARCHITECTURES",
@@ -38,6 +39,7 @@ __all__ = [
     "EngineConfig",
     "KVTransferConfig",
     "ModelConfig",
+    "MoeConfig",
     "RopeConfig",
     "ServerConfig",
     "SpeculativeConfig",

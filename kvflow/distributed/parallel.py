@@ -133,6 +133,12 @@ def local_config(cfg: ModelConfig, size: int) -> ModelConfig:
     """The architecture one rank holds: its share of the heads and of the FFN."""
     if size == 1:
         return cfg
+    if cfg.is_moe:
+        raise ValueError(
+            f"tensor_parallel_size={size}: Mixture-of-Experts models ({cfg.architecture}) run on one rank "
+            f"so far (neither expert parallelism nor experts split across ranks is there yet); set "
+            f"tensor_parallel_size=1"
+        )
     check_divisible(cfg, size)
     return dataclasses.replace(
         cfg,

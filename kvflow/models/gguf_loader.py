@@ -509,7 +509,8 @@ def load_gguf(path: str | os.PathLike, with_tokenizer: bool = True, keep_blocks:
     expected = _expected_shapes(cfg)
     tensors: dict[str, torch.Tensor | BlockQuantized] = {}
     # The ops here are memory-bound and small; torch's intra-op thread pool gains nothing on them and,
-    # on a machine whose cores are busy with other processes, made them >20x slower (13 s vs 0.5 s).
+    # on a machine whose cores are busy with other processes, made them many times slower (figures:
+    # docs/benchmarks/results/2026-11-29-xeon-avx512.md).
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -536,6 +537,19 @@ def load_gguf(path: str | os.PathLike, with_tokenizer: bool = True, keep_blocks:
     return GGUFCheckpoint(hf_config=cfg, tensors=tensors, tokenizer=tokenizer, name=index.name)
 
 
+def _refuse_moe(path: str, meta: dict[str, Any], arch: Any, tensors: list) -> None:
+    """A Mixture-of-Experts GGUF -- llama.cpp's experts as 3-D `ffn_{gate,up,down}_exps` tensors
+    (or older per-expert ones) with the router `ffn_gate_inp`, an `{arch}.expert_count`, or a MoE
+    architecture -- is not read yet: say so, rather than "unexpected tensor"."""
+    expert_tensors = [t.name for t in tensors if "_exps." in t.name or ".ffn_gate_inp." in t.name]
+    if expert_tensors or meta.get(f"{arch}.expert_count") or arch in ("qwen2moe", "qwen3moe", "olmoe"):
+        what = expert_tensors[0] if expert_tensors else f"architecture {arch!r}"
+        raise ValueError(
+            f"{path}: a Mixture-of-Experts GGUF ({what}) is not supported yet; load the model's HF "
+            f"safetensors folder instead (Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE run from there)"
+        )
+
+
 def _index(path: str, with_tokenizer: bool) -> gguf_cache.GGUFIndex:
     """Parse and check the file's metadata: config, tensor places and (with_tokenizer) the tokenizer."""
     reader = _open(path)
@@ -546,6 +560,7 @@ def _index(path: str, with_tokenizer: bool) -> gguf_cache.GGUFIndex:
     except (UnicodeDecodeError, ValueError, IndexError, TypeError, KeyError) as e:
         raise ValueError(f"{path}: corrupt GGUF metadata: {e}") from e
     arch = meta.get("general.architecture")
+    _refuse_moe(path, meta, arch, reader.tensors)
     if arch != "llama":
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported; only 'llama' is supported")
 

@@ -1,7 +1,9 @@
 """One decoder for the Llama family: Llama, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm).
 
 Pure tensors in, hidden states and logits out: the model knows nothing about requests. Q/K/V and
-gate/up are fused into single projections at load time (fewer, larger matmuls per step).
+gate/up are fused into single projections at load time (fewer, larger matmuls per step). The
+Mixture-of-Experts families (kvflow.models.moe) build on this decoder: the same attention, their
+own feed-forward.
 """
 
 from __future__ import annotations
@@ -24,7 +26,15 @@ from kvflow.quantization.smoothquant import SMOOTH_ALPHA, smoothing_scales
 
 
 class DecoderLayer(torch.nn.Module):
-    def __init__(self, cfg: ModelConfig, attention: AttentionBackend, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        attention: AttentionBackend,
+        dtype: torch.dtype,
+        device: torch.device,
+        dense_mlp: bool = True,
+    ) -> None:
+        """`dense_mlp=False`: no gate_up / down projections (a subclass brings its own feed-forward)."""
         super().__init__()
         self.attention = attention
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -34,11 +44,17 @@ class DecoderLayer(torch.nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.attention_bias, dtype, device)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, False, dtype, device)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
+        # q/k norms per head (Qwen3), or over the whole q and k projections (OLMoE).
+        self.qk_norm_per_head = cfg.qk_norm_per_head
+        q_norm_size, k_norm_size = (cfg.head_dim,) * 2 if cfg.qk_norm_per_head else (self.q_size, self.kv_size)
+        self.q_norm = RMSNorm(q_norm_size, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(k_norm_size, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
+        self.clip_qkv = cfg.clip_qkv
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, False, dtype, device)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, dtype, device)
+        self.gate_up_proj = (
+            Linear(cfg.hidden_size, 2 * cfg.intermediate_size, False, dtype, device) if dense_mlp else None
+        )
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, dtype, device) if dense_mlp else None
         # Set by LlamaForCausalLM.prepare: kernels that apply the norms and the activation themselves
         # (int8, native fp32); rotary runs natively where it can (the same code as the decode pass).
         self.fused_prologue = False
@@ -52,6 +68,23 @@ class DecoderLayer(torch.nn.Module):
         kv_cache: LayerKVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
+        x = self.attend(x, cos, sin_signed, kv_cache, meta)
+        if self.fused_prologue:
+            gate_up = self.gate_up_proj.kernel(x, norm=self.post_attention_layernorm.kernel_args())
+            return self.down_proj.kernel(gate_up, x, silu_mul=True)
+        gate_up = self.gate_up_proj.kernel(self.post_attention_layernorm.forward(x))
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.down_proj.kernel(F.silu(gate) * up, x)  # x + down_proj(...)
+
+    def attend(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin_signed: torch.Tensor,
+        kv_cache: LayerKVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """The attention half of the layer: x + o_proj(attention(input_layernorm(x)))."""
         # Kernels and norms are called directly, not through nn.Module.__call__: ~7 calls per layer
         # per step on the decode path, where per-call overhead is what a step costs (no hooks here).
         t = x.shape[0]
@@ -62,22 +95,31 @@ class DecoderLayer(torch.nn.Module):
         heads = self.num_heads + self.num_kv_heads
         qk = qkv[:, : self.q_size + self.kv_size].view(t, heads, self.head_dim)
         if self.q_norm is not None:
-            normed = torch.cat(
-                (self.q_norm.forward(qk[:, : self.num_heads]), self.k_norm.forward(qk[:, self.num_heads :])), dim=1
-            )
+            if self.qk_norm_per_head:
+                normed = torch.cat(
+                    (self.q_norm.forward(qk[:, : self.num_heads]), self.k_norm.forward(qk[:, self.num_heads :])), dim=1
+                )
+            else:
+                normed = self._whole_qk_norm(qkv, t, heads)
             apply_rotary_(normed, cos, sin_signed, out=qk)
         else:
             self.apply_rotary(qk, cos, sin_signed)  # q and k rotated together, in place in qkv
         q = qk[:, : self.num_heads]
         kv = qkv[:, self.q_size :].view(t, 2, self.num_kv_heads, self.head_dim)
         attn = self.attention.forward(q, kv, kv_cache, meta, self.scale)
-        x = self.o_proj.kernel(attn, x)  # x + o_proj(attn)
-        if self.fused_prologue:
-            gate_up = self.gate_up_proj.kernel(x, norm=self.post_attention_layernorm.kernel_args())
-            return self.down_proj.kernel(gate_up, x, silu_mul=True)
-        gate_up = self.gate_up_proj.kernel(self.post_attention_layernorm.forward(x))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj.kernel(F.silu(gate) * up, x)  # x + down_proj(...)
+        return self.o_proj.kernel(attn, x)  # x + o_proj(attn)
+
+    def _whole_qk_norm(self, qkv: torch.Tensor, t: int, heads: int) -> torch.Tensor:
+        """OLMoE's q and k, each normed over its whole projection, then (clip_qkv) q, k and v -- the
+        latter in place in qkv -- clamped: [t, heads + kv heads, head_dim], not yet rotated."""
+        q_end, k_end = self.q_size, self.q_size + self.kv_size
+        normed = torch.cat((self.q_norm.forward(qkv[:, :q_end]), self.k_norm.forward(qkv[:, q_end:k_end])), dim=1).view(
+            t, heads, self.head_dim
+        )
+        if self.clip_qkv is not None:
+            normed.clamp_(-self.clip_qkv, self.clip_qkv)
+            qkv[:, k_end:].clamp_(-self.clip_qkv, self.clip_qkv)
+        return normed
 
 
 class LlamaForCausalLM(torch.nn.Module):
@@ -98,7 +140,9 @@ class LlamaForCausalLM(torch.nn.Module):
         self.embed_tokens = torch.nn.Parameter(
             torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False
         )
-        self.layers = torch.nn.ModuleList(DecoderLayer(cfg, attention, dtype, device) for _ in range(cfg.num_layers))
+        self.layers = torch.nn.ModuleList(
+            self._decoder_layer(i, cfg, attention, dtype, device) for i in range(cfg.num_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.lm_head = (
             None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, device)
@@ -117,6 +161,12 @@ class LlamaForCausalLM(torch.nn.Module):
         self.embed_blocks: BlockQuantized | None = None  # the embedding in its GGUF format, until `prepare`
         # A block kernel holding the embedding (GGUF blocks, or int4's logits): looked up through it.
         self._embed_kernel = None
+
+    def _decoder_layer(
+        self, index: int, cfg: ModelConfig, attention: AttentionBackend, dtype: torch.dtype, device: torch.device
+    ) -> DecoderLayer:
+        """Decoder layer `index` (a family whose layers differ overrides this; called during __init__)."""
+        return DecoderLayer(cfg, attention, dtype, device)
 
     def prepare(self, backend: str, plan: KernelPlan | None = None) -> None:
         """Move every projection, and the lm_head, to the linear backend `backend` (after
@@ -284,6 +334,8 @@ class LlamaForCausalLM(torch.nn.Module):
         loaded: set[str] = set()
         for name, tensor in weights:
             name = name.removeprefix("model.")
+            if self._load_family_weight(name, tensor, loaded):
+                continue
             if name.startswith("lm_head") and self.lm_head is None:
                 continue  # tied: lm_head is embed_tokens
             if "rotary_emb" in name:
@@ -317,6 +369,12 @@ class LlamaForCausalLM(torch.nn.Module):
         missing = set(params) - loaded
         if pending or missing:
             raise ValueError(f"checkpoint is missing weights: {sorted(missing | set(pending))[:8]}")
+
+    def _load_family_weight(self, name: str, tensor: torch.Tensor, loaded: set[str]) -> bool:
+        """A weight that only a subclass's family has (`name` without the "model." prefix): load
+        it, add the names of the parameters it completes to `loaded`, and return True; False
+        leaves it to the names above."""
+        return False
 
     def _set_blocks(self, name: str, parts: list[BlockQuantized]) -> None:
         """A weight kept in block formats (a GGUF's tensors as stored): a Linear's parts, or the

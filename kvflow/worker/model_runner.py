@@ -23,7 +23,8 @@ from kvflow.config import EngineConfig, ModelConfig
 from kvflow.core.scheduler import ScheduledSeq, SchedulerOutput
 from kvflow.distributed.parallel import local_config
 from kvflow.layers.linear_kernels import select_linear_backend
-from kvflow.models.llama import LlamaForCausalLM
+from kvflow.models.moe import check_options
+from kvflow.models.registry import causal_lm_class
 from kvflow.quantization.smoothquant import CALIBRATION_TEXT
 from kvflow.sample.rejection_sampler import RejectionSampler
 from kvflow.sample.sampler import Sampler, SamplingBatch
@@ -37,6 +38,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger("kvflow")
 
 LogprobEntry = tuple[float, int, list[int], list[float]]
+# What the kernel summary says of a Mixture-of-Experts model's path.
+MOE_PATH = "experts: torch, grouped by expert (Mixture-of-Experts layers take the per-layer path, not the decode pass)"
 PASS_PROBE_CONTEXT = 64  # tokens of context per row in the decode steps that time the decode pass
 # prefill chunks (sequences, tokens each) that time the attention paths for prefill rows
 PREFILL_PROBE = (2, 256)
@@ -104,6 +107,7 @@ class ModelRunner:
         """`model_config`: this rank's share of the model under tensor parallelism (`tp`).
         `calibration`: the token ids int8 smoothing is calibrated on (`calibration_ids`; every
         rank of a tensor-parallel group gets the same, as the calibration pass is collective)."""
+        check_options(model_config, config.quantization)  # (before anything is allocated or read)
         self.device = torch.device(config.device)
         if self.device.type == "cpu":
             from kvflow.kernels.cpu.allocator import keep_freed_memory
@@ -120,7 +124,8 @@ class ModelRunner:
             model_config.num_kv_heads,
             model_config.head_dim,
         )
-        self.model = LlamaForCausalLM(model_config, self.attention, max_model_len, self.dtype, self.device, tp)
+        model_cls = causal_lm_class(model_config)
+        self.model = model_cls(model_config, self.attention, max_model_len, self.dtype, self.device, tp)
         self.model.load_weights(weights)
         self.model.eval()
         self.linear_backend = select_linear_backend(
@@ -158,9 +163,15 @@ class ModelRunner:
         else:
             self.kv_block_shape = (model_config.num_layers, *self.kv_caches[0].data.shape[1:])
             self.kv_block_dtype = self.dtype
-        # CUDA: decode-only steps replay graphs captured now (kvflow.worker.cuda_graphs).
+        # CUDA: decode-only steps replay graphs captured now (kvflow.worker.cuda_graphs). Not for
+        # Mixture-of-Experts models: which experts run depends on the data, which a graph cannot.
         self.decode_graphs = None
-        if self.device.type == "cuda" and not config.enforce_eager and self.attention.supports_decode_graphs:
+        if (
+            self.device.type == "cuda"
+            and not config.enforce_eager
+            and self.attention.supports_decode_graphs
+            and not model_config.is_moe
+        ):
             from kvflow.worker.cuda_graphs import DecodeGraphs
 
             self.decode_graphs = DecodeGraphs(
@@ -261,8 +272,12 @@ class ModelRunner:
         """The linear paths in use: the autotune's choices per shape and row count, or the backend."""
         if self.kernel_plan is not None:
             prefill = getattr(self.attention, "prefill_path", None)
-            return self.kernel_plan.describe() + (f"; prefill attention: {prefill}" if prefill else "")
-        return f"linear kernels: {self.linear_backend}"
+            summary = self.kernel_plan.describe() + (f"; prefill attention: {prefill}" if prefill else "")
+        else:
+            summary = f"linear kernels: {self.linear_backend}"
+        if self.model.cfg.is_moe:  # (the plan's "decode pass: off" says no more than that)
+            summary += f"; {MOE_PATH}"
+        return summary
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, grammar: GrammarBitmask | None = None) -> RunnerOutput:

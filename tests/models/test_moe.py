@@ -1,0 +1,332 @@
+"""Mixture-of-Experts models (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) against HF transformers on the
+same tiny random weights: greedy tokens under batching, chunked prefill, preemption and prefix
+hits; prefill logits; the grouped experts against a float64 loop; routing ties against HF's own
+routers; bfloat16 against float32; and the refusals of what is not there yet."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvflow import LLM, SamplingParams
+from kvflow.attention.backends.cpu import CpuPagedAttention, native_unsupported
+from kvflow.config import ModelConfig
+from kvflow.layers.linear_kernels import native_available
+from kvflow.layers.moe import Routing, SparseMoeBlock, grouped_experts
+from kvflow.models.decode_pass import native_decode_unsupported
+from kvflow.worker.model_runner import MOE_PATH
+
+from conftest import assert_no_leaks, hf_greedy, kvflow_prefill_logits
+
+MAX_TOKENS = 16
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+# (family, overrides): every family, Mixtral with a sliding window, Qwen2-MoE with dense layers between its routed ones (by
+# mlp_only_layers, and by decoder_sparse_step), Qwen3-MoE with and without renormalised top-k,
+# OLMoE with and without clip_qkv.
+VARIANTS = {
+    "mixtral": ("mixtral", {}),
+    "mixtral-sliding_window": ("mixtral", {"sliding_window": 8}),
+    "qwen2_moe-mlp_only": ("qwen2_moe", {"num_hidden_layers": 3, "mlp_only_layers": [1]}),
+    "qwen2_moe-sparse_step": ("qwen2_moe", {"num_hidden_layers": 4, "decoder_sparse_step": 2}),
+    "qwen3_moe-norm_topk": ("qwen3_moe", {"norm_topk_prob": True}),
+    "qwen3_moe-no_norm_topk": ("qwen3_moe", {"norm_topk_prob": False}),
+    "olmoe": ("olmoe", {}),
+    "olmoe-clip_qkv": ("olmoe", {"clip_qkv": 1.0}),
+}
+
+
+def _model(model_factory, variant: str):
+    arch, overrides = VARIANTS[variant]
+    return model_factory(arch, **overrides)
+
+
+def _workload() -> list[list[int]]:
+    """Four prompts sharing a 16-token prefix (4 blocks of 4) and two unrelated ones."""
+    rng = random.Random(5)
+    system = [rng.randrange(2, 500) for _ in range(16)]
+    shared = [system + [rng.randrange(2, 500) for _ in range(rng.randint(2, 20))] for _ in range(4)]
+    return shared + [[rng.randrange(2, 500) for _ in range(rng.randint(3, 30))] for _ in range(2)]
+
+
+def test_configs_read_as_hf_builds_them(model_factory):
+    """Which layers route, and each family's routing rules, as HF's modules show them."""
+    for variant in VARIANTS:
+        path, hf = _model(model_factory, variant)
+        cfg = ModelConfig.from_hf_config(json.loads((Path(path) / "config.json").read_text()))
+        moe = cfg.moe
+        sparse = [type(layer.mlp).__name__.endswith("SparseMoeBlock") for layer in hf.model.layers]
+        assert [moe.is_sparse(i) for i in range(cfg.num_layers)] == sparse, variant
+        router = next(layer.mlp.gate for layer in hf.model.layers if hasattr(layer.mlp, "gate"))
+        assert moe.num_experts == router.num_experts and moe.num_experts_per_tok == router.top_k
+        assert moe.norm_topk_prob == getattr(router, "norm_topk_prob", True)  # (Mixtral's always)
+        assert moe.routing_weights_float32 == variant.startswith("mixtral")
+        assert (moe.shared_expert_intermediate_size > 0) == variant.startswith("qwen2_moe")
+        assert cfg.qk_norm == (not variant.startswith(("mixtral", "qwen2"))) and cfg.qk_norm_per_head != (
+            variant.startswith("olmoe")
+        )
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_greedy_matches_hf(model_factory, variant):
+    """Six prompts at once through 4-token blocks, a 16-token step budget (prefill chunks of
+    several prompts in one step) and 24 KV blocks (preemption), after one of them alone (prefix
+    hits): HF's greedy tokens, and every block back in the pool."""
+    path, hf = _model(model_factory, variant)
+    prompts = _workload()
+    llm = LLM(path, num_kv_blocks=24, max_model_len=64, block_size=4, max_num_batched_tokens=16)
+    first = llm.generate([prompts[0]], GREEDY, use_tqdm=False)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    stats = llm.get_stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    assert first[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == hf_greedy(hf, p, MAX_TOKENS)
+    assert_no_leaks(llm.engine)
+
+
+def test_ngram_speculation_matches_hf(model_factory):
+    """n-gram drafts verified by a MoE target (several tokens per row through the experts): HF's
+    greedy tokens, with drafts accepted."""
+    path, hf = model_factory("qwen3_moe")
+    prompts = _workload()
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    llm = LLM(path, num_kv_blocks=64, max_model_len=96, block_size=4, speculative_config=spec)
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    for p, o in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
+        assert o.outputs[0].token_ids == hf_greedy(hf, p, 32)
+    assert llm.get_stats().spec_decode.num_accepted_tokens > 0
+    assert_no_leaks(llm.engine)
+
+
+@pytest.mark.parametrize("variant", ["mixtral", "qwen2_moe-mlp_only", "qwen3_moe-norm_topk", "olmoe-clip_qkv"])
+@pytest.mark.parametrize("chunk", [1000, 5])
+def test_prefill_logits_match_hf(model_factory, variant, chunk):
+    path, hf = _model(model_factory, variant)
+    prompt = _workload()[1]
+    ours = kvflow_prefill_logits(path, prompt, chunk)
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0].float()
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
+def test_bfloat16_close_to_float32(model_factory, family):
+    """bfloat16 weights and activations: logits within bf16's rounding of the float32 model's (not
+    token identity), and the engine runs end to end. A token whose router scores nearly tie in some
+    layer may pick another expert in bf16 (HF's own bf16 model does the same: its logits then move
+    by more than rounding), so the bound holds for the median position and all but 10% of them."""
+    path, _ = model_factory(family)
+    prompt = _workload()[2]
+    f32 = kvflow_prefill_logits(path, prompt, 7)
+    bf16 = kvflow_prefill_logits(path, prompt, 7, dtype=torch.bfloat16)
+    per_position = (bf16 - f32).abs().amax(dim=-1) / f32.abs().amax()
+    assert per_position.median() < 0.02
+    assert (per_position < 0.04).float().mean() >= 0.9, per_position
+    llm = LLM(path, dtype="bfloat16", num_kv_blocks=32, max_model_len=64, block_size=4)
+    out = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert len(out) == MAX_TOKENS
+    assert_no_leaks(llm.engine)
+
+
+# ---- the grouped experts -------------------------------------------------------------------------
+def _loop_reference(x, routing: Routing, w13, w2) -> torch.Tensor:
+    """Token by token, slot by slot, in float64."""
+    inter = w2.shape[2]
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(routing.experts.shape[1]):
+            e = int(routing.experts[t, j])
+            xt = x[t].double()
+            gate, up = w13[e, :inter].double() @ xt, w13[e, inter:].double() @ xt
+            out[t] += float(routing.weights[t, j]) * (w2[e].double() @ (F.silu(gate) * up))
+    return out
+
+
+@pytest.mark.parametrize(
+    "dtype,weights_dtype,tol",
+    [(torch.float32, torch.float32, 1e-5), (torch.bfloat16, torch.float32, 3e-2), (torch.bfloat16, None, 3e-2)],
+)
+def test_grouped_experts_against_float64_loop(dtype, weights_dtype, tol):
+    """Random weights and routing over 6 experts, expert 4 chosen by no token: its weights are NaN,
+    so any computation that touched it would show."""
+    g = torch.Generator().manual_seed(3)
+    tokens, hidden, inter, experts, top_k = 11, 24, 16, 6, 2
+    x = torch.randn(tokens, hidden, generator=g)
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=g) * 0.3
+    w2 = torch.randn(experts, hidden, inter, generator=g) * 0.3
+    w13[4], w2[4] = float("nan"), float("nan")
+    chosen = torch.stack([torch.randperm(5, generator=g)[:top_k] for _ in range(tokens)])
+    chosen[chosen == 4] = 5  # (5 twice in a row would be a duplicate: randperm of 0..4 never has 5)
+    weights = torch.rand(tokens, top_k, generator=g)
+    routing = Routing(weights.to(weights_dtype or dtype), chosen)
+    ref = _loop_reference(x.to(dtype), routing, w13.to(dtype), w2.to(dtype))
+    got = grouped_experts(x.to(dtype), routing, w13.to(dtype), w2.to(dtype))
+    assert got.dtype == dtype and torch.isfinite(got).all()
+    torch.testing.assert_close(got.double(), ref, atol=tol * ref.abs().max().item(), rtol=0)
+
+
+def test_grouped_experts_single_token_and_top1():
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(1, 8, generator=g)
+    w13, w2 = torch.randn(3, 12, 8, generator=g), torch.randn(3, 8, 6, generator=g)
+    routing = Routing(torch.tensor([[0.7]]), torch.tensor([[2]]))
+    ref = _loop_reference(x, routing, w13, w2)
+    torch.testing.assert_close(grouped_experts(x, routing, w13, w2).double(), ref, atol=1e-5, rtol=0)
+
+
+# ---- routing ties ---------------------------------------------------------------------------------
+def _hf_router(family: str, norm_topk_prob: bool):
+    """HF's own router module of the family, 4 experts, top-2, hidden 16."""
+    from transformers import MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
+    from transformers.models.olmoe.modeling_olmoe import OlmoeTopKRouter
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeTopKRouter
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    shape = dict(hidden_size=16, num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2)
+    config_cls, router_cls = {
+        "mixtral": (MixtralConfig, MixtralTopKRouter),
+        "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeTopKRouter),
+        "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeTopKRouter),
+        "olmoe": (OlmoeConfig, OlmoeTopKRouter),
+    }[family]
+    extra = {"num_local_experts": 4} if family == "mixtral" else {"num_experts": 4, "norm_topk_prob": norm_topk_prob}
+    config = config_cls(**shape, **extra)
+    arch = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}.get(family)
+    arch = arch or {"qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}[family]
+    cfg = config.to_dict() | {"architectures": [arch], "moe_intermediate_size": 8, "intermediate_size": 8}
+    return router_cls(config), ModelConfig.from_hf_config(cfg)
+
+
+@pytest.mark.parametrize(
+    "family,norm", [("mixtral", True), ("qwen2_moe", False), ("qwen3_moe", True), ("olmoe", False)]
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_routing_ties_as_hf(family, norm, dtype):
+    """Experts 1 and 3 get equal router logits (equal weight rows), tied for second place (x > 0)
+    or for first (x < 0, where expert 2's row leads): the experts and weights are HF's."""
+    hf_router, cfg = _hf_router(family, norm)
+    u = torch.rand(16, generator=torch.Generator().manual_seed(5)) + 0.5
+    gate = torch.stack([3 * u, 2 * u, -1 * u, 2 * u])  # x > 0: 0 > 1 = 3 > 2; x < 0: 2 > 1 = 3 > 0
+    x = torch.rand(6, 16, generator=torch.Generator().manual_seed(6)) + 0.1
+    x[3:] *= -1
+    hf_router = hf_router.to(dtype)
+    with torch.no_grad():
+        hf_router.weight.copy_(gate)
+        hf_logits, hf_weights, hf_experts = hf_router(x.to(dtype))
+    assert torch.equal(hf_logits[:, 1], hf_logits[:, 3])  # a real tie
+    block = SparseMoeBlock(16, cfg.moe, dtype, torch.device("cpu"))
+    block.router.copy_(gate)
+    ours = block.route(x.to(dtype))
+    assert torch.equal(ours.experts, hf_experts)
+    assert ours.weights.dtype == hf_weights.dtype and torch.equal(ours.weights, hf_weights)
+
+
+# ---- what is not there yet ------------------------------------------------------------------------
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantization_refused(model_factory, quantization):
+    path, _ = model_factory("mixtral")
+    with pytest.raises(ValueError, match=f"quantization='{quantization}'.*Mixture-of-Experts.*unset quantization"):
+        LLM(path, quantization=quantization, num_kv_blocks=16, max_model_len=32)
+
+
+def test_tensor_parallel_refused(model_factory):
+    path, _ = model_factory("qwen3_moe")
+    with pytest.raises(ValueError, match="tensor_parallel_size=2.*Mixture-of-Experts.*tensor_parallel_size=1"):
+        LLM(path, tensor_parallel_size=2, num_kv_blocks=16, max_model_len=32)
+
+
+def _write_moe_gguf(path, arch: str) -> None:
+    """Enough of a llama.cpp MoE GGUF to be recognised: an expert count, the router and 3-D experts."""
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(1)
+    w.add_expert_count(4)
+    w.add_expert_used_count(2)
+    w.add_tensor("token_embd.weight", np.zeros((8, 32), dtype=np.float32))
+    w.add_tensor("blk.0.ffn_gate_inp.weight", np.zeros((4, 32), dtype=np.float32))
+    w.add_tensor("blk.0.ffn_gate_exps.weight", np.zeros((4, 16, 32), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3moe"])
+def test_gguf_moe_refused(tmp_path, arch):
+    from kvflow.models.gguf_loader import load_gguf
+
+    path = tmp_path / f"{arch}-moe.gguf"
+    _write_moe_gguf(path, arch)
+    with pytest.raises(ValueError, match="Mixture-of-Experts GGUF.*ffn_gate_inp.*HF safetensors"):
+        load_gguf(path)
+
+
+def test_native_attention_and_no_decode_pass(model_factory, monkeypatch):
+    """The native attention backend serves the attention of a MoE model; the native decode pass
+    does not take it (the per-layer path runs), even with the native linears forced, and the
+    kernel summary says so."""
+    path, hf = model_factory("qwen2_moe")
+    why = native_unsupported(torch.device("cpu"), torch.float32, 4, 2, 16)
+    if why is not None or not native_available(torch.float32):
+        pytest.skip(f"the native kernels cannot be built here: {why}")
+    monkeypatch.setenv("KVFLOW_LINEAR_BACKEND", "native")
+    llm = LLM(path, attention_backend="native", num_kv_blocks=32, max_model_len=64, block_size=4)
+    assert isinstance(llm.engine.runner.attention, CpuPagedAttention)
+    model = llm.engine.runner.model
+    assert model.native_decode is None
+    assert native_decode_unsupported(model) == "Mixture-of-Experts layers run on the per-layer path"
+    assert MOE_PATH in llm.get_stats().linear_kernels
+    prompts = _workload()[:3]
+    for p, o in zip(prompts, llm.generate(prompts, GREEDY, use_tqdm=False)):
+        assert o.outputs[0].token_ids == hf_greedy(hf, p, MAX_TOKENS)
+    assert_no_leaks(llm.engine)
+
+
+def test_loads_stacked_expert_layout(model_factory, tmp_path):
+    """A checkpoint with transformers' in-memory layout (experts.gate_up_proj [E, 2I, H],
+    experts.down_proj [E, H, I]) instead of per-expert tensors loads to the same model."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path, hf = model_factory("qwen3_moe")
+    tensors = load_file(f"{path}/model.safetensors")
+    stacked: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if ".experts." not in name:
+            stacked[name] = t
+    cfg = hf.config
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}.mlp.experts."
+        e = range(cfg.num_experts)
+        gate_up = [torch.cat((tensors[f"{p}{j}.gate_proj.weight"], tensors[f"{p}{j}.up_proj.weight"])) for j in e]
+        stacked[p + "gate_up_proj"] = torch.stack(gate_up)
+        stacked[p + "down_proj"] = torch.stack([tensors[f"{p}{j}.down_proj.weight"] for j in e])
+    out = tmp_path / "stacked"
+    shutil.copytree(path, out)
+    save_file(stacked, str(out / "model.safetensors"))
+    prompt = _workload()[4]
+    torch.testing.assert_close(kvflow_prefill_logits(str(out), prompt, 6), kvflow_prefill_logits(path, prompt, 6))
+
+
+def test_missing_expert_is_named(model_factory, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path, _ = model_factory("mixtral")
+    tensors = load_file(f"{path}/model.safetensors")
+    del tensors["model.layers.1.block_sparse_moe.experts.2.w3.weight"]
+    out = tmp_path / "missing"
+    shutil.copytree(path, out)
+    save_file(tensors, str(out / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"missing weights.*layers\.1\.moe\.w13"):
+        kvflow_prefill_logits(str(out), [3, 4, 5], 3)
