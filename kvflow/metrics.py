@@ -107,6 +107,12 @@ class EngineMetrics:
         self.itl = hist(
             "inter_token_latency_seconds", "Time between successive output steps of a request.", _ITL_BUCKETS
         )
+        self.tpot = hist(
+            "request_time_per_output_token_seconds",
+            "Per finished request with two or more output tokens: (last token - first token) / (output tokens - 1), "
+            "the TPOT its SLO is measured by.",
+            _ITL_BUCKETS,
+        )
         self.e2e = hist("e2e_request_latency_seconds", "Arrival to finish.", _REQUEST_BUCKETS)
         self.queue_time = hist("request_queue_time_seconds", "Arrival to first scheduled.", _REQUEST_BUCKETS)
         self.prefill_time = hist("request_prefill_time_seconds", "First scheduled to first token.", _REQUEST_BUCKETS)
@@ -225,9 +231,14 @@ class EngineMetrics:
             self.success.labels(finished_reason=reason)  # export zeros from the start
         for reason in ("queue_full", "slo"):
             self.rejected.labels(reason=reason)
+        for kind in ("ttft", "tpot", "all"):  # kvflow.engine.slo_tracker.SLO_KINDS
+            self.slo_attained.labels(slo=kind)
+            self.slo_missed.labels(slo=kind)
         self._last_token_time: dict[str, float] = {}
         self._seen = (0, 0, 0)  # prompt tokens, generation tokens, preemptions already counted
         self._seen_prefix = (0, 0)  # prefix-cache queries, hits
+        self._moe: dict | None = None  # the Mixture-of-Experts metrics (record_moe), made on first use
+        self._seen_moe: dict = {}
 
     # ---- engine thread --------------------------------------------------------------------------
     def record_outputs(self, outputs: Iterable[RequestOutput]) -> None:
@@ -262,6 +273,9 @@ class EngineMetrics:
                 self.prefill_time.observe(max(0.0, m.first_token_time - m.first_scheduled_time))
         if m.first_token_time is not None and m.last_token_time is not None:
             self.decode_time.observe(max(0.0, m.last_token_time - m.first_token_time))
+            tokens = max((len(c.token_ids) for c in out.outputs), default=0)
+            if tokens > 1:  # as kvflow.engine.slo_tracker counts TPOT
+                self.tpot.observe(max(0.0, (m.last_token_time - m.first_token_time) / (tokens - 1)))
 
     def record_stats(self, stats) -> None:
         """`stats` is an `EngineStats`: gauges are set, counters advance by what is new."""
@@ -300,6 +314,9 @@ class EngineMetrics:
         error = getattr(stats, "step_cost_error", None)
         if error is not None:
             self.step_cost_error.set(error)
+        moe = getattr(stats, "moe", None)
+        if moe is not None:
+            self.record_moe(moe)
         spec = getattr(stats, "spec_decode", None)
         if spec is not None:
             drafts, tokens, accepted, per_pos = self._seen_spec
@@ -344,6 +361,77 @@ class EngineMetrics:
             advance("failure:" + reason, n, self.kv_transfer_failures.labels(reason=reason))
         for dt in times:
             self.kv_transfer_time.observe(dt)
+
+    def record_moe(self, stats) -> None:
+        """`stats`: a MoeRoutingStats (cumulative, from the model): the counters advance by what is
+        new; the imbalance gauges take the mean, over the steps since the last call, of each step's
+        max / mean tokens per expert. Created on the first call, so a dense model exports none.
+
+        Cardinality: one series per MoE layer (`layer` label), plus layers x experts series for
+        `kvflow:moe_expert_tokens_total` when the engine counts per expert (--moe-expert-metrics
+        per_expert)."""
+        if self._moe is None:
+            r = self.registry
+            self._moe = {
+                "tokens": Counter(
+                    "kvflow:moe_layer_tokens",
+                    "Mixture-of-Experts: (token, expert) pairs routed in the layer (tokens x top-k).",
+                    ["layer"],
+                    registry=r,
+                ),
+                "busiest": Counter(
+                    "kvflow:moe_busiest_expert_tokens",
+                    "Mixture-of-Experts: per step, the tokens of the layer's busiest expert, summed over steps "
+                    "(/ (moe_layer_tokens / experts): the load imbalance over any window, weighted by step size).",
+                    ["layer"],
+                    registry=r,
+                ),
+                "imbalance": Gauge(
+                    "kvflow:moe_load_imbalance",
+                    "Mixture-of-Experts: max / mean tokens per expert in a step (1 = balanced; experts / top-k for "
+                    "one token), averaged over the steps since the last update.",
+                    ["layer"],
+                    registry=r,
+                ),
+                "imbalance_max": Gauge(
+                    "kvflow:moe_load_imbalance_max",
+                    "Mixture-of-Experts: kvflow:moe_load_imbalance's max over layers.",
+                    registry=r,
+                ),
+                "experts": Counter(
+                    "kvflow:moe_expert_tokens",
+                    "Mixture-of-Experts: tokens routed to each expert of each layer (--moe-expert-metrics per_expert).",
+                    ["layer", "expert"],
+                    registry=r,
+                ),
+            }
+            self._seen_moe = {"steps": 0, "tokens": [0] * len(stats.layers), "busiest": [0] * len(stats.layers)}
+            self._seen_moe["imbalance"] = [0.0] * len(stats.layers)
+            self._seen_moe["experts"] = [[0] * stats.num_experts for _ in stats.layers]
+        m, seen = self._moe, self._seen_moe
+        steps = stats.num_steps - seen["steps"]
+        means = []
+        for i, layer in enumerate(stats.layers):
+            name = str(layer)
+            m["tokens"].labels(layer=name).inc(max(0, stats.tokens[i] - seen["tokens"][i]))
+            m["busiest"].labels(layer=name).inc(max(0, stats.busiest[i] - seen["busiest"][i]))
+            if steps > 0:
+                means.append((stats.imbalance_sum[i] - seen["imbalance"][i]) / steps)
+                m["imbalance"].labels(layer=name).set(means[-1])
+            if stats.expert_tokens is not None:
+                row, seen_row = stats.expert_tokens[i], seen["experts"][i]
+                for e, n in enumerate(row):
+                    if n > seen_row[e]:
+                        m["experts"].labels(layer=name, expert=str(e)).inc(n - seen_row[e])
+                seen["experts"][i] = list(row)
+        if means:
+            m["imbalance_max"].set(max(means))
+        self._seen_moe.update(
+            steps=stats.num_steps,
+            tokens=list(stats.tokens),
+            busiest=list(stats.busiest),
+            imbalance=list(stats.imbalance_sum),
+        )
 
     def record_rejected(self, reason: str = "queue_full") -> None:
         self.rejected.labels(reason=reason).inc()

@@ -17,6 +17,41 @@ SampleLogprobs = list[dict[int, Logprob]]
 
 
 @dataclass
+class ExpertTrace:
+    """Which experts a Mixture-of-Experts model routed each token of one completion to
+    (`SamplingParams.return_expert_trace`), and how far back each was last active.
+
+    Token t of the trace is the token at position `start + t` of the sequence (the prompt, then
+    the output): every token the model computed for this completion, from the first one it
+    computed (positions before `start` came from the prefix cache) to the one before the last
+    output token (the last one is never fed to the model). `experts[t][l]`: the top-k experts of
+    MoE layer l (decoder layer `layers[l]`), best first; `distances[t][l][j]`: tokens since expert
+    `experts[t][l][j]` of that layer was last chosen by a token of the trace (1: by the previous
+    token), None where it had not been (ProfInfer's reuse distance, per layer and expert)."""
+
+    layers: list[int]
+    start: int
+    experts: list[list[list[int]]]
+    distances: list[list[list[int | None]]]
+
+    @classmethod
+    def from_experts(cls, layers: list[int], start: int, experts: list[list[list[int]]]) -> ExpertTrace:
+        last: dict[tuple[int, int], int] = {}  # (MoE layer, expert) -> the last token that chose it
+        distances = []
+        for t, per_layer in enumerate(experts):
+            row = []
+            for layer, chosen in enumerate(per_layer):
+                row.append([None if (layer, e) not in last else t - last[(layer, e)] for e in chosen])
+                for e in chosen:
+                    last[(layer, e)] = t
+            distances.append(row)
+        return cls(layers, start, experts, distances)
+
+    def to_dict(self) -> dict:
+        return {"layers": self.layers, "start": self.start, "experts": self.experts, "distances": self.distances}
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str
@@ -24,6 +59,8 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     logprobs: SampleLogprobs | None = None
+    # With return_expert_trace, on the finished completion: the experts each token was routed to.
+    expert_trace: ExpertTrace | None = None
 
     @property
     def finished(self) -> bool:

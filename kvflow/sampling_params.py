@@ -18,6 +18,9 @@ MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias
 LOGIT_BIAS_LIMIT = 100.0  # |bias|, as OpenAI
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # int64, as vLLM
+# An expert trace (return_expert_trace) holds one entry per token and MoE layer: at most this many
+# (prompt + max_tokens) x MoE layers per completion; more is refused when the request is added.
+MAX_EXPERT_TRACE_ENTRIES = 131072
 
 
 @dataclass
@@ -51,6 +54,10 @@ class SamplingParams:
     # to hold the prompt's KV for a decode engine; the params it returns ({"do_remote_prefill": true,
     # "remote_host", ...}) tell the decode engine where to fetch it. See kvflow/kv_transfer/.
     kv_transfer_params: dict[str, Any] | None = None
+    # kvflow's: a Mixture-of-Experts model returns, with the finished completion, the experts each
+    # of its tokens was routed to per MoE layer and the distance in tokens since each was last
+    # active (`CompletionOutput.expert_trace`); bounded by MAX_EXPERT_TRACE_ENTRIES.
+    return_expert_trace: bool = False
     # Filled by the engine: EOS ids of the model (not a user field).
     _eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
 
@@ -96,7 +103,7 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         integer("logprobs", 0, MAX_LOGPROBS, optional=True)
-        for name in ("ignore_eos", "skip_special_tokens"):
+        for name in ("ignore_eos", "skip_special_tokens", "return_expert_trace"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "true or false")
         if len(self.stop) > MAX_STOP_STRINGS:

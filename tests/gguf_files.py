@@ -170,3 +170,185 @@ def write_tiny(
     w.write_tensors_to_file()
     w.close()
     return hf
+
+
+# --------------------------------------------------------------------------------------------------
+# A Mixture-of-Experts GGUF from a tiny HF model folder, laid out as llama.cpp's converter lays it out
+# --------------------------------------------------------------------------------------------------
+
+# HF architecture -> llama.cpp's, and whether llama.cpp renormalises its top-k by default (its graph's
+# norm_w; a file says otherwise with {arch}.expert_weights_norm).
+MOE_GGUF_ARCHS = {
+    "MixtralForCausalLM": ("llama", True),
+    "Qwen2MoeForCausalLM": ("qwen2moe", False),
+    "Qwen3MoeForCausalLM": ("qwen3moe", True),
+    "OlmoeForCausalLM": ("olmoe", False),
+}
+
+
+def quantize_q4_k(w: np.ndarray) -> np.ndarray:
+    """`w` [..., cols] (cols a multiple of 256) to GGML's Q4_K blocks, round to nearest (gguf-py has
+    no Q4_K quantizer): per 32 values a 6-bit scale and min under the super-block's fp16 d / dmin,
+    value = d * scale * q - dmin * min with q in 0..15. uint8 [..., cols / 256 * 144]."""
+    lead, cols = w.shape[:-1], w.shape[-1]
+    x = w.astype(np.float32).reshape(-1, 8, 32)
+    mins = np.maximum(0.0, -x.min(axis=2))  # [blocks, 8], subtracted
+    scales = (x.max(axis=2) + mins) / 15
+    d = (scales.max(axis=1) / 63).astype(np.float16)
+    dmin = (mins.max(axis=1) / 63).astype(np.float16)
+    df, dminf = d.astype(np.float32)[:, None], dmin.astype(np.float32)[:, None]
+    sc = np.clip(np.round(np.divide(scales, df, out=np.zeros_like(scales), where=df > 0)), 0, 63).astype(np.uint8)
+    mn = np.clip(np.round(np.divide(mins, dminf, out=np.zeros_like(mins), where=dminf > 0)), 0, 63).astype(np.uint8)
+    step = (df * sc)[:, :, None]
+    q = np.round(np.divide(x + (dminf * mn)[:, :, None], step, out=np.zeros_like(x), where=step > 0))
+    q = np.clip(q, 0, 15).astype(np.uint8)
+    packed = np.empty((x.shape[0], 12), dtype=np.uint8)
+    packed[:, 0:4] = (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6)
+    packed[:, 4:8] = (mn[:, :4] & 63) | ((mn[:, 4:] >> 4) << 6)
+    packed[:, 8:12] = (sc[:, 4:] & 0x0F) | ((mn[:, 4:] & 0x0F) << 4)
+    qs = (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(-1, 128)  # chunk j: sub-blocks 2j (low), 2j + 1 (high)
+    head = np.stack([d, dmin], axis=1).view(np.uint8).reshape(-1, 4)
+    return np.concatenate([head, packed, qs], axis=1).reshape(*lead, cols // 256 * 144)
+
+
+class _DroppingWriter(gguf.GGUFWriter):
+    """A GGUFWriter that leaves the tensors named in `drop` out."""
+
+    def __init__(self, path: str, arch: str, drop: tuple[str, ...] = ()) -> None:
+        super().__init__(path, arch)
+        self.drop = set(drop)
+
+    def add_tensor(self, name, tensor, raw_shape=None, raw_dtype=None, tensor_endianess=None) -> None:
+        if name not in self.drop:
+            super().add_tensor(name, tensor, raw_shape, raw_dtype, tensor_endianess)
+
+
+def _put(w: gguf.GGUFWriter, name: str, data: np.ndarray, qtype: Q) -> None:
+    if qtype == Q.F32:
+        w.add_tensor(name, data.astype(np.float32))
+    elif qtype == Q.F16:
+        w.add_tensor(name, data.astype(np.float16))
+    elif qtype == Q.Q4_K:
+        w.add_tensor(name, quantize_q4_k(data), raw_dtype=qtype)
+    else:
+        w.add_tensor(name, gguf.quants.quantize(data.astype(np.float32), qtype), raw_dtype=qtype)
+
+
+def write_moe_gguf(
+    path,
+    hf_dir,
+    *,
+    experts: Q = Q.F32,
+    shared: Q = Q.F32,
+    attention: Q = Q.F32,
+    expert_types: dict | None = None,
+    drop: tuple[str, ...] = (),
+) -> None:
+    """Write the tiny HF Mixture-of-Experts model in `hf_dir` (tests/conftest.py's make_model) as a
+    GGUF the way llama.cpp's convert_hf_to_gguf writes one: each layer's experts stacked into the
+    3-D `ffn_{gate,up,down}_exps` ([experts, out, in] in numpy, GGUF dims reversed), the router
+    `ffn_gate_inp`, Qwen2-MoE's shared expert `ffn_*_shexp` with its gate `ffn_gate_inp_shexp` as a
+    [hidden] row, `{arch}.expert_*` metadata, Q/K rows permuted for the `llama` architecture
+    (Mixtral) only, and the folder's byte-level BPE tokenizer padded to the vocabulary.
+
+    Types: `experts` for the expert tensors (`expert_types`: per projection, "gate" / "up" /
+    "down", instead), `shared` for the shared expert's projections, `attention` for q/k/v/o; the
+    rest (embeddings, norms, router, shared gate) in F32. Q4_K is quantized by `quantize_q4_k`.
+    `drop`: GGUF tensor names left out (a broken file)."""
+    import json
+    from pathlib import Path
+
+    from safetensors.numpy import load_file
+
+    hf_dir = Path(hf_dir)
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    hf_arch = cfg["architectures"][0]
+    arch, norm_default = MOE_GGUF_ARCHS[hf_arch]
+    t = {k: v.astype(np.float32) for k, v in load_file(str(hf_dir / "model.safetensors")).items()}
+    layers, hidden = cfg["num_hidden_layers"], cfg["hidden_size"]
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or hidden // heads
+    n_experts = cfg.get("num_local_experts") or cfg["num_experts"]
+    expert_types = {"gate": experts, "up": experts, "down": experts, **(expert_types or {})}
+
+    w = _DroppingWriter(str(path), arch, drop=drop)
+    w.add_name(f"Tiny {hf_arch}")
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(hidden)
+    w.add_block_count(layers)
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_freq_base(float(cfg["rope_parameters"]["rope_theta"]))
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_vocab_size(cfg["vocab_size"])
+    w.add_expert_count(n_experts)
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    if arch == "llama":
+        w.add_rope_dimension_count(head_dim)
+    else:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    if "moe_intermediate_size" in cfg:
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    if cfg.get("shared_expert_intermediate_size"):
+        w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+    if arch != "llama" and bool(cfg.get("norm_topk_prob", False)) != norm_default:
+        w.add_expert_weights_norm(bool(cfg.get("norm_topk_prob", False)))
+    if cfg.get("clip_qkv") is not None:
+        w.add_clamp_kqv(float(cfg["clip_qkv"]))
+    # The folder's tokenizer: byte-level BPE, its vocabulary padded to the model's with unused tokens.
+    tok = json.loads((hf_dir / "tokenizer.json").read_text())
+    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
+    assert [i for _, i in vocab] == list(range(len(vocab)))
+    specials = {a["content"] for a in tok["added_tokens"] if a.get("special")}
+    tokens = [s for s, _ in vocab] + [f"[PAD{i}]" for i in range(len(vocab), cfg["vocab_size"])]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if s in specials else 5 if s.startswith("[PAD") else 1 for s in tokens])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    w.add_bos_token_id(cfg["bos_token_id"])
+    w.add_eos_token_id(cfg["eos_token_id"])
+
+    w.add_tensor("token_embd.weight", t["model.embed_tokens.weight"])
+    for i in range(layers):
+        p, m = f"blk.{i}.", f"model.layers.{i}."
+        q, k = t[m + "self_attn.q_proj.weight"], t[m + "self_attn.k_proj.weight"]
+        if arch == "llama":
+            q, k = llama_cpp_permute(q, heads), llama_cpp_permute(k, kv_heads)
+        w.add_tensor(p + "attn_norm.weight", t[m + "input_layernorm.weight"])
+        _put(w, p + "attn_q.weight", q, attention)
+        _put(w, p + "attn_k.weight", k, attention)
+        _put(w, p + "attn_v.weight", t[m + "self_attn.v_proj.weight"], attention)
+        _put(w, p + "attn_output.weight", t[m + "self_attn.o_proj.weight"], attention)
+        for part in ("q", "k", "v"):
+            if m + f"self_attn.{part}_proj.bias" in t:
+                w.add_tensor(p + f"attn_{part}.bias", t[m + f"self_attn.{part}_proj.bias"])
+        for part in ("q", "k"):
+            if m + f"self_attn.{part}_norm.weight" in t:
+                w.add_tensor(p + f"attn_{part}_norm.weight", t[m + f"self_attn.{part}_norm.weight"])
+        w.add_tensor(p + "ffn_norm.weight", t[m + "post_attention_layernorm.weight"])
+        ffn = m + ("block_sparse_moe." if arch == "llama" else "mlp.")
+        if ffn + "gate.weight" not in t:  # a dense layer (Qwen2/3-MoE's mlp_only_layers)
+            for part in ("gate", "up", "down"):
+                _put(w, p + f"ffn_{part}.weight", t[m + f"mlp.{part}_proj.weight"], attention)
+            continue
+        w.add_tensor(p + "ffn_gate_inp.weight", t[ffn + "gate.weight"])
+        names = {"gate": "w1", "up": "w3", "down": "w2"} if arch == "llama" else {}
+        for part in ("gate", "up", "down"):
+            stacked = np.stack(
+                [t[f"{ffn}experts.{e}.{names.get(part, part + '_proj')}.weight"] for e in range(n_experts)]
+            )
+            _put(w, p + f"ffn_{part}_exps.weight", stacked, expert_types[part])
+        if ffn + "shared_expert_gate.weight" in t:
+            for part in ("gate", "up", "down"):
+                _put(w, p + f"ffn_{part}_shexp.weight", t[f"{ffn}shared_expert.{part}_proj.weight"], shared)
+            w.add_tensor(p + "ffn_gate_inp_shexp.weight", t[ffn + "shared_expert_gate.weight"].reshape(-1))
+    w.add_tensor("output_norm.weight", t["model.norm.weight"])
+    if not cfg.get("tie_word_embeddings", False):
+        w.add_tensor("output.weight", t["lm_head.weight"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

@@ -34,8 +34,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="how requests are routed: pd (--prefill/--decode); over --backend replicas: "
         "round_robin (each in turn), least_loaded (fewest running + waiting requests), "
-        "cache_aware (the replica that holds most of the prompt's prefix, unless loads are "
-        "imbalanced) (default: pd with --prefill/--decode, else round_robin)",
+        "cache_aware (the best score of expected prefix-cache hit against load) "
+        "(default: pd with --prefill/--decode, else round_robin)",
     )
     p.add_argument(
         "--prefill",
@@ -96,9 +96,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--cache-threshold",
         type=float,
         default=d["cache_threshold"].default,
-        help="cache_aware: route to the replica with the longest prefix match when it covers "
-        "at least this share of the prompt's characters, else to the least loaded "
-        "(default: %(default)s)",
+        help="cache_aware: a replica's prefix match below this share of the prompt counts as none "
+        "(0: every match counts, weighed against load by the score) (default: %(default)s)",
     )
     g.add_argument(
         "--balance-abs-threshold",
@@ -120,6 +119,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=d["cache_max_chars"].default,
         help="cache_aware: characters of prompt text remembered per replica; the least recently "
         "used are forgotten beyond (default: %(default)s)",
+    )
+    for name in ("load_cost_tokens", "kv_usage_weight"):
+        g.add_argument(
+            "--" + name.replace("_", "-"),
+            type=float,
+            default=d[name].default,
+            help=d[name].metadata["help"] + " (default: %(default)s)",
+        )
+    g.add_argument(
+        "--router-kv-events",
+        nargs="+",
+        default=[],
+        metavar="PUB[,REPLAY]",
+        help=d["router_kv_events"].metadata["help"],
     )
     p.add_argument(
         "--log-level",
@@ -149,6 +162,9 @@ def config_from_args(args: argparse.Namespace):
         balance_abs_threshold=args.balance_abs_threshold,
         balance_rel_threshold=args.balance_rel_threshold,
         cache_max_chars=args.cache_max_chars,
+        load_cost_tokens=args.load_cost_tokens,
+        kv_usage_weight=args.kv_usage_weight,
+        router_kv_events=args.router_kv_events,
     )
 
 

@@ -26,6 +26,7 @@ _FRONT_END_FIELDS = (
     "replica_max_restarts",
     "replica_restart_window_s",
     "data_parallel_backend",
+    "router_kv_events",
 )
 
 
@@ -36,7 +37,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "serve",
         help="run the OpenAI-compatible HTTP server",
         description="Serve the model over an OpenAI-compatible HTTP API (/v1/completions, "
-        "/v1/chat/completions, /v1/models, /health, /metrics, /tokenize, /detokenize). "
+        "/v1/chat/completions, /v1/responses, /v1/models, /health, /metrics, /tokenize, /detokenize). "
         "Binds 127.0.0.1 unless --host says otherwise. SIGTERM drains and exits 0; a failed "
         "engine step exits 1. --data-parallel-size N serves N engine replicas behind one "
         "router (--router-policy).",
@@ -66,7 +67,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
         flags = [
             *dataclass_flags(ServerConfig, args, exclude=_FRONT_END_FIELDS),
-            *dataclass_flags(EngineConfig, args, exclude=("kv_offload_disk_dir",)),  # one dir per replica
+            # one disk tier and one pair of KV event ports per replica (replica_specs gives them)
+            *dataclass_flags(EngineConfig, args, exclude=("kv_offload_disk_dir", "kv_events_config")),
             "--log-level",
             args.log_level,
         ]

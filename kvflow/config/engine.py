@@ -7,6 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from kvflow.config.kv_events import KVEventsConfig
 from kvflow.config.kv_transfer import KVTransferConfig
 from kvflow.config.options import check_choices, option, positive
 from kvflow.config.speculative import SpeculativeConfig
@@ -15,6 +16,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZATIONS = (None, "int8", "int4")
 GGUF_WEIGHTS = ("native", "dequantize")
 KV_CACHE_DTYPES = ("auto", "int8")
+MOE_EXPERT_METRICS = ("off", "per_layer", "per_expert")
 KERNEL_AUTOTUNE_MODES = ("on", "off")
 ATTENTION_BACKENDS = ("auto", "torch", "native", "triton")
 DISTRIBUTED_EXECUTOR_BACKENDS = (None, "uni", "mp", "ray")
@@ -57,6 +59,13 @@ class EngineConfig:
     kv_cache_dtype: str = option(
         "auto", "KV cache dtype: auto (= --dtype) or int8 (per-token, per-head scales)", choices=KV_CACHE_DTYPES
     )
+    moe_expert_metrics: str = option(
+        "per_layer",
+        "Mixture-of-Experts routing metrics: per_layer (tokens routed and load imbalance per MoE layer: a "
+        "series per layer), per_expert (also tokens per layer and expert: layers x experts series, e.g. "
+        "48 x 128 = 6144) or off (nothing counted, no per-step work)",
+        choices=MOE_EXPERT_METRICS,
+    )
     attention_backend: str = option(
         "auto",
         "attention: native (C++ kernel reading the paged cache in place, CPU), triton (Triton "
@@ -89,6 +98,14 @@ class EngineConfig:
         '"kv_role": "kv_producer"}\' (keys: kv_connector tcp|shm, kv_role '
         "kv_producer|kv_consumer|kv_both, kv_ip, kv_port, kv_lease_s, kv_transfer_timeout_s, "
         "kv_load_failure_policy recompute|fail, engine_id; see KVTransferConfig)",
+    )
+    kv_events_config: dict[str, Any] | None = option(
+        None,
+        "KV cache events (blocks stored / removed / all cleared, with their hashes, token ids and "
+        "medium) published over ZMQ, as a JSON object in vLLM's shape, e.g. '{\"enable_kv_cache_events\": "
+        'true, "endpoint": "tcp://127.0.0.1:5557", "replay_endpoint": "tcp://127.0.0.1:5558"}\' (keys: '
+        "enable_kv_cache_events, publisher zmq|null, endpoint, replay_endpoint, buffer_steps, hwm, "
+        "max_queue_size, topic; see docs/features/kv_cache_and_tiers.md)",
     )
     tensor_parallel_size: int = option(
         1,
@@ -160,6 +177,8 @@ class EngineConfig:
         if (self.kv_offload_cpu_gb > 0 or self.kv_offload_disk_dir) and not self.enable_prefix_caching:
             raise ValueError("the KV offload tiers hold prefix-cache blocks: they need enable_prefix_caching")
         self._check_parallel()
+        if self.kv_events_config is not None:
+            self.kv_events()  # validate now, with a message naming the key
         if self.kv_transfer_config is not None:
             self.kv_transfer()  # validate now, with a message naming the key
             if not self.enable_prefix_caching:
@@ -234,6 +253,12 @@ class EngineConfig:
         if self.kv_transfer_config is None:
             return None
         return KVTransferConfig.parse(self.kv_transfer_config)
+
+    def kv_events(self) -> KVEventsConfig | None:
+        """The typed `KVEventsConfig`, or None when no events are published."""
+        if self.kv_events_config is None:
+            return None
+        return KVEventsConfig.parse(self.kv_events_config)
 
     @classmethod
     def field_names(cls) -> set[str]:

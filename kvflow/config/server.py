@@ -44,6 +44,11 @@ class ServerConfig:
         "mistral, or generic (kvflow's JSON protocol, for templates without tool support)",
         choices=TOOL_CALL_PARSERS,
     )
+    responses_store_size: int = option(
+        1024,
+        "Responses API: how many responses (those with store: true) are kept in memory for "
+        "previous_response_id and GET /v1/responses/{id}, the least recently used dropped first (0: none)",
+    )
     data_parallel_size: int = option(
         1,
         "data parallelism: start this many engine replicas (processes on 127.0.0.1 ports, each pinned "
@@ -53,9 +58,16 @@ class ServerConfig:
     router_policy: str = option(
         "cache_aware",
         "with --data-parallel-size > 1: how requests are spread over the replicas: "
-        "round_robin, least_loaded (fewest running + waiting requests) or cache_aware (the replica that "
-        "holds most of the prompt's prefix, unless loads are imbalanced)",
+        "round_robin, least_loaded (fewest running + waiting requests) or cache_aware (the best score of "
+        "expected prefix-cache hit against load)",
         choices=ROUTER_POLICIES,
+    )
+    router_kv_events: bool = option(
+        False,
+        "with --data-parallel-size > 1 and --router-policy cache_aware: the replicas publish their KV cache "
+        "events (on 127.0.0.1 ports of their own, unless --kv-events-config says where: its ports are "
+        "then offset by the replica's index) and the router follows them, routing on what each "
+        "replica's prefix cache really holds",
     )
     # A replica that keeps crashing stays out of rotation rather than restarting forever.
     replica_max_restarts: int = option(
@@ -83,7 +95,16 @@ class ServerConfig:
                 f"replica_max_restarts must be >= 0 and replica_restart_window_s a finite number > 0, "
                 f"got {self.replica_max_restarts} and {self.replica_restart_window_s}"
             )
+        if self.router_kv_events and self.data_parallel_size == 1:
+            raise ValueError(
+                "router_kv_events is for data_parallel_size > 1 (the router in front of the replicas); "
+                "a single server publishes its KV events with kv_events_config"
+            )
+        if self.router_kv_events and self.router_policy != "cache_aware":
+            raise ValueError(f"router_kv_events is for router_policy cache_aware, not {self.router_policy}")
         positive("max_waiting_requests", self.max_waiting_requests)
+        if self.responses_store_size < 0:
+            raise ValueError(f"responses_store_size must be >= 0, got {self.responses_store_size}")
         positive("max_request_body_bytes", self.max_request_body_bytes)
         if self.log_interval_s <= 0 or self.shutdown_grace_s < 0:
             raise ValueError("log_interval_s must be > 0 and shutdown_grace_s >= 0")

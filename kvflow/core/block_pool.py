@@ -7,14 +7,23 @@ It sits in the free queue and can be revived by a request with the same prefix u
 needs it for new tokens, at which point it is evicted. The free queue is in LRU order: blocks are
 taken from the front, and released blocks join the back, a request's tail blocks ahead of its
 head (the head is the part most likely to be shared again).
+
+With KV events on (`events`, a `KVEventSink`), each eviction of a cached block is reported as a
+`BlockRemoved` of the pool ("GPU"); the `BlockStored` events come from the KV cache manager, which
+knows the blocks' tokens.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-BlockHash = bytes
+from kvflow.core.block_hash import BlockHash
+from kvflow.kv_events.events import MEDIUM_GPU
+
+if TYPE_CHECKING:
+    from kvflow.kv_events.events import KVEventSink
 
 
 class BlockPool:
@@ -31,6 +40,7 @@ class BlockPool:
         self._num_cached_free = 0  # free blocks that still hold a cached prefix
         # Called with (block id, hash) just before a cached block's contents are overwritten.
         self.on_evict: Callable[[int, BlockHash], None] | None = None
+        self.events: KVEventSink | None = None  # KV events: None (off) costs nothing
 
     @property
     def num_free_blocks(self) -> int:
@@ -45,6 +55,7 @@ class BlockPool:
         if count > len(self._free):
             raise RuntimeError(f"asked for {count} KV blocks, {len(self._free)} free")
         blocks = []
+        evicted: list[BlockHash] = []
         for _ in range(count):
             b, _ = self._free.popitem(last=False)
             h = self.block_hashes[b]
@@ -55,8 +66,11 @@ class BlockPool:
                 self.block_hashes[b] = None
                 self.num_evicted += 1
                 self._num_cached_free -= 1
+                evicted.append(h)
             self.ref_counts[b] = 1
             blocks.append(b)
+        if evicted and self.events is not None:
+            self.events.removed(evicted, MEDIUM_GPU)
         return blocks
 
     def touch(self, blocks: list[int]) -> None:
@@ -78,12 +92,14 @@ class BlockPool:
                 self._num_cached_free += self.block_hashes[b] is not None
 
     # ---- prefix cache ----------------------------------------------------------------------
-    def cache_block(self, block: int, block_hash: BlockHash) -> None:
-        """Register a full, computed block under its content hash (first writer wins)."""
+    def cache_block(self, block: int, block_hash: BlockHash) -> bool:
+        """Register a full, computed block under its content hash (first writer wins). True when
+        the hash entered the cache now."""
         if not self.enable_caching or self.block_hashes[block] is not None or block_hash in self.cached:
-            return
+            return False
         self.cached[block_hash] = block
         self.block_hashes[block] = block_hash
+        return True
 
     def lookup(self, hashes: list[BlockHash]) -> list[int]:
         """The blocks of the longest cached run of `hashes` from the start."""

@@ -3,16 +3,22 @@
 Every full block gets a content hash chained from its parent's: sha256(parent hash, token ids,
 extra key). Equal hashes mean equal KV (same model, same tokens at the same positions), so a new
 request can share the blocks of its longest cached prefix and prefill only the rest.
+
+With KV events on (`events`), every run of blocks entered in the cache is reported as one
+`BlockStored` (hashes, parent hash, token ids), evictions by the pool as `BlockRemoved`.
 """
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from kvflow.core.block_pool import BlockHash, BlockPool
+from kvflow.core.block_hash import hash_block
+from kvflow.core.block_pool import BlockPool
 from kvflow.core.request import Request
+
+if TYPE_CHECKING:
+    from kvflow.kv_events.events import KVEventSink
 
 
 @dataclass
@@ -32,13 +38,6 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def hash_block(parent: BlockHash | None, token_ids: list[int], extra_key: bytes = b"") -> BlockHash:
-    h = hashlib.sha256(parent or b"\0" * 32)
-    h.update(array("q", token_ids).tobytes())
-    h.update(extra_key)
-    return h.digest()
-
-
 @dataclass
 class PrefixCacheStats:
     queries: int = 0  # prompt tokens looked up
@@ -50,9 +49,18 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, extra_key: bytes = b"") -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        extra_key: bytes = b"",
+        events: KVEventSink | None = None,
+    ) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_caching)
+        self.events = events  # KV events (None: off); the offload tiers report into it too
+        self.pool.events = events
         self.enable_caching = enable_caching
         self.extra_key = extra_key  # e.g. the model identity, so hashes never match across models
         self.block_tables: dict[str, list[int]] = {}
@@ -116,18 +124,36 @@ class KVCacheManager:
             full = min(total, req.num_tokens) // self.block_size
             self._update_hashes(req, full * self.block_size)
             start = max(self.num_cached_blocks.get(req.request_id, 0), len(computed.blocks))
-            for i in range(start, full):
-                self.pool.cache_block(table[i], req.block_hashes[i])
+            self._cache_blocks(req, table, start, full)
             self.num_cached_blocks[req.request_id] = max(start, full)
         return True
+
+    def _cache_blocks(self, req: Request, table: list[int], start: int, end: int) -> None:
+        """Enter blocks [start, end) of req in the prefix cache (their hashes are computed)."""
+        if self.events is None:
+            for i in range(start, end):
+                self.pool.cache_block(table[i], req.block_hashes[i])
+            return
+        run = start  # the first block of the current run of newly cached blocks
+        for i in range(start, end + 1):
+            if i < end and self.pool.cache_block(table[i], req.block_hashes[i]):
+                continue
+            if i > run:  # blocks [run, i) entered the cache: one event, a chain
+                bs = self.block_size
+                self.events.stored(
+                    req.block_hashes[run:i],
+                    req.block_hashes[run - 1] if run > 0 else None,
+                    req.token_ids_between(run * bs, i * bs),
+                    bs,
+                )
+            run = i + 1
 
     def register_loaded(self, req: Request) -> None:
         """Enter req's full blocks in the prefix cache once their asynchronously loaded KV is in."""
         table = self.block_tables.get(req.request_id, [])
         full = min(len(table), req.num_tokens // self.block_size)
         self._update_hashes(req, full * self.block_size)
-        for block, h in zip(table[:full], req.block_hashes):
-            self.pool.cache_block(block, h)
+        self._cache_blocks(req, table, 0, full)
 
     def hold(self, req: Request, key: str) -> None:
         """Keep a finished request's blocks under `key` (for a KV transfer); see release_held."""

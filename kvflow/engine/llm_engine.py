@@ -19,15 +19,18 @@ from kvflow.core.step_cost import StepCostModel, chunk_pairs
 from kvflow.engine.output_processor import OutputProcessor
 from kvflow.engine.slo_tracker import SLOStats, SLOTracker
 from kvflow.executor import Executor
+from kvflow.kv_events.events import KVEventBatch, KVEventSink
 from kvflow.kv_transfer.base import KVConnectorScheduler
 from kvflow.outputs import RequestMetrics, RequestOutput
-from kvflow.sampling_params import SamplingParams, check_text
+from kvflow.sampling_params import MAX_EXPERT_TRACE_ENTRIES, SamplingParams, check_text
 from kvflow.structured_output.manager import StructuredOutputManager, StructuredOutputStats
 from kvflow.utils.validation import is_int
 
 if TYPE_CHECKING:
+    from kvflow.kv_events.publisher import KVEventPublisher
     from kvflow.kv_transfer.offload_store import OffloadStats
     from kvflow.kv_transfer.pd import KVTransferStats
+    from kvflow.layers.moe import MoeRoutingStats
     from kvflow.spec_decode.speculator import SpecDecodeStats
     from kvflow.worker.model_runner import KVCacheSpec
 
@@ -59,6 +62,9 @@ class EngineStats:
     slo: SLOStats | None = None
     step_cost_error: float | None = None  # median relative error of the step-time predictions
     linear_kernels: str = ""  # the linear paths in use (the kernel autotune's choices)
+    # A Mixture-of-Experts model's routing: tokens per layer (and expert), load imbalance (None: a
+    # dense model, or moe_expert_metrics="off")
+    moe: MoeRoutingStats | None = None
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -94,7 +100,20 @@ class LLMEngine:
         self.kv_connector, self.executor.kv_connector = make_kv_connector(
             config, self._kv_identity(ckpt), self.executor.kv_io, self.model_config.num_layers
         )
-        self.kv_cache = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        # KV cache events (--kv-events-config): the pool, the manager and the offload tiers report
+        # into one sink; each step's events go to the publisher as one batch. None: off, no work.
+        self.kv_events: KVEventSink | None = None
+        self.kv_event_publisher: KVEventPublisher | None = None
+        events_config = config.kv_events()
+        if events_config is not None and events_config.enabled:
+            from kvflow.kv_events.publisher import make_publisher
+
+            self.kv_event_publisher = make_publisher(events_config)
+            self.kv_events = KVEventSink()
+            self.kv_events.cleared()  # the first batch says: this engine's cache starts empty
+        self.kv_cache = KVCacheManager(
+            self.num_kv_blocks, config.block_size, config.enable_prefix_caching, events=self.kv_events
+        )
         # One model of step times, learned from every step: the speculator and the slo policy predict with it.
         self.step_cost = StepCostModel()
         policy = make_policy(
@@ -113,7 +132,10 @@ class LLMEngine:
             config.max_queue_time_s,
             connector=self.kv_connector,
         )
-        self.output_processor = OutputProcessor(self.tokenizer)
+        moe = self.model_config.moe
+        # the decoder layers that route (expert traces are per MoE layer)
+        self.moe_layers = [] if moe is None else [i for i in range(self.model_config.num_layers) if moe.is_sparse(i)]
+        self.output_processor = OutputProcessor(self.tokenizer, self.moe_layers)
         # Grammars for structured outputs; the compiler is built on first use (or warm_up()).
         self.structured = (
             None
@@ -149,6 +171,7 @@ class LLMEngine:
         self._steps = 0
         self._util_sum = self._util_contig_sum = 0.0
         self._util_steps = 0
+        self._publish_kv_events()  # AllBlocksCleared (and a disk tier's blocks): batch 0
 
     # ---- start-up checks -----------------------------------------------------------------------
     def _resolve_max_model_len(self) -> int:
@@ -323,6 +346,23 @@ class LLMEngine:
                 f"min_tokens ({params.min_tokens}) exceeds the {limit - n} tokens left after the "
                 f"prompt ({n} tokens) within max_model_len {limit}"
             )
+        if params.return_expert_trace:
+            self._check_expert_trace(n, params)
+
+    def _check_expert_trace(self, n: int, params: SamplingParams) -> None:
+        """An expert trace needs experts, and stays within MAX_EXPERT_TRACE_ENTRIES (tokens x MoE layers)."""
+        if not self.moe_layers:
+            raise ValueError(
+                f"return_expert_trace needs a Mixture-of-Experts model; {self.model_config.architecture} has no experts"
+            )
+        tokens = n + (params.max_tokens if params.max_tokens is not None else self.max_model_len - n)
+        entries = tokens * len(self.moe_layers)
+        if entries > MAX_EXPERT_TRACE_ENTRIES:
+            raise ValueError(
+                f"return_expert_trace: the prompt ({n} tokens) + max_tokens = {tokens} tokens x "
+                f"{len(self.moe_layers)} MoE layers = {entries} trace entries exceeds the limit of "
+                f"{MAX_EXPERT_TRACE_ENTRIES}; lower max_tokens (or shorten the prompt)"
+            )
 
     def _grammar(self, params: SamplingParams):
         """The compiled grammar of a constrained request (waits for the compile: the server has
@@ -344,7 +384,9 @@ class LLMEngine:
             out = self.output_processor.finish(rid, "abort")
             if out is not None:
                 outputs.append(out)
-        return outputs + self._flush_kv_connector()
+        outputs += self._flush_kv_connector()
+        self._publish_kv_events()
+        return outputs
 
     def fail_all(self, error: str) -> list[RequestOutput]:
         """End every request with an error (a model step raised)."""
@@ -368,6 +410,19 @@ class LLMEngine:
 
     # ---- one iteration -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.kv_events is None:
+            return self._step()
+        try:
+            return self._step()
+        finally:
+            self._publish_kv_events()
+
+    def _publish_kv_events(self) -> None:
+        """The events since the last batch, as one batch (none: nothing is sent)."""
+        if self.kv_events is not None and len(self.kv_events):
+            self.kv_event_publisher.publish(KVEventBatch(time.time(), self.kv_events.take()))
+
+    def _step(self) -> list[RequestOutput]:
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
@@ -385,6 +440,10 @@ class LLMEngine:
         self._observe_step_time(sched, time.perf_counter() - t0)
         if self.speculator is not None:
             self.speculator.observe(sched, result.sampled)
+        for child_id, (start, experts) in result.expert_trace.items():  # (before finished requests go)
+            req = self.scheduler.requests.get(child_id)
+            if req is not None:
+                self.output_processor.record_expert_trace(req.parent_id, req.index, start, experts)
         advanced, finished = self.scheduler.update_from_output(sched, result.sampled)
         kv_failed = self.scheduler.update_kv_transfers(result.kv_connector_output)
         broken: dict[str, str] = {}
@@ -525,6 +584,7 @@ class LLMEngine:
             slo=self.slo.snapshot(),
             step_cost_error=self.step_cost.prediction_error,
             linear_kernels=self.executor.kernel_summary(),
+            moe=self.executor.moe_stats(),
         )
 
     def _connector_stats(self) -> tuple[OffloadStats | None, KVTransferStats | None]:
@@ -554,4 +614,7 @@ class LLMEngine:
             if meta is not None:
                 self.executor.execute(SchedulerOutput(kv_connector_metadata=meta))
             self.executor.kv_connector.shutdown()
+        if self.kv_event_publisher is not None:  # the tiers' last moves (persisted to disk) included
+            self._publish_kv_events()
+            self.kv_event_publisher.shutdown()
         self.executor.shutdown()

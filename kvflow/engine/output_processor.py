@@ -14,7 +14,7 @@ from typing import Any
 
 from kvflow.core.request import Request, RequestStatus
 from kvflow.engine.detokenizer import IncrementalDetokenizer, TokenBytes
-from kvflow.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from kvflow.outputs import CompletionOutput, ExpertTrace, Logprob, RequestMetrics, RequestOutput
 from kvflow.sampling_params import SamplingParams
 
 
@@ -28,6 +28,11 @@ class ChildState:
     logprobs: list[dict[int, Logprob]] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    num_prompt_tokens: int = 0
+    # return_expert_trace: position -> the experts its token was routed to, per MoE layer (a
+    # position recomputed after preemption, or verified again, takes its latest routing).
+    expert_trace: dict[int, list[list[int]]] | None = None
+    expert_layers: list[int] = field(default_factory=list)
 
     def visible_text(self) -> str:
         if self.finish_reason is None and self.params.stop:
@@ -43,7 +48,19 @@ class ChildState:
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
             logprobs=None if self.logprobs is None else list(self.logprobs),
+            expert_trace=self._expert_trace() if self.finish_reason is not None else None,
         )
+
+    def _expert_trace(self) -> ExpertTrace | None:
+        """The trace of the positions whose token is final (all but the last output token, which
+        the model never computed): the contiguous run of recorded positions ending there."""
+        if self.expert_trace is None:
+            return None
+        end = self.num_prompt_tokens + len(self.token_ids) - 1
+        start = end
+        while start - 1 in self.expert_trace:
+            start -= 1
+        return ExpertTrace.from_experts(self.expert_layers, start, [self.expert_trace[p] for p in range(start, end)])
 
 
 @dataclass
@@ -74,10 +91,12 @@ class ParentState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Any | None) -> None:
+    def __init__(self, tokenizer: Any | None, expert_layers: list[int] | None = None) -> None:
+        """`expert_layers`: a Mixture-of-Experts model's MoE decoder layers (for expert traces)."""
         self.tokenizer = tokenizer
         self.token_bytes = None if tokenizer is None else TokenBytes(tokenizer)
         self.parents: dict[str, ParentState] = {}
+        self.expert_layers = list(expert_layers or ())
 
     def add_request(
         self,
@@ -96,6 +115,9 @@ class OutputProcessor:
                 if self.tokenizer is None
                 else IncrementalDetokenizer(self.tokenizer, prompt_token_ids, p.skip_special_tokens),
                 logprobs=[] if p.logprobs is not None else None,
+                num_prompt_tokens=len(prompt_token_ids),
+                expert_trace={} if p.return_expert_trace else None,
+                expert_layers=self.expert_layers,
             )
             for i, p in enumerate(child_params)
         ]
@@ -201,6 +223,15 @@ class OutputProcessor:
         if token not in result:
             result[token] = Logprob(chosen, rank, decode(token))
         return result
+
+    def record_expert_trace(self, parent_id: str, index: int, start: int, experts: list[list[list[int]]]) -> None:
+        """A step's routing of completion `index` of a request that asked for an expert trace: the
+        experts per MoE layer of its tokens at positions start, start + 1, ..."""
+        parent = self.parents.get(parent_id)
+        trace = None if parent is None else parent.children[index].expert_trace
+        if trace is not None:
+            for i, per_layer in enumerate(experts):
+                trace[start + i] = per_layer
 
     def finish(self, request_id: str, reason: str, error: str | None = None) -> RequestOutput | None:
         """End a whole user request from outside (abort, engine error)."""

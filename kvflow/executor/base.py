@@ -93,6 +93,10 @@ class Executor:
         """Rank 0's linear kernel choice (the other ranks tune their own shapes alike)."""
         return self.runner.kernel_summary()
 
+    def moe_stats(self):
+        """Rank 0's Mixture-of-Experts routing counts (kvflow.layers.moe.MoeRoutingStats), or None."""
+        return self.runner.moe_stats()
+
     def release(self, request_ids: Iterable[str]) -> None:
         """Finished requests: rank 0 drops their random generators (only rank 0 samples)."""
         self.runner.release(request_ids)

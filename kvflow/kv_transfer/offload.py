@@ -43,6 +43,8 @@ class OffloadConnectorScheduler(KVConnectorScheduler):
     def bind(self, kv_cache: KVCacheManager) -> None:
         self._kv_cache = kv_cache
         kv_cache.pool.on_evict = lambda block, h: self._saves.append((block, h))
+        if kv_cache.events is not None:  # KV events: the tiers report into the pool's sink
+            self.store.set_event_sink(kv_cache.events, self.block_size)
 
     def get_num_new_matched_tokens(self, req: Request, num_computed_tokens: int) -> tuple[int, bool]:
         # At least one token is left to compute, so there are logits to sample from.

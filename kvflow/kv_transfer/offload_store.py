@@ -8,6 +8,9 @@ block hash in their name and header and a checksum of the payload, are written a
 
 Tier order: a block evicted from CPU memory moves to disk. A disk hit is read and verified during
 the scheduler's lookup, before the hit is counted, and staged for the step's load.
+
+With KV events on (`set_event_sink`), every block that enters or leaves a tier is reported:
+`BlockStored` / `BlockRemoved` with medium "CPU" or "DISK" (no token ids: a tier knows hashes only).
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from kvflow.kv_events.events import MEDIUM_CPU, MEDIUM_DISK, KVEventSink
 
 logger = logging.getLogger("kvflow")
 
@@ -67,9 +72,28 @@ class KVOffloadStore:
         self.disk: OrderedDict[bytes, Path] = OrderedDict()  # LRU order
         self._staged: dict[bytes, torch.Tensor] = {}  # read from disk, waiting for this step's load
         self.stats = OffloadStats()
+        self._events: KVEventSink | None = None
+        self._block_size = 0
         if self.disk_dir is not None:
             self.disk_dir.mkdir(parents=True, exist_ok=True)
             self._scan_disk()
+
+    def set_event_sink(self, events: KVEventSink, block_size: int) -> None:
+        """Report tier changes to `events` from now on, starting with what the tiers hold (a disk
+        tier's blocks from earlier runs)."""
+        self._events, self._block_size = events, block_size
+        for h in self.cpu:
+            events.stored_in_tier(h, block_size, MEDIUM_CPU)
+        for h in self.disk:
+            events.stored_in_tier(h, block_size, MEDIUM_DISK)
+
+    def _stored(self, block_hash: bytes, medium: str) -> None:
+        if self._events is not None:
+            self._events.stored_in_tier(block_hash, self._block_size, medium)
+
+    def _removed(self, block_hash: bytes, medium: str) -> None:
+        if self._events is not None:
+            self._events.removed([block_hash], medium)
 
     @property
     def enabled(self) -> bool:
@@ -90,6 +114,7 @@ class KVOffloadStore:
         if data is None:
             del self.disk[block_hash]
             path.unlink(missing_ok=True)
+            self._removed(block_hash, MEDIUM_DISK)
             return False
         self.disk.move_to_end(block_hash)
         self.stats.disk.hits += 1
@@ -106,9 +131,11 @@ class KVOffloadStore:
             return
         self.cpu[block_hash] = data
         self.stats.cpu.stored += 1
+        self._stored(block_hash, MEDIUM_CPU)
         while len(self.cpu) > self.cpu_capacity:
             old_hash, old = self.cpu.popitem(last=False)
             self.stats.cpu.evicted += 1
+            self._removed(old_hash, MEDIUM_CPU)
             self._put_disk(old_hash, old)
 
     def load(self, block_hash: bytes) -> torch.Tensor:
@@ -153,10 +180,12 @@ class KVOffloadStore:
             return
         self.disk[block_hash] = path
         self.stats.disk.stored += 1
+        self._stored(block_hash, MEDIUM_DISK)
         while len(self.disk) > self.disk_capacity:
-            _, old = self.disk.popitem(last=False)
+            old_hash, old = self.disk.popitem(last=False)
             old.unlink(missing_ok=True)
             self.stats.disk.evicted += 1
+            self._removed(old_hash, MEDIUM_DISK)
 
     def _path(self, block_hash: bytes) -> Path:
         return self.disk_dir / f"{self.identity.hex()[:16]}-{block_hash.hex()}.kvblock"

@@ -11,12 +11,20 @@ wherever the order of operations could change a bit of a result or a routing cho
 * combining: each (token, slot) output is scaled by its weight in the weights' dtype, and a token's
   k outputs are summed in slot order before one cast to the model dtype (HF's grouped path).
 
-The experts run as one matmul pair per expert that received tokens, in torch; a native grouped
-kernel is for later (see docs/features/moe.md).
+The experts run as one matmul pair per expert that received tokens: in torch over the stacked
+float weights, or, for a GGUF's quantized experts kept as stored, through each expert's own block
+kernels (kvflow.kernels.cpu.block_linear); a native grouped kernel is for later (see
+docs/features/moe.md).
+
+What the routing did can be recorded (`RoutingRecorder`): tokens per layer and expert, the load
+imbalance of each step, and the chosen experts of a step's rows (expert traces). Nothing is
+recorded, and nothing costs anything, unless a recorder is attached.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -24,6 +32,8 @@ import torch.nn.functional as F
 
 from kvflow.config import MoeConfig
 from kvflow.layers.linear import Linear
+from kvflow.layers.linear_kernels import LinearKernel, make_linear_kernel
+from kvflow.quantization.gguf_blocks import BlockQuantized
 
 
 class Routing(NamedTuple):
@@ -44,26 +54,40 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool, weights_dt
     return Routing(weights.to(weights_dtype), experts)
 
 
-def grouped_experts(x: torch.Tensor, routing: Routing, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+def grouped_experts(
+    x: torch.Tensor,
+    routing: Routing,
+    w13: torch.Tensor | Sequence[LinearKernel],
+    w2: torch.Tensor | Sequence[LinearKernel],
+    counts: torch.Tensor | None = None,
+) -> torch.Tensor:
     """For every token t of x [tokens, hidden]: sum over its slots j of
     weight[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = experts[t, j].
 
     `w13` [experts, 2 * inter, hidden]: each expert's gate rows, then its up rows; `w2` [experts,
-    hidden, inter]. The (token, slot) pairs are sorted by expert and each expert that received any
-    runs one matmul pair over its rows: an expert no token chose costs nothing, and no expert sees
-    a token that did not choose it."""
+    hidden, inter]. Or, per expert, kernels: `w13[e]` computing gate | up, `w2[e]` the down
+    projection taking `silu_mul=` (a GGUF's quantized experts on their block kernels). `counts`:
+    the pairs per expert (`torch.bincount` of the experts, if the caller has it already). The
+    (token, slot) pairs are sorted by expert and each expert that received any runs one matmul
+    pair over its rows: an expert no token chose costs nothing, and no expert sees a token that
+    did not choose it."""
     tokens, top_k = routing.experts.shape
     flat = routing.experts.reshape(-1)
     # Pairs grouped by expert; stable, so each group keeps token order (a deterministic layout).
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=w13.shape[0])
+    if counts is None:
+        counts = torch.bincount(flat, minlength=len(w13))
     bounds = [0, *counts.cumsum(0).tolist()]  # expert e's pairs are order[bounds[e]:bounds[e + 1]]
     rows = x.index_select(0, order // top_k)
     out = torch.empty_like(rows)
+    stacked = isinstance(w13, torch.Tensor)
     for e in counts.nonzero().flatten().tolist():
         lo, hi = bounds[e], bounds[e + 1]
-        gate, up = F.linear(rows[lo:hi], w13[e]).chunk(2, dim=-1)
-        torch.mm(F.silu(gate) * up, w2[e].t(), out=out[lo:hi])
+        if stacked:
+            gate, up = F.linear(rows[lo:hi], w13[e]).chunk(2, dim=-1)
+            torch.mm(F.silu(gate) * up, w2[e].t(), out=out[lo:hi])
+        else:
+            out[lo:hi] = w2[e](w13[e](rows[lo:hi]), silu_mul=True)
     # Weighted in the weights' dtype (float32 for Mixtral, whatever x's), back in (token, slot)
     # order, summed over the slots, then cast once.
     weighted = out * routing.weights.reshape(-1).index_select(0, order).unsqueeze(-1)
@@ -71,18 +95,82 @@ def grouped_experts(x: torch.Tensor, routing: Routing, w13: torch.Tensor, w2: to
     return combined.view(tokens, top_k, -1).sum(dim=1).to(x.dtype)
 
 
+@dataclass
+class MoeRoutingStats:
+    """What the routed layers did since the model was loaded (cumulative), one entry per MoE layer
+    (`layers`: their decoder layer indices), counting every row a forward pass computed (prompt
+    chunks, decodes, draft tokens verified, preempted work recomputed)."""
+
+    layers: list[int]
+    num_experts: int
+    top_k: int
+    num_steps: int  # forward passes recorded
+    tokens: list[int]  # (token, expert) pairs routed: tokens x top-k
+    busiest: list[int]  # summed over steps: the tokens of the step's busiest expert
+    imbalance_sum: list[float]  # summed over steps: max / mean tokens per expert in the step
+    expert_tokens: list[list[int]] | None = None  # [layer][expert] pairs routed (per_expert only)
+
+
+class RoutingRecorder:
+    """Records, for every MoE layer of a model (slot i: decoder layer `layers[i]`), what its
+    routing did: when `counting`, tokens per expert (accumulated in a tensor allocated once: one
+    add of the step's `torch.bincount` per layer, no host sync), the step's busiest expert and its
+    max / mean load; and, while a capture is on, the experts each row of the step chose (for
+    expert traces; `capture[i]` holds layer slot i's [rows, k] ids, read once after the step)."""
+
+    def __init__(self, layers: list[int], num_experts: int, top_k: int, device: torch.device) -> None:
+        self.layers = layers
+        self.num_experts, self.top_k = num_experts, top_k
+        self.counting = False
+        n = len(layers)
+        self.tokens = torch.zeros(n, num_experts, dtype=torch.int64, device=device)
+        self.busiest = torch.zeros(n, dtype=torch.int64, device=device)
+        self.imbalance = torch.zeros(n, dtype=torch.float64, device=device)
+        self.steps = 0
+        self.capture: list[torch.Tensor | None] | None = None
+
+    def record(self, slot: int, experts: torch.Tensor, counts: torch.Tensor) -> None:
+        """Layer slot `slot` routed `experts` [rows, k]; `counts`: their bincount over the experts."""
+        if self.counting:
+            if slot == 0:
+                self.steps += 1
+            self.tokens[slot].add_(counts)
+            top = counts.max()
+            self.busiest[slot].add_(top)
+            # max / mean, the mean being rows * k / experts
+            self.imbalance[slot].add_(top.double() * (self.num_experts / experts.numel()))
+        if self.capture is not None:
+            self.capture[slot] = experts
+
+    def snapshot(self, per_expert: bool) -> MoeRoutingStats:
+        """The totals as Python numbers (one host copy each)."""
+        return MoeRoutingStats(
+            layers=list(self.layers),
+            num_experts=self.num_experts,
+            top_k=self.top_k,
+            num_steps=self.steps,
+            tokens=self.tokens.sum(dim=1).tolist(),
+            busiest=self.busiest.tolist(),
+            imbalance_sum=self.imbalance.tolist(),
+            expert_tokens=self.tokens.tolist() if per_expert else None,
+        )
+
+
 class SparseMoeBlock(torch.nn.Module):
     """A decoder layer's routed feed-forward: router, stacked experts, and (Qwen2-MoE) a shared
     expert every token takes, scaled by sigmoid(shared_expert_gate(x)).
 
     The experts are kept stacked in the model dtype (`w13` [E, 2I, H] with gate then up rows, `w2`
-    [E, H, I]); the router (`router` [E, H]) and the shared gate ([1, H]) run through `F.linear` as
-    HF's do, so the routing sees the same logits. The shared expert is a dense MLP on the model's
-    linear kernels (`Linear`, prepared with the rest)."""
+    [E, H, I]), or, from a GGUF whose experts are quantized, as each expert's blocks
+    (`load_expert_blocks`) run by block kernels made at `prepare`. The router (`router` [E, H]) and
+    the shared gate ([1, H]) run through `F.linear` as HF's do, so the routing sees the same
+    logits. The shared expert is a dense MLP on the model's linear kernels (`Linear`, prepared with
+    the rest)."""
 
     def __init__(self, hidden_size: int, moe: MoeConfig, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         e, inter = moe.num_experts, moe.moe_intermediate_size
+        self.num_experts, self.inter = e, inter
         self.top_k = moe.num_experts_per_tok
         self.renormalize = moe.norm_topk_prob
         self.weights_dtype = torch.float32 if moe.routing_weights_float32 else dtype
@@ -97,6 +185,36 @@ class SparseMoeBlock(torch.nn.Module):
         self.shared_gate_up = Linear(hidden_size, 2 * shared, False, dtype, device) if shared else None
         self.shared_down = Linear(shared, hidden_size, False, dtype, device) if shared else None
         self.shared_expert_gate = param(1, hidden_size) if shared else None
+        # A GGUF's quantized experts: per expert (gate, up, down) blocks until `prepare`, then kernels.
+        self.expert_blocks: list[tuple[BlockQuantized, BlockQuantized, BlockQuantized]] | None = None
+        self.expert_kernels: tuple[list[LinearKernel], list[LinearKernel]] | None = None  # (gate | up, down)
+        # Set by the model: what records this layer's routing (None: nothing is recorded), and
+        # which of the model's MoE layers this is.
+        self.recorder: RoutingRecorder | None = None
+        self.slot = 0
+
+    def load_expert_blocks(self, gate: BlockQuantized, up: BlockQuantized, down: BlockQuantized) -> None:
+        """Take the experts in block formats: every expert's gate / up rows [E x I, H] and down rows
+        [E x H, I], expert after expert (a GGUF's 3-D tensors as stored). The stacked float
+        weights are dropped."""
+        e, inter, hidden = self.num_experts, self.inter, self.router.shape[1]
+        for name, blocks, shape in (("gate", gate, (e * inter, hidden)), ("up", up, (e * inter, hidden))):
+            if blocks.shape != shape:
+                raise ValueError(f"block-quantized expert {name} weights of {blocks.shape}, expected {shape}")
+        if down.shape != (e * hidden, inter):
+            raise ValueError(f"block-quantized expert down weights of {down.shape}, expected {(e * hidden, inter)}")
+        self.expert_blocks = list(zip(gate.split_rows(e), up.split_rows(e), down.split_rows(e)))
+        for name in ("w13", "w2"):
+            setattr(self, name, torch.nn.Parameter(self.w13.new_empty(0), requires_grad=False))
+
+    def prepare(self, backend: str) -> None:
+        """Block-quantized experts onto kernels of `backend` (the block kernels: ``gguf``), one
+        gate | up and one down kernel per expert; the blocks are then the kernels' only copy."""
+        if self.expert_blocks is None:
+            return
+        gate_up = [make_linear_kernel(backend, [g, u]) for g, u, _ in self.expert_blocks]
+        down = [make_linear_kernel(backend, [d]) for _, _, d in self.expert_blocks]
+        self.expert_kernels, self.expert_blocks = (gate_up, down), None
 
     def route(self, h: torch.Tensor) -> Routing:
         """The experts each row of h [tokens, hidden] goes to, and their weights."""
@@ -104,7 +222,12 @@ class SparseMoeBlock(torch.nn.Module):
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """residual + the block's output for h [tokens, hidden] (the post-attention norm's output)."""
-        out = grouped_experts(h, self.route(h), self.w13, self.w2)
+        routing = self.route(h)
+        counts = torch.bincount(routing.experts.reshape(-1), minlength=self.num_experts)
+        if self.recorder is not None:
+            self.recorder.record(self.slot, routing.experts, counts)
+        experts = self.expert_kernels if self.expert_kernels is not None else (self.w13, self.w2)
+        out = grouped_experts(h, routing, *experts, counts=counts)
         if self.shared_down is not None:
             gate, up = self.shared_gate_up.kernel(h).chunk(2, dim=-1)
             shared = self.shared_down.kernel(F.silu(gate) * up)
@@ -112,7 +235,13 @@ class SparseMoeBlock(torch.nn.Module):
         return residual + out
 
     def expert_bytes(self) -> int:
-        """Bytes of the weights this block holds outside the linear kernels: router, experts, and
-        the shared expert's gate (the shared expert itself is in its kernels)."""
+        """Bytes of the weights this block holds outside the linear kernels: router, experts (in
+        their kernels, for block-quantized ones), and the shared expert's gate (the shared expert
+        itself is in its kernels)."""
         params = (self.router, self.w13, self.w2, self.shared_expert_gate)
-        return sum(p.numel() * p.element_size() for p in params if p is not None)
+        held = sum(p.numel() * p.element_size() for p in params if p is not None)
+        if self.expert_kernels is not None:
+            held += sum(k.nbytes for kernels in self.expert_kernels for k in kernels)
+        if self.expert_blocks is not None:
+            held += sum(b.nbytes for parts in self.expert_blocks for b in parts)
+        return held

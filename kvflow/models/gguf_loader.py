@@ -1,18 +1,30 @@
-"""Load a llama-architecture GGUF checkpoint without going through transformers.
+"""Load a llama-architecture GGUF checkpoint -- a dense llama, or one of llama.cpp's Mixture-of-Experts
+architectures (`llama` with experts: Mixtral; `qwen2moe`, `qwen3moe`, `olmoe`) -- without going
+through transformers.
 
 `load_gguf(path)` returns what the engine needs to build a model: a config dict shaped like a
-Hugging Face `config.json` for `LlamaForCausalLM`, the weights under Hugging Face names as float32
-tensors, and a fast tokenizer rebuilt from the GGUF's tokenizer metadata. The result equals what
-`transformers` loads from the same file, but comes several times faster (no model instantiation,
-vectorised dequantisation in torch, a cheaper metadata parse). With `keep_blocks` the quantized
+Hugging Face `config.json` (`LlamaForCausalLM`, or the MoE family's), the weights under Hugging
+Face names as float32 tensors, and a fast tokenizer rebuilt from the GGUF's tokenizer metadata.
+The result equals what `transformers` loads from the same file (where it reads the file: not its
+MoE experts' widths), but comes several times faster (no model instantiation, vectorised
+dequantisation in torch, a cheaper metadata parse). With `keep_blocks` the quantized
 tensors stay in their block formats instead (`BlockQuantized`, run by the native block kernels:
 `--gguf-weights native`).
 
-Two things a GGUF does differently from a Hugging Face checkpoint:
+What a GGUF does differently from a Hugging Face checkpoint:
 
-* llama.cpp's converter permutes the rows of the Q and K projections so that each rotary pair is
-  interleaved (rows 2i, 2i+1) instead of split in halves (rows i, i + head_dim/2). `_unpermute_rows`
-  undoes it per head, so the weights work with the usual "rotate half" rotary embedding.
+* llama.cpp's converter permutes the rows of the Q and K projections of its `llama` architecture
+  (Mixtral included) so that each rotary pair is interleaved (rows 2i, 2i+1) instead of split in
+  halves (rows i, i + head_dim/2). `_unpermute_rows` undoes it per head, so the weights work with
+  the usual "rotate half" rotary embedding. (`qwen2moe`, `qwen3moe` and `olmoe` use llama.cpp's
+  NEOX rotary, which is HF's: their rows are stored as HF holds them.)
+* A MoE layer's experts are three 3-D tensors, `ffn_{gate,up,down}_exps` of GGUF dims
+  [inputs, outputs, experts] (numpy / torch [experts, outputs, inputs]: expert e's weight is the
+  e-th slice), beside the router `ffn_gate_inp` [experts, hidden] and Qwen2-MoE's shared expert
+  (`ffn_{gate,up,down}_shexp`, and `ffn_gate_inp_shexp`: the [hidden] row of its sigmoid gate).
+  They arrive as stacked tensors `mlp.experts.{gate,up,down}_proj` [E, out, in] (kvflow.models.moe
+  takes that layout); with `keep_blocks` a quantized one stays in its blocks, E x out rows of
+  them, each expert's rows a `BlockQuantized` of its own in the model.
 * The tokenizer is stored as metadata (tokens, merges, token types, special ids); it is rebuilt here
   with the `tokenizers` library the way transformers' GGUF converter does for byte-level BPE
   ("gpt2") vocabularies, wrapped by transformers once, and served as a `FastTokenizer` (same ids,
@@ -196,9 +208,8 @@ def _dequantize(data: np.ndarray, qtype: GGMLQuantizationType, hf_shape: tuple[i
 
 def _blocks(data: np.ndarray, qtype: GGMLQuantizationType, hf_shape: tuple[int, ...]) -> BlockQuantized:
     """A quantized tensor's bytes as rows of blocks (copied out of the file's mapping)."""
-    return BlockQuantized(
-        FORMATS[qtype.name], torch.from_numpy(np.array(data, dtype=np.uint8)).reshape(hf_shape[0], -1)
-    )
+    rows = math.prod(hf_shape[:-1])  # (a 3-D expert tensor: every expert's output channels, in order)
+    return BlockQuantized(FORMATS[qtype.name], torch.from_numpy(np.array(data, dtype=np.uint8)).reshape(rows, -1))
 
 
 def _unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -218,21 +229,51 @@ _LAYER_TENSORS = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # Mixture-of-Experts layers: the router, the stacked experts, Qwen2-MoE's shared expert
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# The 3-D expert tensors, [experts, out, in] as torch sees them: stacked names without ".weight"
+# (as transformers holds its own stacked experts), which kvflow.models.moe reads.
+_EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
 _LAYER_RE = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)")
+_OLD_EXPERT_RE = re.compile(r"blk\.\d+\.ffn_(gate|up|down)\.\d+\.weight")  # one 2-D tensor per expert
 _IGNORED_TENSORS = {"rope_freqs.weight"}
 
+# llama.cpp's Mixture-of-Experts architectures: the HF family each is, and whether llama.cpp
+# renormalises the top-k routing weights to sum to 1 (the `norm_w` its graph passes for the
+# architecture; a file's `{arch}.expert_weights_norm`, where written, says it instead). `llama`
+# with experts is Mixtral (always renormalised, as HF's Mixtral).
+_MOE_ARCHS: dict[str, tuple[str, str, bool]] = {
+    "llama": ("MixtralForCausalLM", "mixtral", True),
+    "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe", False),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe", True),
+    "olmoe": ("OlmoeForCausalLM", "olmoe", False),
+}
+SUPPORTED_ARCHS = tuple(_MOE_ARCHS)  # (`llama` dense or with experts)
+# Families whose Q/K rows llama.cpp permuted (its LLaMA rotary); the others use NEOX's, which is HF's.
+_PERMUTED_QK = ("LlamaForCausalLM", "MixtralForCausalLM")
+# Families that size an expert by `moe_intermediate_size` (their dense layers by `intermediate_size`).
+_QWEN_MOE = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
-def _build_config(path: str, meta: dict[str, Any], tensor_names: set[str], arch: str) -> dict[str, Any]:
+
+def _build_config(path: str, meta: dict[str, Any], dims: dict[str, list[int]], arch: str) -> dict[str, Any]:
+    """The HF-style config of the file's model; `dims`: each tensor's GGUF dims (innermost first)."""
+
     def key(name: str, default: Any = None, required: bool = False) -> Any:
         full = f"{arch}.{name}"
         if full not in meta:
@@ -241,6 +282,8 @@ def _build_config(path: str, meta: dict[str, Any], tensor_names: set[str], arch:
             return default
         return meta[full]
 
+    tensor_names = set(dims)
+    moe = _is_moe(meta, tensor_names, arch)
     hidden = int(key("embedding_length", required=True))
     n_head = int(key("attention.head_count", required=True))
     n_kv = key("attention.head_count_kv", n_head)
@@ -275,7 +318,7 @@ def _build_config(path: str, meta: dict[str, Any], tensor_names: set[str], arch:
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "hidden_size": hidden,
-        "intermediate_size": int(key("feed_forward_length", required=True)),
+        "intermediate_size": key("feed_forward_length", required=not moe),
         "num_hidden_layers": int(key("block_count", required=True)),
         "num_attention_heads": n_head,
         "num_key_value_heads": int(n_kv),
@@ -298,17 +341,85 @@ def _build_config(path: str, meta: dict[str, Any], tensor_names: set[str], arch:
         cfg["rope_scaling"] = scaling
     if cfg["vocab_size"] is None and "token_embd.weight" not in tensor_names:
         raise ValueError(f"{path}: cannot tell the vocabulary size (no vocab_size, tokens or embedding)")
+    if moe:
+        _add_experts(path, cfg, key, dims, arch)
+    else:
+        cfg["intermediate_size"] = int(cfg["intermediate_size"])
     return cfg
+
+
+def _is_moe(meta: dict[str, Any], tensor_names: set[str], arch: str) -> bool:
+    """A Mixture-of-Experts file: an expert count, expert tensors, or a MoE-only architecture."""
+    return bool(
+        meta.get(f"{arch}.expert_count")
+        or arch in ("qwen2moe", "qwen3moe", "olmoe")
+        or any("_exps." in n or ".ffn_gate_inp." in n for n in tensor_names)
+    )
+
+
+def _add_experts(path: str, cfg: dict[str, Any], key, dims: dict[str, list[int]], arch: str) -> None:
+    """The MoE family's keys, as its HF config names them (kvflow.config.model reads them): the
+    experts' count, top-k and width, the renormalisation, the shared expert, the dense layers.
+
+    A layer routes when it has a router (`ffn_gate_inp`); the others are dense MLP layers
+    (`mlp_only_layers`, Qwen2/3-MoE only: Mixtral and OLMoE route in every layer). Widths come from
+    the metadata, else from the tensors' own shapes."""
+    hf_arch, model_type, norm_default = _MOE_ARCHS[arch]
+    layers = cfg["num_hidden_layers"]
+    sparse = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" in dims]
+    if not sparse:
+        raise ValueError(f"{path}: a Mixture-of-Experts GGUF ({arch}) without any router (ffn_gate_inp) tensor")
+    dense = [i for i in range(layers) if i not in sparse]
+    if dense and hf_arch not in _QWEN_MOE:
+        raise ValueError(f"{path}: layers {dense[:5]} have no router (ffn_gate_inp); {hf_arch} routes in every layer")
+    experts, top_k = key("expert_count"), key("expert_used_count", required=True)
+    gate = dims.get(f"blk.{sparse[0]}.ffn_gate_exps.weight")  # [hidden, width, experts]
+    if experts is None:
+        if gate is None or len(gate) != 3:
+            raise ValueError(f"{path}: GGUF metadata lacks {arch}.expert_count")
+        experts = gate[2]
+    width = key("expert_feed_forward_length")
+    if width is None:
+        width = gate[1] if gate is not None and len(gate) == 3 else cfg["intermediate_size"]
+    if width is None:
+        raise ValueError(f"{path}: cannot tell the experts' width (no {arch}.expert_feed_forward_length)")
+    norm = key("expert_weights_norm")
+    cfg.update(
+        architectures=[hf_arch],
+        model_type=model_type,
+        num_experts=int(experts),
+        num_experts_per_tok=int(top_k),
+        norm_topk_prob=bool(norm_default if norm is None else norm),
+    )
+    if hf_arch in _QWEN_MOE:
+        cfg["moe_intermediate_size"] = int(width)
+        cfg["intermediate_size"] = int(cfg["intermediate_size"] if cfg["intermediate_size"] is not None else width)
+        cfg["mlp_only_layers"] = dense
+        cfg["decoder_sparse_step"] = 1
+    else:
+        cfg["intermediate_size"] = int(width)
+    if hf_arch == "Qwen2MoeForCausalLM":
+        cfg["qkv_bias"] = cfg["attention_bias"]
+        shared = key("expert_shared_feed_forward_length")
+        shared_gate = dims.get(f"blk.{sparse[0]}.ffn_gate_shexp.weight")
+        if shared is None and shared_gate is not None:
+            shared = shared_gate[1]
+        cfg["shared_expert_intermediate_size"] = int(shared or 0) if shared_gate is not None else 0
+    if hf_arch == "OlmoeForCausalLM":
+        clamp = key("attention.clamp_kqv")
+        cfg["clip_qkv"] = None if clamp is None else float(clamp)
 
 
 def _hf_name(gguf_name: str, n_layers: int) -> str | None:
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
     m = _LAYER_RE.fullmatch(gguf_name)
-    if m is None or m.group(2) not in _LAYER_TENSORS or int(m.group(1)) >= n_layers:
+    if m is None or int(m.group(1)) >= n_layers:
         return None
     layer, part, kind = m.groups()
-    if kind == "bias" and part not in ("attn_q", "attn_k", "attn_v"):
+    if part in _EXPERT_TENSORS:
+        return f"model.layers.{layer}.mlp.experts.{_EXPERT_TENSORS[part]}" if kind == "weight" else None
+    if part not in _LAYER_TENSORS or (kind == "bias" and part not in ("attn_q", "attn_k", "attn_v")):
         return None
     return f"model.layers.{layer}.{_LAYER_TENSORS[part]}.{kind}"
 
@@ -316,18 +427,45 @@ def _hf_name(gguf_name: str, n_layers: int) -> str | None:
 def _expected_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     h, f, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
     q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
-    per_layer = {
+    arch = cfg["architectures"][0]
+    attention = {
         "input_layernorm.weight": (h,),
         "post_attention_layernorm.weight": (h,),
         "self_attn.q_proj.weight": (q, h),
         "self_attn.k_proj.weight": (kv, h),
         "self_attn.v_proj.weight": (kv, h),
         "self_attn.o_proj.weight": (h, q),
-        "mlp.gate_proj.weight": (f, h),
-        "mlp.up_proj.weight": (f, h),
-        "mlp.down_proj.weight": (h, f),
     }
-    shapes = {f"model.layers.{i}.{k}": v for i in range(cfg["num_hidden_layers"]) for k, v in per_layer.items()}
+    if arch == "Qwen3MoeForCausalLM":  # q/k norms per head
+        attention.update({"self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)})
+    elif arch == "OlmoeForCausalLM":  # q/k norms over the whole projections
+        attention.update({"self_attn.q_norm.weight": (q,), "self_attn.k_norm.weight": (kv,)})
+    dense = {"mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f)}
+    routed = dense
+    if "num_experts" in cfg:
+        e, w = cfg["num_experts"], cfg.get("moe_intermediate_size", f)
+        routed = {
+            "mlp.gate.weight": (e, h),
+            "mlp.experts.gate_proj": (e, w, h),
+            "mlp.experts.up_proj": (e, w, h),
+            "mlp.experts.down_proj": (e, h, w),
+        }
+        s = cfg.get("shared_expert_intermediate_size", 0)
+        if s:
+            routed.update(
+                {
+                    "mlp.shared_expert.gate_proj.weight": (s, h),
+                    "mlp.shared_expert.up_proj.weight": (s, h),
+                    "mlp.shared_expert.down_proj.weight": (h, s),
+                    "mlp.shared_expert_gate.weight": (1, h),
+                }
+            )
+    dense_layers = set(cfg.get("mlp_only_layers", ())) if "num_experts" in cfg else set(range(cfg["num_hidden_layers"]))
+    shapes = {
+        f"model.layers.{i}.{k}": v
+        for i in range(cfg["num_hidden_layers"])
+        for k, v in {**attention, **(dense if i in dense_layers else routed)}.items()
+    }
     shapes["model.norm.weight"] = (h,)
     shapes["model.embed_tokens.weight"] = (cfg["vocab_size"], h)
     if not cfg["tie_word_embeddings"]:
@@ -338,6 +476,14 @@ def _expected_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
             shapes[f"model.layers.{i}.self_attn.k_proj.bias"] = (kv,)
             shapes[f"model.layers.{i}.self_attn.v_proj.bias"] = (kv,)
     return shapes
+
+
+def _same_shape(stored: tuple[int, ...], expected: tuple[int, ...]) -> bool:
+    """`stored` is `expected`, up to leading 1s: llama.cpp stores Qwen2-MoE's shared-expert gate
+    [1, hidden] as its [hidden] row (older converters squeezed it)."""
+    return stored == expected or (
+        math.prod(stored) == math.prod(expected) and expected[0] == 1 and stored == expected[1:]
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -490,7 +636,8 @@ def _build_tokenizer(path: str, meta: dict[str, Any]):
 def load_gguf(path: str | os.PathLike, with_tokenizer: bool = True, keep_blocks: bool = False) -> GGUFCheckpoint:
     """Load a llama GGUF: HF-style config, float32 weights under HF names, and its tokenizer
     (None without `with_tokenizer`: a tensor-parallel worker needs only its weights).
-    `keep_blocks`: quantized 2-D tensors as `BlockQuantized` (their bytes as stored), not float32.
+    `keep_blocks`: quantized 2-D and 3-D tensors as `BlockQuantized` (their bytes as stored, one row
+    of blocks per output channel: a 3-D expert tensor's E x out rows), not float32.
     What the metadata gives (config, tokenizer, tensor places) comes from the kvflow cache when this
     file was loaded before (`gguf_cache`); the weights are always read from the file."""
     path = os.fspath(path)
@@ -506,6 +653,7 @@ def load_gguf(path: str | os.PathLike, with_tokenizer: bool = True, keep_blocks:
     buf = np.memmap(path, dtype=np.uint8, mode="c").view(np.ndarray)
     cfg = index.hf_config
     n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    permuted = cfg["architectures"][0] in _PERMUTED_QK
     expected = _expected_shapes(cfg)
     tensors: dict[str, torch.Tensor | BlockQuantized] = {}
     # The ops here are memory-bound and small; torch's intra-op thread pool gains nothing on them and,
@@ -521,33 +669,20 @@ def load_gguf(path: str | os.PathLike, with_tokenizer: bool = True, keep_blocks:
             data = data.reshape(place.shape)
             shape = expected[hf]
             try:
-                quantized = place.qtype in FORMATS and len(shape) == 2
+                quantized = place.qtype in FORMATS and len(shape) >= 2
                 w = _blocks(data, qtype, shape) if keep_blocks and quantized else _dequantize(data, qtype, shape)
             except (RuntimeError, ValueError) as e:
                 raise ValueError(f"{path}: cannot decode tensor {hf!r} ({place.qtype}): {e}") from e
             rows = w.data if isinstance(w, BlockQuantized) else w  # the permutation moves whole rows
-            if ".q_proj." in hf:
+            if permuted and ".q_proj." in hf:
                 rows = _unpermute_rows(rows, n_head)
-            elif ".k_proj." in hf:
+            elif permuted and ".k_proj." in hf:
                 rows = _unpermute_rows(rows, n_kv)
             w = w.with_rows(rows) if isinstance(w, BlockQuantized) else rows
             tensors[hf] = w
     finally:
         torch.set_num_threads(threads)
     return GGUFCheckpoint(hf_config=cfg, tensors=tensors, tokenizer=tokenizer, name=index.name)
-
-
-def _refuse_moe(path: str, meta: dict[str, Any], arch: Any, tensors: list) -> None:
-    """A Mixture-of-Experts GGUF -- llama.cpp's experts as 3-D `ffn_{gate,up,down}_exps` tensors
-    (or older per-expert ones) with the router `ffn_gate_inp`, an `{arch}.expert_count`, or a MoE
-    architecture -- is not read yet: say so, rather than "unexpected tensor"."""
-    expert_tensors = [t.name for t in tensors if "_exps." in t.name or ".ffn_gate_inp." in t.name]
-    if expert_tensors or meta.get(f"{arch}.expert_count") or arch in ("qwen2moe", "qwen3moe", "olmoe"):
-        what = expert_tensors[0] if expert_tensors else f"architecture {arch!r}"
-        raise ValueError(
-            f"{path}: a Mixture-of-Experts GGUF ({what}) is not supported yet; load the model's HF "
-            f"safetensors folder instead (Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE run from there)"
-        )
 
 
 def _index(path: str, with_tokenizer: bool) -> gguf_cache.GGUFIndex:
@@ -560,12 +695,20 @@ def _index(path: str, with_tokenizer: bool) -> gguf_cache.GGUFIndex:
     except (UnicodeDecodeError, ValueError, IndexError, TypeError, KeyError) as e:
         raise ValueError(f"{path}: corrupt GGUF metadata: {e}") from e
     arch = meta.get("general.architecture")
-    _refuse_moe(path, meta, arch, reader.tensors)
-    if arch != "llama":
-        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported; only 'llama' is supported")
+    if arch not in SUPPORTED_ARCHS:
+        raise ValueError(
+            f"{path}: GGUF architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHS)} "
+            "(llama dense or with experts, and the Mixture-of-Experts qwen2moe, qwen3moe and olmoe)"
+        )
 
     by_name = {t.name: t for t in reader.tensors}
-    cfg = _build_config(path, meta, set(by_name), arch)
+    old_experts = next((n for n in by_name if _OLD_EXPERT_RE.fullmatch(n)), None)
+    if old_experts is not None:
+        raise ValueError(
+            f"{path}: tensor {old_experts!r} is one expert of llama.cpp's old per-expert layout; kvflow reads "
+            "the 3-D ffn_{gate,up,down}_exps tensors llama.cpp has written since 2024: convert the model again"
+        )
+    cfg = _build_config(path, meta, {t.name: [int(d) for d in t.shape] for t in reader.tensors}, arch)
     if cfg["vocab_size"] is None:
         cfg["vocab_size"] = int(by_name["token_embd.weight"].shape[-1])  # GGUF dims are [hidden, vocab]
 
@@ -577,14 +720,17 @@ def _index(path: str, with_tokenizer: bool) -> gguf_cache.GGUFIndex:
             continue
         hf = _hf_name(t.name, cfg["num_hidden_layers"])
         if hf is None or hf not in expected:
-            raise ValueError(f"{path}: unexpected tensor {t.name!r} for a llama model (not a dense llama GGUF?)")
+            raise ValueError(
+                f"{path}: unexpected tensor {t.name!r} for a {cfg['architectures'][0]} model "
+                f"(from GGUF architecture {arch!r})"
+            )
         if t.tensor_type not in SUPPORTED_TYPES:
             raise ValueError(
                 f"{path}: tensor {t.name!r} has type {t.tensor_type.name}, which kvflow cannot dequantize; "
                 f"supported types: {_SUPPORTED_NAMES}"
             )
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        if shape != expected[hf]:
+        if not _same_shape(shape, expected[hf]):
             raise ValueError(
                 f"{path}: tensor {t.name!r} has shape {list(shape)}, expected {list(expected[hf])} "
                 f"for {hf} from the GGUF metadata"

@@ -5,9 +5,18 @@ These families are the Llama decoder (kvflow.models.llama) with a routed feed-fo
 `ModelConfig` (its `moe` and the q/k norm fields), not code here. A layer that does not route
 (Qwen2/3-MoE's `decoder_sparse_step`, `mlp_only_layers`) is the dense `DecoderLayer` itself.
 
+A GGUF's experts (kvflow.models.gguf_loader) arrive stacked, `experts.{gate,up,down}_proj`
+[E, out, in]: float ones are copied into the stacked weights, quantized ones (kept as stored) become
+each expert's block-quantized weights, run by the block kernels.
+
+The model records its routing when asked (`set_routing_stats`, `start_routing_capture`): tokens
+per layer and expert and the load imbalance for the metrics, the experts of a step's rows for
+expert traces (kvflow.layers.moe.RoutingRecorder); the model knows no requests, the runner reads
+what it needs.
+
 Not there yet, refused where they would be asked for: tensor parallelism (kvflow.distributed),
-int8 / int4 weights (`check_options`), GGUF MoE files (kvflow.models.gguf_loader), and the native
-decode pass (kvflow.models.decode_pass: MoE models take the per-layer path).
+int8 / int4 weights (`check_options`), and the native decode pass (kvflow.models.decode_pass: MoE
+models take the per-layer path).
 """
 
 from __future__ import annotations
@@ -20,9 +29,13 @@ from kvflow.attention.backend import AttentionBackend, AttentionMetadata, LayerK
 from kvflow.config import ModelConfig
 from kvflow.distributed.parallel import TPGroup
 from kvflow.layers.linear import Linear
-from kvflow.layers.moe import SparseMoeBlock
+from kvflow.layers.linear_kernels import KernelPlan
+from kvflow.layers.moe import MoeRoutingStats, RoutingRecorder, SparseMoeBlock
 from kvflow.models.llama import DecoderLayer, LlamaForCausalLM
 from kvflow.quantization.gguf_blocks import BlockQuantized
+
+# What `set_routing_stats` takes (the engine's --moe-expert-metrics).
+ROUTING_STATS_MODES = ("off", "per_layer", "per_expert")
 
 # A MoE layer's feed-forward weights: Mixtral's hub checkpoints name the block `block_sparse_moe`,
 # the others (and transformers' own modules) `mlp`.
@@ -31,6 +44,8 @@ _FFN_KEY = re.compile(r"layers\.(\d+)\.(?:mlp|block_sparse_moe)\.(.+)")
 # Mixtral's w1 / w3 / w2, the others' gate_proj / up_proj / down_proj.
 _EXPERT_KEY = re.compile(r"experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight")
 _EXPERT_PART = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
+# One projection of every expert, stacked [E, out, in] (GGUF's 3-D tensors; transformers' down_proj).
+_STACKED_KEY = re.compile(r"experts\.(gate_proj|up_proj|down_proj)")
 
 
 def check_options(cfg: ModelConfig, quantization: str | None) -> None:
@@ -82,6 +97,12 @@ class MoeForCausalLM(LlamaForCausalLM):
         super().__init__(cfg, attention, max_positions, dtype, device, tp)
         # Per MoE layer, the parts of its stacked weights read so far (see _load_family_weight).
         self._parts: dict[int, _LayerParts] = {}
+        self.moe_blocks = [layer.moe for layer in self.layers if isinstance(layer, MoeDecoderLayer)]
+        for slot, block in enumerate(self.moe_blocks):
+            block.slot = slot
+        self.moe_layers = [i for i, layer in enumerate(self.layers) if isinstance(layer, MoeDecoderLayer)]
+        self._recorder = RoutingRecorder(self.moe_layers, cfg.moe.num_experts, cfg.moe.num_experts_per_tok, device)
+        self._stats_mode = "off"
 
     def _decoder_layer(
         self, index: int, cfg: ModelConfig, attention: AttentionBackend, dtype: torch.dtype, device: torch.device
@@ -100,18 +121,74 @@ class MoeForCausalLM(LlamaForCausalLM):
         return list(dict.fromkeys([*per_layer, *linears, (self.cfg.vocab_size, self.cfg.hidden_size)])), per_layer
 
     def weight_bytes(self) -> int:
-        return super().weight_bytes() + sum(m.expert_bytes() for m in self.modules() if isinstance(m, SparseMoeBlock))
+        return super().weight_bytes() + sum(m.expert_bytes() for m in self.moe_blocks)
+
+    def prepare(self, backend: str, plan: KernelPlan | None = None) -> None:
+        super().prepare(backend, plan)
+        for block in self.moe_blocks:  # block-quantized experts onto their kernels
+            block.prepare(backend)
+
+    @property
+    def has_block_weights(self) -> bool:
+        return super().has_block_weights or any(b.expert_blocks is not None for b in self.moe_blocks)
+
+    @property
+    def experts_on_blocks(self) -> bool:
+        """Whether (some layer's) experts run on block kernels (a GGUF's quantized experts)."""
+        return any(b.expert_kernels is not None or b.expert_blocks is not None for b in self.moe_blocks)
+
+    # ---- routing telemetry ---------------------------------------------------------------------
+    def set_routing_stats(self, mode: str) -> None:
+        """Count tokens per layer and expert and the load imbalance (`per_layer`, `per_expert`: what
+        `routing_stats` reports), or nothing (`off`: no per-step work at all)."""
+        if mode not in ROUTING_STATS_MODES:
+            raise ValueError(f"routing stats mode must be one of {ROUTING_STATS_MODES}, got {mode!r}")
+        self._stats_mode = mode
+        self._recorder.counting = mode != "off"
+        self._attach_recorder()
+
+    def routing_stats(self) -> MoeRoutingStats | None:
+        """The counts so far (None when off)."""
+        if self._stats_mode == "off":
+            return None
+        return self._recorder.snapshot(per_expert=self._stats_mode == "per_expert")
+
+    def start_routing_capture(self) -> None:
+        """Keep the experts every row of the next forward pass chooses (see take_routing_capture)."""
+        self._recorder.capture = [None] * len(self.moe_blocks)
+        self._attach_recorder()
+
+    def take_routing_capture(self) -> torch.Tensor | None:
+        """The experts of every row of the forward pass since start_routing_capture: int64
+        [MoE layers, rows, k] (layer i is decoder layer `moe_layers[i]`), or None if no pass
+        completed; the capture ends either way."""
+        captured, self._recorder.capture = self._recorder.capture, None
+        self._attach_recorder()
+        if captured is None or any(c is None for c in captured):
+            return None
+        return torch.stack(captured)
+
+    def _attach_recorder(self) -> None:
+        """The layers see the recorder only while it records something (counting or a capture)."""
+        rec = self._recorder
+        active = rec if rec.counting or rec.capture is not None else None
+        for block in self.moe_blocks:
+            block.recorder = active
 
     # ---- weights ---------------------------------------------------------------------------
-    def _load_family_weight(self, name: str, tensor: torch.Tensor, loaded: set[str]) -> bool:
+    def _load_family_weight(self, name: str, tensor: torch.Tensor | BlockQuantized, loaded: set[str]) -> bool:
         """A routed layer's feed-forward weight, in any of the layouts HF checkpoints use:
 
         * per expert: `experts.{e}.w1/w3/w2.weight` (Mixtral) or `experts.{e}.gate_proj/up_proj/
           down_proj.weight` (the others; what transformers 5's save_pretrained writes too);
         * stacked, as transformers 5 holds them in memory: `experts.gate_up_proj` [E, 2I, H] (gate
           rows then up rows) and `experts.down_proj` [E, H, I];
+        * stacked per projection, as a GGUF stores them (kvflow.models.gguf_loader):
+          `experts.gate_proj` / `experts.up_proj` [E, I, H] and `experts.down_proj` [E, H, I], in
+          float or block-quantized (`BlockQuantized` of E x out rows: each expert's slice becomes
+          its own block-quantized weight, when all three are);
         * the router `gate.weight` [E, H]; Qwen2-MoE's `shared_expert.{gate,up,down}_proj.weight`
-          and `shared_expert_gate.weight` [1, H].
+          (float or blocks, on the linear kernels) and `shared_expert_gate.weight` [1, H].
 
         Dense layers' MLP weights are left to the Llama names."""
         m = _FFN_KEY.fullmatch(name)
@@ -121,11 +198,16 @@ class MoeForCausalLM(LlamaForCausalLM):
         layer = self.layers[index] if index < len(self.layers) else None
         if not isinstance(layer, MoeDecoderLayer):
             return False
-        if isinstance(tensor, BlockQuantized):
-            raise ValueError(f"checkpoint has a block-quantized expert weight {name!r}; MoE weights load in float")
         block, parts = layer.moe, self._parts.setdefault(index, _LayerParts())
+        if isinstance(tensor, BlockQuantized):
+            if key in ("gate.weight", "shared_expert_gate.weight"):
+                tensor = tensor.dequantize()  # the router and the shared gate run in float, as HF's
+            elif _STACKED_KEY.fullmatch(key) is None and not key.startswith("shared_expert."):
+                raise ValueError(
+                    f"checkpoint has a block-quantized expert weight {name!r} in a layout kvflow cannot run"
+                )
         prefix = f"layers.{index}.moe."
-        experts, inter = block.w13.shape[0], block.w2.shape[2]
+        experts, inter = block.num_experts, block.inter
         expert = _EXPERT_KEY.fullmatch(key)
         if expert is not None:
             e, part = int(expert.group(1)), _EXPERT_PART[expert.group(2)]
@@ -137,26 +219,44 @@ class MoeForCausalLM(LlamaForCausalLM):
         elif key == "experts.gate_up_proj":
             _copy_into(name, block.w13, tensor)
             parts.gate_up.update((e, p) for e in range(experts) for p in ("gate", "up"))
-        elif key == "experts.down_proj":
-            _copy_into(name, block.w2, tensor)
-            parts.down.update((e, "down") for e in range(experts))
+        elif _STACKED_KEY.fullmatch(key) is not None:
+            # One projection of every expert, [E, out, in] (a GGUF's ffn_{gate,up,down}_exps; the
+            # down one is transformers' experts.down_proj as well): float ones are copied now,
+            # block-quantized ones wait for the other two (`_resolve_expert_blocks`).
+            part = _EXPERT_PART[key.removeprefix("experts.")]
+            if isinstance(tensor, BlockQuantized):
+                parts.blocks[part] = (name, tensor)
+            else:
+                dst = {"gate": block.w13[:, :inter], "up": block.w13[:, inter:], "down": block.w2}[part]
+                _copy_into(name, dst, tensor)
+            (parts.down if part == "down" else parts.gate_up).update((e, part) for e in range(experts))
+            if parts.blocks and len(parts.gate_up) == 2 * experts and len(parts.down) == experts:
+                _resolve_expert_blocks(block, parts)
         elif key == "gate.weight":
             _copy_into(name, block.router, tensor)
             loaded.add(prefix + "router")
         elif key == "shared_expert_gate.weight" and block.shared_expert_gate is not None:
-            _copy_into(name, block.shared_expert_gate, tensor)
+            _copy_into(name, block.shared_expert_gate, tensor.reshape(block.shared_expert_gate.shape))
             loaded.add(prefix + "shared_expert_gate")
         elif (
             key in ("shared_expert.gate_proj.weight", "shared_expert.up_proj.weight") and block.shared_down is not None
         ):
-            # (fused into one projection, as the dense layers' gate and up)
-            rows, w = block.shared_down.in_features, block.shared_gate_up.weight
-            _copy_into(name, w[:rows] if key.startswith("shared_expert.gate") else w[rows:], tensor)
-            parts.shared.add(key)
+            # (fused into one projection, as the dense layers' gate and up; in blocks if both are)
+            parts.shared[key] = tensor
             if len(parts.shared) == 2:
+                gate, up = parts.shared["shared_expert.gate_proj.weight"], parts.shared["shared_expert.up_proj.weight"]
+                if isinstance(gate, BlockQuantized) and isinstance(up, BlockQuantized):
+                    block.shared_gate_up.load_blocks([gate, up])
+                else:
+                    rows, w = block.shared_down.in_features, block.shared_gate_up.weight
+                    _copy_into(name, w[:rows], _float(gate))
+                    _copy_into(name, w[rows:], _float(up))
                 loaded.add(prefix + "shared_gate_up.weight")
         elif key == "shared_expert.down_proj.weight" and block.shared_down is not None:
-            _copy_into(name, block.shared_down.weight, tensor)
+            if isinstance(tensor, BlockQuantized):
+                block.shared_down.load_blocks([tensor])
+            else:
+                _copy_into(name, block.shared_down.weight, tensor)
             loaded.add(prefix + "shared_down.weight")
         else:
             raise ValueError(f"checkpoint has an unexpected weight {name!r} for a Mixture-of-Experts layer")
@@ -174,7 +274,27 @@ class _LayerParts:
     def __init__(self) -> None:
         self.gate_up: set[tuple[int, str]] = set()  # (expert, "gate" | "up")
         self.down: set[tuple[int, str]] = set()  # (expert, "down")
-        self.shared: set[str] = set()  # the shared expert's gate and up weights
+        # block-quantized stacked projections waiting for the others: part -> (name, blocks)
+        self.blocks: dict[str, tuple[str, BlockQuantized]] = {}
+        self.shared: dict[str, torch.Tensor | BlockQuantized] = {}  # the shared expert's gate and up
+
+
+def _resolve_expert_blocks(block: SparseMoeBlock, parts: _LayerParts) -> None:
+    """Every expert projection of a layer has come, some in blocks: all three in blocks, the
+    experts run on them (each expert's slice its own weight); otherwise the block ones are
+    dequantized into the stacked float weights beside the float ones."""
+    if len(parts.blocks) == 3:
+        block.load_expert_blocks(*(parts.blocks[p][1] for p in ("gate", "up", "down")))
+    else:
+        inter = block.inter
+        for part, (name, blocks) in parts.blocks.items():
+            dst = {"gate": block.w13[:, :inter], "up": block.w13[:, inter:], "down": block.w2}[part]
+            _copy_into(name, dst, blocks.dequantize().reshape(-1, *dst.shape[1:]))
+    parts.blocks = {}
+
+
+def _float(t: torch.Tensor | BlockQuantized) -> torch.Tensor:
+    return t.dequantize() if isinstance(t, BlockQuantized) else t
 
 
 def _copy_into(name: str, dst: torch.Tensor, tensor: torch.Tensor) -> None:

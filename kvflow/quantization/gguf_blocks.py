@@ -62,6 +62,14 @@ class BlockQuantized:
     def with_rows(self, data: torch.Tensor) -> BlockQuantized:
         return BlockQuantized(self.format, data)
 
+    def split_rows(self, n: int) -> list[BlockQuantized]:
+        """`n` weights of rows / n channels each (views, no copy): a 3-D expert tensor's rows,
+        expert by expert."""
+        rows = self.data.shape[0]
+        if n < 1 or rows % n:
+            raise ValueError(f"cannot split {rows} rows of {self.format.name} blocks into {n} equal parts")
+        return [self.with_rows(part) for part in self.data.split(rows // n)]
+
     def dequantize(self) -> torch.Tensor:
         return dequantize_rows(self.format, self.data)
 

@@ -3,7 +3,8 @@ policy (`policies.py`): `pd` (prefill/decode disaggregation), or over data-paral
 `round_robin`, `least_loaded` or `cache_aware` (prefix affinity, `prefix_tree.py`).
 
 The modules, each importing only those before it:
-- `pd` (the prefill/decode protocol), `prefix_tree`, `metrics` (the router's own counters);
+- `pd` (the prefill/decode protocol), `prefix_tree`, `kv_view` (a replica's cache from its KV
+  events, `--router-kv-events`), `metrics` (the router's own counters);
 - `policies` (the registry; built from plain `PolicyOptions`), `config` (`RouterConfig`, the flags
   checked), `app` (the HTTP proxy);
 - the replicas of `kvflow serve --data-parallel-size N`: `replica` (the `Replica` protocol and its
@@ -37,6 +38,7 @@ _EXPORTS = {
     "DATA_PARALLEL_POLICIES": "policies",
     "PolicyOptions": "policies",
     "PrefixTree": "prefix_tree",
+    "ReplicaKVView": "kv_view",
     "prompt_texts": "prefix_tree",
     "Replica": "replica",
     "ReplicaSpec": "replica",

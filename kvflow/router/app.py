@@ -23,7 +23,10 @@ Failures:
 
 Background tasks (data-parallel policies): every --health-interval-s each replica's /health is
 probed (a failure takes it out of rotation, a pass puts it back); with least_loaded / cache_aware,
-every --load-poll-s each healthy replica's /metrics is scraped for its load (`Backend.load`).
+every --load-poll-s each healthy replica's /metrics is scraped for its load (`Backend.load`). With
+--router-kv-events, one task per replica follows its KV event stream (`kvflow.kv_events.subscriber`)
+into the policy's view of its cache (`kv_view.py`), and a request's prompts are tokenized by a
+replica's /tokenize before the policy routes it (a failure: routed by its text).
 
 Only the router's own modules and the web stack are imported: no torch, no engine.
 """
@@ -50,12 +53,17 @@ from starlette.types import Receive, Scope, Send
 from kvflow.entrypoints.disconnect import ClientDisconnected, run_until_disconnect
 from kvflow.router import metrics as m
 from kvflow.router.config import RouterConfig
+from kvflow.router.kv_view import tokenize_requests
 from kvflow.router.metrics import RouterMetrics
 from kvflow.router.pd import CHAT_PATH, COMPLETIONS_PATH, decode_body, encode_body, prefill_body
 from kvflow.router.policies import Backend, Route, RouteRequest, RoutingPolicy, make_policy
 from kvflow.utils.prometheus import parse_prometheus
 
 logger = logging.getLogger("kvflow.router")
+
+# A replica's /tokenize answer, for routing by KV events, is waited for this long at most (then the
+# request is routed by its text).
+TOKENIZE_TIMEOUT_S = 2.0
 
 # Client headers the engines need; the rest (host, content-length, hop-by-hop) are the router's.
 _FORWARDED_HEADERS = ("authorization",)
@@ -102,6 +110,9 @@ class Router:
         self.config = config
         self.policy = policy if policy is not None else make_policy(config.policy, config.policy_options())
         self.metrics = RouterMetrics()
+        for b in self.policy.backends():
+            # each backend's series from the start, at 0: a Prometheus rate() counts its first requests
+            self.metrics.requests.labels(b.url, b.role)
         self.client = httpx.AsyncClient(
             # read: the longest silence between bytes (a stream's next token, a prefill's answer)
             timeout=httpx.Timeout(config.timeout_s, connect=config.connect_timeout_s),
@@ -114,6 +125,7 @@ class Router:
             transport=transport,
         )
         self._tasks: list[asyncio.Task] = []
+        self._tokenize_turn = 0  # --router-kv-events: replicas take turns tokenizing prompts
         # Bumped whenever a backend's health is set: a probe that began before a request saw the
         # backend refuse connections must not put it back with its stale answer.
         self._health_epoch: dict[Backend, int] = dict.fromkeys(self.policy.backends(), 0)
@@ -126,6 +138,43 @@ class Router:
             self._tasks.append(asyncio.create_task(self._health_loop(), name="kvflow-router-health"))
         if self.policy.uses_load:
             self._tasks.append(asyncio.create_task(self._load_loop(), name="kvflow-router-load"))
+        self._start_kv_event_subscribers()
+
+    def _start_kv_event_subscribers(self) -> None:
+        endpoints = self.config.kv_event_endpoints()
+        if not endpoints:
+            return
+        from kvflow.kv_events.subscriber import KVEventSubscriber
+
+        for backend, (pub, replay) in zip(self.policy.backends(), endpoints):
+            view = self.policy.kv_view(backend)
+            if view is None:
+                continue
+            counters = {
+                "batches": self.metrics.kv_event_batches.labels(backend.url),
+                "replays": self.metrics.kv_event_replays.labels(backend.url),
+                "lost": self.metrics.kv_event_lost.labels(backend.url),
+            }
+
+            def on_stat(kind: str, n: int, counters=counters) -> None:
+                if kind in counters:
+                    counters[kind].inc(n)
+
+            sub = KVEventSubscriber(pub, view, replay, name=f"{backend.url} ({pub})", on_stat=on_stat)
+            self._tasks.append(asyncio.create_task(self._follow(sub), name=f"kvflow-router-kv-events-{backend.url}"))
+            logger.info("following the KV events of %s at %s (replay: %s)", backend.url, pub, replay or "none")
+
+    async def _follow(self, sub) -> None:
+        """Run one replica's event subscriber; should it fail, start it again (its view is reset)."""
+        while True:
+            try:
+                await sub.run()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("KV events of %s: the subscriber failed; starting it again", sub.name)
+                sub.consumer.reset()
+                await asyncio.sleep(1.0)
 
     async def aclose(self) -> None:
         for task in self._tasks:
@@ -147,6 +196,10 @@ class Router:
             # the same a client of a plain server gets.
             return (await self._relay(request, self.policy.primary(), path, raw, headers, started)).response
         route_request = RouteRequest(path, body)
+        if self.policy.wants_token_ids(route_request):
+            ids = await self._prompt_token_ids(path, body, headers)
+            if ids is not None:
+                route_request = RouteRequest(path, body, ids)
         route = self.policy.route(route_request)
         self._record_route(route)
         content = raw
@@ -172,6 +225,42 @@ class Router:
                 )
                 attempt = await self._relay(request, retry.target, path, content, headers, started)
         return attempt.response
+
+    async def _prompt_token_ids(
+        self, path: str, body: dict[str, Any], headers: dict[str, str]
+    ) -> list[list[int]] | None:
+        """The token ids of each prompt of the request as the engines will compute them (token-id
+        prompts as given, the others from a healthy replica's /tokenize, replicas taken in turn);
+        None when the router cannot get them all (the policy then routes by the prompt's text)."""
+        plan = tokenize_requests(path, body)
+        if plan is None:
+            return None
+        calls = [p for p in plan if isinstance(p, dict)]
+        if not calls:
+            return plan  # type: ignore[return-value]
+        healthy = [b for b in self.policy.backends() if b.healthy] or self.policy.backends()
+        self._tokenize_turn += 1
+        url = healthy[self._tokenize_turn % len(healthy)].url + "/tokenize"
+
+        async def tokenize(payload: dict[str, Any]) -> list[int] | None:
+            try:
+                resp = await self.client.post(
+                    url,
+                    json={k: v for k, v in payload.items() if v is not None},
+                    headers=headers,
+                    timeout=TOKENIZE_TIMEOUT_S,
+                )
+                tokens = resp.json().get("tokens") if resp.status_code == 200 else None
+            except (httpx.HTTPError, ValueError, AttributeError):
+                tokens = None
+            return tokens if isinstance(tokens, list) and all(isinstance(t, int) for t in tokens) else None
+
+        answers = iter(await asyncio.gather(*(tokenize(p) for p in calls)))
+        out = [next(answers) if isinstance(p, dict) else p for p in plan]
+        if any(ids is None for ids in out):
+            self.metrics.tokenize_failures.inc()
+            return None
+        return out  # type: ignore[return-value]
 
     def _record_route(self, route: Route) -> None:
         if route.cache_hit is not None:
@@ -345,6 +434,16 @@ class Router:
             except Exception:
                 logger.exception("load scrape failed")
             await asyncio.sleep(self.config.load_poll_s)
+
+    def update_view_gauges(self) -> None:
+        """kvflow_router:kv_view_blocks from the policy's views of the replicas' caches."""
+        from kvflow.kv_events.events import MEDIA
+
+        for b in self.policy.backends():
+            view = self.policy.kv_view(b)
+            if view is not None:
+                for medium in MEDIA:
+                    self.metrics.kv_view_blocks.labels(b.url, medium).set(view.num_blocks(medium))
 
     # ---- routes that every engine answers alike ------------------------------------------------------
     async def models(self, request: Request) -> Response:
@@ -575,6 +674,7 @@ def build_router_app(config: RouterConfig, *, transport: httpx.AsyncBaseTranspor
 
     @app.get("/metrics")
     async def metrics() -> Response:
+        router.update_view_gauges()
         return Response(router.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from kvflow.config.options import option
 from kvflow.router.policies import POLICIES, PolicyOptions
 from kvflow.utils.validation import is_int, is_number
 
@@ -36,12 +37,35 @@ class RouterConfig:
     health_interval_s: float = 2.0
     # least_loaded / cache_aware: each replica's /metrics is scraped this often for its load.
     load_poll_s: float = 0.5
-    # cache_aware: a replica matching at least this share of the prompt's characters gets it ...
-    cache_threshold: float = 0.5
-    # ... unless the loads are imbalanced: max - min > abs AND max > rel x min (sglang-router's rule)
+    # cache_aware: a match below this share of the prompt counts as none (see CacheAwarePolicy) ...
+    cache_threshold: float = 0.0
+    # ... and the loads are imbalanced (the least loaded gets the request, whatever it holds) when
+    # max - min > abs AND max > rel x min (sglang-router's guard)
     balance_abs_threshold: int = 32
     balance_rel_threshold: float = 1.5
     cache_max_chars: int = 1_000_000  # per replica, for its prefix tree (LRU leaves evicted beyond)
+    # cache_aware's score: expected prefix hit (tokens) - load_cost_tokens x (load + kv_usage_weight x KV use)
+    load_cost_tokens: float = option(
+        128.0,
+        "cache_aware: the prefix-cache hit, in prompt tokens, that one more request on a replica costs: "
+        "each replica scores the tokens it would not compute minus this many per request it runs or "
+        "queues; the best score gets the request, so a shared prefix shorter than this never "
+        "outweighs a replica with one request less",
+    )
+    kv_usage_weight: float = option(
+        4.0,
+        "cache_aware: how many requests a replica's full KV pool counts as in its load "
+        "(kvflow:kv_cache_usage_perc x this is added to its running + waiting requests)",
+    )
+    router_kv_events: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "cache_aware: follow each replica's KV cache events (as its kv_events_config publishes "
+            "them) and route on what it really holds: one ZMQ address per --backend, in order, PUB or PUB,REPLAY (e.g. "
+            "tcp://10.0.0.1:5557,tcp://10.0.0.1:5558); the router hashes prompts as the engines do, "
+            "with token ids from a replica's /tokenize"
+        },
+    )
 
     def __post_init__(self) -> None:
         self.backends = _urls("--backend", self.backends)
@@ -114,6 +138,26 @@ class RouterConfig:
             )
         if not is_int(self.cache_max_chars) or self.cache_max_chars < 1:
             raise ValueError(f"--cache-max-chars must be an integer >= 1, got {self.cache_max_chars}")
+        for name in ("load_cost_tokens", "kv_usage_weight"):
+            value = getattr(self, name)
+            if not is_number(value) or not 0 <= value < float("inf"):
+                raise ValueError(f"--{name.replace('_', '-')} must be a finite number >= 0, got {value}")
+        self.router_kv_events = list(self.router_kv_events or [])
+        if self.router_kv_events:
+            if self.policy != "cache_aware":
+                raise ValueError(f"--router-kv-events is for --policy cache_aware, not {self.policy}")
+            if len(self.router_kv_events) != len(self.backends):
+                raise ValueError(
+                    f"--router-kv-events needs one address per --backend, in the same order: got "
+                    f"{len(self.router_kv_events)} for {len(self.backends)} backends"
+                )
+            for spec in self.router_kv_events:
+                parts = spec.split(",")
+                if len(parts) > 2 or not all(p.strip().startswith(("tcp://", "ipc://", "inproc://")) for p in parts):
+                    raise ValueError(
+                        f"--router-kv-events: {spec!r} is not PUB or PUB,REPLAY (ZMQ addresses, e.g. "
+                        "tcp://127.0.0.1:5557,tcp://127.0.0.1:5558)"
+                    )
 
     @property
     def is_pd(self) -> bool:
@@ -129,7 +173,18 @@ class RouterConfig:
             balance_abs_threshold=self.balance_abs_threshold,
             balance_rel_threshold=self.balance_rel_threshold,
             cache_max_chars=self.cache_max_chars,
+            load_cost_tokens=self.load_cost_tokens,
+            kv_usage_weight=self.kv_usage_weight,
+            kv_events=bool(self.router_kv_events),
         )
+
+    def kv_event_endpoints(self) -> list[tuple[str, str | None]]:
+        """Per backend (in order): its KV events' PUB address and replay address (or None)."""
+        out: list[tuple[str, str | None]] = []
+        for spec in self.router_kv_events:
+            pub, _, replay = (p.strip() for p in spec.partition(","))
+            out.append((pub, replay or None))
+        return out
 
 
 def _urls(flag: str, urls: list[str]) -> list[str]:

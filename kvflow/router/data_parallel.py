@@ -26,6 +26,10 @@ instead (`ray_replica.py`); everything below holds for them too.
   counts as another exit. Past the bound the replica stays out of rotation (a supervisor watching
   /health restarts the whole server). When every replica is gone for good, the server exits with
   status 1.
+- KV cache events: `--kv-events-config` publishes replica k's events on its ports + k (vLLM's
+  offset by data-parallel rank); `--router-kv-events` gives each replica free 127.0.0.1 ports
+  unless that config is given, and makes the router's cache_aware policy follow them
+  (`replica_kv_events`, `subscriber_spec`).
 - GET /replicas lists the replicas (URL, pid, CPUs, threads, log, running, healthy, restarts):
   their own /metrics carry the engine metrics; the public /metrics is the router's.
 
@@ -38,6 +42,7 @@ app in front. No torch here: the replicas load the model.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 import signal
@@ -57,6 +62,7 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
 
     from kvflow.config import EngineConfig, ServerConfig
+    from kvflow.config.kv_events import KVEventsConfig
 
 # What every replica runs, before its own --host / --port and the shared flags.
 REPLICA_CMD = (sys.executable, "-m", "kvflow.cli.main", "serve")
@@ -83,6 +89,7 @@ def replica_specs(
     *,
     api_key: str | None = None,
     offload_disk_dir: str | None = None,
+    kv_events_configs: Sequence[dict[str, Any]] | None = None,
     cpus: Sequence[int] | None = None,
     pin: bool | None = None,
     ports: Sequence[int] | None = None,
@@ -91,7 +98,8 @@ def replica_specs(
     """The replicas of `kvflow serve --data-parallel-size n`: `flags` are the engine and server flags
     every replica gets (no --host / --port / --api-key / --kv-offload-disk-dir); the API key goes in
     the environment ($KVFLOW_API_KEY: not on a command line `ps` shows), the disk tier of replica k
-    is `offload_disk_dir/replica-k` (two engines must not evict each other's files). `cpus`
+    is `offload_disk_dir/replica-k` (two engines must not evict each other's files), replica k's
+    `--kv-events-config` is `kv_events_configs[k]` (each its own ports). `cpus`
     (default: this process's) are split by `split_cpus`; `pin` (default: taskset is installed)
     runs each replica under `taskset -c SHARE`."""
     cpus = list(cpus) if cpus is not None else usable_cpus()
@@ -110,6 +118,8 @@ def replica_specs(
         argv = [*REPLICA_CMD, "--host", "127.0.0.1", "--port", str(port), *flags]
         if offload_disk_dir:
             argv += ["--kv-offload-disk-dir", os.path.join(offload_disk_dir, f"replica-{k}")]
+        if kv_events_configs:
+            argv += ["--kv-events-config", json.dumps(kv_events_configs[k])]
         pinned_to = share if (pin and share) else None
         argv = pinned(argv, pinned_to)
         env = {**env0, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
@@ -117,6 +127,67 @@ def replica_specs(
             env["KVFLOW_API_KEY"] = api_key
         specs.append(ReplicaSpec(k, port, argv, env, pinned_to, threads, os.path.join(log_dir, f"replica-{k}.log")))
     return specs
+
+
+def replica_kv_events(n: int, engine_config: EngineConfig, server_config: ServerConfig) -> list[KVEventsConfig]:
+    """Each replica's KV events config (empty: none publishes). --kv-events-config applies to every
+    replica with its ports offset by the replica's index (vLLM offsets by the data-parallel rank);
+    --router-kv-events without it gives each replica a PUB and a replay socket on free 127.0.0.1
+    ports. ValueError for a combination that cannot work."""
+    from kvflow.config.kv_events import KVEventsConfig, endpoint_port
+
+    given = engine_config.kv_events()
+    if server_config.router_kv_events:
+        if server_config.data_parallel_backend == "ray":
+            raise ValueError(
+                "--router-kv-events is not available with --data-parallel-backend ray yet: run the replicas "
+                "with --kv-events-config and `kvflow router --policy cache_aware --router-kv-events ...`"
+            )
+        if given is None:
+            ports = free_ports(2 * n)
+            return [
+                KVEventsConfig(
+                    enable_kv_cache_events=True,
+                    endpoint=f"tcp://127.0.0.1:{ports[2 * k]}",
+                    replay_endpoint=f"tcp://127.0.0.1:{ports[2 * k + 1]}",
+                )
+                for k in range(n)
+            ]
+        if not given.enabled:
+            raise ValueError(
+                "--router-kv-events follows the replicas' KV events, but --kv-events-config turns them off; "
+                "enable them there, or drop --kv-events-config (each replica then gets ports of its own)"
+            )
+    if given is None or not given.enabled:
+        return []
+    configs = [given.for_replica(k) for k in range(n)]
+    used: dict[str, int] = {}
+    for k, c in enumerate(configs):
+        for endpoint in (c.endpoint, c.replay_endpoint):
+            if endpoint is None:
+                continue
+            key = str(endpoint_port(endpoint) or endpoint)
+            if key in used:
+                raise ValueError(
+                    f"--kv-events-config with --data-parallel-size {n}: replica k publishes on the endpoint's "
+                    f"port + k and replays on the replay_endpoint's port + k, so replicas {used[key]} and {k} "
+                    f"would both use {endpoint}; space the two ports at least {n} apart"
+                )
+            used[key] = k
+    return configs
+
+
+def subscriber_spec(config: KVEventsConfig, host: str) -> str:
+    """`PUB[,REPLAY]` (`--router-kv-events`) for a replica on `host` publishing as `config` says:
+    a wildcard bind address (*, 0.0.0.0, ::) is reached at `host`."""
+
+    def reach(endpoint: str) -> str:
+        for wildcard in ("//*:", "//0.0.0.0:", "//[::]:"):
+            endpoint = endpoint.replace(wildcard, f"//{host}:")
+        return endpoint
+
+    spec = reach(config.endpoint)
+    return spec if config.replay_endpoint is None else f"{spec},{reach(config.replay_endpoint)}"
 
 
 def check_bindable(host: str, port: int) -> None:
@@ -188,11 +259,15 @@ def serve_data_parallel(
         )
     # Checked first: a bad policy or a taken port must not cost N model loads.
     ports = free_ports(n)
+    events = replica_kv_events(n, engine_config, server_config)
     router_config = RouterConfig(
         host=server_config.host,
         port=server_config.port,
         policy=server_config.router_policy,
         backends=[f"http://127.0.0.1:{p}" for p in ports],
+        router_kv_events=(
+            [subscriber_spec(e, "127.0.0.1") for e in events] if events and server_config.router_kv_events else []
+        ),
     )
     check_bindable(server_config.host, server_config.port)
     log_dir = log_dir or tempfile.mkdtemp(prefix="kvflow-dp-")
@@ -204,6 +279,7 @@ def serve_data_parallel(
         log_dir,
         api_key=server_config.api_key,
         offload_disk_dir=engine_config.kv_offload_disk_dir,
+        kv_events_configs=[e.to_dict() for e in events] if events else None,
         ports=ports,
         pin=False if on_ray else None,
     )

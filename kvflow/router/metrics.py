@@ -69,6 +69,36 @@ class RouterMetrics:
             "Requests sent again to another replica after theirs failed before answering",
             registry=self.registry,
         )
+        # cache_aware with --router-kv-events
+        self.kv_event_batches = Counter(
+            "kvflow_router:kv_event_batches",
+            "KV event batches applied to the router's view of a replica's cache",
+            ["backend"],
+            registry=self.registry,
+        )
+        self.kv_event_replays = Counter(
+            "kvflow_router:kv_event_replays",
+            "Replays asked of a replica's KV event replay socket (at start, after a gap or a restart)",
+            ["backend"],
+            registry=self.registry,
+        )
+        self.kv_event_lost = Counter(
+            "kvflow_router:kv_event_lost_batches",
+            "KV event batches of a replica missed for good (not replayable): its view is approximate",
+            ["backend"],
+            registry=self.registry,
+        )
+        self.kv_view_blocks = Gauge(
+            "kvflow_router:kv_view_blocks",
+            "Blocks the router believes a replica holds, by medium (GPU: its KV pool; CPU, DISK: its tiers)",
+            ["backend", "medium"],
+            registry=self.registry,
+        )
+        self.tokenize_failures = Counter(
+            "kvflow_router:tokenize_failures",
+            "cache_aware with KV events: prompts a replica's /tokenize did not answer (routed by their text)",
+            registry=self.registry,
+        )
         self.ttfb = Histogram(
             "kvflow_router:time_to_first_byte_seconds",
             "From a request's arrival at the router to the first byte of a 200 answer "

@@ -6,22 +6,33 @@ HTTP, the health checks and the scraping. Data-parallel policies (`--backend`) s
 `ReplicaPolicy`, which keeps unhealthy replicas out and answers where to retry:
 - `round_robin`: each healthy replica in turn;
 - `least_loaded`: the replica with the least `Backend.load`;
-- `cache_aware`: the replica whose prefix tree (`prefix_tree.py`) matches most of the prompt,
-  unless the loads are imbalanced; misses go to the least loaded.
+- `cache_aware`: the best score of expected prefix hit (tokens the replica would not compute: from
+  its prefix tree of the prompts sent there, `prefix_tree.py`, or from its KV events,
+  `kv_view.py`) against load (requests, KV usage); see `CacheAwarePolicy`.
 Register a policy in `POLICIES` and `kvflow router --policy NAME --backend URL...` serves it.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
+from kvflow.core.block_hash import prompt_block_hashes
+from kvflow.router.kv_view import ReplicaKVView
 from kvflow.router.pd import takes_prefill_step
-from kvflow.router.prefix_tree import PrefixTree, prompt_texts
+from kvflow.router.prefix_tree import PrefixTree, prompt_texts_scaled
 
 Role = Literal["prefill", "decode", "backend"]
+
+logger = logging.getLogger("kvflow.router")
+
+# cache_aware without KV events: a text match saves less than a block (kvflow's default block size,
+# in tokens) is no hit; the engine reuses whole blocks only.
+TEXT_MIN_HIT_TOKENS = 16
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,6 +47,9 @@ class PolicyOptions:
     balance_abs_threshold: int
     balance_rel_threshold: float
     cache_max_chars: int
+    load_cost_tokens: float = 128.0
+    kv_usage_weight: float = 4.0
+    kv_events: bool = False  # cache_aware follows the replicas' KV events (--router-kv-events)
 
 
 @dataclass(eq=False)
@@ -79,14 +93,18 @@ class Backend:
 class RouteRequest:
     path: str  # /v1/completions or /v1/chat/completions
     body: dict[str, Any]  # the client's JSON body, as sent
+    # The token ids of each prompt the engine will compute, when the router got them (a policy's
+    # `wants_token_ids`): cache_aware then looks the prompt's block hashes up in the KV events.
+    prompt_token_ids: list[list[int]] | None = None
 
 
 @dataclass(frozen=True)
 class Route:
     target: Backend  # answers the client (a decode engine, or a replica)
     prefill: Backend | None = None  # computes the prompt first (pd); None: target does it all
-    # cache_aware only (None otherwise): routed by prefix match (True) or by load (False), and
-    # the best match over the candidates, as a share of the prompt's characters.
+    # cache_aware only (None otherwise): whether the target was expected to hold part of the
+    # prompt (a hit) or not, and the best match over the candidates, as a share of the prompt
+    # (its tokens with KV events, else its characters).
     cache_hit: bool | None = None
     match_ratio: float | None = None
 
@@ -138,6 +156,15 @@ class RoutingPolicy(ABC):
         """The app's health checker changed `backend`'s state."""
         backend.healthy = healthy
 
+    def wants_token_ids(self, request: RouteRequest) -> bool:
+        """Whether `route` would use the prompts' token ids (the app then asks a replica's
+        /tokenize first and passes them in `RouteRequest.prompt_token_ids`)."""
+        return False
+
+    def kv_view(self, backend: Backend) -> ReplicaKVView | None:
+        """The view of `backend`'s cache its KV events feed (None: the policy follows none)."""
+        return None
+
 
 class ReplicaPolicy(RoutingPolicy):
     """Data parallelism: equal replicas (--backend), a request goes whole to one of them. Only
@@ -181,11 +208,17 @@ class ReplicaPolicy(RoutingPolicy):
         return next((b for b in self._backends if b.healthy), self._backends[0])
 
     def least_loaded(self, candidates: list[Backend], key: Callable[[Backend], Any] | None = None) -> Backend:
-        """The candidate with the smallest `key` (default: `Backend.load`); ties take turns."""
+        """The candidate with the smallest `key` (default: `Backend.load`); ties take turns (the
+        turn moves on only when there is a tie, so decisions without one do not skew it)."""
         key = key or _load
-        k = self._tick % len(candidates)
+        keys = [key(b) for b in candidates]
+        best = min(keys)
+        tied = [b for b, k in zip(candidates, keys) if k == best]
+        if len(tied) == 1:
+            return tied[0]
+        choice = tied[self._tick % len(tied)]
         self._tick += 1
-        return min(candidates[k:] + candidates[:k], key=key)
+        return choice
 
 
 def _load(b: Backend) -> int:
@@ -225,18 +258,33 @@ class LeastLoadedPolicy(ReplicaPolicy):
 
 
 class CacheAwarePolicy(ReplicaPolicy):
-    """Prefix affinity with load balancing (sglang-router's cache_aware rule).
+    """Prefix affinity weighed against load: a short shared prefix never outweighs an idle replica.
 
-    Each replica has a `PrefixTree` of the prompt text the router sent it (bounded to
-    `max_chars` characters, least recently used leaves evicted). For a request:
-    1. If the loads (`Backend.load`) over the candidates are imbalanced, i.e.
-       max - min > `balance_abs` AND max > `balance_rel` x min, it goes to the least loaded.
-    2. Else, if the replica with the longest prefix match holds at least `threshold` of the
-       prompt's characters, it goes there (a hit; equal matches: the less loaded).
-    3. Else (a miss) it goes to the least loaded, ties taking turns: misses spread over the idle
-       replicas instead of piling onto one (sglang-router sends them to the smallest tree).
-    Whatever decided, the prompt is inserted into the chosen replica's tree. A replica taken out
-    of rotation (unhealthy) forgets its tree: it may come back restarted, its cache empty."""
+    For each candidate replica r the policy estimates `saved(r)`, the prompt tokens r would not
+    compute (its expected prefix-cache hit), and scores
+
+        score(r) = saved(r) - load_cost_tokens x (load(r) + kv_usage_weight x kv_usage(r))
+
+    where load(r) is `Backend.load` (running + waiting requests, the router's in-flight corrections
+    included) and kv_usage(r) the share of r's KV pool in use at the last scrape (0..1). So one
+    more request queued on a replica costs `load_cost_tokens` (128) tokens of prefix hit, and a
+    full KV pool `kv_usage_weight` (4) requests more. The request goes to the best score (ties:
+    the lower load, then turns), unless the loads are imbalanced (max - min > `balance_abs` AND
+    max > `balance_rel` x min, sglang-router's guard): then to the least loaded, whatever it holds.
+
+    saved(r), per prompt of the request:
+    - with KV events (`kv_events`, and the token ids of the prompt, `RouteRequest.prompt_token_ids`):
+      the prompt's full blocks hashed as the engine hashes them, the longest run held in r's pool
+      (or routed there and not reported yet), then in its offload tiers, in tokens, as the engine's
+      own lookup counts them (at least one token is left to compute);
+    - else from r's `PrefixTree` of the prompt text the router sent it (bounded to `max_chars`,
+      least recently used leaves evicted): the characters matched, / 4 for text (about four
+      characters per token), / 1 for token-id prompts (one character per id); less than a block
+      (16 tokens) counts as none, since the engine reuses whole blocks only.
+    A match below `threshold` of the prompt counts as none (0 by default: the score already
+    weighs what a match saves). The prompt goes into the chosen replica's tree (and, with events,
+    its blocks are pending there). A replica taken out of rotation (unhealthy) forgets its tree
+    and its events' view: it may come back restarted, its cache empty."""
 
     name = "cache_aware"
     uses_load = True
@@ -245,16 +293,26 @@ class CacheAwarePolicy(ReplicaPolicy):
         self,
         urls: Sequence[str],
         *,
-        threshold: float = 0.5,
+        threshold: float = 0.0,
         balance_abs: float = 32,
         balance_rel: float = 1.5,
         max_chars: int = 1_000_000,
+        load_cost_tokens: float = 128.0,
+        kv_usage_weight: float = 4.0,
+        kv_events: bool = False,
     ) -> None:
         super().__init__(urls)
         self.threshold = threshold
         self.balance_abs = balance_abs
         self.balance_rel = balance_rel
+        self.load_cost_tokens = load_cost_tokens
+        self.kv_usage_weight = kv_usage_weight
         self.trees: dict[Backend, PrefixTree] = {b: PrefixTree(max_chars) for b in self._backends}
+        self.views: dict[Backend, ReplicaKVView] | None = (
+            {b: ReplicaKVView() for b in self._backends} if kv_events else None
+        )
+        # The last decision's saved tokens and score per candidate URL (the debug log prints them).
+        self.last_scores: dict[str, tuple[float, float]] = {}
 
     @classmethod
     def from_options(cls, options: PolicyOptions) -> CacheAwarePolicy:
@@ -264,6 +322,9 @@ class CacheAwarePolicy(ReplicaPolicy):
             balance_abs=options.balance_abs_threshold,
             balance_rel=options.balance_rel_threshold,
             max_chars=options.cache_max_chars,
+            load_cost_tokens=options.load_cost_tokens,
+            kv_usage_weight=options.kv_usage_weight,
+            kv_events=options.kv_events,
         )
 
     def imbalanced(self, candidates: list[Backend]) -> bool:
@@ -271,30 +332,79 @@ class CacheAwarePolicy(ReplicaPolicy):
         lo, hi = min(loads), max(loads)
         return hi - lo > self.balance_abs and hi > self.balance_rel * lo
 
+    def kv_view(self, backend: Backend) -> ReplicaKVView | None:
+        return None if self.views is None else self.views.get(backend)
+
+    def block_size(self) -> int | None:
+        """The replicas' block size, once their events told it (and their hashes are the router's)."""
+        if self.views is None or any(v.compatible is False for v in self.views.values()):
+            return None
+        return next((v.block_size for v in self.views.values() if v.block_size is not None), None)
+
+    def wants_token_ids(self, request: RouteRequest) -> bool:
+        return self.block_size() is not None
+
+    def effective_load(self, b: Backend) -> float:
+        """Requests, plus `kv_usage_weight` per full KV pool."""
+        return b.load + self.kv_usage_weight * b.kv_usage
+
+    def expected_hits(
+        self, request: RouteRequest, candidates: list[Backend], texts: list[tuple[str, float]]
+    ) -> tuple[dict[Backend, float], float, list[list[bytes]] | None]:
+        """saved(r) in tokens per candidate (see the class), the prompt's size in tokens (estimated
+        from its characters without events), and, with events, the prompts' block hashes.
+        `texts`: the request's `prompt_texts_scaled`."""
+        saved = dict.fromkeys(candidates, 0.0)
+        bs = self.block_size()
+        if bs is not None and request.prompt_token_ids is not None:
+            now = time.monotonic()
+            hashes = [prompt_block_hashes(ids, bs) for ids in request.prompt_token_ids]
+            for ids, h in zip(request.prompt_token_ids, hashes):
+                lookup = h[: (len(ids) - 1) // bs]  # the engine leaves one token to compute
+                for b in candidates:
+                    saved[b] += self.views[b].matched_blocks(lookup, now) * bs
+            return saved, float(sum(len(ids) for ids in request.prompt_token_ids)), hashes
+        for b in candidates:
+            tree = self.trees[b]
+            saved[b] = sum(tree.match(t) / chars_per_token for t, chars_per_token in texts)
+            if saved[b] < (bs or TEXT_MIN_HIT_TOKENS):
+                saved[b] = 0.0  # less than a block: the engine reuses whole blocks only
+        return saved, sum(len(t) / cpt for t, cpt in texts), None
+
     def choose(self, request: RouteRequest, candidates: list[Backend]) -> Route:
-        texts = prompt_texts(request.path, request.body)
-        total = sum(len(t) for t in texts)
-        ratio: float | None = None
-        best: Backend | None = None
-        if total:
-            matches = {b: sum(self.trees[b].match(t) for t in texts) for b in candidates}
-            best = min(candidates, key=lambda b: (-matches[b], b.load))  # equal: the first given
-            ratio = matches[best] / total
+        texts = prompt_texts_scaled(request.path, request.body)
+        saved, total, hashes = self.expected_hits(request, candidates, texts)
+        ratio = max(saved.values()) / total if total else None
+        if self.threshold > 0 and total:
+            saved = {b: (s if s >= self.threshold * total else 0.0) for b, s in saved.items()}
+        load = {b: self.effective_load(b) for b in candidates}
+        score = {b: saved[b] - self.load_cost_tokens * load[b] for b in candidates}
         if self.imbalanced(candidates):
-            target, hit = self.least_loaded(candidates), False
-        elif best is not None and ratio >= self.threshold:
-            target, hit = best, True
+            target = self.least_loaded(candidates)
         else:
-            target, hit = self.least_loaded(candidates), False
+            target = self.least_loaded(candidates, key=lambda b: (-score[b], load[b]))
+        self.last_scores = {b.url: (saved[b], score[b]) for b in candidates}
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "cache_aware: %s -> %s (saved tokens, score: %s)",
+                request.path,
+                target.url,
+                "; ".join(f"{u} {v[0]:.0f}, {v[1]:.0f}" for u, v in self.last_scores.items()),
+            )
         tree = self.trees[target]
-        for t in texts:
+        for t, _ in texts:
             tree.insert(t)
-        return Route(target, cache_hit=hit, match_ratio=ratio)
+        if hashes is not None:
+            for h in hashes:
+                self.views[target].note_routed(h)
+        return Route(target, cache_hit=saved[target] > 0, match_ratio=ratio)
 
     def set_healthy(self, backend: Backend, healthy: bool) -> None:
         super().set_healthy(backend, healthy)
         if not healthy and backend in self.trees:
             self.trees[backend].clear()
+            if self.views is not None:
+                self.views[backend].reset()
 
 
 class PrefillDecodePolicy(RoutingPolicy):

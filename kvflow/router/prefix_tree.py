@@ -156,6 +156,9 @@ def _common_prefix(label: str, text: str, i: int) -> int:
 
 
 # ---- the text a request's prompt becomes -------------------------------------------------------------
+CHARS_PER_TOKEN = 4.0  # text: about four characters per token (English under a BPE vocabulary)
+
+
 def prompt_texts(path: str, body: dict[str, Any]) -> list[str]:
     """The prompt(s) of a request as text to match, one per prompt the engine will compute.
 
@@ -163,20 +166,26 @@ def prompt_texts(path: str, body: dict[str, Any]) -> list[str]:
     count tokens); a list of prompts gives one text each. /v1/chat/completions: the tools (they are
     rendered first by chat templates) and each message as a role marker and its text, concatenated
     in order. What cannot be read gives no text (the request routes by load alone)."""
+    return [t for t, _ in prompt_texts_scaled(path, body)]
+
+
+def prompt_texts_scaled(path: str, body: dict[str, Any]) -> list[tuple[str, float]]:
+    """`prompt_texts`, each with its characters per token: 1 for a token-id prompt (one character
+    per id), else `CHARS_PER_TOKEN` (an estimate: the router does not tokenize)."""
     if path == CHAT_PATH:
-        return [_chat_text(body)]
+        return [(_chat_text(body), CHARS_PER_TOKEN)]
     prompt = body.get("prompt")
     if isinstance(prompt, str):
-        return [prompt]
+        return [(prompt, CHARS_PER_TOKEN)]
     if isinstance(prompt, list) and prompt:
         if all(is_int(t) for t in prompt):
-            return [_ids_text(prompt)]
+            return [(_ids_text(prompt), 1.0)]
         out = []
         for p in prompt:
             if isinstance(p, str):
-                out.append(p)
+                out.append((p, CHARS_PER_TOKEN))
             elif isinstance(p, list) and all(is_int(t) for t in p):
-                out.append(_ids_text(p))
+                out.append((_ids_text(p), 1.0))
         return out
     return []
 

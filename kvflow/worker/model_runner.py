@@ -38,8 +38,13 @@ if TYPE_CHECKING:
 logger = logging.getLogger("kvflow")
 
 LogprobEntry = tuple[float, int, list[int], list[float]]
-# What the kernel summary says of a Mixture-of-Experts model's path.
+# What the kernel summary says of a Mixture-of-Experts model's path: float experts, or a GGUF's
+# quantized experts on their block kernels.
 MOE_PATH = "experts: torch, grouped by expert (Mixture-of-Experts layers take the per-layer path, not the decode pass)"
+MOE_BLOCKS_PATH = (
+    "experts: GGUF blocks as stored, one block kernel pair per expert, grouped by expert "
+    "(Mixture-of-Experts layers take the per-layer path, not the decode pass)"
+)
 PASS_PROBE_CONTEXT = 64  # tokens of context per row in the decode steps that time the decode pass
 # prefill chunks (sequences, tokens each) that time the attention paths for prefill rows
 PREFILL_PROBE = (2, 256)
@@ -53,6 +58,9 @@ class RunnerOutput:
     # Requests whose own sampling raised (request id -> error); the rest of the batch went on.
     failed: dict[str, str] = field(default_factory=dict)
     kv_connector_output: KVConnectorOutput | None = None  # KV transfers finished since the last step
+    # Requests that asked for an expert trace (Mixture-of-Experts): request id -> (position of the
+    # step's first token of it, per token of the step its experts per MoE layer, [tokens][layers][k]).
+    expert_trace: dict[str, tuple[int, list[list[list[int]]]]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -144,6 +152,8 @@ class ModelRunner:
                 *self.model.projection_shapes(), self.dtype, config.kernel_autotune, num_layers=model_config.num_layers
             )
         self.model.prepare(self.linear_backend, self.kernel_plan)
+        if model_config.is_moe:  # tokens per layer / expert for the metrics ("off": no per-step work)
+            self.model.set_routing_stats(config.moe_expert_metrics)
         logger.info(
             "weights: %.1f MB as the kernels hold them (%s)", self.model.weight_bytes() / 1e6, self.linear_backend
         )
@@ -276,8 +286,13 @@ class ModelRunner:
         else:
             summary = f"linear kernels: {self.linear_backend}"
         if self.model.cfg.is_moe:  # (the plan's "decode pass: off" says no more than that)
-            summary += f"; {MOE_PATH}"
+            summary += f"; {MOE_BLOCKS_PATH if self.model.experts_on_blocks else MOE_PATH}"
         return summary
+
+    def moe_stats(self):
+        """A Mixture-of-Experts model's routing counts so far (kvflow.layers.moe.MoeRoutingStats),
+        or None (a dense model, or --moe-expert-metrics off)."""
+        return self.model.routing_stats() if self.model.cfg.is_moe else None
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, grammar: GrammarBitmask | None = None) -> RunnerOutput:
@@ -288,14 +303,25 @@ class ModelRunner:
 
     def _forward(self, out: SchedulerOutput, grammar: GrammarBitmask | None) -> RunnerOutput:
         seqs = out.seqs
-        hidden = self.run_model([s.token_ids for s in seqs], [s.start_pos for s in seqs], [s.block_table for s in seqs])
+        traced = self.model.cfg.is_moe and any(s.params.return_expert_trace for s in seqs)
+        if traced:  # (only then: the experts of the traced rows are read back after the pass)
+            self.model.start_routing_capture()
+        try:
+            hidden = self.run_model(
+                [s.token_ids for s in seqs], [s.start_pos for s in seqs], [s.block_table for s in seqs]
+            )
+        finally:
+            experts = self.model.take_routing_capture() if traced else None
+        trace = {} if experts is None else _expert_trace(seqs, experts)
 
         sampling = [s for s in seqs if s.sample]
         if not sampling:
-            return RunnerOutput()
+            return RunnerOutput(expert_trace=trace)
         # (in the model's dtype: the sampler widens them where it needs more than an argmax)
         logits = self.model.compute_logits(hidden[torch.tensor(logits_rows(seqs), device=self.device)], float32=False)
-        return self._sample(self._constrain(logits, sampling, grammar), sampling)
+        result = self._sample(self._constrain(logits, sampling, grammar), sampling)
+        result.expert_trace = trace
+        return result
 
     @torch.inference_mode()
     def run_model(
@@ -531,6 +557,24 @@ def logits_rows(seqs: list[ScheduledSeq]) -> list[int]:
         if s.sample:
             rows.extend(range(end - 1 - len(s.spec_token_ids), end))
     return rows
+
+
+def _expert_trace(seqs: list[ScheduledSeq], experts: torch.Tensor) -> dict[str, tuple[int, list[list[list[int]]]]]:
+    """The rows of the sequences that asked for an expert trace, out of the step's captured
+    experts [MoE layers, rows, k]: request id -> (start position, [tokens][layers][k]), one host
+    copy for all of them."""
+    spans, start = [], 0
+    for s in seqs:
+        if s.params.return_expert_trace:
+            spans.append((s, start, start + len(s.token_ids)))
+        start += len(s.token_ids)
+    rows = torch.tensor([r for _, lo, hi in spans for r in range(lo, hi)], device=experts.device)
+    picked = experts.index_select(1, rows).transpose(0, 1).tolist()  # [rows][layers][k]
+    out, at = {}, 0
+    for s, lo, hi in spans:
+        out[s.request_id] = (s.start_pos, picked[at : at + hi - lo])
+        at += hi - lo
+    return out
 
 
 def _describe(e: BaseException) -> str:

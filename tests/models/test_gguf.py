@@ -285,7 +285,7 @@ def test_non_llama_architecture(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    _expect_value_error(path, "qwen2", "only 'llama'")
+    _expect_value_error(path, "'qwen2' is not supported", "supported: llama, qwen2moe, qwen3moe, olmoe")
 
 
 def test_default_model_missing(monkeypatch):

@@ -9,8 +9,6 @@ import json
 import random
 from pathlib import Path
 
-import gguf
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -242,31 +240,6 @@ def test_tensor_parallel_refused(model_factory):
     path, _ = model_factory("qwen3_moe")
     with pytest.raises(ValueError, match="tensor_parallel_size=2.*Mixture-of-Experts.*tensor_parallel_size=1"):
         LLM(path, tensor_parallel_size=2, num_kv_blocks=16, max_model_len=32)
-
-
-def _write_moe_gguf(path, arch: str) -> None:
-    """Enough of a llama.cpp MoE GGUF to be recognised: an expert count, the router and 3-D experts."""
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(1)
-    w.add_expert_count(4)
-    w.add_expert_used_count(2)
-    w.add_tensor("token_embd.weight", np.zeros((8, 32), dtype=np.float32))
-    w.add_tensor("blk.0.ffn_gate_inp.weight", np.zeros((4, 32), dtype=np.float32))
-    w.add_tensor("blk.0.ffn_gate_exps.weight", np.zeros((4, 16, 32), dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
-
-@pytest.mark.parametrize("arch", ["llama", "qwen3moe"])
-def test_gguf_moe_refused(tmp_path, arch):
-    from kvflow.models.gguf_loader import load_gguf
-
-    path = tmp_path / f"{arch}-moe.gguf"
-    _write_moe_gguf(path, arch)
-    with pytest.raises(ValueError, match="Mixture-of-Experts GGUF.*ffn_gate_inp.*HF safetensors"):
-        load_gguf(path)
 
 
 def test_native_attention_and_no_decode_pass(model_factory, monkeypatch):

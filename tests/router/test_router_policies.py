@@ -82,13 +82,26 @@ def test_shared_prefix_requests_stick_to_one_replica_per_prefix(make):
 
 def test_hit_ratio_and_threshold():
     policy = CacheAwarePolicy(URLS[:2], threshold=0.5)
-    first = send(policy, completion("a" * 60 + "b" * 40))
+    first = send(policy, completion("a" * 600 + "b" * 400))
     assert (first.cache_hit, first.match_ratio) == (False, 0.0)
-    same = send(policy, completion("a" * 60 + "c" * 40))  # 60 of 100 characters match
+    same = send(policy, completion("a" * 600 + "c" * 400))  # 60 % of the characters match
     assert same.target is first.target and same.cache_hit and same.match_ratio == pytest.approx(0.6)
-    other = send(policy, completion("a" * 40 + "d" * 60))  # 40 %: below the threshold, a miss
+    other = send(policy, completion("a" * 400 + "d" * 600))  # 40 %: below the threshold, no match
     assert not other.cache_hit and other.match_ratio == pytest.approx(0.4)
     assert other.target is not first.target  # by load, ties taking turns
+    # without a threshold (the default) a 40 % match counts: it saves 100 tokens (400 characters)
+    policy = CacheAwarePolicy(URLS[:2])
+    first = send(policy, completion("a" * 600 + "b" * 400))
+    assert send(policy, completion("a" * 400 + "d" * 600)).target is first.target
+
+
+def test_text_matches_shorter_than_a_block_are_no_hit():
+    policy = CacheAwarePolicy(URLS[:2])
+    first = send(policy, completion("x" * 64 + "a" * 100))
+    again = send(policy, completion("x" * 60 + "b" * 100))  # 60 characters: 15 tokens, under a block
+    assert not again.cache_hit and again.target is not first.target  # ties take turns
+    third = send(policy, completion("x" * 64 + "c" * 100))  # 16 tokens: a block
+    assert third.cache_hit and third.target is first.target
 
 
 def test_token_id_prompts_match_by_tokens():
@@ -99,8 +112,9 @@ def test_token_id_prompts_match_by_tokens():
 
 
 def _affine(balance_abs: float = 32, balance_rel: float = 1.5) -> tuple[CacheAwarePolicy, Backend, Backend]:
-    """A cache_aware policy whose first replica holds the prompt `SYSTEMS[0]`."""
-    policy = CacheAwarePolicy(URLS[:2], balance_abs=balance_abs, balance_rel=balance_rel)
+    """A cache_aware policy whose first replica holds the prompt `SYSTEMS[0]`; load costs nothing in
+    its score (`load_cost_tokens=0`), so only the imbalance guard keeps a request from its holder."""
+    policy = CacheAwarePolicy(URLS[:2], balance_abs=balance_abs, balance_rel=balance_rel, load_cost_tokens=0)
     holder = send(policy, completion(SYSTEMS[0])).target
     other = next(b for b in policy.backends() if b is not holder)
     return policy, holder, other
@@ -128,7 +142,7 @@ def test_imbalance_overrides_affinity_exactly_per_both_thresholds(holder_load, o
     assert route.match_ratio > 0.9  # the holder matches almost everything, whatever decides
     if imbalanced:
         least = holder if holder_load < other_load else other
-        assert route.target is least and route.cache_hit is False  # routed by load
+        assert route.target is least and route.cache_hit is (least is holder)  # routed by load
     else:
         assert route.target is holder and route.cache_hit is True
 
@@ -153,7 +167,7 @@ def test_misses_spread_over_idle_replicas():
 def test_misses_go_to_the_least_loaded_not_the_smallest_tree():
     """sglang-router's bug: misses go to the replica with the smallest tree, which is the busy one
     when it has served few but long requests. Here misses follow the load."""
-    policy = CacheAwarePolicy(URLS[:2])
+    policy = CacheAwarePolicy(URLS[:2], kv_usage_weight=0)  # requests alone count as load here
     busy, idle = policy.backends()
     policy.trees[idle].insert("x" * 5000)  # the idle replica holds the bigger tree
     busy.record_scrape(running=12, waiting=5, kv_usage=0.9)

@@ -546,7 +546,11 @@ def test_schemathesis_fuzz(tiny_llama, tmp_path):
         summary = proc.stdout[proc.stdout.rfind("SUMMARY") :]
         print(summary)
         assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
-        assert "Tested: 8" in summary
+        doc = httpx.get(s.url + "/openapi.json").json()
+        assert {"/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens", "/v1/responses"} <= set(
+            doc["paths"]
+        )
+        assert f"Tested: {sum(len(methods) for methods in doc['paths'].values())}" in summary  # every operation
         assert httpx.get(s.url + "/health").status_code == 200
         s.wait_engine_idle(30)
         s.call(lambda e: assert_no_leaks(e))

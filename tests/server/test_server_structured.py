@@ -249,7 +249,7 @@ def test_a_conversation_with_earlier_calls(server, client):
             "not among the tools",
         ),
         (
-            {"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
+            {"tools": [WEATHER], "tool_choice": "required", "structured_outputs": {"choice": ["a"]}},
             "cannot be combined with tools",
         ),
     ],

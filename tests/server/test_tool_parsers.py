@@ -62,7 +62,6 @@ def test_hermes_parse():
         '<tool_call>\n{"name": 3, "arguments": {}}\n</tool_call>',
         '<tool_call>\n{"name": "f", "arguments": "{}"}\n</tool_call>',
         '<tool_call>\n{"name": "f"}\n</tool_call>',
-        "<tool_call>",
         "use <tool_call> tags",
         "a < b and <tool_cal",
     ],
@@ -76,6 +75,53 @@ def test_truncated_call_keeps_what_was_written():
     # max_tokens cut the call short: streaming has already announced it, so parse() agrees
     out = HERMES.parse('Sure <tool_call>\n{"name": "f", "arguments": {"q": "abc')
     assert out.content == "Sure" and out.tool_calls == calls(("f", '{"q": "abc'))
+
+
+@pytest.mark.parametrize(
+    "fmt,text,content,expected",
+    [
+        # cut after the name: the call, with the arguments written so far (none)
+        (HERMES, 'Sure <tool_call>\n{"name": "get_weather", "arguments":', "Sure", [("get_weather", "")]),
+        (HERMES, '<tool_call>\n{"name": "get_weather", "argu', None, [("get_weather", "")]),
+        (GENERIC, '{"tool_calls": [{"name": "get_weather", "arguments": ', None, [("get_weather", "")]),
+        (GENERIC, '{"tool_calls": [{"name": "f", "arguments": {}}, {"name": "g"', None, [("f", "{}"), ("g", "")]),
+        (MISTRAL, '[TOOL_CALLS][{"name": "f", "arguments": {"a": 1', None, [("f", '{"a": 1')]),
+        (LLAMA, '{"name": "f", "parameters"', None, [("f", "")]),
+        # cut before the name is whole, or in a block's marker, separator or closing: nothing of it
+        (HERMES, "Sure <tool_call>", "Sure", []),
+        (HERMES, 'Sure <tool_call>\n{"name": "get_wea', "Sure", []),
+        (HERMES, '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_', None, [("f", "{}")]),
+        (GENERIC, '{"tool_', None, []),
+        (GENERIC, '{"tool_calls": [{"name": "f", "arguments": {}}]', None, [("f", "{}")]),
+        (GENERIC, "{", None, []),
+        (LLAMA, '{"na', None, []),
+        (MISTRAL, '[TOOL_CALLS][{"name": "f", "arguments": {}}, ', None, [("f", "{}")]),
+        # not the opening of a call: content, as before
+        (LLAMA, "{oops", "{oops", []),
+        (GENERIC, '{"response": "cut', "cut", []),
+    ],
+)
+def test_a_cut_call_is_a_call_never_content(fmt, text, content, expected):
+    out = fmt.parse(text)
+    assert out.content == content and out.tool_calls == calls(*expected)
+    assert_streams_like_parse(fmt, text, range(len(text)))
+
+
+def test_json_response_is_the_content():
+    # generic with response_format: {"response": JSON}, the JSON (as written) is the content
+    fmt = GENERIC.with_response_schema({})
+    assert fmt.parse('{"response": {"a": "}", "b": [1, 2]} }').content == '{"a": "}", "b": [1, 2]}'
+    assert fmt.parse('{"response":\n 42}').content == "42"
+    assert fmt.parse('{"response": {"cut": "sh').content == '{"cut": "sh'
+    assert fmt.parse('{"tool_calls": [{"name": "f", "arguments": {}}]}').tool_calls == calls(("f", "{}"))
+    assert GENERIC.parse('{"response": "x"}').content == "x" and not GENERIC.json_response
+    for text in ('{"response": {"a": "}", "b": [1, 2]} }', '{"response": 4', '{"tool_calls": [{"name": "f", "ar'):
+        assert_streams_like_parse(fmt, text, range(len(text)))
+    # the other formats write the JSON bare: it is content unless it opens like a call
+    for f in (HERMES, MISTRAL, LLAMA):
+        f = f.with_response_schema({})
+        assert f.parse('{"city": "Paris", "n": 3}').content == '{"city": "Paris", "n": 3}'
+        assert f.parse('{"city": "Pa').content == '{"city": "Pa'
 
 
 def test_llama3_parse():
@@ -139,11 +185,13 @@ def stream(fmt, text: str, cuts) -> tuple[str, list[tuple[str, str]]]:
     for end in ends:
         delta, entries = parser.feed(text[:end], end == len(text))
         content += delta
+        indexes = [e["index"] for e in entries]
+        assert len(indexes) == len(set(indexes)), f"two entries for one call in a chunk: {entries}"
         for e in entries:
-            if "id" in e:  # a new call: its name complete, its arguments still to come
+            if "id" in e:  # a new call: its name complete, its arguments ("" or the first fragment)
                 assert e["index"] == len(got) and e["type"] == "function"
-                assert re.fullmatch(r"call_[0-9a-f]{24}", e["id"]) and e["function"]["arguments"] == ""
-                got.append([e["function"]["name"], ""])
+                assert re.fullmatch(r"call_[0-9a-f]{24}", e["id"])
+                got.append([e["function"]["name"], e["function"]["arguments"]])
             else:  # calls stream one after another
                 assert set(e) == {"index", "function"} and set(e["function"]) == {"arguments"}
                 assert e["index"] == len(got) - 1 and e["function"]["arguments"]
@@ -378,8 +426,9 @@ def test_streaming_holds_back_what_is_undecided():
     assert p.feed("Hello <tool", False) == ("Hello", [])
     assert p.feed('Hello <tool_call>\n{"name": "get_wea', False) == ("", [])  # no half names
     content, deltas = p.feed('Hello <tool_call>\n{"name": "get_weather", "arguments": {"ci', False)
-    assert content == "" and deltas[0]["function"] == {"name": "get_weather", "arguments": ""}
-    assert deltas[1] == {"index": 0, "function": {"arguments": '{"ci'}}
+    # one entry for the call: its header and its first fragment together
+    assert content == "" and len(deltas) == 1
+    assert deltas[0]["function"] == {"name": "get_weather", "arguments": '{"ci'}
     assert p.tool_call_ids == [deltas[0]["id"]]
     assert p.feed('Hello <tool_call>\n{"name": "get_weather", "arguments": {"city": "P"}}\n</tool_call>', True) == (
         "",
@@ -518,7 +567,7 @@ def check_calls(fmt, text: str, parallel: bool, named: str | None) -> None:
 
     out = fmt.parse(text)
     assert out.tool_calls, text
-    if not parallel:
+    if not parallel or named:  # a named choice is one call, whatever parallel_tool_calls says
         assert len(out.tool_calls) == 1, text
     for call in out.tool_calls:
         assert call.name == named if named else call.name in SCHEMAS
@@ -541,6 +590,53 @@ def test_constrained_output_is_a_valid_call(grammar, name, choice, parallel):
         assert fmt.parse(text).content is None
         if name == "generic":
             json.loads(text)
+
+
+@pytest.mark.parametrize("fmt", [HERMES, MISTRAL, LLAMA, GENERIC], ids=lambda f: f.name)
+def test_named_is_one_call_and_required_may_end_after_any(grammar, fmt):
+    _, accepts = grammar
+    one = fmt.history_text(calls(("now", "{}")))
+    two = fmt.history_text(calls(("now", "{}"), ("now", "{}")))
+    named = fmt.structural_tag(TOOLS, {"type": "function", "function": {"name": "now"}}, True)
+    assert accepts(named, one) and not accepts(named, two)
+    required = fmt.structural_tag(TOOLS, "required", True)
+    assert accepts(required, one) and accepts(required, two)
+    assert not accepts(fmt.structural_tag(TOOLS, "required", False), two)
+
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 5}, "age": {"type": "integer", "minimum": 0}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("fmt", [HERMES, MISTRAL, LLAMA, GENERIC], ids=lambda f: f.name)
+def test_auto_with_a_response_schema_is_calls_or_the_schema(grammar, fmt):
+    import jsonschema
+
+    walk, accepts = grammar
+    tag = fmt.structural_tag(TOOLS, "auto", True, response_schema=PERSON)
+    fmt = fmt.with_response_schema(PERSON)
+    answer = '{"name": "Bo", "age": 3}'
+    written = '{"response": ' + answer + "}" if fmt.name == "generic" else answer
+    assert accepts(tag, written) and fmt.parse(written).content == answer and not fmt.parse(written).tool_calls
+    assert accepts(tag, fmt.history_text(calls(("now", "{}"))))
+    assert not accepts(tag, "Hello there.") and not accepts(tag, written.replace('"age": 3', '"age": -3'))
+    kinds = set()
+    for seed in range(6):
+        out = fmt.parse(walk(tag, seed, short_strings=True))
+        if out.tool_calls:
+            kinds.add("calls")
+        else:
+            jsonschema.validate(json.loads(out.content), PERSON)
+            kinds.add("json")
+    assert kinds  # both kinds are possible; which ones a random walk takes is its own business
+    # a choice that demands a call leaves the schema nothing to shape
+    assert fmt.structural_tag(TOOLS, "required", True, response_schema=PERSON) == fmt.structural_tag(
+        TOOLS, "required", True
+    )
 
 
 def test_generic_auto_is_calls_or_a_response(grammar):
@@ -598,4 +694,6 @@ def test_generic_system_prompt():
     required = generic_system_prompt(TOOLS, "required", False)
     assert "must call" in required and '{"response"' not in required and "exactly one" in required
     named = generic_system_prompt(TOOLS, {"type": "function", "function": {"name": "now"}}, True)
-    assert 'tool "now"' in named and '{"name": "now"' in named
+    assert 'tool "now"' in named and '{"name": "now"' in named and "exactly one" in named
+    schema = generic_system_prompt(TOOLS, "auto", True, response_schema=PERSON)
+    assert json.dumps(PERSON) in schema and '{"response": <the answer>}' in schema

@@ -2,7 +2,8 @@
 
 Request path: the gate middleware (API key 401, draining 503, body size 413, in-flight count)
 -> the route -> `AsyncLLM` (engine thread). Errors always have OpenAI's shape
-`{"error": {"message", "type", "param", "code"}}`.
+`{"error": {"message", "type", "param", "code"}}`, except on Anthropic's Messages routes (mounted
+from kvflow/entrypoints/anthropic/), which answer in Anthropic's.
 
 Process life cycle (`serve`):
 - SIGTERM / SIGINT: stop accepting (new requests get 503 + Retry-After, /health 503), let in-flight
@@ -40,6 +41,9 @@ from kvflow.config import ServerConfig
 from kvflow.engine.async_llm import AsyncLLM
 from kvflow.engine.engine_thread import EngineThread
 from kvflow.engine.llm_engine import LLMEngine
+from kvflow.entrypoints.anthropic.errors import AnthropicErrors
+from kvflow.entrypoints.anthropic.router import REQUEST_MODELS as ANTHROPIC_MODELS
+from kvflow.entrypoints.anthropic.router import anthropic_router
 from kvflow.entrypoints.openai.openapi import install_openapi, json_body, responses
 from kvflow.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -47,9 +51,12 @@ from kvflow.entrypoints.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from kvflow.entrypoints.openai.protocol_responses import ResponsesRequest
+from kvflow.entrypoints.openai.response_store import ResponseStore
 from kvflow.entrypoints.openai.serving import RETRY_AFTER_S
 from kvflow.entrypoints.openai.serving_chat import ServingChat
 from kvflow.entrypoints.openai.serving_completion import ServingCompletion
+from kvflow.entrypoints.openai.serving_responses import ServingResponses
 from kvflow.entrypoints.openai.utils import APIError, parse_body, pydantic_error
 from kvflow.metrics import EngineMetrics
 from kvflow.utils.http import url_host
@@ -153,9 +160,12 @@ class GateMiddleware:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         if cfg.api_key is not None:
             auth = headers.get("authorization", "")
-            token = auth[7:] if auth[:7].lower() == "bearer " else ""
+            # Anthropic's clients send the key as x-api-key
+            token = auth[7:] if auth[:7].lower() == "bearer " else headers.get("x-api-key", "")
             if not hmac.compare_digest(token.encode(), cfg.api_key.encode()):
-                message = "invalid API key" if token else "missing API key: send 'Authorization: Bearer <key>'"
+                message = (
+                    "invalid API key" if token else "missing API key: send 'Authorization: Bearer <key>' or 'x-api-key'"
+                )
                 await APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}).response()(
                     scope, receive, send
                 )
@@ -225,6 +235,17 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     return replay
 
 
+def _allowed_methods(app: FastAPI, request: Request) -> list[str]:
+    """The methods of every route whose path matches the request's."""
+    from starlette.routing import Match
+
+    methods: set[str] = set()
+    for route in app.routes:
+        if getattr(route, "methods", None) and route.matches(request.scope)[0] is not Match.NONE:
+            methods |= route.methods
+    return sorted(methods)
+
+
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -264,6 +285,7 @@ def build_app(
     llm.on_fatal = state.on_engine_dead
     completions = ServingCompletion(llm, served)
     chat = ServingChat(llm, served, config.tool_call_parser)
+    responses_api = ServingResponses(chat, ResponseStore(config.responses_store_size))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -276,6 +298,7 @@ def build_app(
     app = FastAPI(title="kvflow", version=_version(), lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.kvflow = state
     app.add_middleware(GateMiddleware, state=state)
+    app.add_middleware(AnthropicErrors)  # outside the gate: its 401 / 413 / 503 get Anthropic's shape too
     if config.allowed_origins:  # no CORS headers at all unless asked for
         from starlette.middleware.cors import CORSMiddleware
 
@@ -283,9 +306,19 @@ def build_app(
             CORSMiddleware,
             allow_origins=config.allowed_origins,
             allow_methods=["GET", "POST"],
-            allow_headers=["Authorization", "Content-Type"],
+            allow_headers=["Authorization", "Content-Type", "x-api-key", "anthropic-version"],
         )
-    install_openapi(app, (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest))
+    install_openapi(
+        app,
+        (
+            CompletionRequest,
+            ChatCompletionRequest,
+            ResponsesRequest,
+            TokenizeRequest,
+            DetokenizeRequest,
+            *ANTHROPIC_MODELS,
+        ),
+    )
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> Response:
@@ -300,7 +333,10 @@ def build_app(
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         message = f"{request.method} {request.url.path}: {exc.detail}"
-        return APIError(exc.status_code, message, code=code, headers=getattr(exc, "headers", None)).response()
+        headers = getattr(exc, "headers", None)
+        if exc.status_code == 405:  # Starlette names the methods of one route; a path may have several
+            headers = {**(headers or {}), "Allow": ", ".join(_allowed_methods(app, request))}
+        return APIError(exc.status_code, message, code=code, headers=headers).response()
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception) -> Response:
@@ -354,6 +390,20 @@ def build_app(
     @app.post("/v1/chat/completions", openapi_extra=json_body(ChatCompletionRequest), responses=responses(stream=True))
     async def create_chat_completion(request: Request) -> Response:
         return await chat.create(request)
+
+    app.include_router(anthropic_router(chat))  # /v1/messages, /v1/messages/count_tokens
+
+    @app.post("/v1/responses", openapi_extra=json_body(ResponsesRequest), responses=responses(stream=True))
+    async def create_response(request: Request) -> Response:
+        return await responses_api.create(request)
+
+    @app.get("/v1/responses/{response_id}", responses=responses())
+    async def get_response(response_id: str = Path(examples=["resp_0"])) -> Response:
+        return responses_api.retrieve(response_id)
+
+    @app.delete("/v1/responses/{response_id}", responses=responses())
+    async def delete_response(response_id: str = Path(examples=["resp_0"])) -> Response:
+        return responses_api.delete(response_id)
 
     @app.post("/tokenize", openapi_extra=json_body(TokenizeRequest), responses=responses(stream=False))
     async def tokenize(request: Request) -> Response:

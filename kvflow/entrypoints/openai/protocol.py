@@ -108,6 +108,9 @@ class _SamplingFields(BaseModel):
     # prefill/decode disaggregation, vLLM's extra: {"do_remote_decode": true} to a prefill engine; what
     # its response returned, to a decode engine. Opaque here: SamplingParams and the engine check it.
     kv_transfer_params: dict[str, Any] | None = None
+    # kvflow's: with a Mixture-of-Experts model, each finished choice carries "expert_trace" (the
+    # experts each token was routed to, per MoE layer, and the distance since each was last active)
+    return_expert_trace: bool = False
 
     def _sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         if self.stream_options is not None and not self.stream:
@@ -135,6 +138,7 @@ class _SamplingFields(BaseModel):
             ttft_slo_ms=self.ttft_slo_ms,
             tpot_slo_ms=self.tpot_slo_ms,
             kv_transfer_params=self.kv_transfer_params,
+            return_expert_trace=self.return_expert_trace,
         )
 
     def _logit_bias(self) -> dict[int, float] | None:

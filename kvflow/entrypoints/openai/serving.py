@@ -130,6 +130,13 @@ def sampling_params(build: Callable[[], SamplingParams]) -> SamplingParams:
         raise value_error(e) from None
 
 
+def expert_trace_fields(c: Any) -> dict[str, Any]:
+    """{"expert_trace": ...} for a finished choice whose request asked for one (kvflow's
+    return_expert_trace), else nothing."""
+    trace = getattr(c, "expert_trace", None)
+    return {} if trace is None else {"expert_trace": trace.to_dict()}
+
+
 def now_s() -> int:
     return int(time.time())
 

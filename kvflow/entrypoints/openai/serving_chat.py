@@ -3,7 +3,9 @@
 With tools (and tool_choice other than "none"), the server's tool-call format (`--tool-call-parser`)
 decides the prompt (the template's own `tools=` where the template knows tools, else the generic
 protocol's system message), the constraint (`required` and named choices always produce a call
-whose arguments follow the tool's schema), and how the output text becomes `message.tool_calls`.
+whose arguments follow the tool's schema; with `auto` and response_format, calls or the schema's
+JSON), and how the output text becomes `message.tool_calls` (one parser, streamed or not, so both
+answers are the same calls, content and finish_reason).
 """
 
 from __future__ import annotations
@@ -19,7 +21,14 @@ from starlette.responses import JSONResponse, Response
 
 from kvflow.engine.async_llm import RequestFailedError, RequestHandle
 from kvflow.entrypoints.openai.protocol import ChatCompletionRequest
-from kvflow.entrypoints.openai.serving import OpenAIServing, chat_logprobs, client_of, now_s, sampling_params
+from kvflow.entrypoints.openai.serving import (
+    OpenAIServing,
+    chat_logprobs,
+    client_of,
+    expert_trace_fields,
+    now_s,
+    sampling_params,
+)
 from kvflow.entrypoints.openai.tool_parsers import (
     StreamingToolParser,
     ToolCall,
@@ -66,33 +75,36 @@ class ServingChat(OpenAIServing):
         # The template already holds the special tokens (BOS etc.): do not add them twice.
         return self.tokenize(text, add_special_tokens=False, param="messages")
 
-    def _tools(self, req: ChatCompletionRequest, params: SamplingParams) -> ToolCallFormat | None:
-        """The tool-call format when this request uses tools; constrains `params` when the
-        choice demands a call (and, for the generic protocol, always)."""
+    def tool_format_for(self, req: ChatCompletionRequest, params: SamplingParams) -> ToolCallFormat | None:
+        """The tool-call format when this request uses tools; constrains `params` to the tool
+        grammar. With response_format as well (OpenAI takes both: the model calls a tool or answers
+        in the schema), one grammar enforces both: calls in the tool format, or the schema's JSON."""
         if not req.tools or req.effective_tool_choice == "none":
             return None
+        if req.structured_outputs is not None:
+            raise APIError(
+                400,
+                "structured_outputs cannot be combined with tools (unless tool_choice is none); "
+                "use response_format, which applies to the answer when the model calls no tool",
+                param="structured_outputs",
+                code="invalid_value",
+            )
         fmt = self.tool_format
+        schema = response_schema(params.structured_outputs)
         try:
-            tag = fmt.structural_tag(req.tool_dicts(), req.effective_tool_choice, req.parallel_tool_calls)
+            tag = fmt.structural_tag(req.tool_dicts(), req.effective_tool_choice, req.parallel_tool_calls, schema)
         except ValueError as e:
             raise APIError(400, f"tools: {e}", param="tools", code="invalid_value") from None
         if tag is not None:
-            if params.structured_outputs is not None:
-                raise APIError(
-                    400,
-                    "response_format and structured_outputs cannot be combined with tools (unless tool_choice is none)",
-                    param="response_format",
-                    code="invalid_value",
-                )
             params.structured_outputs = StructuredOutputsParams(structural_tag=json.dumps(tag, ensure_ascii=False))
-        return fmt
+        return fmt.with_response_schema(schema) if schema is not None else fmt
 
     async def create(self, raw: Request) -> Response:
         arrival = time.monotonic()
         req = await parse_body(raw, ChatCompletionRequest)
         model = self.model_name(req.model)
         params = sampling_params(req.to_sampling_params)
-        tools = self._tools(req, params)
+        tools = self.tool_format_for(req, params)
         prompt_ids = self.chat_prompt_ids(req, tools)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         handles = await self.add_requests(
@@ -130,6 +142,7 @@ class ServingChat(OpenAIServing):
                     "logprobs": self._logprobs(req, c.token_ids, c.logprobs),
                     "finish_reason": reason,
                     "stop_reason": c.stop_reason,
+                    **expert_trace_fields(c),
                 }
             )
         return {
@@ -206,6 +219,7 @@ class ServingChat(OpenAIServing):
                     final: dict[str, Any] = {}
                     if c.finished:
                         choice["stop_reason"] = c.stop_reason
+                        choice.update(expert_trace_fields(c))
                         finished[i] = True
                         final = kv_transfer_fields([out])  # on the chunk with finish_reason
                     sent_text[i], sent_tokens[i] = len(c.text), len(c.token_ids)
@@ -232,12 +246,24 @@ def _message(c: CompletionOutput, tools: ToolCallFormat | None) -> tuple[dict[st
     return message, "tool_calls" if c.finish_reason == "stop" else c.finish_reason
 
 
+def response_schema(constraint: StructuredOutputsParams | None) -> dict[str, Any] | None:
+    """The JSON schema response_format asks of an answer (json_object: any object), or None."""
+    if constraint is None:
+        return None
+    if constraint.json_object:
+        return {"type": "object"}
+    assert isinstance(constraint.json, dict)  # response_format makes only these two kinds
+    return constraint.json
+
+
 def _generic_conversation(
     conversation: list[dict[str, Any]], fmt: ToolCallFormat, req: ChatCompletionRequest
 ) -> list[dict[str, Any]]:
     """For a template that knows nothing of tools: the tools and the reply protocol go into the
     system message, and earlier calls are written back as the text the protocol produces."""
-    prompt = generic_system_prompt(req.tool_dicts(), req.effective_tool_choice, req.parallel_tool_calls)
+    prompt = generic_system_prompt(
+        req.tool_dicts(), req.effective_tool_choice, req.parallel_tool_calls, fmt.response_schema
+    )
     out = []
     for m in conversation:
         if m.get("tool_calls"):

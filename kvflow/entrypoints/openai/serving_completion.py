@@ -12,7 +12,14 @@ from starlette.responses import JSONResponse, Response
 
 from kvflow.engine.async_llm import RequestFailedError, RequestHandle
 from kvflow.entrypoints.openai.protocol import CompletionRequest
-from kvflow.entrypoints.openai.serving import OpenAIServing, client_of, completion_logprobs, now_s, sampling_params
+from kvflow.entrypoints.openai.serving import (
+    OpenAIServing,
+    client_of,
+    completion_logprobs,
+    expert_trace_fields,
+    now_s,
+    sampling_params,
+)
 from kvflow.entrypoints.openai.utils import (
     SSE_DONE,
     OwnedStreamingResponse,
@@ -65,6 +72,7 @@ class ServingCompletion(OpenAIServing):
         }
         if c.finish_reason is not None:
             choice["stop_reason"] = c.stop_reason
+            choice.update(expert_trace_fields(c))
         return choice
 
     def _response(self, ctx: _Ctx, finals: list[RequestOutput]) -> dict[str, Any]:

@@ -13,10 +13,17 @@ with a "name" string and an "arguments" object in any key order. Once the openin
 committed, because streaming has already announced it; its arguments are then the raw text of the
 object, up to its matching brace, or to the end if the output stopped inside it. As in OpenAI's API,
 arguments are the model's text, not checked JSON. Anything else stays content, verbatim.
+
+A call cut by the end of the output (`length`, a stop string, an abort) is reported one way, as OpenAI
+does: in `tool_calls`, with its arguments as far as the model wrote them (so not valid JSON), and the
+request's own finish_reason. Its raw text never becomes content. A call cut before its name was
+complete has nothing to report and is dropped, as is a half-written marker or separator of a block of
+calls: with tools the output always follows the tool grammar, so text inside a block can only be a call.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import secrets
@@ -230,6 +237,18 @@ def _match_head(text: str, i: int, keys: tuple[str, ...], final: bool) -> tuple[
     return name, c.i - 1
 
 
+def _head_name(text: str, i: int) -> str | None:
+    """The name of a call whose opening the output ends inside (`{"name": "NAME", "argu`), or None when
+    the text ends before the name is complete."""
+    c = _Cursor(text, i, final=False)
+    try:
+        if c.lit("{") and c.lit('"name"') and c.lit(":"):
+            return c.string() or None
+    except _NeedMore:
+        pass
+    return None
+
+
 class _Content:
     """Content as parse() defines it: the text outside the calls, less the whitespace at its edges next
     to a call ("Sure.\n<tool_call>..." gives "Sure."), or nothing when it is whitespace only.
@@ -264,6 +283,11 @@ class _Content:
         self.finish()  # the generic {"response": ...} string is content in full
         self.after_call = True
 
+    def end_value(self) -> None:
+        """The end of generic's {"response": JSON}: whitespace around the JSON value is not content."""
+        self.pending = ""
+        self.after_call = True
+
     def finish(self) -> None:
         if self.started and self.pending and not self.gap:
             self.events.append(("content", self.pending))
@@ -290,17 +314,43 @@ class _CallScanner:
     def advance(self, text: str, final: bool) -> list[tuple]:
         if len(text) < len(self.text):
             raise ValueError("the output text must only grow")
-        self.text, self.final = text, final
+        self.text, self.final = text, False
         self.content.events = events = []
+        self._run()
+        if final:
+            # Read as far as a longer text would be read first, so that parse() and the last feed of a
+            # stream meet the end of the output in the same state; then decide what is left.
+            if self.state in _CALL_STATES:
+                self._cut()
+            self.final = True
+            self._run()
+            self.content.finish()
+        return events
+
+    def _run(self) -> None:
         while True:
             try:
                 if not getattr(self, "_" + self.state)():
                     break
             except _NeedMore:  # raised before a step changes anything, so the next feed retries it
                 break
-        if final:
-            self.content.finish()
-        return events
+
+    def _cut(self) -> None:
+        """The output ended inside a block of calls: report the cut call if its name is complete (its
+        arguments, as far as they were written, went out already); drop the rest of the block's text."""
+        if self.state == "element":
+            i = _skip_ws(self.text, self.pos)
+            try:
+                if _match_head(self.text, i, self.fmt.arguments_keys, final=False) is None:
+                    return  # no call's opening (JSON content, say): the final read decides what it is
+            except _NeedMore:  # the text ends inside what can only be a call's opening
+                pass
+            name = _head_name(self.text, i)
+            if name is not None:
+                self._begin_call(name)
+        if self.state not in ("response", "response_value"):  # an answer's own text is content to its end
+            self.content.gap = True  # whitespace before the dropped block is not content either
+        self.pos, self.state = len(self.text), "end"
 
     # ---- bookkeeping -----------------------------------------------------------------------------------
     def _open_block(self, start: int, marker: str, pos: int) -> None:
@@ -356,6 +406,9 @@ class _CallScanner:
         self.pos = stop
         return False
 
+    def _end(self) -> bool:  # a cut block: nothing more is read
+        return False
+
     def _plain(self) -> bool:  # text to the end, no markers
         self.content.text(self.text[self.pos :])
         self.pos = len(self.text)
@@ -366,10 +419,11 @@ class _CallScanner:
         if all(c.lit(token) for token in self.fmt.block_open):
             self.pos, self.state = c.i, "element"
             return True
-        if self.fmt.response_open:
+        opening = self.fmt.json_response_open if self.fmt.json_response else self.fmt.response_open
+        if opening:
             c = _Cursor(self.text, self.pos, self.final)
-            if all(c.lit(token) for token in self.fmt.response_open):
-                self.pos, self.state = c.i, "response"
+            if all(c.lit(token) for token in opening):
+                self.pos, self.state = c.i, "response_value_start" if self.fmt.json_response else "response"
                 return True
         return self._fail(self.pos)
 
@@ -494,6 +548,25 @@ class _CallScanner:
         self.pos = i
         return False
 
+    def _response_value_start(self) -> bool:  # generic's {"response": JSON}: the value's first character
+        i = _skip_ws(self.text, self.pos)
+        if i == len(self.text):
+            raise _NeedMore
+        self.pos, self.state, self.brackets = i, "response_value", _Brackets(depth=1)
+        return True
+
+    def _response_value(self) -> bool:  # the JSON value is the content, as it comes, up to the envelope's `}`
+        end = self.brackets.scan(self.text, self.pos)
+        stop = len(self.text) if end is None else end - 1
+        if stop > self.pos:
+            self.content.text(self.text[self.pos : stop])
+        if end is None:
+            self.pos = stop
+            return False
+        self.content.end_value()
+        self.pos, self.state = end, "plain"
+        return True
+
     def _response_end(self) -> bool:
         i = _skip_ws(self.text, self.pos)
         if i == len(self.text):
@@ -502,6 +575,23 @@ class _CallScanner:
             raise _NeedMore
         self.pos, self.state = i + (self.text[i] == "}"), "plain"
         return True
+
+
+# The states inside a block of calls: an output that ends in one of them was cut there.
+_CALL_STATES = frozenset(
+    {
+        "open",
+        "element",
+        "arguments",
+        "element_end",
+        "extra",
+        "after",
+        "response",
+        "response_end",
+        "response_value_start",
+        "response_value",
+    }
+)
 
 
 def _marker_prefix_len(text: str, pos: int, markers: tuple[str, ...]) -> int:
@@ -554,6 +644,10 @@ def _const(value: str) -> dict:
     return {"type": "const_string", "value": value}
 
 
+def _json_schema(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": schema}
+
+
 def _arguments_text(arguments: str) -> str:
     """A call's arguments, fit to be written back into a JSON envelope."""
     if not arguments.strip():
@@ -577,6 +671,8 @@ class ToolCallFormat:
     block_close: tuple[str, ...] = ()
     arguments_keys: tuple[str, ...] = ('"arguments"', '"parameters"')
     response_open: tuple[str, ...] = ()  # generic: `{"response": "` opens content as a JSON string
+    json_response_open: tuple[str, ...] = ()  # generic with a response schema: `{"response": ` opens JSON
+    response_schema: dict | None = None  # response_format's: an answer that is not a call is this JSON
     # -- how calls are written (structural tags and history) --
     call_prefix: str = ""  # before each `{"name": ..., "arguments": ...}`
     call_suffix: str = ""
@@ -591,14 +687,38 @@ class ToolCallFormat:
         content = "".join(e[1] for e in events if e[0] == "content")
         return ParsedOutput(content or None, [ToolCall(name, "".join(parts)) for name, parts in scanner.calls])
 
-    def structural_tag(self, tools: list[dict], tool_choice: str | dict, parallel: bool) -> dict | None:
+    def with_response_schema(self, schema: dict) -> ToolCallFormat:
+        """This format for a request with response_format: an answer that is not a call is the
+        schema's JSON (generic wraps it as {"response": JSON}; the other formats write it bare)."""
+        fmt = copy.copy(self)
+        fmt.response_schema = schema
+        return fmt
+
+    @property
+    def json_response(self) -> bool:
+        return self.response_schema is not None
+
+    def structural_tag(
+        self, tools: list[dict], tool_choice: str | dict, parallel: bool, response_schema: dict | None = None
+    ) -> dict | None:
+        """The grammar of the output. A named choice is exactly one call of that tool (as vLLM and
+        OpenAI answer it, whatever parallel_tool_calls says); `required` is one call, or with parallel
+        calls one or more, the output free to end after any complete call. `response_schema` (from
+        response_format) applies to `auto` only: the output is then calls or the schema's JSON; a
+        choice that demands a call leaves no answer for the schema to shape."""
         specs = _function_specs(tools)
         named = _named_tool(tool_choice, [name for name, _, _ in specs])
         if named is not None:
             specs = [s for s in specs if s[0] == named][:1]
+            parallel = False
         tags = [self._call_tag(name, schema) for name, schema, _ in specs]
         if tool_choice == "auto":
-            fmt = self._auto_format(tags, parallel) if tags else None
+            if not tags:
+                fmt = None
+            elif response_schema is not None:
+                fmt = self._schema_format(tags, parallel, response_schema)
+            else:
+                fmt = self._auto_format(tags, parallel)
         elif not tags:
             raise ValueError("tool_choice 'required' needs at least one tool")
         else:
@@ -644,6 +764,11 @@ class ToolCallFormat:
     def _auto_format(self, tags: list[dict], parallel: bool) -> dict | None:
         """Free text, or calls; None when that cannot be said cleanly."""
         return None
+
+    def _schema_format(self, tags: list[dict], parallel: bool, schema: dict) -> dict:
+        """Calls, or the response schema's JSON (bare: the formats that read calls from markers or
+        from the call's own opening tell the two apart)."""
+        return {"type": "or", "elements": [self._calls_format(tags, parallel), _json_schema(schema)]}
 
 
 class HermesFormat(ToolCallFormat):
@@ -710,17 +835,16 @@ class GenericFormat(ToolCallFormat):
     start_markers = ("",)
     block_open, separator, block_close = ("{", '"tool_calls"', ":", "["), ",", ("]", "}")
     response_open = ("{", '"response"', ":", '"')
+    json_response_open = ("{", '"response"', ":")
     call_separator, list_open, list_close = ", ", '{"tool_calls": [', "]}"
 
     def _auto_format(self, tags: list[dict], parallel: bool) -> dict | None:
-        response = {
-            "type": "sequence",
-            "elements": [
-                _const('{"response": '),
-                {"type": "json_schema", "json_schema": {"type": "string"}},
-                _const("}"),
-            ],
-        }
+        return self._schema_format(tags, parallel, {"type": "string"})
+
+    def _schema_format(self, tags: list[dict], parallel: bool, schema: dict) -> dict:
+        # The answer stays inside the protocol's one object, so a schema whose JSON could be read as
+        # {"tool_calls": ...} is never mistaken for calls.
+        response = {"type": "sequence", "elements": [_const('{"response": '), _json_schema(schema), _const("}")]}
         return {"type": "or", "elements": [self._calls_format(tags, parallel), response]}
 
 
@@ -746,7 +870,9 @@ def get_tool_format(name: str, chat_template: str | None) -> ToolCallFormat:
     return FORMATS[name]()
 
 
-def generic_system_prompt(tools: list[dict], tool_choice: str | dict, parallel: bool) -> str:
+def generic_system_prompt(
+    tools: list[dict], tool_choice: str | dict, parallel: bool, response_schema: dict | None = None
+) -> str:
     """The instructions that stand in for a chat template's tool support (with GenericFormat)."""
     specs = _function_specs(tools)
     named = _named_tool(tool_choice, [name for name, _, _ in specs])
@@ -765,11 +891,19 @@ def generic_system_prompt(tools: list[dict], tool_choice: str | dict, parallel: 
         lines.append(call.replace('"<tool name>"', json.dumps(named, ensure_ascii=False)))
     elif tool_choice == "required":
         lines += ["You must call one or more of the tools, like this:", call]
+    elif response_schema is not None:
+        lines += [
+            "To call tools:",
+            call,
+            "To answer the user directly instead, give the answer as JSON following this schema:",
+            json.dumps(response_schema, ensure_ascii=False),
+            '{"response": <the answer>}',
+        ]
     else:
         lines += ["To call tools:", call, "To answer the user directly instead:", '{"response": "<your answer>"}']
     if parallel and named is None:
         lines.append("The tool_calls list may hold several calls when the request needs more than one.")
-    elif not parallel:
+    else:
         lines.append("Make at most one call: the tool_calls list holds exactly one entry.")
     lines.append("Tool results come back to you in later messages.")
     return "\n".join(lines)
@@ -777,35 +911,48 @@ def generic_system_prompt(tools: list[dict], tool_choice: str | dict, parallel: 
 
 # ---- streaming ----------------------------------------------------------------------------------------
 class StreamingToolParser:
-    """Turns the growing output text into OpenAI chat.completion.chunk deltas."""
+    """Reads the growing output text: its new events in order (`events`, for the Responses API's
+    output items), or as an OpenAI chat.completion.chunk delta (`feed`)."""
 
     def __init__(self, fmt: ToolCallFormat) -> None:
         self._scanner = _CallScanner(fmt)
         self._done = False
         self.tool_call_ids: list[str] = []  # one per call announced so far, in order
 
-    def feed(self, text: str, finished: bool) -> tuple[str, list[dict]]:
-        """`text`: the WHOLE output text so far (it only grows). Returns (content delta, OpenAI
-        delta.tool_calls entries) for what is new since the last call."""
+    def events(self, text: str, finished: bool) -> list[tuple]:
+        """`text`: the WHOLE output text so far (it only grows). What is new since the last call, in
+        the output's order: ("content", text), ("call", index, name, call_id), ("args", index, fragment)."""
         if self._done:
-            return "", []
+            return []
         self._done = finished
+        out = []
+        for event in self._scanner.advance(text, finished):
+            if event[0] == "call":
+                self.tool_call_ids.append(make_tool_call_id())
+                event = (*event, self.tool_call_ids[-1])
+            out.append(event)
+        return out
+
+    def feed(self, text: str, finished: bool) -> tuple[str, list[dict]]:
+        """(content delta, OpenAI delta.tool_calls entries) for what is new. One entry per call index,
+        as OpenAI sends them: the first one of a call carries its id, type, name and the arguments
+        written so far; clients (the openai SDK's stream helper) merge entries by index across chunks,
+        and one chunk holding two entries of the same index makes them assemble a second call."""
         content: list[str] = []
         deltas: list[dict] = []
-        for event in self._scanner.advance(text, finished):
+        for event in self.events(text, finished):
             if event[0] == "content":
                 content.append(event[1])
             elif event[0] == "call":
-                self.tool_call_ids.append(make_tool_call_id())
                 deltas.append(
                     {
                         "index": event[1],
-                        "id": self.tool_call_ids[-1],
+                        "id": event[3],
                         "type": "function",
                         "function": {"name": event[2], "arguments": ""},
                     }
                 )
-            elif deltas and "id" not in deltas[-1] and deltas[-1]["index"] == event[1]:
+            elif deltas and deltas[-1]["index"] == event[1]:  # a call's events are contiguous
                 deltas[-1]["function"]["arguments"] += event[2]
             else:
                 deltas.append({"index": event[1], "function": {"arguments": event[2]}})

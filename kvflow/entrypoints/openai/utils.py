@@ -135,20 +135,27 @@ def validation_error(e: ValidationError) -> APIError:
 # Chat messages are a union tagged by role: pydantic puts the tag (and, for a union-typed field,
 # the member type it tried) into an error's location. Neither is a parameter the client sent.
 _UNION_PARTS = re.compile(r"^(system|developer|user|assistant|tool|str|int|float|bool|.*\[.*)$")
+# The member of an untagged union of models (the Responses API's input items): its class name.
+_MODEL_NAME = re.compile(r"^[A-Z][A-Za-z0-9]*$")
 
 
 def pydantic_error(err: dict[str, Any]) -> APIError:
     raw_loc = [x for x in err.get("loc", ()) if x != "body"]
     loc: list[str] = []
+    skipped = False
     for i, x in enumerate(raw_loc):
-        if (
+        after_index = i > 0 and (isinstance(raw_loc[i - 1], int) or skipped)
+        skipped = (
             i > 0
             and isinstance(x, str)
-            and _UNION_PARTS.match(x)
-            and (isinstance(raw_loc[i - 1], int) or i == len(raw_loc) - 1)
-        ):
-            continue
-        loc.append(str(x))
+            and (
+                "[" in x  # a member type of a union-typed field, e.g. list[...] of `str | list[...]`
+                or (_UNION_PARTS.match(x) is not None and (after_index or i == len(raw_loc) - 1))
+                or (_MODEL_NAME.match(x) is not None and after_index)
+            )
+        )
+        if not skipped:
+            loc.append(str(x))
     param = ".".join(loc) or None
     msg = str(err.get("msg", "invalid value"))
     msg = msg.removeprefix("Value error, ")
@@ -203,8 +210,18 @@ def value_error(e: ValueError, prompt_param: str = "prompt") -> APIError:
 
 
 # ---- server-sent events ---------------------------------------------------------------------------
+# Characters that JSON leaves raw but that str.splitlines() (and SSE readers built on it) takes
+# for line breaks: escaped, so that one event's data stays on one line.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def sse_json(data: dict[str, Any]) -> str:
+    """`data` as one line of compact JSON (non-ASCII kept, line-breaking characters escaped)."""
+    return json.dumps(data, ensure_ascii=False, separators=(",", ":")).translate(_LINE_BREAKS)
+
+
 def sse(data: dict[str, Any]) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"data: {sse_json(data)}\n\n"
 
 
 SSE_DONE = "data: [DONE]\n\n"
