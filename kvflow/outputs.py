@@ -94,3 +94,27 @@ class RequestOutput:
     error: str | None = field(default=None)
     # Prefill/decode disaggregation: what a producer engine returns for the decode engine
     kv_transfer_params: dict | None = None
+    # An embedding request (SamplingParams.pooling), once finished: the pooled, L2-normalised
+    # final hidden state of its prompt (its one completion holds no tokens).
+    embedding: list[float] | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    """vLLM's `EmbeddingOutput`: the pooled, L2-normalised final hidden state (hidden_size floats)."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What `LLM.embed` returns per prompt, shaped like vLLM's `EmbeddingRequestOutput`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True

@@ -21,6 +21,7 @@ SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # int64, as vLLM
 # An expert trace (return_expert_trace) holds one entry per token and MoE layer: at most this many
 # (prompt + max_tokens) x MoE layers per completion; more is refused when the request is added.
 MAX_EXPERT_TRACE_ENTRIES = 131072
+POOLING_MODES = ("last", "mean")  # embeddings: the last prompt token's hidden state, or all tokens' mean
 
 
 @dataclass
@@ -58,6 +59,9 @@ class SamplingParams:
     # of its tokens was routed to per MoE layer and the distance in tokens since each was last
     # active (`CompletionOutput.expert_trace`); bounded by MAX_EXPERT_TRACE_ENTRIES.
     return_expert_trace: bool = False
+    # An embedding request (LLM.embed, /v1/embeddings): "last" | "mean" pools the prompt's final
+    # hidden states; it ends after its prefill with `RequestOutput.embedding`, never sampling.
+    pooling: str | None = None
     # Filled by the engine: EOS ids of the model (not a user field).
     _eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
 
@@ -133,6 +137,11 @@ class SamplingParams:
                 raise bad("kv_transfer_params", "a JSON object")
             if self.n != 1:
                 raise ValueError(f"kv_transfer_params needs n=1, got n={self.n}")
+        if self.pooling is not None:
+            if self.pooling not in POOLING_MODES:
+                raise bad("pooling", f"one of {list(POOLING_MODES)}")
+            if self.n != 1:
+                raise ValueError(f"pooling needs n=1, got n={self.n}")
 
     def _validate_logit_bias(self) -> None:
         bias = self.logit_bias

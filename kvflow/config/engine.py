@@ -107,6 +107,11 @@ class EngineConfig:
         "enable_kv_cache_events, publisher zmq|null, endpoint, replay_endpoint, buffer_steps, hwm, "
         "max_queue_size, topic; see docs/features/kv_cache_and_tiers.md)",
     )
+    step_record_capacity: int = option(
+        4096,
+        "steps kept in the ring of step records that GET /debug/requests/{id} explains requests from "
+        "(and as many recent requests); 0 turns the records off (see docs/operations/diagnosis.md)",
+    )
     tensor_parallel_size: int = option(
         1,
         "split every layer over this many ranks (worker processes on this machine, all-reduce over "
@@ -137,6 +142,12 @@ class EngineConfig:
         choices=SCHEDULING_POLICIES,
     )
     fairness: str = option("none", "none | vtc (a fair share of service across clients)", choices=FAIRNESS_MODES)
+    pooling: str = option(
+        "last",
+        "embeddings (/v1/embeddings, LLM.embed): pool the final hidden states of the prompt by its last "
+        "token or by the mean over all its tokens (then L2-normalised)",
+        choices=("last", "mean"),
+    )
     default_ttft_slo_ms: float | None = option(None, "TTFT SLO of requests that give none, ms")
     default_tpot_slo_ms: float | None = option(None, "TPOT SLO of requests that give none, ms")
     max_queue_time_s: float | None = option(None, "a request not scheduled within this many seconds ends with an error")
@@ -154,6 +165,8 @@ class EngineConfig:
         positive("block_size", self.block_size)
         positive("max_num_batched_tokens", self.max_num_batched_tokens)
         positive("max_num_seqs", self.max_num_seqs)
+        if self.step_record_capacity < 0:
+            raise ValueError(f"step_record_capacity must be >= 0, got {self.step_record_capacity}")
         if self.num_kv_blocks is not None:
             positive("num_kv_blocks", self.num_kv_blocks)
         if self.kv_cache_memory_gb <= 0:

@@ -9,6 +9,8 @@ from kvflow.config.options import check_choices, option, positive
 # The tool-call formats kvflow/entrypoints/openai/tool_parsers.py implements, and the router
 # policies kvflow/router/policies.py implements (each registers under one of these names).
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral", "generic")
+# The reasoning formats kvflow/entrypoints/openai/reasoning_parsers.py implements.
+REASONING_PARSERS = ("qwen3", "deepseek_r1")
 ROUTER_POLICIES = ("round_robin", "least_loaded", "cache_aware")
 DATA_PARALLEL_BACKENDS = ("mp", "ray")
 
@@ -43,6 +45,14 @@ class ServerConfig:
         "how the chat template writes tool calls: auto (from the template), hermes, llama3_json, "
         "mistral, or generic (kvflow's JSON protocol, for templates without tool support)",
         choices=TOOL_CALL_PARSERS,
+    )
+    reasoning_parser: str | None = option(
+        None,
+        "split a thinking model's output: the text between think tags goes to reasoning_content, the "
+        "rest to content; a response_format or tool grammar then applies after the reasoning. qwen3 "
+        "(<think>...</think> written by the model) or deepseek_r1 (the template opens <think> in the "
+        "prompt); unset: the output is all content",
+        choices=(None, *REASONING_PARSERS),
     )
     responses_store_size: int = option(
         1024,

@@ -261,8 +261,11 @@ class Scheduler:
     def _admit(self, req: Request, budget: int, now: float) -> int | None:
         """Admit a waiting request with a first chunk of at most `budget` tokens: the chunk's size,
         0 when it went to wait for its KV from outside (no compute), None when it did not fit."""
-        cached = self.kv_cache.get_computed_blocks(req)
-        num_external, is_async = self._external_tokens(req, cached)
+        if req.params.pooling == "mean":  # mean pooling needs every prompt position's hidden state
+            cached, num_external, is_async = ComputedBlocks(), 0, False
+        else:
+            cached = self.kv_cache.get_computed_blocks(req)
+            num_external, is_async = self._external_tokens(req, cached)
         if is_async:
             return 0 if self._start_async_load(req, cached) else None
         num_cached = cached.num_blocks * self.kv_cache.block_size
@@ -419,6 +422,12 @@ class Scheduler:
             tokens = sampled.get(seq.request_id) if seq.sample else None
             accepted = len(tokens) - 1 if tokens else 0
             req.num_computed_tokens += len(seq.token_ids) - len(seq.spec_token_ids) + accepted
+            if seq.sample and req.params.pooling is not None:  # an embedding: done after its prefill
+                self.requests.pop(req.request_id)
+                self.running.remove(req)
+                self._finish(req, RequestStatus.FINISHED_STOPPED)
+                finished.append(req)
+                continue
             if tokens is None:  # a prefill chunk, or its sampling failed (the engine ends it)
                 continue
             if req.first_token_time is None:

@@ -18,6 +18,7 @@ from kvflow.core.scheduler import KVMemoryStats, Scheduler, SchedulerOutput
 from kvflow.core.step_cost import StepCostModel, chunk_pairs
 from kvflow.engine.output_processor import OutputProcessor
 from kvflow.engine.slo_tracker import SLOStats, SLOTracker
+from kvflow.engine.step_records import StepRecords
 from kvflow.executor import Executor
 from kvflow.kv_events.events import KVEventBatch, KVEventSink
 from kvflow.kv_transfer.base import KVConnectorScheduler
@@ -161,6 +162,8 @@ class LLMEngine:
                 )
             self.speculator = Speculator(spec, proposer, cost=self.step_cost)
         self.slo = SLOTracker()
+        # The ring of step records that GET /debug/requests/{id} explains requests from.
+        self.step_records = StepRecords(config.step_record_capacity)
         self._children: dict[str, list[str]] = {}
         self._ids = itertools.count()
         self._shut_down = False
@@ -313,6 +316,7 @@ class LLMEngine:
             )
             children.append(child_id)
         self._children[request_id] = children
+        self.step_records.on_arrival(request_id, children, len(prompt_ids))
         self._prompt_tokens += len(prompt_ids) * params.n
         return request_id
 
@@ -453,6 +457,7 @@ class LLMEngine:
         self._sampling_rows += len(advanced)
         self._track_kv_utilization()
         outputs, stopped, failed = self.output_processor.process(advanced, finished, result.logprobs)
+        outputs += self._embedded(finished, result.embeddings)
         if stopped:
             finished += self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         self._attach_transfer_params(outputs, finished)
@@ -471,6 +476,20 @@ class LLMEngine:
         outputs = expired + outputs + self._fail_kv_loads(kv_failed) + self._flush_kv_connector()
         self.slo.record(outputs)
         return outputs
+
+    def _embedded(self, finished: list[Request], embeddings: dict[str, list[float]]) -> list[RequestOutput]:
+        """The outputs of the embedding requests (SamplingParams.pooling) that ended this step."""
+        outputs = []
+        for req in finished:
+            if req.params.pooling is not None:
+                out = self.output_processor.embedded(req, embeddings.get(req.request_id))
+                if out is not None:
+                    outputs.append(out)
+        return outputs
+
+    def embedding_params(self, pooling: str | None = None) -> SamplingParams:
+        """The params of an embedding request: pooling (default: the engine's --pooling), no sampling."""
+        return SamplingParams(max_tokens=1, temperature=0.0, pooling=pooling or self.config.pooling)
 
     # ---- KV transfers (connector) ----------------------------------------------------------------
     def has_pending_kv_transfers(self) -> bool:
@@ -525,6 +544,11 @@ class LLMEngine:
         multi = [s for s in sched.seqs if len(s.token_ids) > 1]
         context = sum(s.start_pos + len(s.token_ids) for s in sched.seqs)
         pairs = sum(chunk_pairs(s.start_pos, len(s.token_ids)) for s in multi)
+        if self.step_records.enabled:  # the prediction made before the step was seen, as observe() judges it
+            cost = self.step_cost
+            predicted = cost.predict(sched.num_tokens, len(multi), context, pairs) if len(cost.samples) >= 8 else None
+            waiting_kv = tuple(self.scheduler.waiting_for_kv) if self.scheduler.waiting_for_kv else ()
+            self.step_records.record(sched, time.time() - seconds, seconds, predicted, waiting_kv)
         self.step_cost.observe(sched.num_tokens, seconds, len(multi), context, pairs)
 
     def _advance_grammars(self, advanced: list[tuple[Request, list[int]]], broken: dict[str, str]) -> list[Request]:
@@ -559,6 +583,10 @@ class LLMEngine:
         self._util_steps += 1
         self._util_sum += mem.utilization
         self._util_contig_sum += mem.tokens_stored / max(mem.tokens_reserved_contiguous, 1)
+
+    def explain_request(self, request_id: str) -> dict | None:
+        """What a request waited through (step records): plain data, or None when unknown or expired."""
+        return self.step_records.explain(request_id, self.step_cost, set(self.scheduler.requests))
 
     def get_stats(self) -> EngineStats:
         offload, transfer = self._connector_stats()

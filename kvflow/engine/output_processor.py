@@ -233,6 +233,24 @@ class OutputProcessor:
             for i, per_layer in enumerate(experts):
                 trace[start + i] = per_layer
 
+    def embedded(self, req: Request, embedding: list[float] | None) -> RequestOutput | None:
+        """An embedding request (SamplingParams.pooling) finished with its prefill: its output."""
+        parent = self.parents.pop(req.parent_id, None)
+        if parent is None:
+            return None
+        now = time.monotonic()
+        m = parent.metrics
+        m.first_scheduled_time = req.first_scheduled_time
+        parent.num_cached_tokens = max(req.num_cached_tokens, 0)
+        m.first_token_time = m.last_token_time = m.finished_time = now
+        for c in parent.children:
+            c.finish_reason = "stop" if embedding is not None else "error"
+        if embedding is None:
+            parent.error = "request failed: the model returned no embedding"
+        out = parent.output()
+        out.embedding = embedding
+        return out
+
     def finish(self, request_id: str, reason: str, error: str | None = None) -> RequestOutput | None:
         """End a whole user request from outside (abort, engine error)."""
         parent = self.parents.pop(request_id, None)

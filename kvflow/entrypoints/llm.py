@@ -14,7 +14,7 @@ from typing import Any
 
 from kvflow.config import EngineConfig
 from kvflow.engine.llm_engine import EngineStats, LLMEngine
-from kvflow.outputs import RequestOutput
+from kvflow.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from kvflow.sampling_params import SamplingParams
 
 Prompt = str | list[int] | Mapping[str, Any]
@@ -74,6 +74,24 @@ class LLM:
         elif len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams")
         return self._run([(p, sp, True) for p, sp in zip(prompts, params)], use_tqdm)
+
+    def embed(
+        self, prompts: Prompt | Sequence[Prompt], pooling: str | None = None, use_tqdm: bool = True
+    ) -> list[EmbeddingRequestOutput]:
+        """Embeddings, as vLLM's `LLM.embed`: per prompt the final hidden state (after the model's
+        final norm), pooled by the last token or the mean over all tokens (`pooling`; default: the
+        engine's `pooling` option) and L2-normalised, in `out.outputs.embedding`. The prompts run
+        through the engine as prefill-only requests (batched, chunked; no decode, no KV kept after)."""
+        if isinstance(prompts, (str, Mapping)) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        params = self.engine.embedding_params(pooling)
+        results = self._run([(_prompt_of(p), params, True) for p in prompts], use_tqdm)
+        failed = next((r for r in results if r.error is not None or r.embedding is None), None)
+        if failed is not None:
+            raise RuntimeError(f"embedding request {failed.request_id} failed: {failed.error}")
+        return [EmbeddingRequestOutput(r.request_id, r.prompt_token_ids, EmbeddingOutput(r.embedding)) for r in results]
 
     def chat(
         self,

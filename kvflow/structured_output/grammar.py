@@ -61,6 +61,8 @@ class GrammarError(ValueError):
 
 
 def compile_grammar(compiler: Any, spec: StructuredOutputsParams) -> Any:
+    if spec.reasoning_prefix is not None:
+        return _compile_after_reasoning(compiler, spec)
     kind = spec.kind
     try:
         if kind == "json":
@@ -81,6 +83,45 @@ def compile_grammar(compiler: Any, spec: StructuredOutputsParams) -> Any:
         raise
     except Exception as e:  # xgrammar's parse and conversion errors (RuntimeError), or anything it raises
         raise GrammarError(f"structured_outputs.{kind} cannot be compiled: {_xgrammar_message(e)}") from None
+
+
+def _compile_after_reasoning(compiler: Any, spec: StructuredOutputsParams) -> Any:
+    """The reasoning prefix (free text in think tags, kvflow/entrypoints/openai/reasoning_parsers.py)
+    followed by the constraint: one grammar, xgrammar's concatenation of the two."""
+    import dataclasses
+
+    import xgrammar as xgr
+
+    kind = spec.kind
+    inner = dataclasses.replace(spec, reasoning_prefix=None)
+    try:
+        if kind == "regex":
+            constrained = xgr.Grammar.from_regex(spec.regex)
+        else:
+            constrained = _grammar_of(inner)
+        prefix = xgr.Grammar.from_ebnf(spec.reasoning_prefix)
+        return compiler.compile_grammar(xgr.Grammar.concat(prefix, constrained))
+    except GrammarError:
+        raise
+    except Exception as e:
+        raise GrammarError(f"structured_outputs.{kind} cannot be compiled: {_xgrammar_message(e)}") from None
+
+
+def _grammar_of(spec: StructuredOutputsParams) -> Any:
+    """The constraint (any kind but regex) as an xgrammar Grammar, checked as compile_grammar checks it."""
+    import xgrammar as xgr
+
+    kind = spec.kind
+    if kind == "json":
+        check_schema(spec.json)  # type: ignore[arg-type]
+        return xgr.Grammar.from_ebnf(_json_grammar(spec.text, not spec.disable_any_whitespace, strict=True))
+    if kind == "json_object":
+        return xgr.Grammar.from_ebnf(_json_grammar('{"type": "object"}', not spec.disable_any_whitespace, strict=False))
+    if kind == "choice":
+        return xgr.Grammar.from_ebnf("root ::= " + " | ".join(ebnf_literal(c) for c in spec.choice or []))
+    if kind == "grammar":
+        return xgr.Grammar.from_ebnf(spec.grammar)  # type: ignore[arg-type]
+    return xgr.Grammar.from_ebnf(_structural_tag_grammar(spec.structural_tag))  # type: ignore[arg-type]
 
 
 # xgrammar 0.2.8 writes the characters of a length-bounded JSON string as [^"\\\r\n]: raw

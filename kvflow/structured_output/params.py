@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json as _json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 # Limits a request can reach (docs/serving.md lists them with SamplingParams' own).
@@ -19,7 +19,11 @@ class StructuredOutputsParams:
     `grammar` an EBNF grammar (GBNF style, as xgrammar reads it, with a `root` rule);
     `json_object` any JSON object; `structural_tag` an xgrammar structural tag (JSON text; the
     server builds these for tool calls). `disable_any_whitespace`: JSON without free whitespace
-    between tokens (compact output; small models otherwise may emit whitespace for a long time)."""
+    between tokens (compact output; small models otherwise may emit whitespace for a long time).
+
+    `reasoning_prefix`: set by the server only (never read from a request): an EBNF grammar (with a
+    `root` rule) of the text before the constrained part, the think block of a reasoning model
+    (kvflow/entrypoints/openai/reasoning_parsers.py); the constraint applies after it."""
 
     json: dict[str, Any] | str | None = None
     regex: str | None = None
@@ -28,6 +32,7 @@ class StructuredOutputsParams:
     json_object: bool | None = None
     structural_tag: str | None = None
     disable_any_whitespace: bool = False
+    reasoning_prefix: str | None = field(default=None, metadata={"wire": False})
 
     def __post_init__(self) -> None:
         given = [k for k in _KINDS if getattr(self, k) not in (None, False)]
@@ -86,5 +91,5 @@ class StructuredOutputsParams:
         return value
 
     @property
-    def key(self) -> tuple[str, str, bool]:
-        return self.kind, self.text, self.disable_any_whitespace
+    def key(self) -> tuple[str, str, bool, str | None]:
+        return self.kind, self.text, self.disable_any_whitespace, self.reasoning_prefix

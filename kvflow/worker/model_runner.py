@@ -61,6 +61,9 @@ class RunnerOutput:
     # Requests that asked for an expert trace (Mixture-of-Experts): request id -> (position of the
     # step's first token of it, per token of the step its experts per MoE layer, [tokens][layers][k]).
     expert_trace: dict[str, tuple[int, list[list[list[int]]]]] = field(default_factory=dict)
+    # Embedding requests (SamplingParams.pooling) whose prompt ended this step: request id -> the
+    # pooled, L2-normalised final hidden state (float32).
+    embeddings: dict[str, list[float]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -193,15 +196,16 @@ class ModelRunner:
                 self.device,
             )
         if self.kernel_plan is not None and self.kernel_plan.pass_unmeasured and self.model.native_decode is not None:
-            self._time_decode_pass(num_blocks, config.block_size)
+            self._time_decode_pass(num_blocks, config.block_size, max_model_len)
         if self.kernel_plan is not None and hasattr(self.attention, "prefill_path"):
             self._choose_prefill_attention(model_config, num_blocks, config.block_size)
         logger.info("%s", self.kernel_summary())  # (once every choice is made)
         self.sampler = Sampler(config.seed, self.device)
         self.rejection_sampler = RejectionSampler(config.seed + 1, self.device)
         self._generators: dict[str, torch.Generator] = {}
+        self._pool_sums: dict[str, torch.Tensor] = {}  # mean pooling: request id -> hidden-state sum so far
 
-    def _time_decode_pass(self, num_blocks: int, block_size: int) -> None:
+    def _time_decode_pass(self, num_blocks: int, block_size: int, max_model_len: int) -> None:
         """The decode pass's row limit, from decode steps of this model timed with and without it
         (kvflow.worker.autotune.measure_pass_rows), stored for later starts. The rows use the
         first blocks of the new KV cache: nothing holds them yet, and whoever gets them later writes
@@ -210,13 +214,15 @@ class ModelRunner:
         from kvflow.worker.autotune import LOAD_LIMIT, measure_pass_rows, store_pass_rows
 
         plan, fused = self.kernel_plan, self.model.native_decode
-        per_row = -(-PASS_PROBE_CONTEXT // block_size)
+        # (a model served with a shorter context has no rotary angles past it)
+        context = min(PASS_PROBE_CONTEXT, max_model_len)
+        per_row = -(-context // block_size)
 
         def step(rows: int, use_pass: bool) -> None:
             fused.max_rows = rows if use_pass else 0
             self.run_model(
                 [[1]] * rows,
-                [PASS_PROBE_CONTEXT - 1] * rows,
+                [context - 1] * rows,
                 [list(range(r * per_row, (r + 1) * per_row)) for r in range(rows)],
             )
 
@@ -313,15 +319,44 @@ class ModelRunner:
         finally:
             experts = self.model.take_routing_capture() if traced else None
         trace = {} if experts is None else _expert_trace(seqs, experts)
+        embeddings = self._pool(seqs, hidden) if any(s.params.pooling for s in seqs) else {}
 
-        sampling = [s for s in seqs if s.sample]
+        sampling = [s for s in seqs if s.sample and s.params.pooling is None]
         if not sampling:
-            return RunnerOutput(expert_trace=trace)
+            return RunnerOutput(expert_trace=trace, embeddings=embeddings)
         # (in the model's dtype: the sampler widens them where it needs more than an argmax)
         logits = self.model.compute_logits(hidden[torch.tensor(logits_rows(seqs), device=self.device)], float32=False)
         result = self._sample(self._constrain(logits, sampling, grammar), sampling)
         result.expert_trace = trace
+        result.embeddings = embeddings
         return result
+
+    def _pool(self, seqs: list[ScheduledSeq], hidden: torch.Tensor) -> dict[str, list[float]]:
+        """The embeddings of the pooling sequences whose prompt ends this step. Mean pooling sums
+        each chunk's rows (float32) per request across chunked-prefill steps; a chunk from
+        position 0 starts the sum afresh (a first chunk, or the recompute after a preemption: mean
+        requests never take prefix-cache hits)."""
+        out, end = {}, 0
+        for s in seqs:
+            start, end = end, end + len(s.token_ids)
+            mode = s.params.pooling
+            if mode is None:
+                continue
+            if mode == "mean":
+                rows = hidden[start:end].float().sum(0)
+                if s.start_pos == 0 or s.request_id not in self._pool_sums:
+                    self._pool_sums[s.request_id] = rows
+                else:
+                    self._pool_sums[s.request_id] += rows
+                if not s.sample:
+                    continue
+                vec = self._pool_sums.pop(s.request_id) / (s.start_pos + len(s.token_ids))
+            elif s.sample:
+                vec = hidden[end - 1].float()
+            else:
+                continue
+            out[s.request_id] = torch.nn.functional.normalize(vec, dim=0).tolist()
+        return out
 
     @torch.inference_mode()
     def run_model(
@@ -538,6 +573,7 @@ class ModelRunner:
     def release(self, request_ids: Iterable[str]) -> None:
         for rid in request_ids:
             self._generators.pop(rid, None)
+            self._pool_sums.pop(rid, None)
 
 
 def _seed32(seed: int) -> int:
@@ -554,7 +590,7 @@ def logits_rows(seqs: list[ScheduledSeq]) -> list[int]:
     rows, end = [], 0
     for s in seqs:
         end += len(s.token_ids)
-        if s.sample:
+        if s.sample and s.params.pooling is None:  # (an embedding request samples nothing)
             rows.extend(range(end - 1 - len(s.spec_token_ids), end))
     return rows
 

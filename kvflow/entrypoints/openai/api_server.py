@@ -49,6 +49,7 @@ from kvflow.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     TokenizeRequest,
 )
 from kvflow.entrypoints.openai.protocol_responses import ResponsesRequest
@@ -56,6 +57,7 @@ from kvflow.entrypoints.openai.response_store import ResponseStore
 from kvflow.entrypoints.openai.serving import RETRY_AFTER_S
 from kvflow.entrypoints.openai.serving_chat import ServingChat
 from kvflow.entrypoints.openai.serving_completion import ServingCompletion
+from kvflow.entrypoints.openai.serving_embedding import ServingEmbedding
 from kvflow.entrypoints.openai.serving_responses import ServingResponses
 from kvflow.entrypoints.openai.utils import APIError, parse_body, pydantic_error
 from kvflow.metrics import EngineMetrics
@@ -284,7 +286,8 @@ def build_app(
     state = ServerState(llm, config, metrics, served, exit_action or _default_exit)
     llm.on_fatal = state.on_engine_dead
     completions = ServingCompletion(llm, served)
-    chat = ServingChat(llm, served, config.tool_call_parser)
+    embeddings = ServingEmbedding(llm, served, engine.config.pooling, engine.model_config.hidden_size)
+    chat = ServingChat(llm, served, config.tool_call_parser, config.reasoning_parser)
     responses_api = ServingResponses(chat, ResponseStore(config.responses_store_size))
 
     @contextlib.asynccontextmanager
@@ -313,6 +316,7 @@ def build_app(
         (
             CompletionRequest,
             ChatCompletionRequest,
+            EmbeddingRequest,
             ResponsesRequest,
             TokenizeRequest,
             DetokenizeRequest,
@@ -391,6 +395,10 @@ def build_app(
     async def create_chat_completion(request: Request) -> Response:
         return await chat.create(request)
 
+    @app.post("/v1/embeddings", openapi_extra=json_body(EmbeddingRequest), responses=responses(stream=False))
+    async def create_embedding(request: Request) -> Response:
+        return await embeddings.create(request)
+
     app.include_router(anthropic_router(chat))  # /v1/messages, /v1/messages/count_tokens
 
     @app.post("/v1/responses", openapi_extra=json_body(ResponsesRequest), responses=responses(stream=True))
@@ -436,7 +444,34 @@ def build_app(
             raise APIError(400, f"token id {bad[0]} is out of range [0, {vocab})", param="tokens", code="invalid_value")
         return JSONResponse({"prompt": completions.decode(req.tokens)})
 
+    # A debug route (kept out of the OpenAPI spec): what a request waited through, from the
+    # engine's step records (docs/operations/diagnosis.md). Read on the engine thread, between steps.
+    @app.get("/debug/requests/{request_id}", include_in_schema=False)
+    async def debug_request(request_id: str) -> Response:
+        answer = await llm.call(lambda e: _explain(e, request_id))
+        if answer is None:
+            raise APIError(
+                404,
+                f"no step records for request {request_id!r}: unknown, or expired from the ring of the last "
+                f"{engine.config.step_record_capacity} steps (--step-record-capacity)",
+                param="request_id",
+                code="not_found",
+            )
+        return JSONResponse(answer)
+
     return app
+
+
+def _explain(engine: LLMEngine, request_id: str) -> dict[str, Any] | None:
+    """The step records' answer for a request id as the client saw it: a completion of several
+    prompts is one engine request per prompt ({id}-0, {id}-1, ...), answered under "prompts"."""
+    answer = engine.explain_request(request_id)
+    if answer is not None:
+        return answer
+    prompts = []
+    while (part := engine.explain_request(f"{request_id}-{len(prompts)}")) is not None:
+        prompts.append(part)
+    return {"request_id": request_id, "prompts": prompts} if prompts else None
 
 
 # ---- running it --------------------------------------------------------------------------------------

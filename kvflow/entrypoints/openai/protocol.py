@@ -64,7 +64,9 @@ def _wire_model(cls: type, name: str) -> type[BaseModel]:
     """A strict pydantic model with the fields of an options dataclass: the dataclass stays the
     one definition (and validates in its __post_init__); this only checks the JSON types."""
     hints = typing.get_type_hints(cls)
-    fields: dict[str, Any] = {f.name: (hints[f.name], f.default) for f in dataclasses.fields(cls)}
+    fields: dict[str, Any] = {
+        f.name: (hints[f.name], f.default) for f in dataclasses.fields(cls) if f.metadata.get("wire", True)
+    }
     with warnings.catch_warnings():  # a field called "json" shadows BaseModel.json: harmless here
         warnings.simplefilter("ignore")
         return create_model(name, __config__=_CONFIG, **fields)
@@ -230,6 +232,28 @@ def parse_prompts(v: Any) -> list[Prompt]:
             raise ValueError("prompt must not contain an empty token list")
         return [list(x) for x in v]
     raise ValueError(shape)
+
+
+class EmbeddingRequest(BaseModel):
+    """POST /v1/embeddings: `input` as completions' `prompt` (a string, strings, token ids or lists
+    of them; at most MAX_PROMPTS inputs). `dimensions` is accepted only as the model's hidden size;
+    `user` is ignored (fair sharing aside)."""
+
+    model_config = _CONFIG
+    input: Annotated[Any, WithJsonSchema(_PROMPT_SCHEMA)]  # required; see parse_prompts
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    add_special_tokens: bool = True  # vLLM's extra
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _check_input(cls, v: Any) -> list[Prompt]:
+        try:
+            return parse_prompts(v)
+        except ValueError as e:
+            raise ValueError(str(e).replace("prompt", "input")) from None
 
 
 # ---- chat messages: OpenAI's per-role rules ----------------------------------------------------------

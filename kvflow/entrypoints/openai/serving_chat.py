@@ -10,6 +10,7 @@ answers are the same calls, content and finish_reason).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
@@ -21,6 +22,7 @@ from starlette.responses import JSONResponse, Response
 
 from kvflow.engine.async_llm import RequestFailedError, RequestHandle
 from kvflow.entrypoints.openai.protocol import ChatCompletionRequest
+from kvflow.entrypoints.openai.reasoning_parsers import ReasoningFormat, get_reasoning_format
 from kvflow.entrypoints.openai.serving import (
     OpenAIServing,
     chat_logprobs,
@@ -56,10 +58,24 @@ from kvflow.structured_output.params import StructuredOutputsParams
 
 
 class ServingChat(OpenAIServing):
-    def __init__(self, llm, served_model_name: str, tool_call_parser: str = "auto") -> None:
+    def __init__(
+        self, llm, served_model_name: str, tool_call_parser: str = "auto", reasoning_parser: str | None = None
+    ) -> None:
         super().__init__(llm, served_model_name)
         template = getattr(self.tokenizer, "chat_template", None)
         self.tool_format = get_tool_format(tool_call_parser, template if isinstance(template, str) else None)
+        self.reasoning: ReasoningFormat | None = get_reasoning_format(reasoning_parser)
+
+    def constrain_after_reasoning(self, params: SamplingParams) -> None:
+        """With --reasoning-parser, a constraint (response_format, structured_outputs, the tool grammar)
+        applies after the think block: the grammar allows the reasoning's free text first. A
+        constraint that itself writes the end tag (a structured_outputs regex or grammar spelling out
+        the think block) is left as it is."""
+        constraint = params.structured_outputs
+        if self.reasoning is not None and constraint is not None and self.reasoning.end not in constraint.text:
+            params.structured_outputs = dataclasses.replace(
+                params.structured_outputs, reasoning_prefix=self.reasoning.grammar_prefix()
+            )
 
     def chat_prompt_ids(self, req: ChatCompletionRequest, tools: ToolCallFormat | None = None) -> list[int]:
         try:
@@ -105,6 +121,7 @@ class ServingChat(OpenAIServing):
         model = self.model_name(req.model)
         params = sampling_params(req.to_sampling_params)
         tools = self.tool_format_for(req, params)
+        self.constrain_after_reasoning(params)
         prompt_ids = self.chat_prompt_ids(req, tools)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         handles = await self.add_requests(
@@ -134,7 +151,7 @@ class ServingChat(OpenAIServing):
     ) -> dict[str, Any]:
         choices = []
         for c in out.outputs:
-            message, reason = _message(c, tools)
+            message, reason = _message(c, tools, self.reasoning)
             choices.append(
                 {
                     "index": c.index,
@@ -167,6 +184,9 @@ class ServingChat(OpenAIServing):
         base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
         extra = {"usage": None} if req.include_usage else {}
         parsers = [StreamingToolParser(tools) if tools is not None else None for _ in range(req.n)]
+        thinkers = [self.reasoning.streaming() if self.reasoning is not None else None for _ in range(req.n)]
+        content_so_far = [""] * req.n  # after the reasoning: what the tool parser reads
+        thought_of = [0] * req.n  # characters of the output the reasoning parser has read
         made_calls = [False] * req.n
         sent_text = [0] * req.n
         sent_tokens = [0] * req.n
@@ -196,10 +216,17 @@ class ServingChat(OpenAIServing):
                         continue
                     delta: dict[str, Any] = {}
                     parser = parsers[i]
-                    if parser is None:
-                        text = c.text[sent_text[i] :]
-                    else:  # tool calls: the parser decides what of the new text is content
-                        text, calls = parser.feed(c.text, c.finished)
+                    text = c.text[sent_text[i] :]
+                    thinker = thinkers[i]
+                    if thinker is not None:  # the think block first; the rest is content
+                        thought, text = thinker.feed(c.text[thought_of[i] :], c.finished)
+                        thought_of[i] = len(c.text)
+                        if thought:
+                            delta["reasoning_content"] = thought
+                        content_so_far[i] += text
+                    if parser is not None:  # tool calls: the parser decides what of the new text is content
+                        whole = content_so_far[i] if thinker is not None else c.text
+                        text, calls = parser.feed(whole, c.finished)
                         if calls:
                             delta["tool_calls"] = calls
                             made_calls[i] = True
@@ -231,12 +258,20 @@ class ServingChat(OpenAIServing):
         yield SSE_DONE
 
 
-def _message(c: CompletionOutput, tools: ToolCallFormat | None) -> tuple[dict[str, Any], str | None]:
-    """The assistant message of one finished completion, and its finish_reason."""
+def _message(
+    c: CompletionOutput, tools: ToolCallFormat | None, reasoning: ReasoningFormat | None = None
+) -> tuple[dict[str, Any], str | None]:
+    """The assistant message of one finished completion, and its finish_reason. With a reasoning
+    parser, the think block goes to reasoning_content and only the rest is read for tool calls."""
+    text, thought = c.text, None
+    if reasoning is not None:
+        thought, text = reasoning.split(c.text)
+    extra = {"reasoning_content": thought or None} if reasoning is not None else {}
     if tools is None:
-        return {"role": "assistant", "content": c.text}, c.finish_reason
-    parsed = tools.parse(c.text)
-    message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+        content = text or None if thought else text
+        return {"role": "assistant", "content": content, **extra}, c.finish_reason
+    parsed = tools.parse(text)
+    message: dict[str, Any] = {"role": "assistant", "content": parsed.content, **extra}
     if not parsed.tool_calls:
         return message, c.finish_reason
     message["tool_calls"] = [
