@@ -9,9 +9,10 @@ connect); vLLM's connect mode for non-wildcard endpoints is not offered.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields, replace
 from typing import Any
+
+from kvflow.config.options import json_object_fields
 
 # The publishers kvflow/kv_events/publisher.py implements (it registers each under one of these names).
 KV_EVENT_PUBLISHERS = ("null", "zmq")
@@ -81,17 +82,7 @@ class KVEventsConfig:
     def parse(cls, value: KVEventsConfig | dict | str) -> KVEventsConfig:
         if isinstance(value, KVEventsConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"kv_events_config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"kv_events_config must be a JSON object, got {value!r}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"kv_events_config: unknown key(s) {unknown}; valid keys: {sorted(known)}")
+        value = json_object_fields(cls, value, "kv_events_config")
         return cls(**value)
 
 

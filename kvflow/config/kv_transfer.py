@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
+
+from kvflow.config.options import json_object_fields
 
 CONNECTORS = ("tcp", "shm")  # shm: same host; control over TCP, blocks through a /dev/shm file
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
@@ -59,17 +60,7 @@ class KVTransferConfig:
     def parse(cls, value: KVTransferConfig | dict | str) -> KVTransferConfig:
         if isinstance(value, KVTransferConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"kv_transfer_config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"kv_transfer_config must be a JSON object, got {value!r}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"kv_transfer_config: unknown key(s) {unknown}; valid keys: {sorted(known)}")
+        value = json_object_fields(cls, value, "kv_transfer_config")
         for key in ("kv_connector", "kv_role"):
             if key not in value:
                 raise ValueError(

@@ -8,6 +8,7 @@ docs/cli.md is generated from the CLI.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,6 +34,24 @@ def check_choices(obj: Any) -> None:
         value = getattr(obj, f.name)
         if choices is not None and value not in choices:
             raise ValueError(f"{f.name} must be one of {choices_text(choices)}, got {value!r}")
+
+
+def json_object_fields(cls: type, value: Any, option: str) -> dict[str, Any]:
+    """A JSON-object option (a dict, or its JSON text) as the keyword arguments of the dataclass
+    `cls`: a ValueError naming `option` for text that is not JSON, a value that is not an object,
+    or keys that `cls` has no field for (the valid ones listed)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{option} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{option} must be a JSON object, got {value!r}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValueError(f"{option}: unknown key(s) {unknown}; valid keys: {sorted(known)}")
+    return value
 
 
 def positive(name: str, value: int) -> None:
