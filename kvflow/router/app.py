@@ -1,7 +1,9 @@
 """The router: an async HTTP proxy in front of kvflow servers (FastAPI app, httpx client).
 
-Request path for POST /v1/completions and /v1/chat/completions: the policy picks a `Route`; with a
-prefill engine on it, the router first sends that engine a prefill-only copy of the body (`pd.py`)
+Request path for POST /v1/completions, /v1/chat/completions, /v1/responses, /v1/messages and
+/v1/embeddings: the policy picks a `Route` (a Responses request that continues a stored response,
+`previous_response_id`, goes to the engine that stores it: `locate_response`); with a prefill engine
+on it (completions and chat only), the router first sends that engine a prefill-only copy of the body (`pd.py`)
 and reads `kv_transfer_params` from its answer; then it sends the client's body (plus those params)
 to the target and relays its answer as it comes: status, headers that matter, JSON body, or the SSE
 stream chunk by chunk.
@@ -38,6 +40,7 @@ import contextlib
 import json
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -55,7 +58,7 @@ from kvflow.router import metrics as m
 from kvflow.router.config import RouterConfig
 from kvflow.router.kv_view import tokenize_requests
 from kvflow.router.metrics import RouterMetrics
-from kvflow.router.pd import CHAT_PATH, COMPLETIONS_PATH, decode_body, encode_body, prefill_body
+from kvflow.router.pd import RESPONSES_PATH, ROUTED_PATHS, decode_body, encode_body, prefill_body
 from kvflow.router.policies import Backend, Route, RouteRequest, RoutingPolicy, make_policy
 from kvflow.utils.prometheus import parse_prometheus
 
@@ -66,7 +69,9 @@ logger = logging.getLogger("kvflow.router")
 TOKENIZE_TIMEOUT_S = 2.0
 
 # Client headers the engines need; the rest (host, content-length, hop-by-hop) are the router's.
-_FORWARDED_HEADERS = ("authorization",)
+_FORWARDED_HEADERS = ("authorization", "x-api-key", "anthropic-version")
+# Stored responses whose engine the router found (response id -> backend), the most recent kept.
+RESPONSE_HOMES_KEPT = 4096
 # Upstream headers a client may act on: the body's type, and when to retry an overloaded engine.
 _RELAYED_HEADERS = ("content-type", "retry-after")
 
@@ -129,6 +134,7 @@ class Router:
         # Bumped whenever a backend's health is set: a probe that began before a request saw the
         # backend refuse connections must not put it back with its stale answer.
         self._health_epoch: dict[Backend, int] = dict.fromkeys(self.policy.backends(), 0)
+        self._response_homes: OrderedDict[str, Backend] = OrderedDict()
 
     async def start(self) -> None:
         """Start the background health checks and load scrapes (the app's lifespan calls this)."""
@@ -185,7 +191,7 @@ class Router:
         self._tasks.clear()
         await self.client.aclose()
 
-    # ---- POST /v1/completions, /v1/chat/completions --------------------------------------------------
+    # ---- POST /v1/completions, /v1/chat/completions, /v1/responses, /v1/messages, /v1/embeddings ------
     async def generate(self, request: Request, path: str) -> Response:
         started = time.monotonic()
         raw = await request.body()
@@ -196,6 +202,14 @@ class Router:
             # the same a client of a plain server gets.
             return (await self._relay(request, self.policy.primary(), path, raw, headers, started)).response
         route_request = RouteRequest(path, body)
+        previous = body.get("previous_response_id") if path == RESPONSES_PATH else None
+        if isinstance(previous, str):
+            # A conversation's state lives in one engine's response store: that engine answers (no
+            # retry elsewhere: no other engine has the state). Not found anywhere: the policy's
+            # choice answers with its own 404.
+            home = await self.locate_response(previous, headers)
+            if home is not None:
+                return (await self._relay(request, home, path, raw, headers, started)).response
         if self.policy.wants_token_ids(route_request):
             ids = await self._prompt_token_ids(path, body, headers)
             if ids is not None:
@@ -445,6 +459,46 @@ class Router:
                 for medium in MEDIA:
                     self.metrics.kv_view_blocks.labels(b.url, medium).set(view.num_blocks(medium))
 
+    # ---- stored responses (GET / DELETE /v1/responses/{id}, previous_response_id) -------------------
+    async def locate_response(self, response_id: str, headers: dict[str, str]) -> Backend | None:
+        """The backend whose response store holds `response_id`: remembered from an earlier lookup,
+        else found by asking every backend at once (GET /v1/responses/{id}; the first 200). Asking
+        keeps the router stateless across restarts; a lookup costs one local round trip per
+        backend, once per conversation turn."""
+        home = self._response_homes.get(response_id)
+        if home is not None:
+            self._response_homes.move_to_end(response_id)
+            return home
+
+        async def holds(backend: Backend) -> bool:
+            try:
+                resp = await self.client.get(f"{backend.url}{RESPONSES_PATH}/{response_id}", headers=headers)
+            except httpx.TransportError:
+                return False
+            return resp.status_code == 200
+
+        backends = list(dict.fromkeys(self.policy.backends()))
+        found = await asyncio.gather(*(holds(b) for b in backends))
+        home = next((b for b, ok in zip(backends, found) if ok), None)
+        if home is not None:
+            self._response_homes[response_id] = home
+            while len(self._response_homes) > RESPONSE_HOMES_KEPT:
+                self._response_homes.popitem(last=False)
+        return home
+
+    async def stored_response(self, request: Request, response_id: str) -> Response:
+        """GET or DELETE /v1/responses/{id}, answered by the engine that stores it (none: the
+        primary's own 404)."""
+        headers = _forwarded(request)
+        backend = await self.locate_response(response_id, headers) or self.policy.primary()
+        if request.method == "DELETE":
+            self._response_homes.pop(response_id, None)
+        try:
+            resp = await self.client.request(request.method, backend.url + request.url.path, headers=headers)
+        except httpx.TransportError as e:
+            return self._unreachable(backend, e)
+        return _copy(resp)
+
     # ---- routes that every engine answers alike ------------------------------------------------------
     async def models(self, request: Request) -> Response:
         return await self.passthrough(request, "/v1/models")
@@ -644,13 +698,20 @@ def build_router_app(config: RouterConfig, *, transport: httpx.AsyncBaseTranspor
         logger.exception("unhandled error in %s %s", request.method, request.url.path)
         return error_response(500, f"router error: {type(exc).__name__}: {exc}", "internal_error")
 
-    @app.post(COMPLETIONS_PATH)
-    async def completions(request: Request) -> Response:
-        return await router.generate(request, COMPLETIONS_PATH)
+    for path in ROUTED_PATHS:
 
-    @app.post(CHAT_PATH)
-    async def chat_completions(request: Request) -> Response:
-        return await router.generate(request, CHAT_PATH)
+        async def generate(request: Request, path: str = path) -> Response:
+            return await router.generate(request, path)
+
+        app.add_api_route(path, generate, methods=["POST"], include_in_schema=False)
+
+    @app.api_route(RESPONSES_PATH + "/{response_id}", methods=["GET", "DELETE"])
+    async def stored_response(request: Request, response_id: str) -> Response:
+        return await router.stored_response(request, response_id)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> Response:
+        return await router.passthrough(request, "/v1/messages/count_tokens")
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

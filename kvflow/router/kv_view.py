@@ -30,7 +30,7 @@ from kvflow.kv_events.events import (
     BlockStored,
     KVEventBatch,
 )
-from kvflow.router.pd import CHAT_PATH
+from kvflow.router.pd import CHAT_PATH, COMPLETIONS_PATH
 from kvflow.utils.validation import is_int
 
 # A block routed to a replica counts as held there for this long unless an event names it first
@@ -136,6 +136,8 @@ def tokenize_requests(path: str, body: dict[str, Any]) -> list[list[int] | dict[
     """Per prompt the engine will compute: its token ids when the body gives them, else the body of
     a `POST /tokenize` that gives the same ids the engine's own tokenization will. None: the router
     cannot reproduce the prompt (chat with tools, a body it cannot read): route it by its text."""
+    if path not in (CHAT_PATH, COMPLETIONS_PATH):
+        return None  # responses, messages, embeddings: routed by their text
     model = body.get("model") if isinstance(body.get("model"), str) else None
     if path == CHAT_PATH:
         messages = body.get("messages")

@@ -15,6 +15,12 @@ from kvflow.utils.validation import is_int
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
+# Routed like the two above (policy, retry), but always computed whole by one engine: the
+# prefill/decode protocol (kv_transfer_params) belongs to the completions endpoints.
+RESPONSES_PATH = "/v1/responses"
+MESSAGES_PATH = "/v1/messages"  # Anthropic's Messages API
+EMBEDDINGS_PATH = "/v1/embeddings"
+ROUTED_PATHS = (COMPLETIONS_PATH, CHAT_PATH, RESPONSES_PATH, MESSAGES_PATH, EMBEDDINGS_PATH)
 
 # What asks a producer engine to keep the prompt's KV for a decode engine (vLLM's field).
 REMOTE_DECODE = {"do_remote_decode": True}
@@ -22,6 +28,8 @@ REMOTE_DECODE = {"do_remote_decode": True}
 
 def takes_prefill_step(path: str, body: dict[str, Any]) -> bool:
     """Whether this request goes through a prefill engine before its decode engine."""
+    if path not in (CHAT_PATH, COMPLETIONS_PATH):
+        return False  # responses, messages, embeddings: the decode engine computes them whole
     n = body.get("n", 1)
     if is_int(n) and n > 1:
         # One transfer feeds one sequence (kv_transfer_params needs n == 1): the decode engine

@@ -16,7 +16,7 @@ import json
 from itertools import count
 from typing import Any
 
-from kvflow.router.pd import CHAT_PATH
+from kvflow.router.pd import CHAT_PATH, EMBEDDINGS_PATH, MESSAGES_PATH, RESPONSES_PATH
 from kvflow.utils.validation import is_int
 
 
@@ -165,7 +165,9 @@ def prompt_texts(path: str, body: dict[str, Any]) -> list[str]:
     /v1/completions: the prompt string, or a token-id list as one character per id (so matches
     count tokens); a list of prompts gives one text each. /v1/chat/completions: the tools (they are
     rendered first by chat templates) and each message as a role marker and its text, concatenated
-    in order. What cannot be read gives no text (the request routes by load alone)."""
+    in order; /v1/messages and /v1/responses alike, their system prompt or instructions first;
+    /v1/embeddings: its input as a completion's prompt. What cannot be read gives no text (the
+    request routes by load alone)."""
     return [t for t, _ in prompt_texts_scaled(path, body)]
 
 
@@ -174,7 +176,25 @@ def prompt_texts_scaled(path: str, body: dict[str, Any]) -> list[tuple[str, floa
     per id), else `CHARS_PER_TOKEN` (an estimate: the router does not tokenize)."""
     if path == CHAT_PATH:
         return [(_chat_text(body), CHARS_PER_TOKEN)]
-    prompt = body.get("prompt")
+    if path == MESSAGES_PATH:  # Anthropic: the system prompt is a field, not a message
+        system = body.get("system")
+        first = [{"role": "system", "content": system}] if system else []
+        messages = body.get("messages")
+        return [
+            (
+                _chat_text({**body, "messages": first + (messages if isinstance(messages, list) else [])}),
+                CHARS_PER_TOKEN,
+            )
+        ]
+    if path == RESPONSES_PATH:  # instructions, then the input: text or a list of items
+        items = body.get("input")
+        if isinstance(items, str):
+            items = [{"role": "user", "content": items}]
+        instructions = body.get("instructions")
+        first = [{"role": "system", "content": instructions}] if isinstance(instructions, str) else []
+        messages = first + [i for i in (items if isinstance(items, list) else []) if isinstance(i, dict)]
+        return [(_chat_text({**body, "messages": messages}), CHARS_PER_TOKEN)]
+    prompt = body.get("input") if path == EMBEDDINGS_PATH else body.get("prompt")
     if isinstance(prompt, str):
         return [(prompt, CHARS_PER_TOKEN)]
     if isinstance(prompt, list) and prompt:
