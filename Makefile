@@ -3,6 +3,10 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
+# Client libraries whose pins conflict with the main environment's (instructor 1.17 needs an older
+# openai / jiter), in a venv of their own; tests drive them in a subprocess against a live server.
+CLIENTS := .venv-clients
+CLIENTS_STAMP := $(CLIENTS)/.installed-stamp
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
@@ -21,7 +25,12 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --no-deps xgrammar==0.2.8
 	touch $(STAMP)
 
-setup: $(STAMP)
+$(CLIENTS_STAMP): Makefile
+	$(PY) -m venv $(CLIENTS)
+	$(CLIENTS)/bin/pip install -q instructor==1.17.0 openai==3.3.0
+	touch $(CLIENTS_STAMP)
+
+setup: $(STAMP) $(CLIENTS_STAMP)
 
 test: setup
 	$(BIN)/python -m pytest -q -p no:cacheprovider
@@ -48,4 +57,4 @@ bench-decode: setup
 	$(BIN)/python benchmarks/decode_speed.py
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache
+	rm -rf $(VENV) $(CLIENTS) *.egg-info .pytest_cache
