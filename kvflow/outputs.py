@@ -97,6 +97,9 @@ class RequestOutput:
     # An embedding request (SamplingParams.pooling), once finished: the pooled, L2-normalised
     # final hidden state of its prompt (its one completion holds no tokens).
     embedding: list[float] | None = None
+    # SamplingParams.prompt_logprobs: per prompt token, its logprob and the top N (None for the
+    # first token, which nothing predicts), as vLLM returns them; set once the prompt is computed.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 @dataclass

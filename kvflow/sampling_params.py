@@ -41,6 +41,9 @@ class SamplingParams:
     max_tokens: int | None = 16  # None: up to max_model_len
     min_tokens: int = 0
     logprobs: int | None = None  # number of top logprobs besides the sampled token
+    # vLLM's: the logprob of every prompt token but the first, with this many top logprobs
+    # (`RequestOutput.prompt_logprobs`); the request then computes its whole prompt (no prefix hit).
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     # token id -> added to its logit before sampling (OpenAI's logit_bias; -100 bans a token)
     logit_bias: dict[int, float] | None = None
@@ -107,6 +110,7 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         integer("logprobs", 0, MAX_LOGPROBS, optional=True)
+        integer("prompt_logprobs", 0, MAX_LOGPROBS, optional=True)
         for name in ("ignore_eos", "skip_special_tokens", "return_expert_trace"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "true or false")
@@ -137,11 +141,18 @@ class SamplingParams:
                 raise bad("kv_transfer_params", "a JSON object")
             if self.n != 1:
                 raise ValueError(f"kv_transfer_params needs n=1, got n={self.n}")
+            if self.prompt_logprobs is not None and self.kv_transfer_params.get("do_remote_prefill"):
+                raise ValueError(
+                    "prompt_logprobs cannot be combined with a remote prefill (the prompt's KV comes from "
+                    "another engine, its logits are not computed here)"
+                )
         if self.pooling is not None:
             if self.pooling not in POOLING_MODES:
                 raise bad("pooling", f"one of {list(POOLING_MODES)}")
             if self.n != 1:
                 raise ValueError(f"pooling needs n=1, got n={self.n}")
+            if self.prompt_logprobs is not None:
+                raise ValueError("prompt_logprobs cannot be combined with pooling (an embedding request)")
 
     def _validate_logit_bias(self) -> None:
         bias = self.logit_bias

@@ -261,7 +261,8 @@ class Scheduler:
     def _admit(self, req: Request, budget: int, now: float) -> int | None:
         """Admit a waiting request with a first chunk of at most `budget` tokens: the chunk's size,
         0 when it went to wait for its KV from outside (no compute), None when it did not fit."""
-        if req.params.pooling == "mean":  # mean pooling needs every prompt position's hidden state
+        if req.params.pooling == "mean" or req.params.prompt_logprobs is not None:
+            # every prompt position's hidden state is needed (mean pooling, prompt logprobs)
             cached, num_external, is_async = ComputedBlocks(), 0, False
         else:
             cached = self.kv_cache.get_computed_blocks(req)
@@ -378,7 +379,7 @@ class Scheduler:
     def _scheduled(self, req: Request, n: int) -> ScheduledSeq:
         start = req.num_computed_tokens
         p = req.params
-        wants_history = p.has_penalties
+        wants_history = p.has_penalties or p.prompt_logprobs is not None
         own = min(n, req.num_tokens - start)
         spec = req.spec_token_ids[: n - own]  # the budget may cut the drafts short
         if self.fairness is not None:

@@ -352,6 +352,8 @@ class LLMEngine:
             )
         if params.return_expert_trace:
             self._check_expert_trace(n, params)
+        if params.prompt_logprobs is not None and self.config.tensor_parallel_size > 1:
+            raise ValueError("prompt_logprobs is not supported with tensor_parallel_size > 1")
 
     def _check_expert_trace(self, n: int, params: SamplingParams) -> None:
         """An expert trace needs experts, and stays within MAX_EXPERT_TRACE_ENTRIES (tokens x MoE layers)."""
@@ -448,6 +450,10 @@ class LLMEngine:
             req = self.scheduler.requests.get(child_id)
             if req is not None:
                 self.output_processor.record_expert_trace(req.parent_id, req.index, start, experts)
+        for child_id, (start, entries) in result.prompt_logprobs.items():
+            req = self.scheduler.requests.get(child_id)
+            if req is not None:
+                self.output_processor.record_prompt_logprobs(req.parent_id, start, entries)
         advanced, finished = self.scheduler.update_from_output(sched, result.sampled)
         kv_failed = self.scheduler.update_kv_transfers(result.kv_connector_output)
         broken: dict[str, str] = {}

@@ -72,6 +72,9 @@ class ParentState:
     metrics: RequestMetrics
     error: str | None = None
     num_cached_tokens: int = 0
+    # SamplingParams.prompt_logprobs: prompt position -> its token's logprob and the top N
+    # (whichever child computed the position; None: not asked for)
+    prompt_logprobs: dict[int, dict[int, Logprob]] | None = None
 
     @property
     def finished(self) -> bool:
@@ -87,7 +90,15 @@ class ParentState:
             metrics=self.metrics,
             num_cached_tokens=self.num_cached_tokens,
             error=self.error,
+            prompt_logprobs=self._prompt_logprobs(),
         )
+
+    def _prompt_logprobs(self) -> list[dict[int, Logprob] | None] | None:
+        """vLLM's list (None for the first token), once every prompt position has been scored."""
+        scored = self.prompt_logprobs
+        if scored is None or len(scored) < len(self.prompt_token_ids) - 1:
+            return None
+        return [None, *(scored[p] for p in range(1, len(self.prompt_token_ids)))]
 
 
 class OutputProcessor:
@@ -124,6 +135,8 @@ class OutputProcessor:
         self.parents[request_id] = ParentState(
             request_id, prompt, prompt_token_ids, children, metrics or RequestMetrics(arrival_time=arrival_time)
         )
+        if any(p.prompt_logprobs is not None for p in child_params):
+            self.parents[request_id].prompt_logprobs = {}
 
     def process(
         self, advanced: list[tuple[Request, list[int]]], finished: list[Request], logprobs: dict[str, list[tuple]]
@@ -232,6 +245,15 @@ class OutputProcessor:
         if trace is not None:
             for i, per_layer in enumerate(experts):
                 trace[start + i] = per_layer
+
+    def record_prompt_logprobs(self, parent_id: str, start: int, entries: list[tuple]) -> None:
+        """A step's prompt logprobs of a request: the entries of prompt positions start, start + 1, ..."""
+        parent = self.parents.get(parent_id)
+        if parent is None or parent.prompt_logprobs is None:
+            return
+        for i, entry in enumerate(entries):
+            pos = start + i
+            parent.prompt_logprobs[pos] = self._logprob_dict(parent.prompt_token_ids[pos], entry)
 
     def embedded(self, req: Request, embedding: list[float] | None) -> RequestOutput | None:
         """An embedding request (SamplingParams.pooling) finished with its prefill: its output."""

@@ -29,6 +29,7 @@ from kvflow.quantization.smoothquant import CALIBRATION_TEXT
 from kvflow.sample.rejection_sampler import RejectionSampler
 from kvflow.sample.sampler import Sampler, SamplingBatch
 from kvflow.structured_output.manager import apply_bitmask
+from kvflow.worker.prompt_logprobs import LogprobEntry, prompt_logprobs
 
 if TYPE_CHECKING:
     from kvflow.distributed.parallel import TPGroup
@@ -37,7 +38,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kvflow")
 
-LogprobEntry = tuple[float, int, list[int], list[float]]
 # What the kernel summary says of a Mixture-of-Experts model's path: float experts, or a GGUF's
 # quantized experts on their block kernels.
 MOE_PATH = "experts: torch, grouped by expert (Mixture-of-Experts layers take the per-layer path, not the decode pass)"
@@ -64,6 +64,8 @@ class RunnerOutput:
     # Embedding requests (SamplingParams.pooling) whose prompt ended this step: request id -> the
     # pooled, L2-normalised final hidden state (float32).
     embeddings: dict[str, list[float]] = field(default_factory=dict)
+    # SamplingParams.prompt_logprobs: request id -> (first prompt position scored, its entries)
+    prompt_logprobs: dict[str, tuple[int, list[LogprobEntry]]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -320,15 +322,21 @@ class ModelRunner:
             experts = self.model.take_routing_capture() if traced else None
         trace = {} if experts is None else _expert_trace(seqs, experts)
         embeddings = self._pool(seqs, hidden) if any(s.params.pooling for s in seqs) else {}
+        prompt_lps = (
+            prompt_logprobs(seqs, hidden, self.model.compute_logits)
+            if any(s.params.prompt_logprobs is not None for s in seqs)
+            else {}
+        )
 
         sampling = [s for s in seqs if s.sample and s.params.pooling is None]
         if not sampling:
-            return RunnerOutput(expert_trace=trace, embeddings=embeddings)
+            return RunnerOutput(expert_trace=trace, embeddings=embeddings, prompt_logprobs=prompt_lps)
         # (in the model's dtype: the sampler widens them where it needs more than an argmax)
         logits = self.model.compute_logits(hidden[torch.tensor(logits_rows(seqs), device=self.device)], float32=False)
         result = self._sample(self._constrain(logits, sampling, grammar), sampling)
         result.expert_trace = trace
         result.embeddings = embeddings
+        result.prompt_logprobs = prompt_lps
         return result
 
     def _pool(self, seqs: list[ScheduledSeq], hidden: torch.Tensor) -> dict[str, list[float]]:

@@ -113,10 +113,17 @@ class _SamplingFields(BaseModel):
     # kvflow's: with a Mixture-of-Experts model, each finished choice carries "expert_trace" (the
     # experts each token was routed to, per MoE layer, and the distance since each was last active)
     return_expert_trace: bool = False
+    # vLLM's extra: every prompt token's logprob with this many top logprobs ("prompt_logprobs" on
+    # a completion's choices, at the top of a chat completion); not with stream, as vLLM
+    prompt_logprobs: int | None = None
 
-    def _sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling(
+        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs is not available when stream is true")
         return SamplingParams(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -133,6 +140,7 @@ class _SamplingFields(BaseModel):
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
             logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             logit_bias=self._logit_bias(),
             structured_outputs=self._constraint(),
@@ -202,12 +210,12 @@ class CompletionRequest(_SamplingFields):
             raise ValueError(f"best_of must equal n ({self.n}); best_of > n is not supported, got {self.best_of}")
         if self.suffix:
             raise ValueError("suffix is not supported")
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo with logprobs is not supported (the engine has no prompt logprobs)")
         if self.kv_transfer_params is not None and len(self.prompt) != 1:
             # One transfer describes one prompt's KV: several engine requests cannot share it.
             raise ValueError(f"kv_transfer_params needs a single prompt, got {len(self.prompt)} prompts")
-        return self._sampling(self.max_tokens, self.logprobs)
+        # echo with logprobs: the prompt's tokens lead the logprobs, as OpenAI's legacy completions
+        echoed = max(self.logprobs, self.prompt_logprobs or 0) if self.echo and self.logprobs is not None else None
+        return self._sampling(self.max_tokens, self.logprobs, echoed)
 
 
 def parse_prompts(v: Any) -> list[Prompt]:

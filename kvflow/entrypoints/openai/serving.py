@@ -175,6 +175,35 @@ def completion_logprobs(
     }
 
 
+def echoed_logprobs(
+    prompt_ids: list[int], prompt_logprobs: list[dict[int, Logprob] | None], num: int, tokens: TokenBytes | None
+) -> dict[str, Any]:
+    """The prompt's part of an echoed completion's logprobs (OpenAI's legacy format): the first
+    token has none (token_logprobs and top_logprobs null); offsets count from the prompt's start."""
+    lp = completion_logprobs(prompt_ids, [e or {} for e in prompt_logprobs], num, 0, tokens)
+    if lp["top_logprobs"]:
+        lp["top_logprobs"][0] = None
+    return lp
+
+
+def prompt_logprobs_field(
+    prompt_logprobs: list[dict[int, Logprob] | None] | None,
+) -> list[dict[str, Any] | None] | None:
+    """vLLM's `prompt_logprobs`: per prompt token null (the first) or {token id: {logprob, rank,
+    decoded_token}} with the token and the top N."""
+    if prompt_logprobs is None:
+        return None
+    return [
+        None
+        if entry is None
+        else {
+            str(t): {"logprob": safe_logprob(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
+            for t, lp in entry.items()
+        }
+        for entry in prompt_logprobs
+    ]
+
+
 def chat_logprobs(
     token_ids: list[int], logprobs: list[dict[int, Logprob]], num: int, tokens: TokenBytes | None
 ) -> dict[str, Any]:

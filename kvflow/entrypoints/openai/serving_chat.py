@@ -29,6 +29,7 @@ from kvflow.entrypoints.openai.serving import (
     client_of,
     expert_trace_fields,
     now_s,
+    prompt_logprobs_field,
     sampling_params,
 )
 from kvflow.entrypoints.openai.tool_parsers import (
@@ -170,6 +171,7 @@ class ServingChat(OpenAIServing):
             "choices": choices,
             "usage": usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs)),
             **kv_transfer_fields([out]),
+            **({} if req.prompt_logprobs is None else {"prompt_logprobs": prompt_logprobs_field(out.prompt_logprobs)}),
         }
 
     async def _stream(

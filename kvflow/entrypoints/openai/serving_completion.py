@@ -16,8 +16,10 @@ from kvflow.entrypoints.openai.serving import (
     OpenAIServing,
     client_of,
     completion_logprobs,
+    echoed_logprobs,
     expert_trace_fields,
     now_s,
+    prompt_logprobs_field,
     sampling_params,
 )
 from kvflow.entrypoints.openai.utils import (
@@ -52,8 +54,11 @@ class ServingCompletion(OpenAIServing):
             return Response(status_code=499)  # the client closed the connection
         return JSONResponse(self._response(ctx, finals))
 
-    def _choice(self, ctx: _Ctx, prompt_index: int, c, text: str, first_token: int) -> dict[str, Any]:
-        """The choice for text `text` and the logprobs of c's tokens from `first_token` on."""
+    def _choice(
+        self, ctx: _Ctx, prompt_index: int, out: RequestOutput, c, text: str, first_token: int, first: bool
+    ) -> dict[str, Any]:
+        """The choice for text `text` and the logprobs of c's tokens from `first_token` on; `first`:
+        the choice's first chunk (or the whole of it), which carries what belongs to the prompt."""
         lp = None
         if ctx.req.logprobs is not None and c.logprobs is not None:
             lp = completion_logprobs(
@@ -64,12 +69,17 @@ class ServingCompletion(OpenAIServing):
                 self.token_bytes,
                 start=first_token,
             )
+            if first and ctx.req.echo and out.prompt_logprobs is not None:  # the prompt's tokens first
+                head = echoed_logprobs(out.prompt_token_ids, out.prompt_logprobs, ctx.req.logprobs, self.token_bytes)
+                lp = {k: head[k] + lp[k] for k in lp}
         choice = {
             "index": prompt_index * ctx.req.n + c.index,
             "text": text,
             "logprobs": lp,
             "finish_reason": c.finish_reason,
         }
+        if ctx.req.prompt_logprobs is not None and first:
+            choice["prompt_logprobs"] = prompt_logprobs_field(out.prompt_logprobs)
         if c.finish_reason is not None:
             choice["stop_reason"] = c.stop_reason
             choice.update(expert_trace_fields(c))
@@ -80,7 +90,7 @@ class ServingCompletion(OpenAIServing):
         for pi, out in enumerate(finals):
             for c in out.outputs:
                 prefix = ctx.echo[pi]
-                choices.append(self._choice(ctx, pi, c, prefix + c.text, 0))
+                choices.append(self._choice(ctx, pi, out, c, prefix + c.text, 0, True))
         n_prompt = sum(len(o.prompt_token_ids) for o in finals)
         n_out = sum(len(c.token_ids) for o in finals for c in o.outputs)
         return {
@@ -120,7 +130,7 @@ class ServingCompletion(OpenAIServing):
                     ):
                         continue
                     prefix = ctx.echo[pi] if first else ""
-                    choice = self._choice(ctx, pi, c, prefix + delta, n_tok)
+                    choice = self._choice(ctx, pi, out, c, prefix + delta, n_tok, first)
                     sent_text[idx], sent_tokens[idx] = len(c.text), len(c.token_ids)
                     final = kv_transfer_fields([out]) if c.finished else {}  # on the chunk with finish_reason
                     if c.finished:
