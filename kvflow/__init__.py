@@ -1,5 +1,6 @@
 """kvflow: an LLM inference serving engine built around the KV cache."""
 
+from kvflow.lora.request import LoRARequest
 from kvflow.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from kvflow.sampling_params import SamplingParams
 from kvflow.structured_output.params import StructuredOutputsParams
@@ -9,6 +10,7 @@ __all__ = [
     "CompletionOutput",
     "EngineConfig",
     "LLMEngine",
+    "LoRARequest",
     "Logprob",
     "RequestMetrics",
     "RequestOutput",

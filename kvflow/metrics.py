@@ -120,6 +120,20 @@ class EngineMetrics:
         self.num_running = Gauge("kvflow:num_requests_running", "Sequences in the running batch.", registry=r)
         self.num_waiting = Gauge("kvflow:num_requests_waiting", "Sequences waiting to be scheduled.", registry=r)
         self.kv_usage = Gauge("kvflow:kv_cache_usage_perc", "Fraction of KV blocks in use (0..1).", registry=r)
+        self.kv_blocks = Gauge(
+            "kvflow:kv_cache_blocks",
+            "KV blocks by state: in_use (held by requests), cached_free (free, still a prefix-cache hit), free. "
+            "With sliding-window layers holding only their window, a block is one block of a group of layers "
+            "(see the start-up log).",
+            ["state"],
+            registry=r,
+        )
+        self.kv_capacity = Gauge(
+            "kvflow:kv_cache_capacity_tokens",
+            "Tokens the KV pool holds at most: its block slots, or with sliding-window layers holding only their "
+            "window, max_model_len requests decoding at once x max_model_len.",
+            registry=r,
+        )
         self.prompt_tokens = Counter("kvflow:prompt_tokens", "Prompt tokens admitted.", registry=r)
         self.generation_tokens = Counter("kvflow:generation_tokens", "Tokens generated.", registry=r)
         self.success = Counter(
@@ -227,6 +241,21 @@ class EngineMetrics:
             registry=r,
         )
         self._seen_transfer: dict[str, int] = {}
+        # LoRA adapters (--enable-lora), as vLLM's vllm:lora_requests_info; set only when LoRA is on.
+        self.lora_info = Gauge(
+            "kvflow:lora_requests_info",
+            "LoRA adapters of the running and waiting requests (labels); the value is when it was set.",
+            ["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+            registry=r,
+        )
+        self.lora_loads = Counter("kvflow:lora_adapter_loads", "LoRA adapters read from their folder.", registry=r)
+        self.lora_evictions = Counter(
+            "kvflow:lora_adapter_evictions",
+            "LoRA adapters evicted: from a resident slot to CPU memory (tier=slot), or from CPU memory (tier=cpu).",
+            ["tier"],
+            registry=r,
+        )
+        self._seen_lora = (0, 0, 0)  # loads, slot evictions, CPU evictions already counted
         for reason in ("stop", "length", "abort", "error"):
             self.success.labels(finished_reason=reason)  # export zeros from the start
         for reason in ("queue_full", "slo"):
@@ -282,6 +311,12 @@ class EngineMetrics:
         self.num_running.set(stats.num_running)
         self.num_waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_cache_usage)
+        mem = getattr(stats, "kv_memory", None)
+        if mem is not None:
+            self.kv_blocks.labels(state="in_use").set(mem.blocks_in_use)
+            self.kv_blocks.labels(state="cached_free").set(mem.blocks_cached_free)
+            self.kv_blocks.labels(state="free").set(mem.blocks_free)
+        self.kv_capacity.set(getattr(stats, "kv_capacity_tokens", 0))
         seen_p, seen_g, seen_pre = self._seen
         if stats.prompt_tokens_total > seen_p:
             self.prompt_tokens.inc(stats.prompt_tokens_total - seen_p)
@@ -317,6 +352,9 @@ class EngineMetrics:
         moe = getattr(stats, "moe", None)
         if moe is not None:
             self.record_moe(moe)
+        lora = getattr(stats, "lora", None)
+        if lora is not None:
+            self.record_lora(lora)
         spec = getattr(stats, "spec_decode", None)
         if spec is not None:
             drafts, tokens, accepted, per_pos = self._seen_spec
@@ -331,6 +369,21 @@ class EngineMetrics:
                 spec.num_accepted_tokens,
                 list(spec.accepted_per_pos),
             )
+
+    def record_lora(self, stats) -> None:
+        """`stats`: a LoRAStats. The info gauge as vLLM's: one series, its labels the adapters of
+        the running and waiting requests (comma-separated names), its value the time it was set."""
+        self.lora_info.clear()  # (only the current set of adapters is a series)
+        self.lora_info.labels(
+            running_lora_adapters=",".join(stats.running),
+            waiting_lora_adapters=",".join(stats.waiting),
+            max_lora=str(stats.max_loras),
+        ).set(time.time())
+        loads, slot, cpu = self._seen_lora
+        self.lora_loads.inc(max(0, stats.loads - loads))
+        self.lora_evictions.labels(tier="slot").inc(max(0, stats.evictions - slot))
+        self.lora_evictions.labels(tier="cpu").inc(max(0, stats.cpu_evictions - cpu))
+        self._seen_lora = (max(loads, stats.loads), max(slot, stats.evictions), max(cpu, stats.cpu_evictions))
 
     def record_structured(self, stats, timings: tuple[list[float], list[float]]) -> None:
         """`stats`: a StructuredOutputStats; `timings`: (compile, mask) durations since the last call."""

@@ -73,6 +73,8 @@ class RequestMetrics:
 
     arrival_time: float
     first_scheduled_time: float | None = None
+    # P/D consumer: the fetch of the prompt's KV from the producer engine (start, end; end None: failed)
+    kv_load_times: tuple[float, float | None] | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None

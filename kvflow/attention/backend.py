@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import mmap
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -81,6 +81,12 @@ class AttentionGroup:
     # instead of reading a [B, 1, q_len, kv_len] mask. A shorter sequence's padding keys lie past
     # its own rows, so causality alone keeps its valid rows off them.
     causal: bool = False
+    # The absolute position of each query row, [B, q_len] (padding rows included): masks for windows
+    # other than the one `mask` was built for (`mask_window`), made at a layer's first need and kept
+    # in `window_masks` for the step's other layers with that window.
+    q_pos: torch.Tensor | None = None
+    mask_window: int | None = None
+    window_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -193,6 +199,25 @@ def kv_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -
     return torch.frombuffer(mmap.mmap(-1, n * dtype.itemsize), dtype=dtype).view(shape)
 
 
+# `forward(window=...)` left at this: the backend's own `sliding_window` (what callers from before
+# per-layer windows get). Any other value is the layer's window in tokens, None for full attention.
+BACKEND_WINDOW = -1
+
+
+def layer_window(backend_window: int | None, window: int | None) -> int | None:
+    """The window a `forward` call attends within: the call's, or the backend's for BACKEND_WINDOW."""
+    if window == BACKEND_WINDOW:
+        return backend_window
+    if window is not None and window < 1:
+        raise ValueError(f"attention window must be a positive number of tokens or None, got {window}")
+    return window
+
+
+def check_softcap(softcap: float | None) -> None:
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"attention logit soft-cap must be positive or None, got {softcap}")
+
+
 class AttentionBackend(Protocol):
     """What the model runner and the model need from an attention implementation."""
 
@@ -216,10 +241,20 @@ class AttentionBackend(Protocol):
     def build_metadata(self, seqs: list[SeqLayout]) -> AttentionMetadata: ...
 
     def forward(
-        self, q: torch.Tensor, kv: torch.Tensor, kv_cache: LayerKVCache, meta: AttentionMetadata, scale: float
+        self,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        kv_cache: LayerKVCache,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int | None = BACKEND_WINDOW,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """q: [T, H, D]; kv: [T, 2, KV, D] (the new keys and values, written into the cache first)
-        -> [T, H * D] (contiguous)."""
+        -> [T, H * D] (contiguous). `window`: this layer's window (a query at position p attends to
+        keys p - window + 1 .. p; None: all keys up to p; BACKEND_WINDOW: `sliding_window`).
+        `softcap`: scores s = scale * q.k become tanh(s / softcap) * softcap before the softmax
+        (Gemma 2's attention-logit soft-capping); None: none."""
         ...
 
     def decode_group(self, meta: AttentionMetadata) -> PagedRows | None:

@@ -88,6 +88,9 @@ class ModelSpec:
     weight_dtype: str = "bf16"
     weight_bytes_override: float | None = None  # e.g. a GGUF file's real tensor bytes
     moe: MoESpec | None = None  # None: a dense model
+    # Per layer its attention window in tokens (None: full attention); empty: every layer full.
+    # A windowed layer stores and reads at most its window's KV (Mistral, Gemma 2/3's local layers).
+    layer_windows: tuple[int | None, ...] = ()
 
     @property
     def weight_bytes(self) -> float:
@@ -155,9 +158,15 @@ HARDWARE_PRESETS: dict[str, Hardware] = {
 # ----------------------------------------------------------------------------------------------
 
 
-def kv_bytes_per_token(model: ModelSpec, kv_dtype: str = "bf16") -> float:
-    """2 (K and V) × layers × kv_heads × head_dim × bytes per element."""
-    return 2 * model.num_layers * model.num_kv_heads * model.head_dim * dtype_bytes(kv_dtype)
+def kv_bytes_per_token(model: ModelSpec, kv_dtype: str = "bf16", context: int | None = None) -> float:
+    """2 (K and V) × layers × kv_heads × head_dim × bytes per element. With `context` and sliding
+    windows (`layer_windows`): the average over a sequence of `context` tokens, a windowed layer
+    holding (and a decode step reading) only min(context, window) tokens of it."""
+    per_layer = 2 * model.num_kv_heads * model.head_dim * dtype_bytes(kv_dtype)
+    if context is None or not model.layer_windows:
+        return model.num_layers * per_layer
+    held = sum(context if w is None else min(context, w) for w in model.layer_windows)
+    return per_layer * held / context
 
 
 def estimate_params(
@@ -234,7 +243,28 @@ def model_from_hf_config(cfg: dict, name: str = "model") -> ModelSpec:
         float(params),
         wdt,
         moe=moe,
+        layer_windows=_layer_windows(cfg, int(layers), model_type),
     )
+
+
+def _layer_windows(cfg: dict, layers: int, model_type: str) -> tuple[int | None, ...]:
+    """Per layer its sliding window from a HF config: `layer_types`, Gemma 2 / 3's defaults
+    (alternating; `sliding_window_pattern` - 1 local layers to one global), or one window on every
+    layer (Mistral; Qwen only with use_sliding_window). Empty: no windows."""
+    window = cfg.get("sliding_window")
+    if not window:
+        return ()
+    types = cfg.get("layer_types")
+    if types is None and model_type.startswith("gemma2"):
+        types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    elif types is None and model_type.startswith("gemma3"):
+        pattern = int(cfg.get("sliding_window_pattern", 6))
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    if types is not None:
+        return tuple(int(window) if t == "sliding_attention" else None for t in types)
+    if model_type.startswith("qwen") and not cfg.get("use_sliding_window", False):
+        return ()
+    return (int(window),) * layers
 
 
 def _int_key(cfg: dict, key: str, name: str, minimum: int) -> int:
@@ -597,7 +627,7 @@ def check_experts_touched(model: ModelSpec, batch: int, touched: float) -> float
 def max_sequences(model: ModelSpec, hw: Hardware, context: int, kv_dtype: str = "bf16") -> int:
     """How many sequences of `context` tokens fit in memory after the weights (0 if none)."""
     free = hw.memory_bytes - model.weight_bytes
-    per_seq = context * kv_bytes_per_token(model, kv_dtype)
+    per_seq = context * kv_bytes_per_token(model, kv_dtype, context)
     return max(0, int(free // per_seq)) if per_seq > 0 else 0
 
 
@@ -612,7 +642,7 @@ def decode_step(
 ) -> RooflineRow:
     """One decode step of `batch` sequences. A MoE model reads its dense part and, per MoE layer,
     `experts_touched` distinct experts (default: the expectation under uniform routing)."""
-    kv = batch * context * kv_bytes_per_token(model, kv_dtype)
+    kv = batch * context * kv_bytes_per_token(model, kv_dtype, context)
     touched = None
     if model.moe is not None:
         if experts_touched is None:

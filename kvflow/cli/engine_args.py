@@ -36,7 +36,7 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, title: str, e
         if kind is bool:
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default, help=text)
         elif typing.get_origin(kind) is list:
-            group.add_argument(flag, dest=f.name, type=_comma_list, default=default, help=text)
+            group.add_argument(flag, dest=f.name, nargs="+", action=_ListAction, default=default, help=text)
         elif typing.get_origin(kind) is dict:
             group.add_argument(flag, dest=f.name, type=_json_object, default=default, help=text)
         else:
@@ -90,6 +90,13 @@ def _json_object(value: str) -> dict:
     if not isinstance(obj, dict):
         raise argparse.ArgumentTypeError(f"expected a JSON object, got {value!r}")
     return obj
+
+
+class _ListAction(argparse.Action):
+    """A list flag: its values space- or comma-separated (`--x a b`, `--x a,b`)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, [x for v in values for x in _comma_list(v)])
 
 
 def _comma_list(value: str) -> list[str]:

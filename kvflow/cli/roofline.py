@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
     hw = rf.resolve_hardware(args.hardware, args.bandwidth, args.flops, args.memory_gb)
     batches = args.batches or list(rf.DEFAULT_BATCHES)
     rows = rf.roofline_table(model, hw, args.context, args.kv_dtype, args.price_per_hour, batches, args.experts_touched)
-    kvt = rf.kv_bytes_per_token(model, args.kv_dtype)
+    kvt = rf.kv_bytes_per_token(model, args.kv_dtype, args.context)  # (averaged over the context, with windows)
     fit = rf.max_sequences(model, hw, args.context, args.kv_dtype)
 
     print(
@@ -133,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
                 ),
                 *_param_lines(model),
                 ("weight bytes", f"{model.weight_bytes / 1e9:.3f} GB ({model.weight_dtype})"),
-                ("KV bytes/token", f"{kvt:,.0f} B = {kvt / 1024:,.1f} KiB ({args.kv_dtype})"),
+                ("KV bytes/token", f"{kvt:,.0f} B = {kvt / 1024:,.1f} KiB ({args.kv_dtype}){_window_note(model)}"),
                 (f"KV per sequence @ {args.context}", f"{kvt * args.context / 1e9:.3f} GB"),
                 (
                     "hardware",
@@ -233,3 +233,15 @@ def run(args: argparse.Namespace) -> int:
         )
         print(f"\nwrote {args.json}")
     return 0
+
+
+def _window_note(model) -> str:
+    """Which layers hold only a window (their KV bytes per token fall as the context grows)."""
+    windows = [w for w in model.layer_windows if w is not None]
+    if not windows:
+        return ""
+    full = len(model.layer_windows) - len(windows)
+    return (
+        f", averaged over the context: {len(windows)} layers hold only a window of {min(windows)}"
+        f"{'' if len(set(windows)) == 1 else f'..{max(windows)}'} tokens, {full} layers everything"
+    )

@@ -127,6 +127,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             default=d[name].default,
             help=d[name].metadata["help"] + " (default: %(default)s)",
         )
+    p.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        metavar="URL",
+        help=d["otlp_traces_endpoint"].metadata["help"],
+    )
     g.add_argument(
         "--router-kv-events",
         nargs="+",
@@ -165,6 +171,7 @@ def config_from_args(args: argparse.Namespace):
         load_cost_tokens=args.load_cost_tokens,
         kv_usage_weight=args.kv_usage_weight,
         router_kv_events=args.router_kv_events,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
     )
 
 

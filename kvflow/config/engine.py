@@ -42,6 +42,11 @@ class EngineConfig:
     seed: int = option(0, "seed of the engine's shared random generator")
     tokenizer: str | None = option(None, "tokenizer folder (default: the model's own)")
     enable_prefix_caching: bool = option(True, "share the KV of common prompt prefixes between requests")
+    disable_hybrid_kv_cache_manager: bool = option(
+        False,
+        "keep every KV block of sliding-window layers (by default a windowed layer holds only its "
+        "window's blocks; turn this on to compare, or for KV connectors, which need the full layout)",
+    )
     quantization: str | None = option(
         None,
         "weight quantization: int8 (W8A8, per-channel weights, per-token activations, FBGEMM), "
@@ -58,6 +63,19 @@ class EngineConfig:
     )
     kv_cache_dtype: str = option(
         "auto", "KV cache dtype: auto (= --dtype) or int8 (per-token, per-head scales)", choices=KV_CACHE_DTYPES
+    )
+    attention_sinks: int = option(
+        0,
+        "StreamingLLM: keep the KV of a sequence's first N tokens (rounded up to whole KV blocks) plus "
+        "the recent --attention-window, dropping the blocks between, so a request generates past "
+        "max_model_len with constant KV; positions roll inside the cache (see "
+        "docs/features/attention_sinks.md). 0 with --attention-window set: the window alone",
+    )
+    attention_window: int | None = option(
+        None,
+        "StreamingLLM: the recent tokens kept besides the sink blocks (at least one KV block); the cache "
+        "then holds at most sink blocks + this many tokens (default with --attention-sinks: max_model_len "
+        "less the sink blocks)",
     )
     moe_expert_metrics: str = option(
         "per_layer",
@@ -159,6 +177,19 @@ class EngineConfig:
         "slo policy: refuse (503) a request whose predicted TTFT exceeds this many times its TTFT SLO (unset: never)",
     )
 
+    # Multi-LoRA serving (kvflow.lora; docs/features/lora.md), as vLLM names the flags.
+    enable_lora: bool = option(False, "serve LoRA adapters (PEFT format) over the base model, many in one batch")
+    lora_modules: list[str] | None = option(
+        None,
+        "adapters known at start-up, name=path (space- or comma-separated); a request selects one by "
+        "its name in the `model` field (needs --enable-lora)",
+    )
+    max_loras: int = option(1, "most distinct LoRA adapters in one batch (resident slots)")
+    max_lora_rank: int = option(16, "highest LoRA rank accepted; an adapter with a higher rank is refused at load")
+    max_cpu_loras: int | None = option(
+        None, "LoRA adapters kept loaded in CPU memory, resident or not (default: --max-loras; >= --max-loras)"
+    )
+
     def __post_init__(self) -> None:
         check_choices(self)
         self._check_device()
@@ -190,6 +221,8 @@ class EngineConfig:
         if (self.kv_offload_cpu_gb > 0 or self.kv_offload_disk_dir) and not self.enable_prefix_caching:
             raise ValueError("the KV offload tiers hold prefix-cache blocks: they need enable_prefix_caching")
         self._check_parallel()
+        self._check_lora()
+        self._check_attention_sinks()
         if self.kv_events_config is not None:
             self.kv_events()  # validate now, with a message naming the key
         if self.kv_transfer_config is not None:
@@ -204,6 +237,100 @@ class EngineConfig:
                     "kv_transfer_config cannot be combined with the KV offload tiers yet "
                     "(kv_offload_cpu_gb / kv_offload_disk_dir): choose one"
                 )
+
+    def lora_module_paths(self) -> dict[str, str]:
+        """--lora-modules as name -> path (checked by `_check_lora`)."""
+        out: dict[str, str] = {}
+        for item in self.lora_modules or []:
+            name, sep, path = str(item).partition("=")
+            if not sep or not name.strip() or not path.strip():
+                raise ValueError(f"lora_modules entries must be name=path, got {item!r}")
+            if name.strip() in out:
+                raise ValueError(f"lora_modules names {name.strip()!r} twice")
+            out[name.strip()] = path.strip()
+        return out
+
+    def _check_lora(self) -> None:
+        positive("max_loras", self.max_loras)
+        positive("max_lora_rank", self.max_lora_rank)
+        if self.max_cpu_loras is not None:
+            positive("max_cpu_loras", self.max_cpu_loras)
+            if self.max_cpu_loras < self.max_loras:
+                raise ValueError(
+                    f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras}): "
+                    "resident adapters are kept in CPU memory too"
+                )
+        if isinstance(self.lora_modules, str):
+            self.lora_modules = self.lora_modules.replace(",", " ").split()
+        modules = self.lora_module_paths()
+        if not self.enable_lora:
+            if modules:
+                raise ValueError("lora_modules needs enable_lora (--enable-lora)")
+            return
+        # What does not compose with adapters yet: refused here rather than served wrongly.
+        conflicts = [
+            (self.tensor_parallel_size > 1, "tensor_parallel_size > 1 (adapters are not sharded yet)"),
+            (
+                (self.speculative() is not None and self.speculative().method == "draft_model"),
+                "a draft-model speculative_config (the draft model has no adapters; use method ngram)",
+            ),
+            (
+                self.kv_transfer_config is not None,
+                "kv_transfer_config (transferred blocks carry no adapter identity yet)",
+            ),
+            (
+                self.kv_offload_cpu_gb > 0 or self.kv_offload_disk_dir is not None,
+                "the KV offload tiers (their keys carry no adapter identity yet)",
+            ),
+            (self.quantization is not None, f"quantization={self.quantization!r} (adapters run over float weights)"),
+            (self.device.startswith("cuda"), "device cuda (the LoRA path is checked on the CPU only so far)"),
+        ]
+        bad = [why for on, why in conflicts if on]
+        if bad:
+            raise ValueError("enable_lora is not supported with " + "; ".join(bad) + " yet")
+
+    @property
+    def cpu_loras(self) -> int:
+        """--max-cpu-loras, resolved (default: --max-loras)."""
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
+
+    @property
+    def streaming_kv(self) -> bool:
+        """Attention sinks / a recent window evict KV (StreamingLLM): see kvflow.core.attention_sinks."""
+        return self.attention_sinks > 0 or self.attention_window is not None
+
+    def _check_attention_sinks(self) -> None:
+        if (
+            isinstance(self.attention_sinks, bool)
+            or not isinstance(self.attention_sinks, int)
+            or self.attention_sinks < 0
+        ):
+            raise ValueError(f"attention_sinks must be an integer >= 0, got {self.attention_sinks!r}")
+        if self.attention_window is not None:
+            positive("attention_window", self.attention_window)
+            if self.attention_window < self.block_size:
+                raise ValueError(
+                    f"attention_window ({self.attention_window}) must hold at least one KV block "
+                    f"(block_size {self.block_size})"
+                )
+        if not self.streaming_kv:
+            return
+        # Evicting a block re-rotates the keys of the blocks after it in place: those blocks can be
+        # neither shared nor moved as they were hashed, and their keys must be floats.
+        conflicts = [
+            (
+                self.enable_prefix_caching,
+                "enable_prefix_caching (re-rotated blocks cannot be shared; pass "
+                "enable_prefix_caching=False / --no-enable-prefix-caching)",
+            ),
+            (self.speculative_config is not None, "speculative_config (drafts would cross evictions)"),
+            (self.kv_transfer_config is not None, "kv_transfer_config (blocks move by their prefix hashes)"),
+            (self.kv_cache_dtype == "int8", "kv_cache_dtype='int8' (keys are re-rotated in the model dtype)"),
+            (self.tensor_parallel_size > 1, "tensor_parallel_size > 1 (not wired to the worker ranks yet)"),
+        ]
+        bad = [why for on, why in conflicts if on]
+        if bad:
+            raise ValueError("attention_sinks / attention_window cannot be combined with " + "; ".join(bad))
 
     def _check_device(self) -> None:
         kind = self.device.split(":")[0]

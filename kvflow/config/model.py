@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 # Mixture-of-Experts families: the Llama-shaped decoder whose feed-forward routes each token to a
@@ -13,25 +13,52 @@ MOE_ARCHITECTURES = (
     "Qwen3MoeForCausalLM",
     "OlmoeForCausalLM",
 )
+# Gemma 2 and Gemma 3 (text): their own decoder (kvflow.models.gemma); what differs is `GemmaConfig`.
+GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+# Llama-shaped families with a twist of their own (kvflow.models.phi3, kvflow.models.olmo2): Phi-3's
+# fused checkpoint projections and LongRoPE, OLMo 2's norms after attention and MLP.
+PHI3_OLMO2_ARCHITECTURES = ("Phi3ForCausalLM", "Olmo2ForCausalLM")
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     *MOE_ARCHITECTURES,
+    *GEMMA_ARCHITECTURES,
+    *PHI3_OLMO2_ARCHITECTURES,
 )
 # Families whose configs carry a sliding window they only use when `use_sliding_window` is set.
 _QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
 
+# The rope scaling types kvflow computes (kvflow.layers.rotary), each as HF transformers'
+# modeling_rope_utils computes it.
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
+
+
 @dataclass
 class RopeConfig:
     theta: float = 10000.0
-    scaling_type: str = "default"  # default | linear | llama3
+    scaling_type: str = "default"  # one of ROPE_TYPES
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # The model's context (dynamic NTK's reference length).
+    max_position_embeddings: int = 2048
+    # YaRN and LongRoPE scale cos and sin by this (None: derived from the factors, as HF does).
+    attention_factor: float | None = None
+    # YaRN: the ramp between the dimensions turning beta_fast and beta_slow times over the original
+    # context (truncated to whole dimensions unless `truncate` is false); mscale / mscale_all_dim
+    # derive the attention factor.
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    # LongRoPE: per-frequency divisors below original_max_position_embeddings (short) and from it on (long).
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -64,6 +91,20 @@ class MoeConfig:
         )
 
 
+@dataclass(frozen=True)
+class GemmaConfig:
+    """What Gemma 2 / Gemma 3 change in the Llama shape (HF transformers' modeling_gemma2.py and
+    modeling_gemma3.py): GeGLU, the attention scale, soft-capping, and (Gemma 3) a rope of its own
+    for the sliding-window layers. Norms are x * (1 + w), with post-attention and pre/post
+    feed-forward norms; embeddings are scaled by sqrt(hidden_size)."""
+
+    hidden_act: str  # the feed-forward's gate activation: gelu_pytorch_tanh (or silu)
+    query_pre_attn_scalar: float  # attention scale = query_pre_attn_scalar ** -0.5
+    attn_logit_softcapping: float | None  # scores -> tanh(scores / cap) * cap before the softmax
+    final_logit_softcapping: float | None  # the same on the logits
+    rope_local: RopeConfig  # the rope of sliding-window layers (Gemma 3: base 10k; Gemma 2: the global one)
+
+
 @dataclass
 class ModelConfig:
     """Architecture facts read from a HF-style config dict."""
@@ -89,10 +130,24 @@ class ModelConfig:
     qk_norm_per_head: bool = True
     clip_qkv: float | None = None  # OLMoE: q, k (after their norms) and v clamped to +-clip_qkv
     moe: MoeConfig | None = None  # the routed experts of a Mixture-of-Experts model; None: dense
+    # Per decoder layer, its attention window in tokens (None: full attention). Empty: every layer
+    # takes `sliding_window`. Gemma 2 / 3 mix local (windowed) and global layers (HF `layer_types`).
+    layer_windows: tuple[int | None, ...] = ()
+    gemma: GemmaConfig | None = None  # Gemma 2 / 3 (kvflow.models.gemma); None: another family
 
     @property
     def is_moe(self) -> bool:
         return self.moe is not None
+
+    def window_of(self, layer: int) -> int | None:
+        """The attention window of decoder layer `layer` (None: it attends to the whole context)."""
+        return self.layer_windows[layer] if self.layer_windows else self.sliding_window
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether some layers attend within a window and others to the whole context."""
+        windows = {self.window_of(i) for i in range(self.num_layers)}
+        return None in windows and len(windows) > 1
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -103,7 +158,8 @@ class ModelConfig:
                 f"unsupported architecture {archs or cfg.get('model_type')!r}; "
                 f"kvflow supports {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        if cfg.get("hidden_act", "silu") != "silu":
+        gemma = arch in GEMMA_ARCHITECTURES  # (its activation is read by _with_gemma)
+        if not gemma and cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r}; only 'silu' is supported")
         num_heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
@@ -126,7 +182,7 @@ class ModelConfig:
             qkv_bias = bool(cfg.get("qkv_bias", True))  # Qwen2-MoE names its q/k/v bias qkv_bias
         else:
             qkv_bias = arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False))
-        return cls(
+        config = cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -140,7 +196,7 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=qkv_bias,
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM"),
-            rope=_rope_from_hf(cfg),
+            rope=_rope_from_hf(_gemma_global_rope(cfg, arch) if gemma else cfg),
             sliding_window=sliding,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
@@ -148,6 +204,9 @@ class ModelConfig:
             clip_qkv=_clip_qkv(cfg) if arch == "OlmoeForCausalLM" else None,
             moe=_moe_from_hf(arch, cfg) if arch in MOE_ARCHITECTURES else None,
         )
+        if arch in PHI3_OLMO2_ARCHITECTURES:
+            return _with_phi3_olmo2(config, cfg)
+        return _with_gemma(config, cfg) if gemma else config
 
 
 def _clip_qkv(cfg: dict[str, Any]) -> float | None:
@@ -194,20 +253,158 @@ def _moe_from_hf(arch: str, cfg: dict[str, Any]) -> MoeConfig:
     return moe
 
 
-def _rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
+# HF's gate activations kvflow's Gemma decoder runs (ACT2FN names).
+GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh", "silu")
+
+
+def _gemma_global_rope(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
+    """The rope of a Gemma config's full-attention layers, as a config dict `_rope_from_hf` reads.
+    Gemma 3 keeps one rope per layer type: transformers 5 writes `rope_parameters` as
+    {"full_attention": ..., "sliding_attention": ...}; older configs have `rope_theta` (global,
+    default 1M) with `rope_scaling` for the global layers and `rope_local_base_freq` for the local ones."""
+    params = cfg.get("rope_parameters") or {}
+    if "full_attention" in params:
+        return {"rope_parameters": params["full_attention"]}
+    if arch == "Gemma3ForCausalLM":
+        return {**cfg, "rope_theta": cfg.get("rope_theta", 1_000_000.0)}
+    return cfg
+
+
+def _gemma_local_rope(cfg: dict[str, Any], arch: str) -> RopeConfig:
+    """The rope of a Gemma config's sliding-window layers (Gemma 2: the same as the global one;
+    Gemma 3: base `rope_local_base_freq` (10k), unscaled, unless `rope_parameters` says otherwise)."""
+    params = cfg.get("rope_parameters") or {}
+    if "sliding_attention" in params:
+        return _rope_from_hf({"rope_parameters": params["sliding_attention"]})
+    if arch == "Gemma3ForCausalLM":
+        return RopeConfig(theta=float(cfg.get("rope_local_base_freq", 10_000.0)))
+    return _rope_from_hf(cfg)
+
+
+def _with_gemma(config: ModelConfig, cfg: dict[str, Any]) -> ModelConfig:
+    """`config` with what Gemma 2 / 3 read besides the Llama fields: per-layer windows from
+    `layer_types` (or HF's defaults: Gemma 2 alternates sliding / full from layer 0, Gemma 3 has
+    `sliding_window_pattern` - 1 sliding layers to one full), q/k norms (Gemma 3) and `GemmaConfig`."""
+    arch = config.architecture
+    # HF reads `hidden_activation` (default gelu_pytorch_tanh) and ignores `hidden_act`.
+    act = cfg.get("hidden_activation") or "gelu_pytorch_tanh"
+    if act not in GEMMA_ACTIVATIONS:
+        raise ValueError(f"unsupported hidden_activation {act!r} for {arch}; supported: {', '.join(GEMMA_ACTIVATIONS)}")
+    if cfg.get("use_bidirectional_attention"):
+        raise ValueError(f"{arch} with use_bidirectional_attention=true (an encoder) is not supported")
+    if cfg.get("attention_bias", False):
+        raise ValueError(f"{arch} with attention_bias=true (a bias on o_proj too) is not supported")
+    n = config.num_layers
+    types = cfg.get("layer_types")
+    if types is None:
+        pattern = 2 if arch == "Gemma2ForCausalLM" else int(cfg.get("sliding_window_pattern", 6))
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+    if len(types) != n or not set(types) <= {"sliding_attention", "full_attention"}:
+        raise ValueError(
+            f"{arch}: layer_types must list 'sliding_attention' / 'full_attention' for each of the {n} layers, got {types!r}"
+        )
+    window = cfg.get("sliding_window", 4096)
+    if "sliding_attention" in types and (window is None or int(window) < 1):
+        raise ValueError(f"{arch}: sliding_window must be a positive number of tokens, got {window!r}")
+    windows = tuple(int(window) if t == "sliding_attention" and window is not None else None for t in types)
+
+    def _cap(key: str, default: float | None) -> float | None:
+        cap = cfg.get(key, default)
+        if cap is not None and not float(cap) > 0:
+            raise ValueError(f"{arch}: {key} must be positive or null, got {cap!r}")
+        return None if cap is None else float(cap)
+
+    gemma2 = arch == "Gemma2ForCausalLM"
+    return replace(
+        config,
+        sliding_window=None if window is None else int(window),
+        layer_windows=windows,
+        qk_norm=not gemma2,  # Gemma 3: RMSNorm (1 + w) on each head of q and k
+        qk_norm_per_head=True,
+        gemma=GemmaConfig(
+            hidden_act=act,
+            query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)),
+            # Gemma 3's config carries attn_logit_softcapping, but HF's Gemma3Attention never passes
+            # it to the attention: it is not applied there, so it is not here.
+            attn_logit_softcapping=_cap("attn_logit_softcapping", 50.0) if gemma2 else None,
+            final_logit_softcapping=_cap("final_logit_softcapping", 30.0 if gemma2 else None),
+            rope_local=_gemma_local_rope(cfg, arch),
+        ),
+    )
+
+
+def _with_phi3_olmo2(config: ModelConfig, cfg: dict[str, Any]) -> ModelConfig:
+    """`config` with what Phi-3 and OLMo 2 read besides the Llama fields (HF transformers'
+    configuration_phi3.py / configuration_olmo2.py): Phi-3's rope, where `su` and `yarn` are
+    LongRoPE; OLMo 2's q/k norms over the whole q and k projections."""
+    arch = config.architecture
+    if arch == "Phi3ForCausalLM":
+        return replace(config, rope=_rope_from_hf(cfg, phi3=True))
+    if cfg.get("attention_bias", False):
+        raise ValueError(f"{arch} with attention_bias=true (biases on q/k/v and o_proj) is not supported")
+    # (HF's OLMo 2 attends to the whole context: a `sliding_window` in its config is not used)
+    return replace(config, qk_norm=True, qk_norm_per_head=False, sliding_window=None, layer_windows=())
+
+
+def _rope_from_hf(cfg: dict[str, Any], phi3: bool = False) -> RopeConfig:
+    """The rope of a HF config, with the defaults HF transformers' `standardize_rope_params` fills
+    in. `phi3`: Phi-3's names, where `su` and `yarn` mean LongRoPE."""
     # transformers >= 5 writes `rope_parameters`; older configs use rope_theta + rope_scaling.
     params = dict(cfg.get("rope_parameters") or {})
     scaling = cfg.get("rope_scaling") or {}
     params = {**scaling, **params}
     theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ("default", "linear", "llama3"):
-        raise ValueError(f"unsupported rope scaling type {rope_type!r}; supported: default, linear, llama3")
+    if phi3 and rope_type in ("su", "yarn"):
+        rope_type = "longrope"
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"unsupported rope scaling type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
+    partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    if partial is not None and float(partial) != 1.0:
+        raise ValueError(
+            f"partial_rotary_factor={partial} (rotary on part of each head) is not supported; "
+            "kvflow rotates whole heads (partial_rotary_factor 1.0)"
+        )
+    max_pos = int(cfg.get("max_position_embeddings", 2048))
+    original = params.get("original_max_position_embeddings")
+    if rope_type in ("llama3", "yarn", "longrope"):
+        # HF: a top-level original_max_position_embeddings (Phi-3's) wins; absent, the model's context.
+        original = cfg.get("original_max_position_embeddings", original if original is not None else max_pos)
+    factor = params.get("factor")
+    if factor is None:
+        # YaRN and LongRoPE without a factor: the context's growth over the original one.
+        factor = max_pos / int(original) if rope_type in ("yarn", "longrope") else 1.0
+    if rope_type == "longrope":
+        _check_longrope(params, cfg)
+    attention_factor = params.get("attention_factor")
     return RopeConfig(
         theta=float(theta),
         scaling_type=rope_type,
-        factor=float(params.get("factor", 1.0)),
+        factor=float(factor),
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+        original_max_position_embeddings=int(original if original is not None else 8192),
+        max_position_embeddings=max_pos,
+        attention_factor=None if attention_factor is None else float(attention_factor),
+        beta_fast=float(params.get("beta_fast") or 32),
+        beta_slow=float(params.get("beta_slow") or 1),
+        truncate=bool(params.get("truncate", True)),
+        mscale=params.get("mscale"),
+        mscale_all_dim=params.get("mscale_all_dim"),
+        short_factor=tuple(float(f) for f in params.get("short_factor") or ()),
+        long_factor=tuple(float(f) for f in params.get("long_factor") or ()),
     )
+
+
+def _check_longrope(params: dict[str, Any], cfg: dict[str, Any]) -> None:
+    """LongRoPE needs one short and one long factor per rotary frequency (head_dim / 2 of them)."""
+    heads = cfg.get("num_attention_heads")
+    head_dim = cfg.get("head_dim") or (cfg["hidden_size"] // heads if heads and cfg.get("hidden_size") else None)
+    for key in ("short_factor", "long_factor"):
+        factors = params.get(key)
+        if not isinstance(factors, list) or not all(isinstance(f, (int, float)) for f in factors):
+            raise ValueError(f"longrope rope scaling needs {key} as a list of numbers, got {factors!r}")
+        if head_dim is not None and len(factors) != head_dim // 2:
+            raise ValueError(
+                f"longrope {key} has {len(factors)} entries; it needs head_dim / 2 = {head_dim // 2} (one per frequency)"
+            )

@@ -57,3 +57,19 @@ def json_object_fields(cls: type, value: Any, option: str) -> dict[str, Any]:
 def positive(name: str, value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def check_otlp_endpoint(url: str | None) -> None:
+    """--otlp-traces-endpoint: an http(s) URL, and the OpenTelemetry packages installed."""
+    if url is None:
+        return
+    if not (isinstance(url, str) and url.startswith(("http://", "https://")) and len(url) > len("https://")):
+        raise ValueError(f"otlp_traces_endpoint must be an http:// or https:// URL of an OTLP collector, got {url!r}")
+    try:
+        import opentelemetry.exporter.otlp.proto.http.trace_exporter
+        import opentelemetry.sdk.trace  # noqa: F401
+    except ImportError as e:
+        raise ValueError(
+            "otlp_traces_endpoint needs the OpenTelemetry SDK and its OTLP/HTTP exporter: "
+            "pip install 'kvflow[tracing]' (opentelemetry-sdk, opentelemetry-exporter-otlp-proto-http)"
+        ) from e

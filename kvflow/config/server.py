@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvflow.config.options import check_choices, option, positive
+from kvflow.config.options import check_choices, check_otlp_endpoint, option, positive
 
 # The tool-call formats kvflow/entrypoints/openai/tool_parsers.py implements, and the router
 # policies kvflow/router/policies.py implements (each registers under one of these names).
@@ -34,6 +34,12 @@ class ServerConfig:
     log_interval_s: float = option(5.0, "seconds between stats log lines while busy")
     shutdown_grace_s: float = option(
         30.0, "on SIGTERM, seconds in-flight requests get to finish before they are aborted"
+    )
+    otlp_traces_endpoint: str | None = option(
+        None,
+        "OpenTelemetry: send a span per request (queueing, prefill chunks, preemptions, KV transfer, "
+        "first token) over OTLP/HTTP to this collector URL (e.g. http://127.0.0.1:4318); a client's "
+        "W3C traceparent header is honoured. Off when unset",
     )
     allowed_origins: list[str] | None = option(
         None,
@@ -100,6 +106,7 @@ class ServerConfig:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         positive("data_parallel_size", self.data_parallel_size)
         check_choices(self)
+        check_otlp_endpoint(self.otlp_traces_endpoint)
         if self.replica_max_restarts < 0 or not 0 < self.replica_restart_window_s < float("inf"):
             raise ValueError(
                 f"replica_max_restarts must be >= 0 and replica_restart_window_s a finite number > 0, "

@@ -25,6 +25,8 @@ from kvflow.kv_events.events import MEDIUM_GPU
 if TYPE_CHECKING:
     from kvflow.kv_events.events import KVEventSink
 
+HASH_LEN = 32  # a sha256 block hash; a hybrid layout's window groups key theirs longer (kv_cache_manager)
+
 
 class BlockPool:
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
@@ -38,9 +40,19 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.num_evicted = 0
         self._num_cached_free = 0  # free blocks that still hold a cached prefix
+        self.num_reserved = 0  # blocks taken out of circulation (see reserve)
         # Called with (block id, hash) just before a cached block's contents are overwritten.
         self.on_evict: Callable[[int, BlockHash], None] | None = None
         self.events: KVEventSink | None = None  # KV events: None (off) costs nothing
+
+    def reserve(self, block: int) -> None:
+        """Take `block` out of circulation for good (the hybrid layout's NULL_BLOCK: freed table
+        entries point at it; never written, so it stays zero). It counts as held."""
+        if self.num_blocks < 2:
+            raise ValueError("a KV pool with a reserved null block needs at least two blocks")
+        del self._free[block]
+        self.ref_counts[block] = 1
+        self.num_reserved += 1
 
     @property
     def num_free_blocks(self) -> int:
@@ -60,13 +72,14 @@ class BlockPool:
             b, _ = self._free.popitem(last=False)
             h = self.block_hashes[b]
             if h is not None:
-                if self.on_evict is not None:
+                if self.on_evict is not None and len(h) == HASH_LEN:
                     self.on_evict(b, h)
                 del self.cached[h]
                 self.block_hashes[b] = None
                 self.num_evicted += 1
                 self._num_cached_free -= 1
-                evicted.append(h)
+                if len(h) == HASH_LEN:  # (a window group's keys are longer: not the prefix cache's events)
+                    evicted.append(h)
             self.ref_counts[b] = 1
             blocks.append(b)
         if evicted and self.events is not None:
@@ -113,8 +126,8 @@ class BlockPool:
         return found
 
     def usage(self) -> float:
-        """Share of the pool held by running requests, in [0, 1]."""
-        return 1.0 - len(self._free) / self.num_blocks
+        """Share of the pool held by running requests, in [0, 1] (reserved blocks left out)."""
+        return 1.0 - len(self._free) / (self.num_blocks - self.num_reserved)
 
     def check_consistency(self) -> None:
         """Debug/test helper: free queue, reference counts and the hash map agree."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from kvflow.lora.request import LoRARequest
 from kvflow.sampling_params import SamplingParams
 
 
@@ -53,6 +54,8 @@ class Request:
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     first_scheduled_time: float | None = None
+    # P/D consumer: when the fetch of its prompt's KV from the producer began and ended (monotonic)
+    kv_load_times: tuple[float, float | None] | None = None
     # Content hashes of the full blocks so far (prefix caching); tokens never change, so they stay
     # valid across preemption.
     block_hashes: list[bytes] = field(default_factory=list)
@@ -69,6 +72,8 @@ class Request:
     first_token_time: float | None = None  # when the first output token came (scheduler clock)
     # Set when it finishes on a KV producer: where a decode engine can fetch its KV (to the client).
     kv_transfer_params: dict | None = None
+    # The LoRA adapter it runs under (None: the base model); part of its blocks' prefix-cache keys.
+    lora: LoRARequest | None = None
 
     def token_ids_between(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of prompt + output, without concatenating the whole sequence."""
@@ -78,6 +83,11 @@ class Request:
         if start >= n_prompt:
             return self.output_token_ids[start - n_prompt : end - n_prompt]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - n_prompt]
+
+    @property
+    def cache_key(self) -> bytes:
+        """What its blocks' prefix-cache hashes add: the adapter's identity (nothing for the base model)."""
+        return b"" if self.lora is None else self.lora.cache_key
 
     @property
     def num_tokens(self) -> int:

@@ -19,11 +19,13 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvflow.core.attention_sinks import KVShift, StreamingKV
 from kvflow.core.kv_cache_manager import ComputedBlocks, KVCacheManager, cdiv
 from kvflow.core.request import Request, RequestStatus
 from kvflow.core.sched.fairness import VirtualTokenCounter
 from kvflow.core.sched.policy import QueueView, SchedulingPolicy
 from kvflow.kv_transfer.base import KVConnectorMetadata, KVConnectorOutput, KVConnectorScheduler
+from kvflow.lora.request import LoRARequest
 from kvflow.sampling_params import SamplingParams
 
 
@@ -42,6 +44,13 @@ class ScheduledSeq:
     # Draft tokens at the end of token_ids, to verify (speculative decoding): the runner returns
     # the accepted ones and one token of its own.
     spec_token_ids: list[int] = field(default_factory=list)
+    # Attention sinks: tokens of the sequence dropped from its cache before these; the model sees
+    # them at cache positions start_pos - num_dropped_tokens onwards (kvflow.core.attention_sinks).
+    num_dropped_tokens: int = 0
+    lora: LoRARequest | None = None  # the adapter its rows run under (None: the base model)
+    # With a hybrid KV layout (kvflow.core.kv_groups): the block tables of KV groups 1.. (group 0's
+    # is block_table); empty otherwise.
+    group_block_tables: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
@@ -50,6 +59,8 @@ class SchedulerOutput:
     preempted: list[str] = field(default_factory=list)
     # The KV connector's work this step (loads, saves, transfers), for its worker side.
     kv_connector_metadata: KVConnectorMetadata | None = None
+    # Attention sinks: keys to re-rotate before this step's forward pass (blocks that moved down).
+    kv_shifts: list[KVShift] = field(default_factory=list)
     # Requests that waited past max_queue_time_s (removed from the scheduler; the engine fails them).
     timed_out: list[Request] = field(default_factory=list)
 
@@ -91,6 +102,8 @@ class Scheduler:
         max_queue_time_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
         connector: KVConnectorScheduler | None = None,
+        streaming: StreamingKV | None = None,
+        max_loras: int | None = None,
     ) -> None:
         self.kv_cache = kv_cache
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -100,6 +113,8 @@ class Scheduler:
         self.max_queue_time_s = max_queue_time_s
         self.clock = clock
         self.connector = connector
+        self.max_loras = max_loras  # most distinct LoRA adapters among the running (None: no adapters)
+        self.streaming = streaming  # attention sinks + a recent window (None: a request keeps all its KV)
         if connector is not None:
             connector.bind(kv_cache)
         self.waiting: deque[Request] = deque()
@@ -171,11 +186,8 @@ class Scheduler:
     def kv_memory_stats(self) -> KVMemoryStats:
         """Where the KV pool's blocks are, and how full the held ones are."""
         pool, bs = self.kv_cache.pool, self.kv_cache.block_size
-        held = pool.num_blocks - pool.num_free_blocks
-        # Only a request's last block can be partly empty, and such a block is never shared.
-        empty_slots = sum(
-            len(self.kv_cache.block_tables.get(r.request_id, ())) * bs - r.num_computed_tokens for r in self.running
-        )
+        held = pool.num_blocks - pool.num_reserved - pool.num_free_blocks
+        empty_slots = sum(self.kv_cache.empty_slots(r) for r in self.running)
         cached_free = pool.num_cached_free_blocks
         return KVMemoryStats(
             blocks_in_use=held,
@@ -202,7 +214,9 @@ class Scheduler:
                 break
             if req.status != RequestStatus.RUNNING:  # preempted for an earlier one
                 continue
-            n = min(req.num_tokens - req.num_computed_tokens + len(req.spec_token_ids), budget)
+            n = self._make_room(
+                req, min(req.num_tokens - req.num_computed_tokens + len(req.spec_token_ids), budget), out
+            )
             fits, squeezed = self._allocate_running(req, n, scheduled, out)
             pressure |= squeezed
             if fits:
@@ -220,7 +234,7 @@ class Scheduler:
             if req.request_id in partial_ids:
                 if req.status != RequestStatus.RUNNING:  # preempted for an earlier one
                     continue
-                n = min(req.num_tokens - req.num_computed_tokens, budget)
+                n = self._make_room(req, min(req.num_tokens - req.num_computed_tokens, budget), out)
                 fits, squeezed = self._allocate_running(req, n, scheduled, out)
                 admitting &= not squeezed
                 if fits:
@@ -229,6 +243,8 @@ class Scheduler:
                 if len(self.running) >= self.max_num_seqs:
                     admitting = False
                     continue
+                if not self._lora_fits(req):
+                    continue  # its adapter would be one too many this step: later ones may fit
                 n = self._admit(req, budget, now)
                 if n is None:
                     admitting = False
@@ -241,6 +257,27 @@ class Scheduler:
     def _schedule(self, out: SchedulerOutput, scheduled: set[str], req: Request, n: int) -> int:
         out.seqs.append(self._scheduled(req, n))
         scheduled.add(req.request_id)
+        return n
+
+    def _lora_fits(self, req: Request) -> bool:
+        """Whether admitting req keeps the running requests within max_loras distinct adapters
+        (every step then is: decodes and prefill chunks are all of running requests)."""
+        if req.lora is None or self.max_loras is None:
+            return True
+        ids = {r.lora.lora_int_id for r in self.running if r.lora is not None}
+        return req.lora.lora_int_id in ids or len(ids) < self.max_loras
+
+    def _make_room(self, req: Request, n: int, out: SchedulerOutput) -> int:
+        """Attention sinks: drop the blocks the policy says must go before req computes n more
+        tokens (their successors' keys are re-rotated by the runner); returns the tokens to compute
+        (a prefill chunk may be cut to the room the window leaves)."""
+        if self.streaming is None:
+            return n
+        drop, n = self.streaming.plan(req.num_computed_tokens - self.kv_cache.dropped_tokens(req), n)
+        if drop:
+            moved = self.kv_cache.drop_blocks(req, self.streaming.sink_blocks, drop)
+            if moved:
+                out.kv_shifts.append(KVShift(list(moved), drop * self.kv_cache.block_size))
         return n
 
     def _allocate_running(self, req: Request, n: int, scheduled: set[str], out: SchedulerOutput) -> tuple[bool, bool]:
@@ -271,6 +308,8 @@ class Scheduler:
             return 0 if self._start_async_load(req, cached) else None
         num_cached = cached.num_blocks * self.kv_cache.block_size
         n = min(req.num_tokens - num_cached, budget)
+        if self.streaming is not None:  # a prompt longer than the cache holds streams through it
+            n = self.streaming.plan(num_cached, n)[1]
         if not self.kv_cache.allocate_slots(req, n, cached):
             return None
         if num_external:
@@ -309,6 +348,7 @@ class Scheduler:
         )
         self.waiting.remove(req)
         req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        req.kv_load_times = (self.clock(), None)
         self.waiting_for_kv[req.request_id] = req
         return True
 
@@ -325,6 +365,8 @@ class Scheduler:
         for rid in output.finished_recving:
             req = self.waiting_for_kv.pop(rid, None)
             if req is not None:
+                if req.kv_load_times is not None:
+                    req.kv_load_times = (req.kv_load_times[0], self.clock())
                 self.kv_cache.register_loaded(req)
                 self._requeue(req)
         failed = []
@@ -357,6 +399,7 @@ class Scheduler:
             cand = self.policy.waiting_order(self.waiting, now)[0]
             victim = self.running[-1]
             need = cdiv(min(cand.num_tokens, self.max_num_batched_tokens), self.kv_cache.block_size)
+            need *= self.kv_cache.num_groups  # a first chunk needs its blocks in every KV group
             blocked = len(self.running) >= self.max_num_seqs or self.kv_cache.num_free_blocks < need
             if not blocked or not self.policy.may_displace(cand, victim, now):
                 return
@@ -388,6 +431,7 @@ class Scheduler:
             request_id=req.request_id,
             token_ids=req.token_ids_between(start, start + own) + spec,
             start_pos=start,
+            num_dropped_tokens=self.kv_cache.dropped_tokens(req),
             block_table=self.kv_cache.block_table(req),
             sample=start + own == req.num_tokens,
             params=p,
@@ -395,6 +439,8 @@ class Scheduler:
             prompt_token_ids=req.prompt_token_ids if wants_history else None,
             output_token_ids=req.output_token_ids if wants_history else None,
             spec_token_ids=spec,
+            lora=req.lora,
+            group_block_tables=self.kv_cache.group_block_tables(req),
         )
 
     def _preempt(self, req: Request) -> None:

@@ -34,6 +34,7 @@ from typing import Any
 from kvflow.core.sched import AdmissionRejected
 from kvflow.engine.engine_thread import EngineThread
 from kvflow.engine.llm_engine import EngineStats, LLMEngine
+from kvflow.lora.request import LoRARequest
 from kvflow.metrics import EngineMetrics, StatLogger
 from kvflow.outputs import RequestOutput
 from kvflow.sampling_params import SamplingParams
@@ -71,6 +72,7 @@ class _Add:
     arrival_time: float
     future: asyncio.Future
     client: str | None = None
+    lora_request: LoRARequest | None = None
 
 
 @dataclass
@@ -104,6 +106,8 @@ class RequestHandle:
         self._consumed = False  # ... and to the consumer
         self._abort_sent = False
         self._error: str | None = None
+        # Called once with the finished output (the server's tracing; None: nothing to do)
+        self.on_finished: Callable[[RequestOutput], None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -116,6 +120,8 @@ class RequestHandle:
             self._done = True
             if out.error is not None:
                 self._error = out.error
+            if self.on_finished is not None:
+                self.on_finished(out)
         self._event.set()
 
     def _fail(self, error: str) -> None:
@@ -237,6 +243,7 @@ class AsyncLLM:
         add_special_tokens: bool = True,
         arrival_time: float | None = None,
         client: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestHandle:
         """Queue a request in the engine thread and return its handle once the engine took it.
 
@@ -248,7 +255,7 @@ class AsyncLLM:
         if params.structured_outputs is not None:
             await self._compile(params)
         fut = self._loop.create_future()
-        self._send(_Add(request_id, prompt, params, add_special_tokens, arrival, fut, client))
+        self._send(_Add(request_id, prompt, params, add_special_tokens, arrival, fut, client, lora_request))
         return await fut
 
     async def _compile(self, params: SamplingParams) -> None:
@@ -448,6 +455,7 @@ class AsyncLLM:
                     arrival_time=cmd.arrival_time,
                     add_special_tokens=cmd.add_special_tokens,
                     client=cmd.client,
+                    lora_request=cmd.lora_request,
                 )
             except AdmissionRejected as e:
                 if self.metrics is not None:

@@ -11,7 +11,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvflow.config import EngineConfig
+from kvflow.core.attention_sinks import StreamingKV
 from kvflow.core.kv_cache_manager import KVCacheManager, cdiv
+from kvflow.core.kv_groups import kv_layout, refusal, requests_that_fit
 from kvflow.core.request import Request, RequestStatus
 from kvflow.core.sched import VirtualTokenCounter, make_policy
 from kvflow.core.scheduler import KVMemoryStats, Scheduler, SchedulerOutput
@@ -22,6 +24,8 @@ from kvflow.engine.step_records import StepRecords
 from kvflow.executor import Executor
 from kvflow.kv_events.events import KVEventBatch, KVEventSink
 from kvflow.kv_transfer.base import KVConnectorScheduler
+from kvflow.lora.request import LoRARequest
+from kvflow.lora.stats import LoRAStats
 from kvflow.outputs import RequestMetrics, RequestOutput
 from kvflow.sampling_params import MAX_EXPERT_TRACE_ENTRIES, SamplingParams, check_text
 from kvflow.structured_output.manager import StructuredOutputManager, StructuredOutputStats
@@ -66,6 +70,10 @@ class EngineStats:
     # A Mixture-of-Experts model's routing: tokens per layer (and expert), load imbalance (None: a
     # dense model, or moe_expert_metrics="off")
     moe: MoeRoutingStats | None = None
+    # What the pool holds at most: max_model_len requests decoding at once x their length with
+    # sliding-window layers holding only their window, else its blocks' slots (see _num_blocks).
+    kv_capacity_tokens: int = 0
+    lora: LoRAStats | None = None  # LoRA adapters (--enable-lora; None: off)
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -84,12 +92,18 @@ class LLMEngine:
         self.model_config = ckpt.model_config
         self.tokenizer = ckpt.tokenizer
         self.max_model_len = self._resolve_max_model_len()
+        self.streaming = self._streaming_kv()  # attention sinks (None: off)
         self.eos_token_ids = self._eos_ids(ckpt.generation_config)
 
         # The pool is sized from one rank's KV bytes per token (the worker's answer: under tensor
         # parallelism each rank holds its share of the KV heads); the runners then allocate it.
         kv_spec = Executor.kv_cache_spec(self.model_config, config)
         self.kv_bytes_per_token = kv_spec.bytes_per_token
+        # Which layers share block tables: sliding-window layers hold only their window (kv_groups).
+        self.kv_layout = kv_layout(self.model_config, config.disable_hybrid_kv_cache_manager, self.max_model_len)
+        why = refusal(self.kv_layout, config)
+        if why is not None:
+            raise ValueError(why)
         self.num_kv_blocks = self._num_blocks(kv_spec)
         self.executor = Executor.create(config, ckpt, self.max_model_len, self.num_kv_blocks)
         self.runner = self.executor.runner
@@ -113,7 +127,11 @@ class LLMEngine:
             self.kv_events = KVEventSink()
             self.kv_events.cleared()  # the first batch says: this engine's cache starts empty
         self.kv_cache = KVCacheManager(
-            self.num_kv_blocks, config.block_size, config.enable_prefix_caching, events=self.kv_events
+            self.num_kv_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            events=self.kv_events,
+            layout=self.kv_layout,
         )
         # One model of step times, learned from every step: the speculator and the slo policy predict with it.
         self.step_cost = StepCostModel()
@@ -132,7 +150,14 @@ class LLMEngine:
             VirtualTokenCounter() if config.fairness == "vtc" else None,
             config.max_queue_time_s,
             connector=self.kv_connector,
+            streaming=self.streaming,
+            max_loras=config.max_loras if config.enable_lora else None,
         )
+        # LoRA adapters by name (--enable-lora): --lora-modules now, load_lora / unload_lora later.
+        self.loras: dict[str, LoRARequest] = {}
+        self._lora_ids = itertools.count(1)
+        for name, path in config.lora_module_paths().items():
+            self.load_lora(name, path)
         moe = self.model_config.moe
         # the decoder layers that route (expert traces are per MoE layer)
         self.moe_layers = [] if moe is None else [i for i in range(self.model_config.num_layers) if moe.is_sparse(i)]
@@ -188,6 +213,31 @@ class LLMEngine:
             logger.warning("sliding window %d < max_model_len %d: attention is windowed", mc.sliding_window, want)
         return want
 
+    def _streaming_kv(self) -> StreamingKV | None:
+        """The attention-sink policy (--attention-sinks / --attention-window), for a model that
+        attends to its whole context (a sliding window inside the cache's length would not see the
+        sinks)."""
+        cfg, mc = self.config, self.model_config
+        if not cfg.streaming_kv:
+            return None
+        windows = [w for w in (mc.sliding_window, *mc.layer_windows) if w is not None]
+        if windows and min(windows) < self.max_model_len:
+            raise ValueError(
+                f"attention_sinks / attention_window are for models without a sliding window; "
+                f"{mc.architecture} attends within {min(windows)} tokens already (< max_model_len "
+                f"{self.max_model_len}): serve it without them"
+            )
+        policy = StreamingKV.create(cfg.attention_sinks, cfg.attention_window, cfg.block_size, self.max_model_len)
+        logger.info(
+            "attention sinks: %d sink tokens (%d blocks) + a window of %d tokens: at most %d KV blocks "
+            "per request, generation past max_model_len",
+            cfg.attention_sinks,
+            policy.sink_blocks,
+            policy.window,
+            policy.max_blocks,
+        )
+        return policy
+
     def _eos_ids(self, generation_config: dict[str, Any]) -> tuple[int, ...]:
         ids = set(self.model_config.eos_token_ids)
         gen_eos = generation_config.get("eos_token_id")
@@ -197,26 +247,66 @@ class LLMEngine:
         return tuple(sorted(ids))
 
     def _num_blocks(self, kv: KVCacheSpec) -> int:
-        cfg = self.config
-        block_bytes = cfg.block_size * kv.bytes_per_token
+        """Blocks (pages, with a hybrid layout: one block of `slots` layers each) in the pool, with
+        what they hold logged: the tokens, or with sliding windows the max_model_len requests that
+        fit at once, against keeping every block in the same memory."""
+        cfg, layout = self.config, self.kv_layout
+        bs = cfg.block_size
+        block_bytes = bs * kv.bytes_per_token // kv.num_layers * layout.slots
         num = cfg.num_kv_blocks or int(cfg.kv_cache_memory_gb * 2**30 // block_bytes)
-        needed = cdiv(self.max_model_len, cfg.block_size)
-        logger.info(
-            "KV cache: %d bytes/token (2 x %d layers x %d kv heads x %d head_dim x %s), "
-            "%d blocks of %d tokens = %d tokens, %.2f GiB",
-            kv.bytes_per_token,
-            kv.num_layers,
-            kv.num_kv_heads,
-            kv.head_dim,
-            kv.per_value,
-            num,
-            cfg.block_size,
-            num * cfg.block_size,
-            num * block_bytes / 2**30,
-        )
-        if num < needed:
+        usable = num - layout.frees_blocks  # (NULL_BLOCK is reserved)
+        chunk = min(cfg.max_num_batched_tokens, self.max_model_len)
+        needed = layout.blocks_held(self.max_model_len, bs, chunk)
+        if layout.num_groups == 1:
+            logger.info(
+                "KV cache: %d bytes/token (2 x %d layers x %d kv heads x %d head_dim x %s), "
+                "%d blocks of %d tokens = %d tokens, %.2f GiB",
+                kv.bytes_per_token,
+                kv.num_layers,
+                kv.num_kv_heads,
+                kv.head_dim,
+                kv.per_value,
+                num,
+                bs,
+                num * bs,
+                num * block_bytes / 2**30,
+            )
+        else:  # a block is one block of `slots` layers, which one depends on the group holding it
+            logger.info(
+                "KV cache: %d bytes per token and layer (2 x %d kv heads x %d head_dim x %s), "
+                "%d blocks of %d tokens x %d layers, %.2f GiB",
+                kv.bytes_per_token // kv.num_layers,
+                kv.num_kv_heads,
+                kv.head_dim,
+                kv.per_value,
+                num,
+                bs,
+                layout.slots,
+                num * block_bytes / 2**30,
+            )
+        # Tokens that fit: without windows the pool's slots; with them, max_model_len requests
+        # decoding at once (each its full-attention blocks and its windows) times their length.
+        fit = requests_that_fit(layout, usable, self.max_model_len, bs, 1)
+        self.kv_capacity_tokens = fit * self.max_model_len if layout.frees_blocks else num * bs
+        if layout.frees_blocks:
+            full = int(num * block_bytes // (bs * kv.bytes_per_token)) // cdiv(self.max_model_len, bs)
+            logger.info(
+                "KV cache: sliding-window layers hold only their window (%s; blocks of %d layers): %d requests "
+                "of max_model_len=%d tokens fit at once while decoding = %d tokens (%d keeping every block of "
+                "every layer in the same memory, --disable-hybrid-kv-cache-manager); a request holds at most "
+                "%d blocks, at the prefill chunk (%d tokens) that reaches max_model_len",
+                layout.describe(),
+                layout.slots,
+                fit,
+                self.max_model_len,
+                self.kv_capacity_tokens,
+                full,
+                needed,
+                chunk,
+            )
+        if usable < needed:
             raise ValueError(
-                f"the KV cache holds {num * cfg.block_size} tokens ({num} blocks of {cfg.block_size}) but one "
+                f"the KV cache holds {num * bs} tokens ({num} blocks of {bs}) but one "
                 f"request of max_model_len={self.max_model_len} tokens needs {needed} blocks "
                 f"({needed * block_bytes / 2**30:.3f} GiB); raise kv_cache_memory_gb or num_kv_blocks, "
                 f"or lower max_model_len"
@@ -265,6 +355,7 @@ class LLMEngine:
         arrival_time: float | None = None,
         add_special_tokens: bool = True,
         client: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> str:
         """Validate and queue a request; returns its id. Raises ValueError on bad input, or
         AdmissionRejected when the scheduling policy refuses it (and then changes nothing).
@@ -276,6 +367,7 @@ class LLMEngine:
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         prompt_ids = self.tokenize(prompt, add_special_tokens)
         self._validate_request(prompt_ids, params)
+        self._check_lora(lora_request)
         # Without a connector, the base class's check refuses any transfer the params ask for.
         (self.kv_connector or KVConnectorScheduler()).check_request(params.kv_transfer_params)
         max_tokens = params.max_tokens or (self.max_model_len - len(prompt_ids))
@@ -288,6 +380,7 @@ class LLMEngine:
             client=client,
             ttft_slo=None if ttft is None else ttft / 1000,
             tpot_slo=None if tpot is None else tpot / 1000,
+            lora=lora_request,
         )
         self.scheduler.check_admission(
             Request(request_id, request_id, 0, prompt_ids, params, max_tokens, arrival, **sched_fields)
@@ -320,6 +413,43 @@ class LLMEngine:
         self._prompt_tokens += len(prompt_ids) * params.n
         return request_id
 
+    # ---- LoRA adapters ---------------------------------------------------------------------------
+    def _check_lora(self, lora: LoRARequest | None) -> None:
+        """Load (and check) a request's adapter before it is queued: a bad one is the request's
+        error, never the step's."""
+        if lora is None:
+            return
+        if not isinstance(lora, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora).__name__}")
+        if self.runner.lora is None:
+            raise ValueError("a LoRA adapter was requested but the engine runs without --enable-lora")
+        self.runner.lora.add(lora)
+
+    def load_lora(self, name: str, path: str) -> LoRARequest:
+        """Load the PEFT adapter at `path` under `name` (ValueError: a bad adapter, or a name in use)."""
+        if self.runner.lora is None:
+            raise ValueError("LoRA adapters need --enable-lora")
+        if name in self.loras:
+            raise ValueError(f"a LoRA adapter named {name!r} is already loaded")
+        if name == self.model_name:
+            raise ValueError(f"{name!r} is the base model's name")
+        lora = LoRARequest(name, next(self._lora_ids), path)
+        self.runner.lora.add(lora)
+        self.loras[name] = lora
+        return lora
+
+    def unload_lora(self, name: str) -> None:
+        """Forget the adapter `name` (KeyError: none loaded). Requests already running under it
+        finish under it (it is read again from its folder if they need it after this)."""
+        lora = self.loras.pop(name)
+        if self.runner.lora is not None:
+            self.runner.lora.remove(lora.lora_int_id)
+
+    def lora_names(self, which: str) -> list[str]:
+        """Adapters of the `running` or `waiting` requests, by name (the lora_requests_info gauge)."""
+        reqs = self.scheduler.running if which == "running" else self.scheduler.waiting
+        return sorted({r.lora.lora_name for r in reqs if r.lora is not None})
+
     def _validate_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """What only the model knows: the vocabulary and the context length."""
         if not prompt_ids:
@@ -340,12 +470,13 @@ class LLMEngine:
                 f"the prompt has {n} tokens but max_model_len is {limit}; "
                 f"at most {limit - 1} prompt tokens leave room for one output token"
             )
-        if params.max_tokens is not None and n + params.max_tokens > limit:
+        # (attention sinks: the cache rolls, the output's length has no limit)
+        if self.streaming is None and params.max_tokens is not None and n + params.max_tokens > limit:
             raise ValueError(
                 f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = "
                 f"{n + params.max_tokens} exceeds max_model_len {limit}"
             )
-        if params.min_tokens > limit - n:
+        if params.min_tokens > limit - n and self.streaming is None:
             raise ValueError(
                 f"min_tokens ({params.min_tokens}) exceeds the {limit - n} tokens left after the "
                 f"prompt ({n} tokens) within max_model_len {limit}"
@@ -609,6 +740,7 @@ class LLMEngine:
             prefix_cache_queries=self.kv_cache.prefix_stats.queries,
             prefix_cache_hits=self.kv_cache.prefix_stats.hits,
             kv_memory=self.scheduler.kv_memory_stats(),
+            kv_capacity_tokens=self.kv_capacity_tokens,
             kv_utilization_mean=self._util_sum / max(self._util_steps, 1),
             kv_utilization_contiguous_mean=self._util_contig_sum / max(self._util_steps, 1),
             kv_offload=offload,
@@ -619,6 +751,21 @@ class LLMEngine:
             step_cost_error=self.step_cost.prediction_error,
             linear_kernels=self.executor.kernel_summary(),
             moe=self.executor.moe_stats(),
+            lora=self._lora_stats(),
+        )
+
+    def _lora_stats(self) -> LoRAStats | None:
+        manager = self.runner.lora
+        if manager is None:
+            return None
+        c = manager.counters
+        return LoRAStats(
+            self.config.max_loras,
+            self.lora_names("running"),
+            self.lora_names("waiting"),
+            c.loads,
+            c.evictions,
+            c.cpu_evictions,
         )
 
     def _connector_stats(self) -> tuple[OffloadStats | None, KVTransferStats | None]:

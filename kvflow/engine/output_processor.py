@@ -191,6 +191,7 @@ class OutputProcessor:
         if m.first_scheduled_time is None:
             m.first_scheduled_time = req.first_scheduled_time
             parent.num_cached_tokens = max(req.num_cached_tokens, 0)
+            m.kv_load_times = req.kv_load_times
         if m.first_token_time is None:
             m.first_token_time = now
         m.last_token_time = now

@@ -14,6 +14,7 @@ from typing import Any
 
 from kvflow.config import EngineConfig
 from kvflow.engine.llm_engine import EngineStats, LLMEngine
+from kvflow.lora.request import LoRARequest
 from kvflow.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from kvflow.sampling_params import SamplingParams
 
@@ -62,7 +63,10 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
+        """`lora_request`: the LoRA adapter (engine started with enable_lora) every prompt runs
+        under, or one per prompt (None: the base model)."""
         if isinstance(prompts, (str, Mapping)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -73,7 +77,10 @@ class LLM:
             params = [params] * len(prompts)
         elif len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams")
-        return self._run([(p, sp, True) for p, sp in zip(prompts, params)], use_tqdm)
+        loras = [lora_request] * len(prompts) if not isinstance(lora_request, (list, tuple)) else list(lora_request)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(loras)} lora_requests")
+        return self._run([(p, sp, True) for p, sp in zip(prompts, params)], use_tqdm, loras)
 
     def embed(
         self, prompts: Prompt | Sequence[Prompt], pooling: str | None = None, use_tqdm: bool = True
@@ -112,12 +119,18 @@ class LLM:
             raise ValueError("this model has no chat template; use generate() with a plain prompt")
         return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
-    def _run(self, items: list[tuple[Prompt, SamplingParams, bool]], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(
+        self,
+        items: list[tuple[Prompt, SamplingParams, bool]],
+        use_tqdm: bool,
+        loras: list[LoRARequest | None] | None = None,
+    ) -> list[RequestOutput]:
         engine = self.engine
         ids: list[str] = []
         try:
-            for prompt, params, special in items:
-                ids.append(engine.add_request(None, prompt, params, add_special_tokens=special))
+            for i, (prompt, params, special) in enumerate(items):
+                lora = None if loras is None else loras[i]
+                ids.append(engine.add_request(None, prompt, params, add_special_tokens=special, lora_request=lora))
         except Exception:
             engine.abort(ids)
             raise

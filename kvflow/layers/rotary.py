@@ -15,8 +15,26 @@ from kvflow.kernels.cpu import paged_attention as cpu_kernels
 RotaryFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], object]
 
 
-def inverse_frequencies(head_dim: int, rope: RopeConfig) -> torch.Tensor:
-    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+def _base_exponents(head_dim: int) -> torch.Tensor:
+    """2i / head_dim for i < head_dim / 2, in float32 (HF's `arange(0, dim, 2) / dim`)."""
+    return torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+
+
+def inverse_frequencies(head_dim: int, rope: RopeConfig, long: bool = False) -> torch.Tensor:
+    """The rotary inverse frequencies [head_dim / 2] (float32) of `rope`; for ``longrope``, those of
+    its short factors, or with `long` its long ones (see `rope_tables` for which are used)."""
+    if rope.scaling_type == "longrope":
+        factors = torch.tensor(rope.long_factor if long else rope.short_factor, dtype=torch.float32)
+        return 1.0 / (factors * rope.theta ** _base_exponents(head_dim))
+    if rope.scaling_type == "yarn":
+        return _yarn_inverse_frequencies(head_dim, rope)
+    base = rope.theta
+    if rope.scaling_type == "dynamic":
+        # Dynamic NTK at the model's own context length (HF's frequencies until a sequence grows past
+        # max_position_embeddings, which kvflow's max_model_len never does): base * 1 ** (...).
+        max_pos = rope.max_position_embeddings
+        base = base * ((rope.factor * max_pos / max_pos) - (rope.factor - 1)) ** (head_dim / (head_dim - 2))
+    inv_freq = 1.0 / (base ** _base_exponents(head_dim))
     if rope.scaling_type == "linear":
         return inv_freq / rope.factor
     if rope.scaling_type == "llama3":
@@ -33,6 +51,69 @@ def inverse_frequencies(head_dim: int, rope: RopeConfig) -> torch.Tensor:
     return inv_freq
 
 
+def _yarn_inverse_frequencies(head_dim: int, rope: RopeConfig) -> torch.Tensor:
+    """YaRN: per dimension, a blend of the interpolated (slowed by `factor`) and the extrapolated
+    (unchanged) frequency, by a linear ramp between the dimensions that turn beta_fast and beta_slow
+    times over the original context (HF's `_compute_yarn_parameters`, op for op)."""
+    dim, base, old_len = head_dim, rope.theta, rope.original_max_position_embeddings
+
+    def correction_dim(num_rotations: float) -> float:
+        return (dim * math.log(old_len / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # (HF's guard against a zero-width ramp)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (rope.factor * pos_freqs)
+    extrapolation_factor = 1 - ramp
+    return interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor
+
+
+def attention_factor(rope: RopeConfig) -> float:
+    """The factor YaRN and LongRoPE scale cos and sin by (1.0 for the other types), as HF derives it
+    when the config does not give `attention_factor`."""
+    if rope.attention_factor is not None:
+        return rope.attention_factor
+    if rope.scaling_type == "yarn":
+
+        def mscale(scale: float, m: float = 1.0) -> float:
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        if rope.mscale and rope.mscale_all_dim:
+            return float(mscale(rope.factor, rope.mscale) / mscale(rope.factor, rope.mscale_all_dim))
+        return mscale(rope.factor)
+    if rope.scaling_type == "longrope" and rope.factor > 1.0:
+        return math.sqrt(1 + math.log(rope.factor) / math.log(rope.original_max_position_embeddings))
+    return 1.0
+
+
+def rope_tables(head_dim: int, max_positions: int, rope: RopeConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [max_positions, head_dim] in float32, row p for position p (HF's rotary forward:
+    freqs = p * inv_freq, emb = cat(freqs, freqs), cos / sin times the attention factor), for a
+    model serving contexts of up to `max_positions` tokens.
+
+    LongRoPE: HF transformers rotates a sequence with the long factors once it is longer than
+    `original_max_position_embeddings`, every position of it: its forward pass picks the factors by
+    the sequence's length, and Phi-3's generate drops the KV cache and recomputes the whole sequence
+    with the long ones when it grows past that length. kvflow picks once, by the context it serves:
+    the long factors when `max_positions` (max_model_len) is past the original context, else the
+    short ones -- HF's choice for every sequence that starts past the original context, and for
+    every sequence when the context stays within it (docs/models.md)."""
+    long = rope.scaling_type == "longrope" and max_positions > rope.original_max_position_embeddings
+    positions = torch.arange(max_positions, dtype=torch.float32)
+    freqs = torch.outer(positions, inverse_frequencies(head_dim, rope, long=long))
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    scale = attention_factor(rope)
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    return cos, sin
+
+
 class RotaryEmbedding(torch.nn.Module):
     """Holds cos/sin for every position up to max_positions; looked up once per step."""
 
@@ -40,14 +121,15 @@ class RotaryEmbedding(torch.nn.Module):
         self, head_dim: int, max_positions: int, rope: RopeConfig, dtype: torch.dtype, device: torch.device
     ) -> None:
         super().__init__()
-        inv_freq = inverse_frequencies(head_dim, rope)
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos().to(dtype=dtype, device=device), persistent=False)
+        cos, sin = rope_tables(head_dim, max_positions, rope)
+        # (YaRN / LongRoPE: cos and sin carry this factor; a rotation by a position delta built from
+        # the tables must divide it out)
+        self.attention_factor = attention_factor(rope)
+        self.register_buffer("cos", cos.to(dtype=dtype, device=device), persistent=False)
         # sin with the first half negated: rotate_half(x) * sin == x.roll(half) * sin_signed.
         half = head_dim // 2
         sign = torch.cat((-torch.ones(half), torch.ones(head_dim - half)))
-        self.register_buffer("sin_signed", (emb.sin() * sign).to(dtype=dtype, device=device), persistent=False)
+        self.register_buffer("sin_signed", (sin * sign).to(dtype=dtype, device=device), persistent=False)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin_signed of shape [T, 1, head_dim], for `apply_rotary_`."""

@@ -75,6 +75,10 @@ def native_decode_unsupported(model: torch.nn.Module) -> str | None:
     cfg = model.cfg
     if cfg.is_moe:  # (the pass has no routed feed-forward: no native grouped-expert kernel yet)
         return "Mixture-of-Experts layers run on the per-layer path"
+    if cfg.gemma is not None:  # (the pass runs the Llama layer: no post-norms, GeGLU or soft-cap)
+        return "Gemma layers run on the per-layer path"
+    if len({layer.window for layer in model.layers}) > 1:
+        return "layers with different attention windows run on the per-layer path"
     if model.linear_backend not in ("int8", "native", "auto", "gguf", "int4"):
         return "it serves the int8, native float and block-quantized linear backends only"
     if not isinstance(model.attention, CpuPagedAttention):
@@ -129,7 +133,7 @@ class NativeDecode:
             num_kv_heads=cfg.num_kv_heads,
             head_dim=cfg.head_dim,
             block_size=attention.block_size,
-            window=attention.sliding_window or 0,
+            window=model.layers[0].window or 0,  # (every layer's: see native_decode_unsupported)
             eps=cfg.rms_norm_eps,
             scale=cfg.head_dim**-0.5,
         )

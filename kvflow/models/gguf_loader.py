@@ -229,9 +229,13 @@ _LAYER_TENSORS = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_qkv": "self_attn.qkv_proj",  # q, k and v fused (Phi-3)
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
     "ffn_norm": "post_attention_layernorm",
+    # norms on a sublayer's output, before its residual add (OLMo 2)
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
@@ -264,15 +268,30 @@ _MOE_ARCHS: dict[str, tuple[str, str, bool]] = {
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe", True),
     "olmoe": ("OlmoeForCausalLM", "olmoe", False),
 }
-SUPPORTED_ARCHS = tuple(_MOE_ARCHS)  # (`llama` dense or with experts)
+# llama.cpp's dense architectures besides `llama`: the HF family each is (NEOX rotary, as HF's: Q/K
+# rows as stored).
+_DENSE_ARCHS: dict[str, tuple[str, str]] = {
+    "olmo2": ("Olmo2ForCausalLM", "olmo2"),
+    "phi3": ("Phi3ForCausalLM", "phi3"),
+}
+# Phi-3's LongRoPE factors, which llama.cpp stores as tensors: read into the config, not the weights.
+_PHI3_ROPE_FACTORS = {"rope_factors_short.weight": "short_factor", "rope_factors_long.weight": "long_factor"}
+SUPPORTED_ARCHS = (*_MOE_ARCHS, *_DENSE_ARCHS)  # (`llama` dense or with experts)
 # Families whose Q/K rows llama.cpp permuted (its LLaMA rotary); the others use NEOX's, which is HF's.
 _PERMUTED_QK = ("LlamaForCausalLM", "MixtralForCausalLM")
 # Families that size an expert by `moe_intermediate_size` (their dense layers by `intermediate_size`).
 _QWEN_MOE = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
 
-def _build_config(path: str, meta: dict[str, Any], dims: dict[str, list[int]], arch: str) -> dict[str, Any]:
-    """The HF-style config of the file's model; `dims`: each tensor's GGUF dims (innermost first)."""
+def _build_config(
+    path: str,
+    meta: dict[str, Any],
+    dims: dict[str, list[int]],
+    arch: str,
+    rope_factors: dict[str, list[float]] | None = None,
+) -> dict[str, Any]:
+    """The HF-style config of the file's model; `dims`: each tensor's GGUF dims (innermost first);
+    `rope_factors`: Phi-3's LongRoPE `short_factor` / `long_factor`, read from its tensors."""
 
     def key(name: str, default: Any = None, required: bool = False) -> Any:
         full = f"{arch}.{name}"
@@ -345,7 +364,36 @@ def _build_config(path: str, meta: dict[str, Any], dims: dict[str, list[int]], a
         _add_experts(path, cfg, key, dims, arch)
     else:
         cfg["intermediate_size"] = int(cfg["intermediate_size"])
+    if arch in _DENSE_ARCHS:
+        cfg["architectures"], cfg["model_type"] = [_DENSE_ARCHS[arch][0]], _DENSE_ARCHS[arch][1]
+    if arch == "phi3":
+        _add_phi3(path, cfg, key, rope_factors or {})
     return cfg
+
+
+def _add_phi3(path: str, cfg: dict[str, Any], key, rope_factors: dict[str, list[float]]) -> None:
+    """Phi-3's keys, as llama.cpp's converter writes them: the sliding window (0: none) and, with
+    its `rope_factors_short` / `rope_factors_long` tensors, LongRoPE over the original context with
+    the converter's attention factor."""
+    window = key("attention.sliding_window")
+    cfg["sliding_window"] = int(window) if window else None
+    if not rope_factors:
+        return
+    if set(rope_factors) != {"short_factor", "long_factor"}:
+        raise ValueError(f"{path}: a phi3 GGUF needs both rope_factors_short and rope_factors_long, or neither")
+    original = key("rope.scaling.original_context_length", required=True)
+    rope = {
+        **cfg["rope_parameters"],
+        "rope_type": "longrope",
+        **rope_factors,
+        "original_max_position_embeddings": int(original),
+    }
+    attn_factor = key("rope.scaling.attn_factor")
+    if attn_factor is not None:
+        rope["attention_factor"] = float(attn_factor)
+    cfg["rope_parameters"] = rope
+    cfg["original_max_position_embeddings"] = int(original)
+    cfg.pop("rope_scaling", None)
 
 
 def _is_moe(meta: dict[str, Any], tensor_names: set[str], arch: str) -> bool:
@@ -440,7 +488,22 @@ def _expected_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
         attention.update({"self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)})
     elif arch == "OlmoeForCausalLM":  # q/k norms over the whole projections
         attention.update({"self_attn.q_norm.weight": (q,), "self_attn.k_norm.weight": (kv,)})
+    elif arch == "Phi3ForCausalLM":  # q/k/v fused as stored
+        for part in ("q", "k", "v"):
+            del attention[f"self_attn.{part}_proj.weight"]
+        attention["self_attn.qkv_proj.weight"] = (q + 2 * kv, h)
+    elif arch == "Olmo2ForCausalLM":  # no input norm; whole-projection q/k norms; a norm on each output
+        del attention["input_layernorm.weight"]
+        attention.update(
+            {
+                "self_attn.q_norm.weight": (q,),
+                "self_attn.k_norm.weight": (kv,),
+                "post_feedforward_layernorm.weight": (h,),
+            }
+        )
     dense = {"mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f)}
+    if arch == "Phi3ForCausalLM":  # gate and up fused as stored (llama.cpp's ffn_up holds both)
+        dense = {"mlp.gate_up_proj.weight": (2 * f, h), "mlp.down_proj.weight": (h, f)}
     routed = dense
     if "num_experts" in cfg:
         e, w = cfg["num_experts"], cfg.get("moe_intermediate_size", f)
@@ -698,7 +761,7 @@ def _index(path: str, with_tokenizer: bool) -> gguf_cache.GGUFIndex:
     if arch not in SUPPORTED_ARCHS:
         raise ValueError(
             f"{path}: GGUF architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHS)} "
-            "(llama dense or with experts, and the Mixture-of-Experts qwen2moe, qwen3moe and olmoe)"
+            "(llama dense or with experts, the Mixture-of-Experts qwen2moe, qwen3moe and olmoe, olmo2 and phi3)"
         )
 
     by_name = {t.name: t for t in reader.tensors}
@@ -708,7 +771,18 @@ def _index(path: str, with_tokenizer: bool) -> gguf_cache.GGUFIndex:
             f"{path}: tensor {old_experts!r} is one expert of llama.cpp's old per-expert layout; kvflow reads "
             "the 3-D ffn_{gate,up,down}_exps tensors llama.cpp has written since 2024: convert the model again"
         )
-    cfg = _build_config(path, meta, {t.name: [int(d) for d in t.shape] for t in reader.tensors}, arch)
+    rope_factors = (
+        {
+            _PHI3_ROPE_FACTORS[n]: [float(x) for x in t.data.reshape(-1)]
+            for n, t in by_name.items()
+            if n in _PHI3_ROPE_FACTORS
+        }
+        if arch == "phi3"
+        else None
+    )
+    cfg = _build_config(
+        path, meta, {t.name: [int(d) for d in t.shape] for t in reader.tensors}, arch, rope_factors=rope_factors
+    )
     if cfg["vocab_size"] is None:
         cfg["vocab_size"] = int(by_name["token_embd.weight"].shape[-1])  # GGUF dims are [hidden, vocab]
 
@@ -716,9 +790,11 @@ def _index(path: str, with_tokenizer: bool) -> gguf_cache.GGUFIndex:
     expected = _expected_shapes(cfg)
     places: list[gguf_cache.TensorPlace] = []
     for t in reader.tensors:
-        if t.name in _IGNORED_TENSORS:
+        if t.name in _IGNORED_TENSORS or (arch == "phi3" and t.name in _PHI3_ROPE_FACTORS):
             continue
         hf = _hf_name(t.name, cfg["num_hidden_layers"])
+        if arch == "phi3" and hf is not None:  # (its ffn_up is gate and up, fused)
+            hf = hf.replace(".mlp.up_proj.", ".mlp.gate_up_proj.")
         if hf is None or hf not in expected:
             raise ValueError(
                 f"{path}: unexpected tensor {t.name!r} for a {cfg['architectures'][0]} model "

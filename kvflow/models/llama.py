@@ -41,6 +41,10 @@ class DecoderLayer(torch.nn.Module):
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5
+        # This layer's attention window (None: full attention) and attention-logit soft-cap, passed
+        # to the backend on every call: set per layer by the model (`ModelConfig.window_of`).
+        self.window: int | None = cfg.sliding_window
+        self.softcap: float | None = None
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.attention_bias, dtype, device)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, False, dtype, device)
@@ -106,7 +110,7 @@ class DecoderLayer(torch.nn.Module):
             self.apply_rotary(qk, cos, sin_signed)  # q and k rotated together, in place in qkv
         q = qk[:, : self.num_heads]
         kv = qkv[:, self.q_size :].view(t, 2, self.num_kv_heads, self.head_dim)
-        attn = self.attention.forward(q, kv, kv_cache, meta, self.scale)
+        attn = self.attention.forward(q, kv, kv_cache, meta, self.scale, window=self.window, softcap=self.softcap)
         return self.o_proj.kernel(attn, x)  # x + o_proj(attn)
 
     def _whole_qk_norm(self, qkv: torch.Tensor, t: int, heads: int) -> torch.Tensor:
@@ -143,6 +147,8 @@ class LlamaForCausalLM(torch.nn.Module):
         self.layers = torch.nn.ModuleList(
             self._decoder_layer(i, cfg, attention, dtype, device) for i in range(cfg.num_layers)
         )
+        for i, layer in enumerate(self.layers):
+            layer.window = cfg.window_of(i)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.lm_head = (
             None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, device)
@@ -290,9 +296,16 @@ class LlamaForCausalLM(torch.nn.Module):
             self._lm_head_smoothing = sc  # the embedding lookup keeps the original rows
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKVCache], meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[LayerKVCache],
+        meta: AttentionMetadata,
+        layer_meta: list[AttentionMetadata] | None = None,
     ) -> torch.Tensor:
-        """input_ids, positions: [T] -> final hidden states [T, hidden]."""
+        """input_ids, positions: [T] -> final hidden states [T, hidden]. `layer_meta`: per layer its
+        KV group's metadata (a hybrid KV layout: each group has its own block tables); None: `meta`
+        for every layer."""
         x = (
             F.embedding(input_ids, self.embed_tokens)
             if self._embed_kernel is None
@@ -300,12 +313,16 @@ class LlamaForCausalLM(torch.nn.Module):
         )
         cos, sin_signed = self.rotary.lookup(positions)
         fused = self.native_decode
-        group = self.attention.decode_group(meta) if fused is not None and x.shape[0] <= fused.max_rows else None
+        group = (
+            self.attention.decode_group(meta)
+            if fused is not None and layer_meta is None and x.shape[0] <= fused.max_rows
+            else None
+        )
         if group is not None:
             fused(x, cos, sin_signed, kv_caches, meta.slot_mapping, group)
         else:
-            for layer, kv in zip(self.layers, kv_caches):
-                x = layer(x, cos, sin_signed, kv, meta)
+            for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
+                x = layer(x, cos, sin_signed, kv, meta if layer_meta is None else layer_meta[i])
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor | None:

@@ -8,9 +8,21 @@ from kvflow.models.llama import LlamaForCausalLM
 
 def causal_lm_class(cfg: ModelConfig) -> type[LlamaForCausalLM]:
     """The Mixture-of-Experts decoder for a model with experts (Mixtral, Qwen2-MoE, Qwen3-MoE,
-    OLMoE), else the Llama decoder (Llama, Mistral, Qwen2, Qwen3)."""
+    OLMoE), the Gemma decoder for Gemma 2 / 3, Phi-3's and OLMo 2's, else the Llama decoder (Llama, Mistral, Qwen2, Qwen3)."""
     if cfg.moe is not None:
         from kvflow.models.moe import MoeForCausalLM
 
         return MoeForCausalLM
+    if cfg.gemma is not None:
+        from kvflow.models.gemma import GemmaForCausalLM
+
+        return GemmaForCausalLM
+    if cfg.architecture == "Phi3ForCausalLM":
+        from kvflow.models.phi3 import Phi3ForCausalLM
+
+        return Phi3ForCausalLM
+    if cfg.architecture == "Olmo2ForCausalLM":
+        from kvflow.models.olmo2 import Olmo2ForCausalLM
+
+        return Olmo2ForCausalLM
     return LlamaForCausalLM

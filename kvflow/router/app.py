@@ -60,6 +60,7 @@ from kvflow.router.kv_view import tokenize_requests
 from kvflow.router.metrics import RouterMetrics
 from kvflow.router.pd import RESPONSES_PATH, ROUTED_PATHS, decode_body, encode_body, prefill_body
 from kvflow.router.policies import Backend, Route, RouteRequest, RoutingPolicy, make_policy
+from kvflow.tracing import Tracer, trace_carrier
 from kvflow.utils.prometheus import parse_prometheus
 
 logger = logging.getLogger("kvflow.router")
@@ -135,6 +136,9 @@ class Router:
         # backend refuse connections must not put it back with its stale answer.
         self._health_epoch: dict[Backend, int] = dict.fromkeys(self.policy.backends(), 0)
         self._response_homes: OrderedDict[str, Backend] = OrderedDict()
+        self.tracer: Tracer | None = None
+        if config.otlp_traces_endpoint is not None:
+            self.tracer = Tracer("kvflow-router", config.otlp_traces_endpoint)
 
     async def start(self) -> None:
         """Start the background health checks and load scrapes (the app's lifespan calls this)."""
@@ -190,9 +194,19 @@ class Router:
                 await task
         self._tasks.clear()
         await self.client.aclose()
+        if self.tracer is not None:
+            self.tracer.shutdown()
 
     # ---- POST /v1/completions, /v1/chat/completions, /v1/responses, /v1/messages, /v1/embeddings ------
     async def generate(self, request: Request, path: str) -> Response:
+        if self.tracer is None:
+            return await self._generate(request, path, None)
+        trace = _RequestTrace(self.tracer, request, path)
+        response = await self._generate(request, path, trace)
+        trace.finish(response)
+        return response
+
+    async def _generate(self, request: Request, path: str, trace: _RequestTrace | None) -> Response:
         started = time.monotonic()
         raw = await request.body()
         headers = _forwarded(request)
@@ -209,7 +223,9 @@ class Router:
             # choice answers with its own 404.
             home = await self.locate_response(previous, headers)
             if home is not None:
-                return (await self._relay(request, home, path, raw, headers, started)).response
+                return (
+                    await self._relay(request, home, path, raw, _call(trace, "decode", home, headers), started)
+                ).response
         if self.policy.wants_token_ids(route_request):
             ids = await self._prompt_token_ids(path, body, headers)
             if ids is not None:
@@ -219,14 +235,18 @@ class Router:
         content = raw
         if route.prefill is not None:
             try:
-                outcome = await run_until_disconnect(request, self._prefill(route.prefill, path, body, headers))
+                outcome = await run_until_disconnect(
+                    request, self._prefill(route.prefill, path, body, _call(trace, "prefill", route.prefill, headers))
+                )
             except ClientDisconnected:
                 return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
             if isinstance(outcome, Response):
                 return outcome
             if outcome is not None:
                 content = decode_body(body, outcome)
-        attempt = await self._relay(request, route.target, path, content, headers, started)
+        attempt = await self._relay(
+            request, route.target, path, content, _call(trace, "decode", route.target, headers), started
+        )
         if attempt.retryable:
             retry = self.policy.reroute(route_request, route.target)
             if retry is not None:
@@ -237,7 +257,9 @@ class Router:
                     attempt.detail,
                     retry.target.url,
                 )
-                attempt = await self._relay(request, retry.target, path, content, headers, started)
+                attempt = await self._relay(
+                    request, retry.target, path, content, _call(trace, "decode", retry.target, headers), started
+                )
         return attempt.response
 
     async def _prompt_token_ids(
@@ -553,6 +575,7 @@ class _Upstream:
         self._chunks = chunks if chunks is not None else resp.aiter_bytes()
         self._first = first
         self._closed = False
+        self.on_close: list[Callable[[], None]] = []  # (tracing: the spans of the relayed stream)
 
     async def chunks(self) -> AsyncIterator[bytes]:
         tail = b"\n\n"
@@ -582,6 +605,8 @@ class _Upstream:
             self._closed = True
             self.backend.inflight -= 1
             await self.resp.aclose()  # closes the connection mid-stream: the engine aborts the request
+            for done in self.on_close:
+                done()
 
 
 class _RelayedStream(StreamingResponse):
@@ -607,6 +632,51 @@ class _RelayedStream(StreamingResponse):
 
 
 # ---- helpers -------------------------------------------------------------------------------------------
+class _RequestTrace:
+    """The router's spans of one request (--otlp-traces-endpoint): a server span under the client's
+    traceparent, and a client span per engine call, whose traceparent the engine continues. A
+    relayed stream's spans end when the stream does."""
+
+    def __init__(self, tracer: Tracer, request: Request, path: str) -> None:
+        self.tracer = tracer
+        carrier = trace_carrier({k.lower(): v for k, v in request.headers.items()})
+        self.span = tracer.start(
+            "kvflow.router.request", tracer.context_of(carrier), tracer.SERVER, **{"http.route": path}
+        )
+        self.calls: list[Any] = []
+
+    def call(self, kind: str, backend: Backend, headers: dict[str, str]) -> dict[str, str]:
+        """Headers for a call to `backend` (`kind`: prefill | decode) under a new client span."""
+        for earlier in self.calls:  # a prefill answered (or a failed try) before the next call
+            if earlier.is_recording():
+                earlier.end()
+        span = self.tracer.start(
+            f"kvflow.router.{kind}",
+            self.span,
+            self.tracer.CLIENT,
+            **{"server.address": backend.url, "kvflow.role": backend.role},
+        )
+        self.calls.append(span)
+        return {**headers, **self.tracer.headers_for(span)}
+
+    def finish(self, response: Response) -> None:
+        self.span.set_attribute("http.response.status_code", response.status_code)
+
+        def end() -> None:
+            for span in (*self.calls, self.span):
+                if span.is_recording():
+                    span.end()
+
+        if isinstance(response, _RelayedStream):
+            response.upstream.on_close.append(end)
+        else:
+            end()
+
+
+def _call(trace: _RequestTrace | None, kind: str, backend: Backend, headers: dict[str, str]) -> dict[str, str]:
+    return headers if trace is None else trace.call(kind, backend, headers)
+
+
 def _who(backend: Backend) -> str:
     """How messages name a backend: "decode backend URL", or "backend URL" for a replica."""
     return f"backend {backend.url}" if backend.role == "backend" else f"{backend.role} backend {backend.url}"

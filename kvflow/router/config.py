@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from kvflow.config.options import option
+from kvflow.config.options import check_otlp_endpoint, option
 from kvflow.router.policies import POLICIES, PolicyOptions
 from kvflow.utils.validation import is_int, is_number
 
@@ -57,6 +57,11 @@ class RouterConfig:
         "cache_aware: how many requests a replica's full KV pool counts as in its load "
         "(kvflow:kv_cache_usage_perc x this is added to its running + waiting requests)",
     )
+    otlp_traces_endpoint: str | None = option(
+        None,
+        "OpenTelemetry: a span per routed request (a child span per engine call, whose traceparent the "
+        "engines continue) over OTLP/HTTP to this collector URL (e.g. http://127.0.0.1:4318)",
+    )
     router_kv_events: list[str] = field(
         default_factory=list,
         metadata={
@@ -68,6 +73,7 @@ class RouterConfig:
     )
 
     def __post_init__(self) -> None:
+        check_otlp_endpoint(self.otlp_traces_endpoint)
         self.backends = _urls("--backend", self.backends)
         self.prefill = _urls("--prefill", self.prefill)
         self.decode = _urls("--decode", self.decode)

@@ -268,6 +268,7 @@ def serve_data_parallel(
         router_kv_events=(
             [subscriber_spec(e, "127.0.0.1") for e in events] if events and server_config.router_kv_events else []
         ),
+        otlp_traces_endpoint=server_config.otlp_traces_endpoint,  # (the replicas get the flag too)
     )
     check_bindable(server_config.host, server_config.port)
     log_dir = log_dir or tempfile.mkdtemp(prefix="kvflow-dp-")

@@ -87,6 +87,8 @@ class DraftModelProposer:
             tensor_parallel_size=1,
             distributed_executor_backend=None,
             cpu_threads_per_rank=None,
+            # (its KV manager keeps one table per sequence: every block of every layer)
+            disable_hybrid_kv_cache_manager=True,
         )
         calibration = calibration_ids(tokenizer, mc.vocab_size) if cfg.quantization == "int8" else None
         runner = ModelRunner(mc, cfg, max_model_len, num_blocks, ckpt.weights, calibration=calibration)

@@ -20,6 +20,7 @@ import torch
 from kvflow.attention.backend import SeqLayout, kv_cache_bytes_per_token
 from kvflow.attention.selector import make_attention_backend
 from kvflow.config import EngineConfig, ModelConfig
+from kvflow.core.kv_groups import kv_layout
 from kvflow.core.scheduler import ScheduledSeq, SchedulerOutput
 from kvflow.distributed.parallel import local_config
 from kvflow.layers.linear_kernels import select_linear_backend
@@ -163,14 +164,22 @@ class ModelRunner:
             "weights: %.1f MB as the kernels hold them (%s)", self.model.weight_bytes() / 1e6, self.linear_backend
         )
         self.kv_cache_dtype = config.kv_cache_dtype
-        self.kv_caches = self.attention.allocate_kv_cache(
-            model_config.num_layers,
+        # KV groups (kvflow.core.kv_groups): with a hybrid layout, `slots` tensors of pages, the
+        # j-th layer of every group in tensor j; a layer reads its group's block tables.
+        self.kv_layout = kv_layout(model_config, config.disable_hybrid_kv_cache_manager, max_model_len)
+        pages = self.attention.allocate_kv_cache(
+            self.kv_layout.slots,
             num_blocks,
             model_config.num_kv_heads,
             model_config.head_dim,
             self.dtype,
             config.kv_cache_dtype,
         )
+        where = [self.kv_layout.slot_of(i) for i in range(model_config.num_layers)]
+        self.kv_caches = [pages[slot] for _, slot in where]
+        self.layer_groups = [group for group, _ in where]
+        # Attention sinks: the rotation that moves cached keys down the cache (kvflow.worker.kv_rerotate).
+        self.key_rerotation = self._key_rerotation(model_config, max_model_len) if config.streaming_kv else None
         # One block of every layer as KV connectors move it (see read_blocks).
         if config.kv_cache_dtype == "int8":
             self.kv_block_shape: tuple[int, ...] = (model_config.num_layers, self._int8_block_bytes())
@@ -181,8 +190,12 @@ class ModelRunner:
         # CUDA: decode-only steps replay graphs captured now (kvflow.worker.cuda_graphs). Not for
         # Mixture-of-Experts models: which experts run depends on the data, which a graph cannot.
         self.decode_graphs = None
+        if self.kv_layout.num_groups > 1:
+            # One step, several block tables: the fused decode pass and the captured graphs read one.
+            self.model.native_decode = None
         if (
-            self.device.type == "cuda"
+            self.kv_layout.num_groups == 1
+            and self.device.type == "cuda"
             and not config.enforce_eager
             and self.attention.supports_decode_graphs
             and not model_config.is_moe
@@ -206,6 +219,21 @@ class ModelRunner:
         self.rejection_sampler = RejectionSampler(config.seed + 1, self.device)
         self._generators: dict[str, torch.Generator] = {}
         self._pool_sums: dict[str, torch.Tensor] = {}  # mean pooling: request id -> hidden-state sum so far
+        self.lora = None  # LoRA adapters (--enable-lora): kvflow.lora.manager.LoRAManager
+        if config.enable_lora:
+            from kvflow.lora.layers import LoRABatch, attach, base_shapes
+            from kvflow.lora.manager import LoRAManager
+
+            self.lora_batch = LoRABatch()
+            self.lora = LoRAManager(
+                base_shapes(self.model),
+                config.max_loras,
+                config.cpu_loras,
+                config.max_lora_rank,
+                self.dtype,
+                self.device,
+            )
+            attach(self.model, self.lora_batch)  # (after every kernel choice: wraps the final kernels)
 
     def _time_decode_pass(self, num_blocks: int, block_size: int, max_model_len: int) -> None:
         """The decode pass's row limit, from decode steps of this model timed with and without it
@@ -307,19 +335,53 @@ class ModelRunner:
         """One step. An exception from here is the step's (the model pass): it fails everyone.
         `grammar`: the allowed tokens of constrained rows (structured outputs). (The KV connector's
         loads and saves around it are the executor's: they may involve every rank.)"""
+        if out.kv_shifts:  # attention sinks: keys of blocks that moved down, before anything reads them
+            for shift in out.kv_shifts:
+                self.key_rerotation.apply_(self.kv_caches, shift.blocks, shift.delta)
         return self._forward(out, grammar) if out.seqs else RunnerOutput()
+
+    def _key_rerotation(self, model_config: ModelConfig, max_model_len: int):
+        from kvflow.worker.kv_rerotate import KeyRerotation
+
+        rope = model_config.rope
+        if rope.scaling_type == "longrope" and max_model_len > rope.original_max_position_embeddings:
+            # (its frequencies change at that position: a rotation by a delta is no longer one)
+            raise ValueError(
+                f"attention sinks with LongRoPE need max_model_len <= original_max_position_embeddings "
+                f"({rope.original_max_position_embeddings}), got {max_model_len}"
+            )
+        rotary = getattr(self.model, "rotary", None)
+        if rotary is None or not hasattr(rotary, "sin_signed"):
+            raise ValueError(
+                f"attention sinks need a model with one rotary table for every layer; "
+                f"{model_config.architecture} has none kvflow can re-rotate keys with"
+            )
+        return KeyRerotation(rotary.cos, rotary.sin_signed, model_config.head_dim)
 
     def _forward(self, out: SchedulerOutput, grammar: GrammarBitmask | None) -> RunnerOutput:
         seqs = out.seqs
         traced = self.model.cfg.is_moe and any(s.params.return_expert_trace for s in seqs)
         if traced:  # (only then: the experts of the traced rows are read back after the pass)
             self.model.start_routing_capture()
+        lora_rows = self.lora is not None and self.lora.batch_for(
+            [(s.lora, len(s.token_ids)) for s in seqs], self.lora_batch
+        )
+        saved = self.model.native_decode, self.decode_graphs
+        if lora_rows:  # adapter rows: the per-layer path (the fused decode pass has no adapters)
+            self.model.native_decode = self.decode_graphs = None
         try:
             hidden = self.run_model(
-                [s.token_ids for s in seqs], [s.start_pos for s in seqs], [s.block_table for s in seqs]
+                # (positions in the cache: attention sinks drop tokens from it)
+                [s.token_ids for s in seqs],
+                [s.start_pos - s.num_dropped_tokens for s in seqs],
+                [s.block_table for s in seqs],
+                [s.group_block_tables for s in seqs],
             )
         finally:
             experts = self.model.take_routing_capture() if traced else None
+            if lora_rows:
+                self.model.native_decode, self.decode_graphs = saved
+                self.lora_batch.groups.clear()
         trace = {} if experts is None else _expert_trace(seqs, experts)
         embeddings = self._pool(seqs, hidden) if any(s.params.pooling for s in seqs) else {}
         prompt_lps = (
@@ -368,14 +430,32 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run_model(
-        self, token_ids: list[list[int]], start_pos: list[int], block_tables: list[list[int]]
+        self,
+        token_ids: list[list[int]],
+        start_pos: list[int],
+        block_tables: list[list[int]],
+        group_tables: list[list[list[int]]] | None = None,
     ) -> torch.Tensor:
         """The forward pass over these sequences' new tokens (writes their KV): hidden states [T, hidden].
-        Under tensor parallelism every rank runs it on the same step, each over its own shard."""
+        Under tensor parallelism every rank runs it on the same step, each over its own shard.
+        `group_tables`: per sequence, its tables of KV groups 1.. (a hybrid layout). None: every
+        group uses block_tables, which is right only for scratch passes whose chunks start at
+        position 0 (layers of different groups then share slots, each writing before it reads)."""
         input_ids = torch.tensor([t for ids in token_ids for t in ids], dtype=torch.long, device=self.device)
         meta = self.attention.build_metadata(
             [SeqLayout(p, len(ids), table) for ids, p, table in zip(token_ids, start_pos, block_tables)]
         )
+        if self.kv_layout.num_groups > 1:
+            metas = [meta]
+            for g in range(1, self.kv_layout.num_groups):
+                tables = block_tables if group_tables is None else [t[g - 1] for t in group_tables]
+                metas.append(
+                    self.attention.build_metadata(
+                        [SeqLayout(p, len(ids), table) for ids, p, table in zip(token_ids, start_pos, tables)]
+                    )
+                )
+            layer_meta = [metas[g] for g in self.layer_groups]
+            return self.model(input_ids, meta.positions, self.kv_caches, meta, layer_meta=layer_meta)
         graphs = self.decode_graphs
         if (
             graphs is not None

@@ -7,6 +7,8 @@ start), walked through the block table where they lie. Nothing is gathered, noth
 the longest context, and blocks that several sequences share (prefix caching) are read from cache,
 not copied. Float32 and bfloat16 models, with a cache in the model's dtype or in int8; the
 maths is float32 (a bf16 model's queries are widened at the call, its outputs rounded back).
+Each call takes its layer's window and attention-logit soft-cap (Gemma 2), so one backend serves
+models whose layers differ in both.
 
 Rows that share sequences (prefill chunks) run head-major (csrc/attention.h's attend_rows), so a
 thread's next rows read the same head's keys while they are still in cache. Gather + SDPA can
@@ -23,12 +25,14 @@ from __future__ import annotations
 import torch
 
 from kvflow.attention.backend import (
+    BACKEND_WINDOW,
     AttentionGroup,
     AttentionMetadata,
     LayerKVCache,
     PagedRows,
     SeqLayout,
     TokenLayout,
+    layer_window,
     partition_groups,
 )
 from kvflow.attention.backends.torch import TorchPagedAttention
@@ -119,9 +123,11 @@ class CpuPagedAttention(TorchPagedAttention):
         g: PagedRows | AttentionGroup,
         scale: float,
         out: torch.Tensor | None,
+        window: int | None = BACKEND_WINDOW,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         if not isinstance(g, PagedRows):
-            return super()._attend(q, kv_cache, g, scale, out)
+            return super()._attend(q, kv_cache, g, scale, out, window, softcap)
         t, num_heads, head_dim = q.shape
         dtype = q.dtype
         if q.stride(2) != 1 or q.stride(1) != head_dim or dtype != torch.float32:
@@ -135,10 +141,11 @@ class CpuPagedAttention(TorchPagedAttention):
             g.context_lens,
             g.tokens,
             self.block_size,
-            self.sliding_window,
+            layer_window(self.sliding_window, window),
             scale,
             dst,
             head_major=not g.decode_only,
+            softcap=softcap,
         )
         if dst.dtype == dtype:
             return dst

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from kvflow.attention.backend import (
+    BACKEND_WINDOW,
     KV_CACHE_DTYPES,
     AttentionGroup,
     AttentionMetadata,
@@ -21,7 +22,9 @@ from kvflow.attention.backend import (
     PagedRows,
     SeqLayout,
     TokenLayout,
+    check_softcap,
     kv_zeros,
+    layer_window,
     partition_groups,
 )
 from kvflow.quantization.int8 import quantize_kv
@@ -94,8 +97,8 @@ class TorchPagedAttention:
         # One sequence decoding sees exactly its kv_len keys: no mask needed.
         mask = None
         causal = q_len > 1 and self.sliding_window is None and not bool(g_starts.any())
+        q_pos = g_starts[:, None] + q_idx[None, :]
         if not ((batch == 1 and q_len == 1) or causal) or self.sliding_window is not None:
-            q_pos = g_starts[:, None] + q_idx[None, :]
             m = key_pos[None, None, :] <= q_pos[:, :, None]
             if self.sliding_window is not None:
                 m &= key_pos[None, None, :] > q_pos[:, :, None] - self.sliding_window
@@ -108,6 +111,8 @@ class TorchPagedAttention:
             slots=slots.flatten().to(dev),
             mask=mask,
             causal=causal,
+            q_pos=q_pos.to(dev),
+            mask_window=self.sliding_window,
             batch=batch,
             q_len=q_len,
             kv_len=kv_len,
@@ -115,13 +120,23 @@ class TorchPagedAttention:
 
     # ---- per layer -----------------------------------------------------------------------------
     def forward(
-        self, q: torch.Tensor, kv: torch.Tensor, kv_cache: LayerKVCache, meta: AttentionMetadata, scale: float
+        self,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        kv_cache: LayerKVCache,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int | None = BACKEND_WINDOW,
+        softcap: float | None = None,
     ) -> torch.Tensor:
-        """q: [T, H, D]; kv: [T, 2, KV, D] (new keys and values) -> [T, H * D] (contiguous)."""
+        """q: [T, H, D]; kv: [T, 2, KV, D] (new keys and values) -> [T, H * D] (contiguous).
+        window, softcap: see AttentionBackend.forward."""
+        window = layer_window(self.sliding_window, window)
+        check_softcap(softcap)
         self._write_kv(kv, kv_cache, meta)
         out = None
         for g in meta.groups:
-            out = self._attend(q, kv_cache, g, scale, out)
+            out = self._attend(q, kv_cache, g, scale, out, window, softcap)
         return out
 
     def decode_group(self, meta: AttentionMetadata) -> PagedRows | None:
@@ -137,11 +152,33 @@ class TorchPagedAttention:
             slots.index_copy_(0, meta.slot_mapping, kv_q)
             slot_scales.index_copy_(0, meta.slot_mapping, kv_s)
 
+    @staticmethod
+    def _mask(g: AttentionGroup, window: int | None) -> tuple[torch.Tensor | None, bool]:
+        """The group's (mask, causal) for a layer attending within `window` (None: all keys)."""
+        if window == g.mask_window or g.q_pos is None:
+            return g.mask, g.causal
+        mask = g.window_masks.get(window)
+        if mask is None:
+            key_pos = torch.arange(g.kv_len, device=g.q_pos.device)
+            m = key_pos[None, None, :] <= g.q_pos[:, :, None]
+            if window is not None:
+                m &= key_pos[None, None, :] > g.q_pos[:, :, None] - window
+            mask = g.window_masks[window] = m.unsqueeze(1)
+        return mask, False
+
     def _attend(
-        self, q: torch.Tensor, kv_cache: LayerKVCache, g: AttentionGroup, scale: float, out: torch.Tensor | None
+        self,
+        q: torch.Tensor,
+        kv_cache: LayerKVCache,
+        g: AttentionGroup,
+        scale: float,
+        out: torch.Tensor | None,
+        window: int | None = BACKEND_WINDOW,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """Attention of one group's query rows; returns the step's [T, H * D] output so far (`out`,
         allocated here on first need, with this group's rows written in)."""
+        mask, causal = self._mask(g, layer_window(self.sliding_window, window))
         t, num_heads, head_dim = q.shape
         num_kv = kv_cache.data.shape[3]
         slots, slot_scales = kv_cache.slots, kv_cache.slot_scales
@@ -151,16 +188,18 @@ class TorchPagedAttention:
             kv_g = kv_g * slot_scales.index_select(0, g.slots).unsqueeze(-1).to(q.dtype)
         kg, vg = kv_g.view(b, g.kv_len, 2, num_kv, head_dim).permute(2, 0, 3, 1, 4)  # 2 x [B, KV, L, D]
         qg = q if g.rows is None else q.index_select(0, g.rows)
-        if n == 1 and num_heads != num_kv:
+        if softcap is not None:
+            o = _softcapped_attention(qg.view(b, n, num_heads, head_dim), kg, vg, mask, causal, scale, softcap)
+        elif n == 1 and num_heads != num_kv:
             # Decode: the G query heads sharing a kv head are G rows of one attention problem.
             o = F.scaled_dot_product_attention(
-                qg.reshape(b, num_kv, num_heads // num_kv, head_dim), kg, vg, attn_mask=g.mask, scale=scale
+                qg.reshape(b, num_kv, num_heads // num_kv, head_dim), kg, vg, attn_mask=mask, scale=scale
             )
             o = o.view(b, num_heads * head_dim)
         else:
             qg = qg.view(b, n, num_heads, head_dim).transpose(1, 2)
             o = F.scaled_dot_product_attention(
-                qg, kg, vg, attn_mask=g.mask, is_causal=g.causal, scale=scale, enable_gqa=num_kv != num_heads
+                qg, kg, vg, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=num_kv != num_heads
             )
             o = o.transpose(1, 2).reshape(b * n, num_heads * head_dim)
         if g.rows is None:  # the group is the whole step, in order
@@ -169,3 +208,29 @@ class TorchPagedAttention:
             out = torch.empty(t, num_heads * head_dim, dtype=q.dtype, device=q.device)
         out[g.dst] = o if g.valid is None else o[g.valid]
         return out
+
+
+def _softcapped_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    causal: bool,
+    scale: float,
+    softcap: float,
+) -> torch.Tensor:
+    """Attention with soft-capped scores, in HF's eager order (SDPA has no soft-cap): scores =
+    tanh(scale * q.k / softcap) * softcap, masked, softmax in float32 rounded to q's dtype, times v.
+    q: [B, n, H, D]; k, v: [B, KV, L, D]; mask: [B, 1, n, L] (True: may attend) -> [B * n, H * D]."""
+    b, n, num_heads, head_dim = q.shape
+    group = num_heads // k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    s = torch.matmul(q.transpose(1, 2), k.transpose(2, 3)) * scale  # [B, H, n, L]
+    s = torch.tanh(s / softcap) * softcap
+    if mask is None and causal:  # (every chunk starts at position 0, so L == n)
+        mask = torch.ones(n, k.shape[2], dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(p, v).transpose(1, 2).reshape(b * n, num_heads * head_dim)

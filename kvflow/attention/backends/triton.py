@@ -20,7 +20,15 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kvflow.attention.backend import AttentionMetadata, LayerKVCache, SeqLayout, TokenLayout
+from kvflow.attention.backend import (
+    BACKEND_WINDOW,
+    AttentionMetadata,
+    LayerKVCache,
+    SeqLayout,
+    TokenLayout,
+    check_softcap,
+    layer_window,
+)
 from kvflow.attention.backends.torch import TorchPagedAttention
 
 
@@ -111,9 +119,19 @@ class TritonPagedAttention(TorchPagedAttention):
         )
 
     def forward(
-        self, q: torch.Tensor, kv: torch.Tensor, kv_cache: LayerKVCache, meta: TritonMetadata, scale: float
+        self,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        kv_cache: LayerKVCache,
+        meta: TritonMetadata,
+        scale: float,
+        window: int | None = BACKEND_WINDOW,
+        softcap: float | None = None,
     ) -> torch.Tensor:
-        """q: [T, H, D] (heads contiguous); kv: [T, 2, KV, D] -> [T, H * D]."""
+        """q: [T, H, D] (heads contiguous); kv: [T, 2, KV, D] -> [T, H * D]. window, softcap: see
+        AttentionBackend.forward."""
+        window = layer_window(self.sliding_window, window)
+        check_softcap(softcap)
         self._write_kv(kv, kv_cache, meta)
         t, num_heads, head_dim = q.shape
         if q.stride(2) != 1 or q.stride(1) != head_dim:
@@ -131,7 +149,8 @@ class TritonPagedAttention(TorchPagedAttention):
                 meta.decode_seqs,
                 out,
                 scale,
-                self.sliding_window,
+                window,
+                softcap=softcap,
             )
         if meta.tile_seq.shape[0]:
             k.paged_prefill(
@@ -145,8 +164,9 @@ class TritonPagedAttention(TorchPagedAttention):
                 meta.tile_start,
                 out,
                 scale,
-                self.sliding_window,
+                window,
                 self.block_m,
+                softcap=softcap,
             )
         return out
 

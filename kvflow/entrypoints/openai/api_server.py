@@ -58,9 +58,11 @@ from kvflow.entrypoints.openai.serving import RETRY_AFTER_S
 from kvflow.entrypoints.openai.serving_chat import ServingChat
 from kvflow.entrypoints.openai.serving_completion import ServingCompletion
 from kvflow.entrypoints.openai.serving_embedding import ServingEmbedding
+from kvflow.entrypoints.openai.serving_lora import adapter_cards, add_lora_routes
 from kvflow.entrypoints.openai.serving_responses import ServingResponses
 from kvflow.entrypoints.openai.utils import APIError, parse_body, pydantic_error
 from kvflow.metrics import EngineMetrics
+from kvflow.tracing import INCOMING_TRACE, Tracer, trace_carrier
 from kvflow.utils.http import url_host
 
 logger = logging.getLogger("kvflow")
@@ -88,6 +90,7 @@ class ServerState:
         self.exit_action = exit_action
         self.exit_code: int | None = None
         self.draining = False
+        self.tracer: Tracer | None = None  # --otlp-traces-endpoint
         self.inflight = 0  # HTTP requests being served (the open paths excluded)
         self._no_inflight: asyncio.Event | None = None
         self.created = int(time.time())
@@ -183,10 +186,14 @@ class GateMiddleware:
                 return
             receive = _replay(body, receive)
         state.request_started()
+        # the caller's trace context, for the spans of the engine requests this HTTP request adds
+        trace = None if state.tracer is None else INCOMING_TRACE.set(trace_carrier(headers))
         try:
             await self.app(scope, receive, send)
         finally:
             state.request_ended()
+            if trace is not None:
+                INCOMING_TRACE.reset(trace)
 
     async def _read_body(self, scope: Scope, receive: Receive, send: Send, headers: dict[str, str]) -> bytes | None:
         limit = self.state.config.max_request_body_bytes
@@ -289,6 +296,12 @@ def build_app(
     embeddings = ServingEmbedding(llm, served, engine.config.pooling, engine.model_config.hidden_size)
     chat = ServingChat(llm, served, config.tool_call_parser, config.reasoning_parser)
     responses_api = ServingResponses(chat, ResponseStore(config.responses_store_size))
+    if config.otlp_traces_endpoint is not None:
+        state.tracer = Tracer("kvflow-engine", config.otlp_traces_endpoint)
+        kv = engine.config.kv_transfer()
+        role = kv.kv_role if kv is not None else "engine"
+        for serving in (completions, embeddings, chat):  # (responses and messages go through chat)
+            serving.tracer, serving.trace_role = state.tracer, role
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -297,6 +310,8 @@ def build_app(
             yield
         finally:
             await llm.shutdown()
+            if state.tracer is not None:
+                state.tracer.shutdown()  # the spans still batched go out
 
     app = FastAPI(title="kvflow", version=_version(), lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.kvflow = state
@@ -380,12 +395,14 @@ def build_app(
 
     @app.get("/v1/models", responses=responses())
     async def list_models() -> Response:
-        return JSONResponse({"object": "list", "data": [model_card()]})
+        return JSONResponse({"object": "list", "data": [model_card(), *adapter_cards(llm, served, state.created)]})
 
     @app.get("/v1/models/{model_id:path}", responses=responses())
     async def get_model(model_id: str = Path(examples=[served])) -> Response:
-        completions.model_name(model_id)
-        return JSONResponse(model_card())
+        completions.model_name(model_id, allow_lora=True)
+        return JSONResponse(
+            next(c for c in [model_card(), *adapter_cards(llm, served, state.created)] if c["id"] == model_id)
+        )
 
     @app.post("/v1/completions", openapi_extra=json_body(CompletionRequest), responses=responses(stream=True))
     async def create_completion(request: Request) -> Response:
@@ -443,6 +460,8 @@ def build_app(
         if bad:
             raise APIError(400, f"token id {bad[0]} is out of range [0, {vocab})", param="tokens", code="invalid_value")
         return JSONResponse({"prompt": completions.decode(req.tokens)})
+
+    add_lora_routes(app, llm, served)  # LoRA adapters at runtime (kvflow.entrypoints.openai.serving_lora)
 
     # A debug route (kept out of the OpenAPI spec): what a request waited through, from the
     # engine's step records (docs/operations/diagnosis.md). Read on the engine thread, between steps.

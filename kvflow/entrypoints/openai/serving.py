@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import functools
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -13,28 +14,62 @@ from typing import Any
 from kvflow.engine.async_llm import AsyncLLM, EngineDeadError, EngineOverloadedError, RequestHandle
 from kvflow.engine.detokenizer import TokenBytes
 from kvflow.entrypoints.openai.utils import APIError, abort_all, safe_logprob, value_error
-from kvflow.outputs import Logprob
+from kvflow.lora.request import LoRARequest
+from kvflow.outputs import Logprob, RequestOutput
 from kvflow.sampling_params import SamplingParams
+from kvflow.tracing import INCOMING_TRACE, Tracer
 
 RETRY_AFTER_S = "1"
+_TRACE_TASKS: set[asyncio.Task] = set()
 
 
 class OpenAIServing:
+    # --otlp-traces-endpoint: a span per engine request (set by build_app; None: off)
+    tracer: Tracer | None = None
+    trace_role = "engine"
+
     def __init__(self, llm: AsyncLLM, served_model_name: str) -> None:
         self.llm = llm
         self.served_model_name = served_model_name
         self.tokenizer = llm.tokenizer
         self.token_bytes = None if llm.tokenizer is None else TokenBytes(llm.tokenizer)
 
-    def model_name(self, requested: str | None) -> str:
+    def model_name(self, requested: str | None, allow_lora: bool = False) -> str:
+        """The model a request names: the served model, or (`allow_lora`) a loaded LoRA adapter."""
         if requested is not None and requested != self.served_model_name:
+            if allow_lora and requested in self.loras():
+                return requested
+            adapters = "".join(f", `{n}`" for n in self.loras())
             raise APIError(
                 404,
-                f"the model `{requested}` does not exist; this server serves `{self.served_model_name}`",
+                f"the model `{requested}` does not exist; this server serves `{self.served_model_name}`{adapters}",
                 param="model",
                 code="model_not_found",
             )
         return self.served_model_name
+
+    def loras(self) -> dict[str, LoRARequest]:
+        """The loaded LoRA adapters by name (changed only in the engine thread, between steps)."""
+        return getattr(self.llm.engine, "loras", {})
+
+    def lora_of(self, model: str) -> LoRARequest | None:
+        """The adapter a request's resolved `model` names (None: the base model)."""
+        return None if model == self.served_model_name else self.loras().get(model)
+
+    def _trace(self, out: RequestOutput, carrier: dict[str, str] | None) -> None:
+        """A finished request's span, with its step records (read between engine steps)."""
+
+        async def record() -> None:
+            rid = out.request_id
+            try:
+                steps = await self.llm.call(lambda e: e.explain_request(rid))
+            except Exception:  # the engine is gone: the span without its steps
+                steps = None
+            self.tracer.record_request(out, carrier, steps, self.trace_role)
+
+        task = asyncio.get_running_loop().create_task(record())
+        _TRACE_TASKS.add(task)  # (a task nobody holds may be collected before it ran)
+        task.add_done_callback(_TRACE_TASKS.discard)
 
     # ---- tokens ------------------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int], add_special_tokens: bool, param: str = "prompt") -> list[int]:
@@ -74,6 +109,7 @@ class OpenAIServing:
         prompt_param: str,
         arrival_time: float,
         client: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> list[RequestHandle]:
         """Add one engine request per prompt; all or none (a failure aborts those already added)."""
         limit = self.llm.max_waiting_requests
@@ -89,7 +125,9 @@ class OpenAIServing:
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         results = await asyncio.gather(
             *(
-                self.llm.add_request(rid, p, params, arrival_time=arrival_time, client=client)
+                self.llm.add_request(
+                    rid, p, params, arrival_time=arrival_time, client=client, lora_request=lora_request
+                )
                 for rid, p in zip(ids, prompts)
             ),
             return_exceptions=True,
@@ -97,6 +135,10 @@ class OpenAIServing:
         handles = [r for r in results if isinstance(r, RequestHandle)]
         errors = [r for r in results if not isinstance(r, RequestHandle)]
         if not errors:
+            if self.tracer is not None:
+                carrier = INCOMING_TRACE.get()
+                for h in handles:
+                    h.on_finished = functools.partial(self._trace, carrier=carrier)
             return handles
         abort_all(handles)
         err = errors[0]

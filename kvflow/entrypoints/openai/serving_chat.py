@@ -119,14 +119,14 @@ class ServingChat(OpenAIServing):
     async def create(self, raw: Request) -> Response:
         arrival = time.monotonic()
         req = await parse_body(raw, ChatCompletionRequest)
-        model = self.model_name(req.model)
+        model = self.model_name(req.model, allow_lora=True)
         params = sampling_params(req.to_sampling_params)
         tools = self.tool_format_for(req, params)
         self.constrain_after_reasoning(params)
         prompt_ids = self.chat_prompt_ids(req, tools)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         handles = await self.add_requests(
-            request_id, [prompt_ids], params, "messages", arrival, client_of(raw, req.user)
+            request_id, [prompt_ids], params, "messages", arrival, client_of(raw, req.user), self.lora_of(model)
         )
         created = now_s()
         if req.stream:

@@ -40,12 +40,14 @@ class ServingCompletion(OpenAIServing):
     async def create(self, raw: Request) -> Response:
         arrival = time.monotonic()
         req = await parse_body(raw, CompletionRequest)
-        model = self.model_name(req.model)
+        model = self.model_name(req.model, allow_lora=True)
         params = sampling_params(req.to_sampling_params)
         prompt_ids = [self.tokenize(p, req.add_special_tokens) for p in req.prompt]
         echo = [(p if isinstance(p, str) else self.decode(p)) if req.echo else "" for p in req.prompt]
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        handles = await self.add_requests(request_id, prompt_ids, params, "prompt", arrival, client_of(raw, req.user))
+        handles = await self.add_requests(
+            request_id, prompt_ids, params, "prompt", arrival, client_of(raw, req.user), self.lora_of(model)
+        )
         ctx = _Ctx(request_id, model, now_s(), req, echo)
         if req.stream:
             return OwnedStreamingResponse(self._stream(ctx, handles), handles)

@@ -23,7 +23,7 @@ KV_FORMATS = {torch.float32: 0, torch.int8: 1, torch.bfloat16: 2}
 
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 _SIGNATURES = {
-    "kvflow_paged_attention": ([_P, _L, _P, _P, _I, _P, _L, _P, _P, _I, _I, _I, _I, _I, _I, _F, _P, _I, _I], _I),
+    "kvflow_paged_attention": ([_P, _L, _P, _P, _I, _P, _L, _P, _P, _I, _I, _I, _I, _I, _I, _F, _P, _I, _I, _F], _I),
     "kvflow_rotary": ([_P, _L, _I, _I, _I, _P, _P, _I], None),
     "kvflow_write_kv": ([_P, _L, _P, _I, _P, _P, _I, _I, _I, _I], None),
 }
@@ -91,12 +91,14 @@ def paged_attention(
     scale: float,
     out: torch.Tensor,
     head_major: bool,
+    softcap: float | None = None,
 ) -> None:
     """Attention of the query rows `tokens` (int32 [R]) of q [T, H, D] (float32, heads contiguous),
     row r over the first context_lens[r] keys (window: the last `window` of them) of block table
     tables[r] (int32 [R, max_blocks]) in the cache `data` (`scales`: an int8 cache's), into rows
     `tokens` of out [T, H * D] float32. head_major: the rows share sequences (prefill chunks), so
-    the kernel walks heads in the outer loop (csrc/attention.h's attend_rows)."""
+    the kernel walks heads in the outer loop (csrc/attention.h's attend_rows). softcap: scores
+    (scale * q.k) become tanh(score / softcap) * softcap before the softmax (None: as they are)."""
     _, num_heads, head_dim = q.shape
     rc = _lib().kvflow_paged_attention(
         q.data_ptr(),
@@ -118,6 +120,7 @@ def paged_attention(
         out.data_ptr(),
         torch.get_num_threads(),
         int(head_major),
+        softcap or 0.0,
     )
     if rc != 0:
         raise RuntimeError(f"native paged attention refused head_dim={head_dim}, heads={num_heads}/{data.shape[3]}")

@@ -62,6 +62,14 @@ def _kv_tile(
 
 
 @triton.jit
+def _softcap(s, cap):
+    """tanh(s / cap) * cap (Gemma 2's attention-logit soft-cap), tanh as 1 - 2 / (exp(2x) + 1): no
+    tanh in tl that runs both compiled and under the interpreter; exp's overflow to inf gives 1."""
+    x = s / cap
+    return (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)) * cap
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr,
     q_stride_t,
@@ -79,6 +87,7 @@ def _decode_kernel(
     out_stride,
     sm_scale,
     window,
+    softcap,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -88,6 +97,7 @@ def _decode_kernel(
     NUM_KV_HEADS: tl.constexpr,
     QUANT: tl.constexpr,
     SLIDING: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     i = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -130,6 +140,8 @@ def _decode_kernel(
         k = k.to(tl.float32)
         v = v.to(tl.float32)
         s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * sm_scale  # [G, N]
+        if SOFTCAP:
+            s = _softcap(s, softcap)
         s = tl.where(n_mask[None, :], s, float("-inf"))
         # The first block always holds a valid key (start < ctx), so m_new is finite from there on.
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -165,6 +177,7 @@ def _prefill_kernel(
     out_stride,
     sm_scale,
     window,
+    softcap,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -174,6 +187,7 @@ def _prefill_kernel(
     NUM_KV_HEADS: tl.constexpr,
     QUANT: tl.constexpr,
     SLIDING: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
@@ -229,6 +243,8 @@ def _prefill_kernel(
         k = k.to(q.dtype)  # (int8: dequantized to the model's dtype; under UPCAST q is float32)
         v = v.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale  # [M, N] float32
+        if SOFTCAP:
+            s = _softcap(s, softcap)
         allowed = n_mask[None, :] & (n[None, :] <= q_pos[:, None])
         if SLIDING:
             allowed = allowed & (n[None, :] > q_pos[:, None] - window)
@@ -272,6 +288,7 @@ def paged_decode(
     sm_scale: float,
     sliding_window: int | None,
     block_n: int = 32,
+    softcap: float | None = None,
 ) -> None:
     """Attention of the one-token sequences `seqs` (indices into tables / context_lens /
     query_start, whose entry is the sequence's row in q and out): q [T, heads, head_dim] (heads
@@ -297,6 +314,7 @@ def paged_decode(
         out.stride(0),
         sm_scale,
         sliding_window or 0,
+        softcap or 1.0,
         BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim,
         BLOCK_D=_pow2(head_dim, 16),
@@ -306,6 +324,7 @@ def paged_decode(
         NUM_KV_HEADS=kv_heads,
         QUANT=scale is not None,
         SLIDING=sliding_window is not None,
+        SOFTCAP=softcap is not None,
     )
 
 
@@ -323,6 +342,7 @@ def paged_prefill(
     sliding_window: int | None,
     block_m: int,
     block_n: int = 32,
+    softcap: float | None = None,
 ) -> None:
     """Attention of chunks: sequence s's queries are rows query_start[s] : query_start[s + 1] of q,
     the last of its context_lens[s] positions (their keys already in the cache); one program per
@@ -353,6 +373,7 @@ def paged_prefill(
         out.stride(0),
         sm_scale,
         sliding_window or 0,
+        softcap or 1.0,
         BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim,
         BLOCK_D=_pow2(head_dim, 16),
@@ -362,6 +383,7 @@ def paged_prefill(
         NUM_KV_HEADS=kv_heads,
         QUANT=scale is not None,
         SLIDING=sliding_window is not None,
+        SOFTCAP=softcap is not None,
         PRECISION=precision,
         UPCAST=upcast,
     )

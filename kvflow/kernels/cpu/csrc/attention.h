@@ -118,7 +118,7 @@ static inline float softmax_chunk(float *restrict s, int n, float *m, float *l) 
 /* always_inline: attend_rows instantiates it with head_dim as a constant (see there). */
 static inline __attribute__((always_inline)) void attend(const float *restrict q, const void *kv, const float *scales, int fmt,
                    const int32_t *restrict table, int begin, int end, int kv_heads, int head_dim,
-                   int block_size, int group, int h, float scale, float *restrict out) {
+                   int block_size, int group, int h, float scale, float *restrict out, float softcap = 0.f) {
     float qs[MAX_GROUP][MAX_HEAD_DIM];
     float acc[MAX_GROUP][MAX_HEAD_DIM];
     float m[MAX_GROUP], l[MAX_GROUP];
@@ -155,6 +155,10 @@ static inline __attribute__((always_inline)) void attend(const float *restrict q
                 const float *k = (const float *)kv + base;
                 for (int g = 0; g < group; g++) s[g][j] = dot_f32(qs[g], k, head_dim);
             }
+        }
+        if (softcap > 0.f) { /* soft-capped scores (Gemma 2): tanh(s / cap) * cap, before the softmax */
+            for (int g = 0; g < group; g++)
+                for (int j = 0; j < n; j++) s[g][j] = softcap * tanhf(s[g][j] / softcap);
         }
         for (int g = 0; g < group; g++) {
             const float corr = softmax_chunk(s[g], n, &m[g], &l[g]);
@@ -437,7 +441,8 @@ static inline int check_shape(int num_heads, int kv_heads, int head_dim) {
 static inline void attend_rows(const float *q, long q_row_stride, const void *kv, const float *scales, int fmt,
                         const int32_t *tables, long table_stride, const int32_t *context_lens,
                         const int32_t *tokens, int rows, int num_heads, int kv_heads, int head_dim,
-                        int block_size, int window, float scale, float *out, int head_major = 0) {
+                        int block_size, int window, float scale, float *out, int head_major = 0,
+                        float softcap = 0.f) {
     const int group = num_heads / kv_heads;
     /* A task per row (its kv heads one after another on one thread, over the same block table and
      * the same pages of cache) where the rows alone keep every thread busy; else a task per (row, kv
@@ -467,22 +472,23 @@ static inline void attend_rows(const float *q, long q_row_stride, const void *kv
                                                          block_size, h, heads, scale, oh)
                                   : false;
         };
-        if (per_task > 1 && fast(h0, per_task, qr, o)) continue;
+        /* (soft-capped scores take the generic path: the fixed-shape one has no cap) */
+        if (softcap <= 0.f && per_task > 1 && fast(h0, per_task, qr, o)) continue;
         for (int h = h0; h < h0 + per_task; h++) {
             const float *qh = qr + (long)(h - h0) * group * head_dim;
             float *oh = o + (long)(h - h0) * group * head_dim;
-            if (fast(h, 1, qh, oh)) continue;
+            if (softcap <= 0.f && fast(h, 1, qh, oh)) continue;
             /* The same code with the cache format and the common head sizes as constants, so gcc can
              * unroll and vectorize the fixed-length loops (benchmarks/decode_attention.py: clearly
              * faster with an int8 cache). */
 #define ATTEND_DIMS(F)                                                                                   \
     do {                                                                                                 \
         if (head_dim == 64)                                                                              \
-            attend(qh, kv, scales, F, table, begin, end, kv_heads, 64, block_size, group, h, scale, oh);  \
+            attend(qh, kv, scales, F, table, begin, end, kv_heads, 64, block_size, group, h, scale, oh, softcap);  \
         else if (head_dim == 128)                                                                        \
-            attend(qh, kv, scales, F, table, begin, end, kv_heads, 128, block_size, group, h, scale, oh); \
+            attend(qh, kv, scales, F, table, begin, end, kv_heads, 128, block_size, group, h, scale, oh, softcap); \
         else                                                                                             \
-            attend(qh, kv, scales, F, table, begin, end, kv_heads, head_dim, block_size, group, h, scale, oh); \
+            attend(qh, kv, scales, F, table, begin, end, kv_heads, head_dim, block_size, group, h, scale, oh, softcap); \
     } while (0)
             if (fmt == KV_F32)
                 ATTEND_DIMS(KV_F32);

@@ -27,16 +27,17 @@ extern "C" {
  *   keys at positions [max(0, context_lens[r] - window), context_lens[r])  (window <= 0: all)
  *   out[tokens[r] * num_heads * head_dim + head * head_dim + d]  its output (float32)
  * head_major: rows share sequences (prefill chunks): see attend_rows.
+ * softcap > 0: scores (scale * q.k) become tanh(score / softcap) * softcap before the softmax.
  * Returns 0, or -1 when head_dim / group exceed the kernel's limits (checked by the caller too). */
 int kvflow_paged_attention(const float *q, long q_row_stride, const void *kv, const float *scales,
                            int fmt, const int32_t *tables, long table_stride, const int32_t *context_lens,
                            const int32_t *tokens, int rows, int num_heads, int kv_heads,
                            int head_dim, int block_size, int window, float scale, float *out,
-                           int num_threads, int head_major) {
+                           int num_threads, int head_major, float softcap) {
     if (check_shape(num_heads, kv_heads, head_dim)) return -1;
 #pragma omp parallel num_threads(num_threads)
     attend_rows(q, q_row_stride, kv, scales, fmt, tables, table_stride, context_lens, tokens, rows, num_heads,
-                kv_heads, head_dim, block_size, window, scale, out, head_major);
+                kv_heads, head_dim, block_size, window, scale, out, head_major, softcap);
     return 0;
 }
 

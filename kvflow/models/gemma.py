@@ -1,0 +1,151 @@
+"""Gemma 2 and Gemma 3 (text): the Llama decoder with Gemma's differences, following HF
+transformers' modeling_gemma2.py / modeling_gemma3.py step by step:
+
+* embeddings scaled by sqrt(hidden_size), that factor rounded to the model dtype first;
+* RMSNorm as x * (1 + w) in float32 (`OffsetRMSNorm`), with a norm after the attention and
+  norms before and after the feed-forward: x + post_attn(attn(in(x))), then
+  x + post_ffw(mlp(pre_ffw(x))) (the residual never goes through a norm);
+* attention scaled by query_pre_attn_scalar ** -0.5; per layer a sliding window (Gemma 2: every
+  other layer; Gemma 3: five local layers to one global) and, Gemma 2 only, soft-capped scores
+  (tanh(s / cap) * cap), both passed to the attention backend on every call;
+* Gemma 3: q/k norms per head before rotary, and the local layers' own rope (base 10k, unscaled)
+  beside the global one (base 1M, with the config's scaling);
+* GeGLU: gelu (tanh approximation) of the gate times up;
+* the logits soft-capped too (final_logit_softcapping).
+
+What the model reads of a config is `ModelConfig.gemma` (kvflow.config.model.GemmaConfig).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvflow.attention.backend import AttentionBackend, AttentionMetadata, LayerKVCache
+from kvflow.config import ModelConfig
+from kvflow.distributed.parallel import TPGroup
+from kvflow.layers.norm import OffsetRMSNorm
+from kvflow.layers.rotary import RotaryEmbedding, apply_rotary_
+from kvflow.models.llama import DecoderLayer, LlamaForCausalLM
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")  # HF's gelu_pytorch_tanh
+
+
+class GemmaDecoderLayer(DecoderLayer):
+    def __init__(self, cfg: ModelConfig, attention: AttentionBackend, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__(cfg, attention, dtype, device)
+        gemma = cfg.gemma
+        self.scale = gemma.query_pre_attn_scalar**-0.5
+        self.softcap = gemma.attn_logit_softcapping
+
+        def norm(size: int) -> OffsetRMSNorm:
+            return OffsetRMSNorm(size, cfg.rms_norm_eps, dtype, device)
+
+        self.input_layernorm = norm(cfg.hidden_size)
+        self.post_attention_layernorm = norm(cfg.hidden_size)
+        self.pre_feedforward_layernorm = norm(cfg.hidden_size)
+        self.post_feedforward_layernorm = norm(cfg.hidden_size)
+        self.q_norm = norm(cfg.head_dim) if cfg.qk_norm else None
+        self.k_norm = norm(cfg.head_dim) if cfg.qk_norm else None
+        self.act = _gelu_tanh if gemma.hidden_act == "gelu_pytorch_tanh" else F.silu
+        self.local_rope = False  # rotated by the model's local table (Gemma 3's sliding layers)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin_signed: torch.Tensor,
+        kv_cache: LayerKVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        # (Kernels and norms called directly, as in DecoderLayer; no fused norm prologue: the
+        # post-norms sit between the projections and the residual, where no kernel fuses them.)
+        t = x.shape[0]
+        qkv = self.qkv_proj.kernel(self.input_layernorm.forward(x))  # [T, q | k | v]
+        heads = self.num_heads + self.num_kv_heads
+        qk = qkv[:, : self.q_size + self.kv_size].view(t, heads, self.head_dim)
+        if self.q_norm is not None:
+            normed = torch.cat(
+                (self.q_norm.forward(qk[:, : self.num_heads]), self.k_norm.forward(qk[:, self.num_heads :])), dim=1
+            )
+            apply_rotary_(normed, cos, sin_signed, out=qk)
+        else:
+            self.apply_rotary(qk, cos, sin_signed)
+        q = qk[:, : self.num_heads]
+        kv = qkv[:, self.q_size :].view(t, 2, self.num_kv_heads, self.head_dim)
+        attn = self.attention.forward(q, kv, kv_cache, meta, self.scale, window=self.window, softcap=self.softcap)
+        x = x + self.post_attention_layernorm.forward(self.o_proj.kernel(attn))
+        gate, up = self.gate_up_proj.kernel(self.pre_feedforward_layernorm.forward(x)).chunk(2, dim=-1)
+        return x + self.post_feedforward_layernorm.forward(self.down_proj.kernel(self.act(gate) * up))
+
+
+class GemmaForCausalLM(LlamaForCausalLM):
+    """Gemma2ForCausalLM and Gemma3ForCausalLM (see the top of the file)."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        attention: AttentionBackend,
+        max_positions: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        tp: TPGroup | None = None,
+    ) -> None:
+        if cfg.gemma is None:
+            raise ValueError(f"{cfg.architecture} is not a Gemma model: it is LlamaForCausalLM's")
+        super().__init__(cfg, attention, max_positions, dtype, device, tp)
+        gemma = cfg.gemma
+        self.norm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        # HF: embedding * tensor(sqrt(hidden)).to(dtype), i.e. the factor rounded to the model dtype.
+        self.embed_scale = torch.tensor(cfg.hidden_size**0.5, dtype=dtype, device=device)
+        # Gemma 3's sliding layers rotate by a table of their own (another base, no scaling); Gemma 2's
+        # use the global one.
+        self.rotary_local = (
+            RotaryEmbedding(cfg.head_dim, max_positions, gemma.rope_local, dtype, device)
+            if gemma.rope_local != cfg.rope
+            else None
+        )
+        for i, layer in enumerate(self.layers):
+            layer.local_rope = self.rotary_local is not None and cfg.window_of(i) is not None
+
+    def _decoder_layer(
+        self, index: int, cfg: ModelConfig, attention: AttentionBackend, dtype: torch.dtype, device: torch.device
+    ) -> DecoderLayer:
+        return GemmaDecoderLayer(cfg, attention, dtype, device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[LayerKVCache],
+        meta: AttentionMetadata,
+        layer_meta: list[AttentionMetadata] | None = None,
+    ) -> torch.Tensor:
+        """input_ids, positions: [T] -> final hidden states [T, hidden]; `layer_meta` as
+        LlamaForCausalLM.forward's (per layer its KV group's metadata). No native decode pass:
+        `decode_pass` refuses Gemma layers."""
+        x = (
+            F.embedding(input_ids, self.embed_tokens)
+            if self._embed_kernel is None
+            else self._embed_kernel.rows(input_ids)
+        ) * self.embed_scale
+        rope = self.rotary.lookup(positions)
+        local = rope if self.rotary_local is None else self.rotary_local.lookup(positions)
+        for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
+            cos, sin_signed = local if layer.local_rope else rope
+            x = layer(x, cos, sin_signed, kv, meta if layer_meta is None else layer_meta[i])
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor | None:
+        logits = super().compute_logits(hidden, float32)
+        cap = self.cfg.gemma.final_logit_softcapping
+        if logits is None or cap is None:
+            return logits
+        return torch.tanh(logits / cap) * cap  # HF: logits / cap, tanh, * cap
+
+    def apply_smoothing(self, act_amax: dict[str, torch.Tensor], alpha: float = 0.0) -> None:
+        # SmoothQuant divides the norm weights that feed a projection; Gemma's norms scale by
+        # (1 + w) and its post-norms sit after the projections, so that folding does not hold.
+        raise ValueError(f"quantization='int8' (SmoothQuant) is not supported for {self.cfg.architecture}")

@@ -1,0 +1,298 @@
+"""Phi-3 against HF transformers on the same tiny random weights: its fused checkpoint projections
+(`qkv_proj`, `gate_up_proj`), LongRoPE with its short factors (a context within
+`original_max_position_embeddings`) and its long ones (prompts past it), and a sliding window;
+greedy tokens through chunked prefill and a prefix-cache hit, prefill logits, tensor parallelism,
+and the refusals of what is not there."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kvflow import LLM, SamplingParams
+from kvflow.config import ModelConfig
+from kvflow.models.phi3 import Phi3ForCausalLM
+from kvflow.models.registry import causal_lm_class
+
+from conftest import VOCAB_SIZE, assert_no_leaks, hf_greedy, kvflow_prefill_logits, make_tokenizer
+
+MAX_TOKENS = 16
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+HEAD_DIM = 16  # hidden 64 / 4 heads: 8 rotary frequencies
+ORIGINAL = 32  # LongRoPE's original context
+LONGROPE = {
+    "rope_type": "longrope",
+    "short_factor": [1.0 + 0.1 * i for i in range(HEAD_DIM // 2)],
+    "long_factor": [1.0 + 0.7 * i for i in range(HEAD_DIM // 2)],
+}
+VARIANTS = {
+    "plain": {},
+    "longrope": dict(original_max_position_embeddings=ORIGINAL, rope_scaling=LONGROPE),
+    "su": dict(original_max_position_embeddings=ORIGINAL, rope_scaling={**LONGROPE, "rope_type": "su"}),
+    "sliding_window": dict(sliding_window=8),
+}
+
+
+def make_phi3(path, **overrides):
+    """A random tiny Phi-3 (with a tokenizer) saved to `path`; its norms random too, so a norm
+    loaded into the wrong place would show."""
+    from transformers import Phi3Config
+    from transformers import Phi3ForCausalLM as HFPhi3
+
+    cfg = dict(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=0,
+        initializer_range=0.1,
+        tie_word_embeddings=False,
+    )
+    cfg.update(overrides)
+    torch.manual_seed(1234)
+    model = HFPhi3(Phi3Config(**cfg))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1, 0.2)
+    model.save_pretrained(path)
+    make_tokenizer().save_pretrained(path)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def phi3(tmp_path_factory):
+    cache: dict[str, tuple[str, object]] = {}
+
+    def get(variant: str):
+        if variant not in cache:
+            path = tmp_path_factory.mktemp(f"phi3-{variant}")
+            cache[variant] = (str(path), make_phi3(path, **VARIANTS[variant]))
+        return cache[variant]
+
+    return get
+
+
+def _config(path: str) -> dict:
+    return json.loads((Path(path) / "config.json").read_text())
+
+
+def _prompts(n: int, lo: int, hi: int, seed: int = 7) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(2, VOCAB_SIZE) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def test_config_reads_as_hf(phi3):
+    """The checkpoint's fused projections and (su ->) longrope scaling, as HF's config reads them."""
+    for variant in VARIANTS:
+        path, hf = phi3(variant)
+        cfg = ModelConfig.from_hf_config(_config(path))
+        assert causal_lm_class(cfg) is Phi3ForCausalLM
+        assert cfg.sliding_window == hf.config.sliding_window
+        rope = hf.config.rope_parameters
+        assert cfg.rope.scaling_type == rope["rope_type"], variant
+        if rope["rope_type"] == "longrope":
+            assert cfg.rope.original_max_position_embeddings == ORIGINAL
+            assert list(cfg.rope.short_factor) == pytest.approx(rope["short_factor"])
+            assert list(cfg.rope.long_factor) == pytest.approx(rope["long_factor"])
+            # (HF's default factor: the context's growth over the original one)
+            assert cfg.rope.factor == pytest.approx(hf.config.max_position_embeddings / ORIGINAL)
+
+
+# (variant, prompt lengths, max_model_len): LongRoPE within its original context (HF's short
+# factors throughout), and with prompts past it (HF's long factors throughout).
+CASES = {
+    "plain": ("plain", (12, 22), 64),
+    "sliding_window": ("sliding_window", (12, 22), 64),
+    "longrope-short": ("longrope", (10, ORIGINAL - MAX_TOKENS), ORIGINAL),
+    "longrope-long": ("longrope", (ORIGINAL + 1, ORIGINAL + 12), 64),
+    "su-long": ("su", (ORIGINAL + 1, ORIGINAL + 12), 64),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_greedy_matches_hf(phi3, case):
+    """Four prompts through 4-token blocks and 8-token steps (prefill in chunks, across the window),
+    16 tokens each, after the first prompt alone (a prefix-cache hit): HF's greedy tokens."""
+    variant, (lo, hi), max_model_len = CASES[case]
+    path, hf = phi3(variant)
+    prompts = _prompts(4, lo, hi)
+    llm = LLM(path, num_kv_blocks=96, max_model_len=max_model_len, block_size=4, max_num_batched_tokens=8)
+    first = llm.generate([prompts[0]], GREEDY, use_tqdm=False)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert llm.get_stats().prefix_cache_hits > 0
+    assert first[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == hf_greedy(hf, p, MAX_TOKENS)
+    assert_no_leaks(llm.engine)
+
+
+@pytest.mark.parametrize("variant", ["plain", "longrope", "sliding_window"])
+@pytest.mark.parametrize("chunk", [1000, 5])
+def test_prefill_logits_match_hf(phi3, variant, chunk):
+    """Prompt logits, whole or 5 tokens at a time through the paged cache of a 128-token context (a
+    prompt of 40 tokens: past LongRoPE's original context, where HF takes the long factors)."""
+    path, hf = phi3(variant)
+    prompt = _prompts(1, 40, 40, seed=3)[0]
+    ours = kvflow_prefill_logits(path, prompt, chunk)
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0].float()
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
+
+
+def test_refusals(phi3):
+    path, _ = phi3("plain")
+    base = _config(path)
+    with pytest.raises(ValueError, match=r"partial_rotary_factor=0\.75 .*not supported"):
+        ModelConfig.from_hf_config(
+            {**base, "rope_parameters": {**base["rope_parameters"], "partial_rotary_factor": 0.75}}
+        )
+    with pytest.raises(ValueError, match=r"partial_rotary_factor=0\.5 .*not supported"):  # (older configs: top level)
+        ModelConfig.from_hf_config({**base, "rope_parameters": None, "partial_rotary_factor": 0.5})
+    base = {**base, "rope_parameters": None}
+    short = {**LONGROPE, "short_factor": [1.0, 1.0]}
+    with pytest.raises(ValueError, match=r"short_factor has 2 entries; it needs head_dim / 2 = 8"):
+        ModelConfig.from_hf_config({**base, "rope_scaling": short})
+    with pytest.raises(ValueError, match=r"long_factor as a list of numbers"):
+        ModelConfig.from_hf_config({**base, "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 8}})
+    with pytest.raises(
+        ValueError, match=r"unsupported rope scaling type 'ntk'; supported: default, linear, llama3, yarn"
+    ):
+        ModelConfig.from_hf_config({**base, "rope_scaling": {"rope_type": "ntk", "factor": 2.0}})
+
+
+@pytest.mark.slow
+@pytest.mark.server  # worker processes
+def test_tp2_matches_hf(phi3):
+    """Two ranks, each with its share of the fused q/k/v and gate/up rows: HF's greedy tokens, with
+    LongRoPE's long factors, chunked prefill and a prefix-cache hit."""
+    path, hf = phi3("longrope")
+    prompts = _prompts(3, ORIGINAL + 1, ORIGINAL + 12, seed=11)
+    llm = LLM(path, max_model_len=64, block_size=4, tensor_parallel_size=2, max_num_batched_tokens=16)
+    try:
+        llm.generate([prompts[0]], GREEDY, use_tqdm=False)
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert llm.get_stats().prefix_cache_hits > 0
+        for p, o in zip(prompts, outs):
+            assert o.outputs[0].token_ids == hf_greedy(hf, p, MAX_TOKENS)
+        assert_no_leaks(llm.engine)
+    finally:
+        llm.shutdown()
+
+
+def write_phi3_gguf(path, hf_dir, qtype=None) -> None:
+    """The tiny HF Phi-3 in `hf_dir` as llama.cpp's convert_hf_to_gguf writes it (architecture `phi3`:
+    the fused `attn_qkv`, `ffn_up` holding gate and up, LongRoPE's factors as the tensors
+    `rope_factors_short` / `rope_factors_long` with `phi3.rope.scaling.original_context_length`
+    and `.attn_factor`, `phi3.attention.sliding_window`, Q/K rows as HF holds them), the projections
+    in `qtype` (default F32), with the folder's byte-level BPE tokenizer padded to the vocabulary."""
+    import math
+
+    import gguf
+    from safetensors.numpy import load_file
+
+    hf_dir = Path(hf_dir)
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    t = {k: v.astype("float32") for k, v in load_file(str(hf_dir / "model.safetensors")).items()}
+    w = gguf.GGUFWriter(str(path), "phi3")
+    w.add_name("Tiny Phi-3")
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_rope_dimension_count(HEAD_DIM)
+    w.add_rope_freq_base(float(cfg["rope_parameters"]["rope_theta"]))
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_sliding_window(cfg.get("sliding_window") or 0)
+    rope = cfg["rope_parameters"]
+    if rope["rope_type"] == "longrope":
+        original = cfg["original_max_position_embeddings"]
+        scale = cfg["max_position_embeddings"] / original
+        w.add_rope_scaling_orig_ctx_len(original)
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
+    tok = json.loads((hf_dir / "tokenizer.json").read_text())
+    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
+    specials = {a["content"] for a in tok["added_tokens"] if a.get("special")}
+    tokens = [s for s, _ in vocab] + [f"[PAD{i}]" for i in range(len(vocab), cfg["vocab_size"])]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if s in specials else 5 if s.startswith("[PAD") else 1 for s in tokens])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    w.add_bos_token_id(cfg["bos_token_id"])
+    w.add_eos_token_id(cfg["eos_token_id"])
+
+    def put(name: str, data) -> None:
+        if qtype is None or data.ndim != 2:
+            w.add_tensor(name, data)
+        else:
+            w.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+
+    w.add_tensor("token_embd.weight", t["model.embed_tokens.weight"])
+    if rope["rope_type"] == "longrope":
+        w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
+    names = {
+        "attn_norm": "input_layernorm",
+        "attn_qkv": "self_attn.qkv_proj",
+        "attn_output": "self_attn.o_proj",
+        "ffn_norm": "post_attention_layernorm",
+        "ffn_up": "mlp.gate_up_proj",
+        "ffn_down": "mlp.down_proj",
+    }
+    for i in range(cfg["num_hidden_layers"]):
+        for gguf_name, hf_name in names.items():
+            put(f"blk.{i}.{gguf_name}.weight", t[f"model.layers.{i}.{hf_name}.weight"])
+    w.add_tensor("output_norm.weight", t["model.norm.weight"])
+    w.add_tensor("output.weight", t["lm_head.weight"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("case", ["longrope-long", "sliding_window"])
+def test_gguf_greedy_matches_hf(phi3, tmp_path, case):
+    """A `phi3` GGUF (F32) loads as Phi-3, its LongRoPE factors and window read from the file: HF's
+    greedy tokens, through chunked prefill."""
+    variant, (lo, hi), max_model_len = CASES[case]
+    path, hf = phi3(variant)
+    gguf_path = tmp_path / "phi3.gguf"
+    write_phi3_gguf(gguf_path, path)
+    llm = LLM(str(gguf_path), num_kv_blocks=64, max_model_len=max_model_len, block_size=4, max_num_batched_tokens=8)
+    mc = llm.engine.model_config
+    assert mc.architecture == "Phi3ForCausalLM" and mc.sliding_window == hf.config.sliding_window
+    assert mc.rope.scaling_type == hf.config.rope_parameters["rope_type"]
+    prompts = _prompts(3, lo, hi, seed=13)
+    for p, o in zip(prompts, llm.generate(prompts, GREEDY, use_tqdm=False)):
+        assert o.outputs[0].token_ids == hf_greedy(hf, p, MAX_TOKENS)
+    assert_no_leaks(llm.engine)
+
+
+def test_gguf_blocks_match_float_load(phi3, tmp_path):
+    """Q8_0 fused projections run in their blocks (the fused weights kept as stored) and give the
+    tokens of the same file's weights dequantized to float."""
+    import gguf
+
+    path, _ = phi3("longrope")
+    gguf_path = tmp_path / "phi3-q8.gguf"
+    write_phi3_gguf(gguf_path, path, qtype=gguf.GGMLQuantizationType.Q8_0)
+    prompts = _prompts(2, ORIGINAL + 1, ORIGINAL + 8, seed=14)
+    outs = {}
+    for weights in ("native", "dequantize"):
+        llm = LLM(str(gguf_path), num_kv_blocks=64, max_model_len=64, block_size=4, gguf_weights=weights)
+        assert llm.engine.model_config.rope.scaling_type == "longrope"
+        outs[weights] = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    assert outs["native"] == outs["dequantize"]
