@@ -5,7 +5,7 @@ under a multi-prefix workload, and two 1-thread replicas against one 2-thread en
         [--groups 8] [--prefix-len 1024] [--per-group 16] [--question-len 32] [--prefix-output-len 32]
         [--prefix-rate inf] [--prefix-concurrency 16] [--policies round_robin,cache_aware]
         [--tp-requests 64] [--tp-concurrency 64] [--tp-input-len 256] [--tp-output-len 128]
-        [--dp-policy cache_aware] [--seed 0] [--server-args "--model DIR ..."] [--result-json FILE]
+        [--tp-shared-prefix-len 0] [--tp-endpoint completions|chat] [--dp-policy cache_aware] [--seed 0] [--server-args "--model DIR ..."] [--result-json FILE]
 
 Every server is started fresh, measured and stopped in turn, under `taskset -c CPUS` (--cpus;
 default the first two CPUs this process may use). A data-parallel server splits those CPUs
@@ -29,7 +29,14 @@ them: when one replica cannot hold every prefix, round robin evicts what cache_a
 Part `throughput`: --tp-requests requests of the `random` dataset (--tp-input-len prompt tokens,
 --tp-output-len output tokens), all sent at once with at most --tp-concurrency in flight, against
 one engine (all --cpus, one thread each) and against `--data-parallel-size 2 --router-policy
---dp-policy`: output tokens/s, TTFT p50/p99, TPOT p50/p99.
+--dp-policy`: output tokens/s, TTFT p50/p99, TPOT p50/p99, and the largest share of the requests
+one replica got. With --tp-shared-prefix-len N every prompt starts with the same N tokens (a short
+system prompt; the rest, --tp-input-len - N tokens, differs): does a short shared prefix pull
+everything onto one replica? --tp-endpoint chat sends them as chat completions (one user message),
+e.g. 32 concurrent chats sharing a 32-token prefix over two replicas against one engine:
+
+    .venv/bin/python benchmarks/dp_router.py --parts throughput --tp-requests 32 --tp-concurrency 32 \
+        --tp-endpoint chat --tp-shared-prefix-len 32 --tp-input-len 96
 
 Before each timed run, every engine (each replica directly, not through the router) answers two
 untimed requests of random text: a short one and one as long as the part's longest prompt, so
@@ -61,6 +68,7 @@ from kvflow.bench.report import fmt_num as _f
 from kvflow.bench.servers import (
     add_harness_args,
     harness_tokenizer,
+    nonneg_int,
     parse_server_flags,
     pinning_cpus,
     scrape,
@@ -165,6 +173,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tp-input-len", type=_positive_int, default=256, help="prompt tokens (default 256)")
     g.add_argument("--tp-output-len", type=_positive_int, default=128, help="max_tokens (default 128)")
     g.add_argument(
+        "--tp-shared-prefix-len",
+        type=nonneg_int,
+        default=0,
+        help="tokens every prompt starts with (the same for all; 0: random prompts, no shared prefix) (default 0)",
+    )
+    g.add_argument(
+        "--tp-endpoint",
+        choices=("completions", "chat"),
+        default="completions",
+        help="completions, or chat (each prompt as one user message) (default completions)",
+    )
+    g.add_argument(
         "--dp-policy",
         choices=DP_POLICIES,
         default="cache_aware",
@@ -180,6 +200,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parse_server_flags(ap, args, OWN_FLAGS, "--data-parallel-size and --dp-policy / --policies are this script's flags")
     if args.data_parallel_size < 2:
         ap.error("--data-parallel-size must be at least 2 (1 is the one-engine baseline)")
+    if args.tp_shared_prefix_len >= args.tp_input_len:
+        ap.error(
+            f"--tp-shared-prefix-len ({args.tp_shared_prefix_len}) must be below --tp-input-len "
+            f"({args.tp_input_len}): each prompt needs tokens of its own"
+        )
     return args
 
 
@@ -208,6 +233,20 @@ def prefix_workload(args: argparse.Namespace, tokenizer: Any, builder: Any = Non
 def throughput_workload(args: argparse.Namespace, tokenizer: Any, builder: Any = None) -> list[Any]:
     from kvflow.bench.datasets import WorkloadSpec, generate_requests
 
+    if args.tp_shared_prefix_len:
+        # one group: the same prefix, then a distinct tail, --tp-input-len tokens in all
+        spec = WorkloadSpec(
+            dataset="shared-prefix",
+            num_prompts=args.tp_requests,
+            seed=_seed(args.seed, THROUGHPUT_WORKLOAD),
+            prefix_len=args.tp_shared_prefix_len,
+            question_len=args.tp_input_len - args.tp_shared_prefix_len,
+            num_groups=1,
+            prompts_per_group=args.tp_requests,
+            output_len=args.tp_output_len,
+            shared_prefix_order="shuffled",
+        )
+        return generate_requests(spec, tokenizer, builder)
     spec = WorkloadSpec(
         dataset="random",
         num_prompts=args.tp_requests,
@@ -402,13 +441,19 @@ class SetupResult:
 
 
 def _client_config(
-    base_url: str, model: str, args: argparse.Namespace, rate: float, concurrency: int, seed: int
+    base_url: str,
+    model: str,
+    args: argparse.Namespace,
+    rate: float,
+    concurrency: int,
+    seed: int,
+    endpoint: str = "completions",
 ) -> Any:
     from kvflow.bench.serve_client import ServeConfig
 
     return ServeConfig(
         base_url=base_url,
-        endpoint="completions",
+        endpoint=endpoint,
         model=model,
         request_rate=rate,
         max_concurrency=concurrency,
@@ -473,7 +518,8 @@ def run_setup(
         router0 = scrape(url) if spec.data_parallel else ""
         what = "all at once" if rate == math.inf else f"Poisson {rate:g} req/s"
         print(f"timed run: {len(requests)} requests, {what}, at most {concurrency} in flight", flush=True)
-        cfg = _client_config(url, model, args, rate, concurrency, _seed(args.seed, WARM_PROMPTS + 1))
+        endpoint = args.tp_endpoint if part == "throughput" else "completions"
+        cfg = _client_config(url, model, args, rate, concurrency, _seed(args.seed, WARM_PROMPTS + 1), endpoint)
         run = run_benchmark(list(requests), cfg, tokenizer)
         proc.check_alive()
         time.sleep(0.5)  # the engines publish their counters between steps
@@ -532,6 +578,14 @@ PREFIX_ROWS = (
     ("output throughput (tok/s)", lambda r: r.m.output_throughput),
     ("request throughput (req/s)", lambda r: r.m.request_throughput),
 )
+
+
+def largest_share(split: dict[str, float] | None) -> float | None:
+    """The largest share of the requests one replica got, in % (None: no split, or no request)."""
+    total = sum(split.values()) if split else 0.0
+    return 100.0 * max(split.values()) / total if total > 0 else None
+
+
 THROUGHPUT_ROWS = (
     ("output throughput (tok/s)", lambda r: r.m.output_throughput),
     ("TTFT p50 (ms)", lambda r: r.m.ttft_ms.get("p50")),
@@ -539,6 +593,7 @@ THROUGHPUT_ROWS = (
     ("TPOT p50 (ms)", lambda r: r.m.tpot_ms.get("p50")),
     ("TPOT p99 (ms)", lambda r: r.m.tpot_ms.get("p99")),
     ("duration (s)", lambda r: r.m.duration_s),
+    ("largest replica share (%)", lambda r: largest_share(getattr(r, "split", None))),
 )
 
 
@@ -590,7 +645,9 @@ def tables(results: Sequence[SetupResult], args: argparse.Namespace) -> list[str
                 rows,
                 digits=2,
                 title=(
-                    f"DP throughput: {args.tp_requests} requests ({args.tp_input_len} -> {args.tp_output_len} tokens, "
+                    f"DP throughput: {args.tp_requests} {'chat ' if args.tp_endpoint == 'chat' else ''}requests "
+                    f"({args.tp_input_len} -> {args.tp_output_len} tokens"
+                    f"{f', the first {args.tp_shared_prefix_len} shared' if args.tp_shared_prefix_len else ''}, "
                     f"{args.tp_concurrency} in flight); {threads}"
                 ),
             )
@@ -701,9 +758,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"requests (+{args.question_len} -> {args.prefix_output_len} tokens), seed {args.seed}"
         )
     if "throughput" in workloads:
+        shared = f", the first {args.tp_shared_prefix_len} shared" if args.tp_shared_prefix_len else ""
         print(
-            f"throughput workload: {args.tp_requests} random prompts ({args.tp_input_len} -> "
-            f"{args.tp_output_len} tokens), at most {args.tp_concurrency} in flight, seed {args.seed}"
+            f"throughput workload: {args.tp_requests} random {args.tp_endpoint} prompts ({args.tp_input_len} -> "
+            f"{args.tp_output_len} tokens{shared}), at most {args.tp_concurrency} in flight, seed {args.seed}"
         )
     results: list[SetupResult] = []
     try:

@@ -10,7 +10,7 @@ adapters of that rank, run in interleaved rounds (each configuration once per ro
 as the median over the rounds: output tokens / wall time of `LLM.generate` (prefill included),
 greedy, every request generating --max-tokens. Then the cost of an adapter swap: reading a rank-16
 adapter from its folder, and a batch-1 request under a new adapter vs one already loaded.
-Figures: docs/benchmarks/results/2026-12-03-lora.md.
+Figures: docs/benchmarks/results/ (the LoRA sections).
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
-"""Prefill/decode disaggregation on a small CPU: 1P1D (one core each) against one aggregated engine
-(two cores, chunked prefill), under the same chat + long-document workload.
+"""Prefill/decode disaggregation on a small CPU: 1P1D (one core each), plain and conditional,
+against one aggregated engine (two cores, chunked prefill), under the same chat + long-document
+workload.
 
-    .venv/bin/python benchmarks/pd_disagg.py [--setups agg,pd] [--connector tcp|shm] [--chunk-size 512]
+    .venv/bin/python benchmarks/pd_disagg.py [--setups agg,pd,pd_cond] [--max-local-prefill-length 512]
+        [--connector tcp|shm] [--chunk-size 512]
         [--duration-s 120] [--chat-users 4] [--chat-prompt-len 64] [--chat-output-len 128]
         [--doc-rate 0.1] [--doc-min-len 2048] [--doc-max-len 4096] [--doc-output-len 32]
         [--seed 0] [--server-args "--model DIR ..."] [--result-json FILE]
@@ -14,6 +16,11 @@ Setups (each started, measured and stopped in turn, aggregated first):
   thread each, both with --max-num-batched-tokens C, and `kvflow router` (unpinned) in front: each
   request is prefilled on the producer, then generated on the consumer, which fetches the prompt's
   KV blocks over --connector (tcp or shm).
+- `pd_cond`: the same 1P1D pair, its router started with `--max-local-prefill-length N`
+  (conditional disaggregation): a prompt whose tokens the decode engine would compute, as the
+  router estimates them, are at most N goes to the decode engine alone, which prefills it itself;
+  longer ones through the prefill engine. The default N (512) keeps the 64-token chats local and
+  sends the 2-4k-token documents through the prefill engine.
 
 kvflow sets no torch thread count of its own, so OMP_NUM_THREADS (and MKL_NUM_THREADS) decide
 it. Without `taskset` (or with fewer than two usable CPUs) the servers run unpinned, and the
@@ -30,15 +37,18 @@ prefix-cache block. One chat and one short document warm each setup up, untimed.
 --duration-s no new request starts; those in flight finish (up to --drain-timeout-s).
 
 Per setup: chats' ITL p50/p99 and TPOT p50/p99 (ms) and how many finished; documents' TTFT
-p50/p99/mean (s), finished/failed; output tokens/s over all requests. For pd also the KV transfer
-from the consumer's /metrics (the timed run only: after minus before): bytes received, fetches,
-transfer seconds, GB/s, failures by reason, and the router's prefill fallbacks. The engine's
+p50/p99/mean (s), finished/failed; output tokens/s over all requests. For pd and pd_cond also the
+KV transfer from the consumer's /metrics (the timed run only: after minus before): bytes received,
+fetches, transfer seconds, GB/s, failures by reason, the router's prefill fallbacks and (pd_cond)
+its decisions (kvflow_router:pd_decisions_total: prompts prefilled on the decode engine / on the
+prefill engine). The engine's
 transfer histogram does not tell documents from chats, so a document's transfer time is given as
 a range, alone and as a share of the documents' mean TTFT: from the mean fetch time (as if every
 fetch cost the same) to the transfer seconds split by the KV blocks each request moved (as if
 time were proportional to bytes); with a fixed cost per fetch plus a cost per block, the truth
-lies in between. Then one table: 1P1D / aggregated
-for chat ITL p99, chat TPOT p99, document TTFT p50 and throughput, under the CPU line.
+lies in between (pd_cond: only requests whose prompt is longer than N count as transferred). Then
+one table: each 1P1D setup and its ratio to aggregated for chat ITL p99, chat TPOT p99, document
+TTFT p50 and throughput, under the CPU line.
 
 Each subprocess's output goes to a log file in a temporary folder (printed at start, and again
 with the log's last lines when a server fails to start). Servers are stopped (SIGTERM, SIGKILL
@@ -80,8 +90,10 @@ from kvflow.cli.bench import _positive_int
 from kvflow.utils.processes import ManagedProcess, ServerError, exit_on_sigterm, free_port, pinned, started
 from kvflow.utils.prometheus import by_label, parse_prometheus, sample_sum
 
-SETUPS = ("agg", "pd")
-SETUP_LABELS = {"agg": "aggregated", "pd": "1P1D"}
+SETUPS = ("agg", "pd", "pd_cond")
+SETUP_LABELS = {"agg": "aggregated", "pd": "1P1D", "pd_cond": "1P1D conditional"}
+PD_SETUPS = ("pd", "pd_cond")  # a prefill engine, a decode engine and a router
+DEFAULT_MAX_LOCAL_PREFILL = 512  # pd_cond: between the default chats (64) and documents (2048+)
 CONNECTORS = ("tcp", "shm")
 # Flags the harness sets itself on every engine: they may not come in --server-args.
 OWN_FLAGS = ("--port", "--host", "--max-num-batched-tokens", "--kv-transfer-config")
@@ -96,7 +108,7 @@ DOC_ARRIVALS, DOC_LENGTHS, DOC_PROMPTS, CHAT_PROMPTS, WARM_PROMPTS = range(5)
 
 
 def parse_setups(spec: str) -> list[str]:
-    """'agg,pd' -> ['agg', 'pd'] (order kept, duplicates dropped)."""
+    """'agg,pd_cond' -> ['agg', 'pd_cond'] (order kept, duplicates dropped)."""
     names = list(dict.fromkeys(p.strip() for p in spec.split(",") if p.strip()))
     bad = [n for n in names if n not in SETUPS]
     if not names or bad:
@@ -110,7 +122,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--setups",
         type=parse_setups,
         default=list(SETUPS),
-        help="comma-separated, run in this order: agg (one 2-core engine), pd (1P1D) (default agg,pd)",
+        help="comma-separated, run in this order: agg (one 2-core engine), pd (1P1D), pd_cond (1P1D, "
+        "short prompts prefilled on the decode engine) (default agg,pd,pd_cond)",
+    )
+    ap.add_argument(
+        "--max-local-prefill-length",
+        type=_positive_int,
+        default=DEFAULT_MAX_LOCAL_PREFILL,
+        metavar="TOKENS",
+        help="pd_cond: the router's --max-local-prefill-length (prompts the decode engine would compute "
+        f"at most this many tokens of skip the prefill engine) (default {DEFAULT_MAX_LOCAL_PREFILL})",
     )
     ap.add_argument("--connector", choices=CONNECTORS, default="tcp", help="pd: kv_connector (default tcp)")
     ap.add_argument(
@@ -297,8 +318,9 @@ def setup_specs(setup: str, args: argparse.Namespace, cpus: Sequence[int] | None
     if setup == "agg":
         return [serve_spec("agg-serve", free_port(), cpus, 2, args.chunk_size, args.server_flags)]
     p_cpus, d_cpus = ([cpus[0]], [cpus[1]]) if cpus is not None else (None, None)
+    prefix = setup.replace("_", "-")  # log names: pd-prefill.log, pd-cond-prefill.log, ...
     prefill = serve_spec(
-        "pd-prefill",
+        f"{prefix}-prefill",
         free_port(),
         p_cpus,
         1,
@@ -307,7 +329,7 @@ def setup_specs(setup: str, args: argparse.Namespace, cpus: Sequence[int] | None
         kv_config(args.connector, "kv_producer"),
     )
     decode = serve_spec(
-        "pd-decode",
+        f"{prefix}-decode",
         free_port(),
         d_cpus,
         1,
@@ -316,12 +338,10 @@ def setup_specs(setup: str, args: argparse.Namespace, cpus: Sequence[int] | None
         kv_config(args.connector, "kv_consumer"),
     )
     port = free_port()
-    router = ProcSpec(
-        "pd-router",
-        [*PYTHON_CMD, "router", "--port", str(port), "--prefill", prefill.url, "--decode", decode.url],
-        thread_env(1),
-        port,
-    )
+    argv = [*PYTHON_CMD, "router", "--port", str(port), "--prefill", prefill.url, "--decode", decode.url]
+    if setup == "pd_cond":
+        argv += ["--max-local-prefill-length", str(args.max_local_prefill_length)]
+    router = ProcSpec(f"{prefix}-router", argv, thread_env(1), port)
     return [prefill, decode, router]
 
 
@@ -360,6 +380,9 @@ class TransferStats:
     seconds: float = 0.0  # kvflow:kv_transfer_seconds_sum
     failures: dict[str, float] = field(default_factory=dict)
     prefill_fallbacks: float | None = None  # the router's; None when it does not export them
+    # the router's kvflow_router:pd_decisions_total; None when it does not export them
+    local_prefills: float | None = None
+    remote_prefills: float | None = None
 
     @property
     def gb_per_s(self) -> float | None:
@@ -391,18 +414,33 @@ def router_fallbacks(text: str) -> float | None:
     return sample_sum(s, "kvflow_router:prefill_fallbacks_total")
 
 
+def router_decisions(text: str) -> tuple[float, float] | None:
+    """(local_prefill, remote_prefill) from the router's kvflow_router:pd_decisions_total; None
+    when it does not export them."""
+    s = parse_prometheus(text)
+    if not any(n == "kvflow_router:pd_decisions_total" for n, _, _ in s):
+        return None
+    return (
+        sample_sum(s, "kvflow_router:pd_decisions_total", decision="local_prefill"),
+        sample_sum(s, "kvflow_router:pd_decisions_total", decision="remote_prefill"),
+    )
+
+
+def _minus(after: float | None, before: float | None) -> float | None:
+    return None if after is None else after - (before or 0.0)
+
+
 def transfer_delta(before: TransferStats, after: TransferStats) -> TransferStats:
     reasons = sorted(set(before.failures) | set(after.failures))
-    fb = None
-    if after.prefill_fallbacks is not None:
-        fb = after.prefill_fallbacks - (before.prefill_fallbacks or 0.0)
     return TransferStats(
         bytes_received=after.bytes_received - before.bytes_received,
         blocks_received=after.blocks_received - before.blocks_received,
         fetches=after.fetches - before.fetches,
         seconds=after.seconds - before.seconds,
         failures={r: after.failures.get(r, 0.0) - before.failures.get(r, 0.0) for r in reasons},
-        prefill_fallbacks=fb,
+        prefill_fallbacks=_minus(after.prefill_fallbacks, before.prefill_fallbacks),
+        local_prefills=_minus(after.local_prefills, before.local_prefills),
+        remote_prefills=_minus(after.remote_prefills, before.remote_prefills),
     )
 
 
@@ -506,11 +544,13 @@ COMPARED = (
 )
 
 
-def comparison_rows(agg: LoadSummary, pd: LoadSummary) -> list[list[Any]]:
+def comparison_rows(agg: LoadSummary, *pds: LoadSummary) -> list[list[Any]]:
+    """Per compared figure: its label, the aggregated value, each 1P1D setup's, then each one's
+    ratio to the aggregated value."""
     rows = []
     for label, key in COMPARED:
-        a, p = getattr(agg, key), getattr(pd, key)
-        rows.append([label, a, p, ratio(p, a)])
+        a, ps = getattr(agg, key), [getattr(p, key) for p in pds]
+        rows.append([label, a, *ps, *(ratio(p, a) for p in ps)])
     return rows
 
 
@@ -639,7 +679,11 @@ async def warm_up(base_url: str, model: str, w: Workload, args: argparse.Namespa
 
 def transfer_snapshot(decode_url: str, router_url: str) -> TransferStats:
     stats = transfer_counters(scrape(decode_url))
-    stats.prefill_fallbacks = router_fallbacks(scrape(router_url))
+    router = scrape(router_url)
+    stats.prefill_fallbacks = router_fallbacks(router)
+    decisions = router_decisions(router)
+    if decisions is not None:
+        stats.local_prefills, stats.remote_prefills = decisions
     return stats
 
 
@@ -689,7 +733,7 @@ def run_setup(
                 "--doc-max-len / the output lengths, or serve a longer --max-model-len"
             )
         asyncio.run(warm_up(url, model, w, args, tokenizer))
-        before = transfer_snapshot(specs[1].url, url) if setup == "pd" else None
+        before = transfer_snapshot(specs[1].url, url) if setup in PD_SETUPS else None
         print(f"timed run: {args.duration_s:g} s, {w.chat_users} chat clients, {len(w.docs)} documents", flush=True)
         run = asyncio.run(run_load(url, model, w, args, tokenizer))
         for p in procs:
@@ -699,7 +743,10 @@ def run_setup(
             time.sleep(0.5)  # the engine publishes its counters between steps
             result.transfer = transfer_delta(before, transfer_snapshot(specs[1].url, url))
             block_size = int(flag_value(args.server_flags, "--block-size") or DEFAULT_BLOCK_SIZE)
-            result.doc_transfer = doc_transfer(result.transfer, run.records, result.summary.doc_ttft_s_mean, block_size)
+            # pd_cond: prompts short enough for the decode engine moved no KV (about: the router
+            # estimates their lengths)
+            moved = [r for r in run.records if setup == "pd" or r.prompt_len > args.max_local_prefill_length]
+            result.doc_transfer = doc_transfer(result.transfer, moved, result.summary.doc_ttft_s_mean, block_size)
     return result
 
 
@@ -739,6 +786,10 @@ def setup_report(r: SetupResult) -> str:
             ("KV failures", failures),
             ("router prefill fallbacks", "-" if t.prefill_fallbacks is None else f"{t.prefill_fallbacks:g}"),
         ]
+        if t.local_prefills is not None and r.setup == "pd_cond":
+            pairs.append(
+                ("router prefills on decode / on prefill", f"{t.local_prefills:g} / {t.remote_prefills or 0.0:g}")
+            )
     if d is not None:
         pairs += [
             ("doc share of moved blocks (%)", _f(percent(d.block_share), 1)),
@@ -758,11 +809,13 @@ def setup_report(r: SetupResult) -> str:
 def comparison_table(results: dict[str, SetupResult]) -> str | None:
     from kvflow.bench.report import format_table
 
-    if "agg" not in results or "pd" not in results:
+    pds = [s for s in PD_SETUPS if s in results]
+    if "agg" not in results or not pds:
         return None
+    labels = [SETUP_LABELS[s] for s in pds]
     return format_table(
-        ["", "aggregated", "1P1D", "1P1D / agg"],
-        comparison_rows(results["agg"].summary, results["pd"].summary),
+        ["", "aggregated", *labels, *(f"{x} / agg" for x in labels)],
+        comparison_rows(results["agg"].summary, *(results[s].summary for s in pds)),
         digits=2,
         title="1P1D (one core each) vs aggregated (two cores, chunked prefill)",
     )
@@ -773,11 +826,17 @@ def write_json(path: str, args: argparse.Namespace, results: dict[str, SetupResu
 
     conf = {k: v for k, v in vars(args).items() if k != "server_flags"}
     comparison = None
-    if "agg" in results and "pd" in results:
-        comparison = {
-            key: {"aggregated": a, "1P1D": p, "ratio": q}
-            for (_, key), (_, a, p, q) in zip(COMPARED, comparison_rows(results["agg"].summary, results["pd"].summary))
-        }
+    pds = [s for s in PD_SETUPS if s in results]
+    if "agg" in results and pds:
+        comparison = {}
+        rows = comparison_rows(results["agg"].summary, *(results[s].summary for s in pds))
+        for (_, key), row in zip(COMPARED, rows):
+            entry = {"aggregated": row[1]}
+            for i, s in enumerate(pds):
+                # pd keeps the keys of earlier result files ("1P1D", "ratio")
+                entry[SETUP_LABELS[s]] = row[2 + i]
+                entry["ratio" if s == "pd" else f"ratio_{s}"] = row[2 + len(pds) + i]
+            comparison[key] = entry
     dump_json(
         path,
         conf,
@@ -812,7 +871,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cpu = cpu_line()
     cpus = pinning_cpus()
     pinning = (
-        f"pinning: agg taskset -c {cpus[0]},{cpus[1]} (2 threads); pd prefill -c {cpus[0]}, "
+        f"pinning: agg taskset -c {cpus[0]},{cpus[1]} (2 threads); pd, pd_cond prefill -c {cpus[0]}, "
         f"decode -c {cpus[1]} (1 thread each); router and client unpinned"
         if cpus is not None
         else "pinning: NONE (taskset missing or fewer than 2 usable CPUs): servers run unpinned"

@@ -1,7 +1,8 @@
 """What OpenTelemetry tracing (--otlp-traces-endpoint) costs a server: output tok/s with `--batch`
 concurrent completions on the default model, tracing off vs on (spans posted to a local OTLP/HTTP
-receiver that decodes and counts them), two servers side by side in this process, rounds interleaved
-(the order alternating), medians printed.
+receiver that decodes and counts them), and a second tracing-off server as the noise floor (what two
+identical servers differ by here), three servers side by side in this process, rounds interleaved
+(the order rotating), medians printed.
 
     python benchmarks/tracing_overhead.py [--batch 32] [--max-tokens 64] [--rounds 3]
 """
@@ -21,6 +22,10 @@ from starlette.responses import Response
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+# "off2": a second server with tracing off, to show the spread between two identical servers.
+MODES = ("off", "on", "off2")
 
 
 class _Server:
@@ -91,21 +96,22 @@ def main() -> int:
                 ServerConfig(log_interval_s=600, otlp_traces_endpoint=receiver.url if mode == "on" else None),
             )
         )
-        for mode in ("off", "on")
+        for mode in MODES
     }
     prompt = "Write a short story about a lighthouse keeper who finds a message in a bottle. " * 3
     for server in servers.values():  # warm-up: kernels chosen, pools touched
         asyncio.run(_load(server.url, args.batch, 8, prompt))
-    results: dict[str, list[float]] = {"off": [], "on": []}
+    results: dict[str, list[float]] = {mode: [] for mode in MODES}
     for r in range(args.rounds):
-        for mode in ("off", "on") if r % 2 == 0 else ("on", "off"):
+        for mode in MODES[r % 3 :] + MODES[: r % 3]:
             results[mode].append(asyncio.run(_load(servers[mode].url, args.batch, args.max_tokens, prompt)))
             print(f"round {r + 1} tracing {mode}: {results[mode][-1]:.1f} output tok/s", flush=True)
     time.sleep(1.5)  # the last batch of spans goes out
-    off, on = statistics.median(results["off"]), statistics.median(results["on"])
+    off, on, off2 = (statistics.median(results[m]) for m in MODES)
     print(
         f"batch {args.batch}, {args.max_tokens} tokens each, median of {args.rounds}: tracing off {off:.1f}, "
-        f"on {on:.1f} output tok/s (on/off {on / off:.3f}); spans received: {spans[0]}"
+        f"off (second server) {off2:.1f}, on {on:.1f} output tok/s (on/off {on / off:.3f}, noise floor "
+        f"off2/off {off2 / off:.3f}); spans received: {spans[0]}"
     )
     for s in (*servers.values(), receiver):
         s.stop()

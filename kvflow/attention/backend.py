@@ -14,7 +14,9 @@ block -- K and V of `block_size` tokens -- is one contiguous piece of memory. In
 (`kv_cache_dtype="auto"`) mode `data` has the model's dtype and `scale` is None. With
 `kv_cache_dtype="int8"`, `data` is int8 and `scale` is float32 ``[num_blocks, block_size, 2,
 kv_heads]``: one symmetric scale per token, per K/V, per kv head, written with the values at
-cache-write time and applied when the keys and values are read for attention. Scales live per slot
+cache-write time and applied when the keys and values are read for attention. The other quantized
+dtypes (`fp8_e4m3`, `fp8_e5m2`, `int4`: kvflow.attention.kv_formats) have the same scales; their
+`data` is float8_e4m3fn / float8_e5m2, or uint8 ``[..., head_dim / 2]`` for int4 (two values a byte). Scales live per slot
 next to their values, so anything that moves or shares whole blocks (prefix caching, preemption,
 offload) moves `data[b]` and `scale[b]` together.
 
@@ -32,13 +34,14 @@ from typing import Protocol
 
 import torch
 
-from kvflow.config import KV_CACHE_DTYPES
+from kvflow.attention.kv_formats import check_head_dim, kv_format
 
 
 @dataclass
 class LayerKVCache:
     """One layer's paged K/V. data: [num_blocks, block_size, 2, kv_heads, head_dim];
-    scale: [num_blocks, block_size, 2, kv_heads] float32 when data is int8, else None."""
+    scale: [num_blocks, block_size, 2, kv_heads] float32 when the cache is quantized (int8, fp8,
+    int4: kvflow.attention.kv_formats; int4's data has head_dim / 2 bytes), else None."""
 
     data: torch.Tensor
     scale: torch.Tensor | None = None
@@ -148,12 +151,12 @@ def kv_cache_bytes_per_token(
     num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, kv_cache_dtype: str = "auto"
 ) -> int:
     """Bytes of KV cache one token occupies across all layers (K and V, scales included)."""
-    if kv_cache_dtype == "int8":
-        per_head = head_dim * 1 + 4  # int8 values + one float32 scale
-    elif kv_cache_dtype == "auto":
-        per_head = head_dim * torch.empty((), dtype=dtype).element_size()
+    fmt = kv_format(kv_cache_dtype)
+    check_head_dim(fmt, head_dim)
+    if fmt is not None:
+        per_head = fmt.bytes_per_head(head_dim)  # the codes + one float32 scale
     else:
-        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+        per_head = head_dim * torch.empty((), dtype=dtype).element_size()
     return 2 * num_layers * num_kv_heads * per_head
 
 

@@ -158,11 +158,22 @@ HARDWARE_PRESETS: dict[str, Hardware] = {
 # ----------------------------------------------------------------------------------------------
 
 
-def kv_bytes_per_token(model: ModelSpec, kv_dtype: str = "bf16", context: int | None = None) -> float:
+# KV dtypes kvflow stores with one float32 scale per token, K/V and kv head (--kv-cache-dtype;
+# kvflow.attention.kv_formats): `kv_bytes_per_token(..., scales=True)` counts those 4 bytes too.
+SCALED_KV_DTYPES = ("int8", "fp8", "fp8_e4m3", "fp8_e5m2", "int4")
+
+
+def kv_bytes_per_token(
+    model: ModelSpec, kv_dtype: str = "bf16", context: int | None = None, scales: bool = False
+) -> float:
     """2 (K and V) × layers × kv_heads × head_dim × bytes per element. With `context` and sliding
     windows (`layer_windows`): the average over a sequence of `context` tokens, a windowed layer
-    holding (and a decode step reading) only min(context, window) tokens of it."""
-    per_layer = 2 * model.num_kv_heads * model.head_dim * dtype_bytes(kv_dtype)
+    holding (and a decode step reading) only min(context, window) tokens of it. `scales`: a
+    quantized KV dtype (SCALED_KV_DTYPES) as kvflow stores it, a 4-byte scale per head vector added."""
+    per_head = model.head_dim * dtype_bytes(kv_dtype)
+    if scales and str(kv_dtype).lower() in SCALED_KV_DTYPES:
+        per_head += 4
+    per_layer = 2 * model.num_kv_heads * per_head
     if context is None or not model.layer_windows:
         return model.num_layers * per_layer
     held = sum(context if w is None else min(context, w) for w in model.layer_windows)

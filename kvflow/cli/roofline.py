@@ -135,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
                 ("weight bytes", f"{model.weight_bytes / 1e9:.3f} GB ({model.weight_dtype})"),
                 ("KV bytes/token", f"{kvt:,.0f} B = {kvt / 1024:,.1f} KiB ({args.kv_dtype}){_window_note(model)}"),
                 (f"KV per sequence @ {args.context}", f"{kvt * args.context / 1e9:.3f} GB"),
+                *_scaled_kv_line(model, args.kv_dtype, args.context, kvt),
                 (
                     "hardware",
                     f"{hw.name}: {hw.memory_bytes / 1e9:.1f} GB, {hw.bandwidth / 1e9:,.1f} GB/s, "
@@ -245,3 +246,14 @@ def _window_note(model) -> str:
         f", averaged over the context: {len(windows)} layers hold only a window of {min(windows)}"
         f"{'' if len(set(windows)) == 1 else f'..{max(windows)}'} tokens, {full} layers everything"
     )
+
+
+def _scaled_kv_line(model, kv_dtype: str, context: int, kvt: float) -> list[tuple[str, str]]:
+    """For a quantized KV dtype, the bytes per token as kvflow's --kv-cache-dtype stores it: the
+    codes plus a float32 scale per token, K/V and kv head."""
+    from kvflow.bench import roofline as rf
+
+    if str(kv_dtype).lower() not in rf.SCALED_KV_DTYPES:
+        return []
+    scaled = rf.kv_bytes_per_token(model, kv_dtype, context, scales=True)
+    return [("KV bytes/token in kvflow", f"{scaled:,.0f} B (+{scaled - kvt:,.0f} B of per-head float32 scales)")]

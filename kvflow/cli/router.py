@@ -52,6 +52,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="decode engines (kv_consumer), e.g. http://127.0.0.1:8200; chosen round robin",
     )
     p.add_argument(
+        "--max-local-prefill-length",
+        type=int,
+        default=d["max_local_prefill_length"].default,
+        metavar="TOKENS",
+        help=d["max_local_prefill_length"].metadata["help"] + " (default: %(default)s)",
+    )
+    p.add_argument(
         "--backend",
         nargs="+",
         default=[],
@@ -117,8 +124,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--cache-max-chars",
         type=int,
         default=d["cache_max_chars"].default,
-        help="cache_aware: characters of prompt text remembered per replica; the least recently "
-        "used are forgotten beyond (default: %(default)s)",
+        help="cache_aware (and pd with --max-local-prefill-length, per decode engine): characters of "
+        "prompt text remembered per replica; the least recently used are forgotten beyond (default: %(default)s)",
     )
     for name in ("load_cost_tokens", "kv_usage_weight"):
         g.add_argument(
@@ -159,6 +166,7 @@ def config_from_args(args: argparse.Namespace):
         backends=args.backend,
         prefill=args.prefill,
         decode=args.decode,
+        max_local_prefill_length=args.max_local_prefill_length,
         timeout_s=args.timeout_s,
         connect_timeout_s=args.connect_timeout_s,
         health_timeout_s=args.health_timeout_s,
@@ -185,6 +193,8 @@ def run_router(args: argparse.Namespace) -> int:
     url = f"http://{url_host(config.host)}:{config.port}"
     if config.is_pd:
         where = f"prefill {', '.join(config.prefill)} -> decode {', '.join(config.decode)}"
+        if config.max_local_prefill_length:
+            where += f"; prompts of at most {config.max_local_prefill_length} tokens to compute prefilled on decode"
     else:
         where = f"{config.policy} over {', '.join(config.backends)}"
 

@@ -15,7 +15,11 @@ from kvflow.config.speculative import SpeculativeConfig
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZATIONS = (None, "int8", "int4")
 GGUF_WEIGHTS = ("native", "dequantize")
-KV_CACHE_DTYPES = ("auto", "int8")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2", "int4")
+# vLLM's spelling: "fp8" is fp8_e4m3 (normalized at start-up, so the rest of kvflow sees one name).
+KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}
+# The KV dtypes stored as 1-byte codes with a float32 scale per token, K/V and kv head.
+QUANTIZED_KV_CACHE_DTYPES = ("int8", "fp8_e4m3", "fp8_e5m2", "int4")
 MOE_EXPERT_METRICS = ("off", "per_layer", "per_expert")
 KERNEL_AUTOTUNE_MODES = ("on", "off")
 ATTENTION_BACKENDS = ("auto", "torch", "native", "triton")
@@ -62,7 +66,10 @@ class EngineConfig:
         choices=GGUF_WEIGHTS,
     )
     kv_cache_dtype: str = option(
-        "auto", "KV cache dtype: auto (= --dtype) or int8 (per-token, per-head scales)", choices=KV_CACHE_DTYPES
+        "auto",
+        "KV cache dtype: auto (= --dtype), int8, fp8 (= fp8_e4m3), fp8_e4m3, fp8_e5m2 or int4 (two values "
+        "a byte); the quantized ones keep one float32 scale per token, K/V and kv head (no calibration)",
+        choices=KV_CACHE_DTYPES,
     )
     attention_sinks: int = option(
         0,
@@ -192,6 +199,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         check_choices(self)
+        self.kv_cache_dtype = KV_CACHE_DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
         self._check_device()
         positive("block_size", self.block_size)
         positive("max_num_batched_tokens", self.max_num_batched_tokens)
@@ -325,7 +333,10 @@ class EngineConfig:
             ),
             (self.speculative_config is not None, "speculative_config (drafts would cross evictions)"),
             (self.kv_transfer_config is not None, "kv_transfer_config (blocks move by their prefix hashes)"),
-            (self.kv_cache_dtype == "int8", "kv_cache_dtype='int8' (keys are re-rotated in the model dtype)"),
+            (
+                self.kv_cache_dtype in QUANTIZED_KV_CACHE_DTYPES,
+                f"kv_cache_dtype={self.kv_cache_dtype!r} (keys are re-rotated in the model dtype)",
+            ),
             (self.tensor_parallel_size > 1, "tensor_parallel_size > 1 (not wired to the worker ranks yet)"),
         ]
         bad = [why for on, why in conflicts if on]

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvflow.config import EngineConfig
+from kvflow.config import QUANTIZED_KV_CACHE_DTYPES, EngineConfig
 from kvflow.core.attention_sinks import StreamingKV
 from kvflow.core.kv_cache_manager import KVCacheManager, cdiv
 from kvflow.core.kv_groups import kv_layout, refusal, requests_that_fit
@@ -329,8 +329,8 @@ class LLMEngine:
                 cfg.quantization,
                 self.block_weights,
                 cfg.block_size,
-                # int8 blocks are serialized per rank (values, then scales, of its heads)
-                cfg.tensor_parallel_size if cfg.kv_cache_dtype == "int8" else 1,
+                # quantized blocks are serialized per rank (codes, then scales, of its heads)
+                cfg.tensor_parallel_size if cfg.kv_cache_dtype in QUANTIZED_KV_CACHE_DTYPES else 1,
             ],
             sort_keys=True,
             default=str,

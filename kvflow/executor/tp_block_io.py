@@ -4,7 +4,7 @@ rank's share. `TPBlockIO` is rank 0's side: it tells the workers which blocks (a
 `kv_write` message, ahead of the next step's), then gathers their shares into whole blocks, or
 scatters a whole block's shares to them, over the group's gloo collectives. Blocks come out in
 one rank's layout with the heads of all ranks in order, [n, layers, block_size, 2, kv_heads,
-head_dim] (for int8 KV each rank's bytes in rank order); `serve_block_io` is a worker's side.
+head_dim] (for quantized KV -- int8, fp8, int4 -- each rank's bytes in rank order); `serve_block_io` is a worker's side.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ class TPBlockIO:
         self.group = runner.model.tp.group
         shape = runner.kv_block_shape
         # The axis of [n, *kv_block_shape] the ranks' shares are stacked along: kv heads, or bytes.
-        self.axis = 2 if runner.kv_cache_dtype == "int8" else 4
+        self.axis = 2 if runner.kv_caches[0].quantized else 4
         whole = list(shape)
         whole[self.axis - 1] *= self.size
         self.kv_block_shape = tuple(whole)

@@ -436,8 +436,9 @@ class PDConnectorWorker(KVConnectorWorker):
         ):
             raise TransferFailed(
                 "layout",
-                f"block layout {m.block_shape} {m.dtype} does not match ours "
-                f"{list(self.io.kv_block_shape)} {_dtype_name(self.io.kv_block_dtype)}",
+                f"block layout {m.block_shape} {m.dtype} (kv_cache_dtype {m.kv_cache_dtype!r}) does not match "
+                f"ours {list(self.io.kv_block_shape)} {_dtype_name(self.io.kv_block_dtype)} "
+                f"(kv_cache_dtype {self.kv_cache_dtype!r})",
             )
 
     # ---- producer: a server thread --------------------------------------------------------------

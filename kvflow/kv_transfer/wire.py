@@ -3,8 +3,8 @@
 A frame is a fixed prefix (magic, JSON header length), a UTF-8 JSON header, then `nbytes` raw
 bytes of payload (the header says how many; 0 for control messages). A block payload is the
 blocks' KV exactly as the pool stores it (`ModelRunner.read_blocks`): for the default KV dtype
-[n, layers, block_size, 2, kv_heads, head_dim] in the model dtype; for int8 KV [n, layers, bytes],
-each layer's int8 values followed by its float32 scales. The manifest names all of that, the
+[n, layers, block_size, 2, kv_heads, head_dim] in the model dtype; for quantized KV (int8,
+fp8_e4m3, fp8_e5m2, int4) [n, layers, bytes], each layer's codes followed by its float32 scales. The manifest names all of that, the
 blocks' chained content hashes, and a sha256 of the payload.
 """
 
@@ -32,9 +32,9 @@ class BlockManifest:
     block_hashes: list[str]  # hex, one per block, in payload order
     first_block: int  # index of the first block in the request's block list
     layers: tuple[int, int]  # [start, end) of the layers in the payload
-    dtype: str  # payload element type, e.g. "float32", "uint8" (int8 KV with its scales)
+    dtype: str  # payload element type, e.g. "float32", "uint8" (quantized KV with its scales)
     block_shape: list[int]  # one block, all layers
-    kv_cache_dtype: str  # "auto" | "int8"
+    kv_cache_dtype: str  # "auto" | "int8" | "fp8_e4m3" | "fp8_e5m2" | "int4": both ends must agree
     nbytes: int
     sha256: str
 

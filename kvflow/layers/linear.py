@@ -9,6 +9,11 @@ import torch
 
 from kvflow.layers.linear_kernels import DenseKernel, KernelPlan, LinearKernel, make_linear_kernel
 from kvflow.quantization.gguf_blocks import BlockQuantized
+from kvflow.quantization.packed_weights import GroupedBlocks, Int8Rows
+
+# A weight kept as a quantized file stores it: GGUF blocks (a fused projection's parts), or a
+# quantized HF checkpoint's int8 rows (W8A8) / blocks over permuted inputs (GPTQ act-order).
+StoredWeight = list[BlockQuantized] | Int8Rows | GroupedBlocks
 
 
 class RowParallelKernel:
@@ -51,15 +56,14 @@ class Linear(torch.nn.Module):
             else None
         )
         self.kernel: LinearKernel = DenseKernel(self.weight, self.bias)
-        self.blocks: list[BlockQuantized] | None = None  # the weight as a GGUF stores it (`load_blocks`)
+        self.blocks: StoredWeight | None = None  # the weight as a quantized file stores it (`load_blocks`)
 
-    def load_blocks(self, parts: list[BlockQuantized]) -> None:
-        """Take the weight in block formats (consecutive runs of output channels), instead of floats."""
-        if sum(p.shape[0] for p in parts) != self.out_features or any(p.shape[1] != self.in_features for p in parts):
-            raise ValueError(
-                f"block-quantized weight of {[p.shape for p in parts]} for a Linear of "
-                f"{self.in_features} -> {self.out_features}"
-            )
+    def load_blocks(self, parts: StoredWeight) -> None:
+        """Take the weight in block formats (consecutive runs of output channels), or a quantized
+        checkpoint's stored weight, instead of floats."""
+        shapes = [p.shape for p in parts] if isinstance(parts, list) else [parts.shape]
+        if sum(s[0] for s in shapes) != self.out_features or any(s[1] != self.in_features for s in shapes):
+            raise ValueError(f"quantized weight of {shapes} for a Linear of {self.in_features} -> {self.out_features}")
         self.blocks = parts
         self.weight = None
 

@@ -40,12 +40,13 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from kvflow.kernels.cpu.block_linear import BlockQuantKernel, block_kernels_unavailable
+from kvflow.kernels.cpu.block_linear import BlockQuantKernel, GroupedInputKernel, block_kernels_unavailable
 from kvflow.kernels.cpu.float_linear import WEIGHT_TYPES, NativeFloatKernel, float_library
 from kvflow.kernels.cpu.int8_linear import Int8Kernel
 from kvflow.kernels.int_mm import IntMMKernel
 from kvflow.kernels.norm import NormWeights, rms_norm
 from kvflow.quantization.gguf_blocks import BlockQuantized, quantize
+from kvflow.quantization.packed_weights import GroupedBlocks, Int8Rows
 
 LINEAR_BACKENDS = ("auto", "dense", "onednn", "native", "int8", "int8_mm", "gguf", "int4")
 FORCED_PATHS = ("dense", "onednn", "native")
@@ -173,9 +174,19 @@ class KernelPlan:
 def select_linear_backend(
     device: torch.device, dtype: torch.dtype, quantization: str | None, block_weights: bool = False
 ) -> str:
-    """`block_weights`: the checkpoint's tensors came in GGUF block formats (kept as stored)."""
+    """`block_weights`: the checkpoint's tensors came quantized (GGUF blocks, GPTQ / AWQ /
+    compressed-tensors), kept as stored."""
+    if block_weights and quantization is not None:
+        raise ValueError(
+            f"quantization={quantization!r} re-quantizes float weights; this checkpoint's weights are already "
+            "quantized (leave --quantization unset)"
+        )
     if block_weights or quantization == "int4":
-        name = "GGUF block weights" if block_weights else "quantization='int4'"
+        name = (
+            "quantized weights kept as stored (GGUF blocks, GPTQ, AWQ, compressed-tensors)"
+            if block_weights
+            else "quantization='int4'"
+        )
         if device.type != "cpu" or dtype != torch.float32:
             raise ValueError(f"{name} run on the CPU block kernels in float32; got {device.type}, {dtype}")
         reason = block_kernels_unavailable()
@@ -315,7 +326,7 @@ def make_path_kernel(path: str, weight: torch.Tensor, bias: torch.Tensor | None 
 
 def make_linear_kernel(
     backend: str,
-    weight: torch.Tensor | BlockQuantized | list[BlockQuantized],
+    weight: torch.Tensor | BlockQuantized | list[BlockQuantized] | Int8Rows | GroupedBlocks,
     bias: torch.Tensor | None = None,
     plan: KernelPlan | None = None,
     logits: bool = False,
@@ -325,7 +336,14 @@ def make_linear_kernel(
     for this shape from `plan` (None: `default_choice`), with the native path
     as well on the projections the plan's decode pass runs. `weight` in block formats (one part,
     or a fused projection's parts) needs `gguf`; `logits`: the logits projection (int4 keeps it in
-    8 bits)."""
+    8 bits). A quantized checkpoint's `Int8Rows` (W8A8) and `GroupedBlocks` (act-order, group offsets) need
+    `gguf` too (the backend of weights kept as stored)."""
+    if isinstance(weight, (Int8Rows, GroupedBlocks)):  # a quantized checkpoint's weights, as stored
+        if backend != "gguf":
+            raise ValueError(f"a quantized checkpoint's weights run on the gguf backend, not {backend!r}")
+        if isinstance(weight, Int8Rows):
+            return Int8Kernel(None, bias, quantized=(weight.q, weight.scale))
+        return GroupedInputKernel(BlockQuantKernel(weight.parts, bias), weight.perm, weight.offsets, weight.group)
     if isinstance(weight, BlockQuantized):
         weight = [weight]
     if isinstance(weight, list):

@@ -16,12 +16,13 @@ import torch.nn.functional as F
 from kvflow.attention.backend import AttentionBackend, AttentionMetadata, LayerKVCache
 from kvflow.config import ModelConfig
 from kvflow.distributed.parallel import TPGroup, shard_weight
-from kvflow.layers.linear import Linear, RowParallelKernel
+from kvflow.layers.linear import Linear, RowParallelKernel, StoredWeight
 from kvflow.layers.linear_kernels import FUSED_PROLOGUE, KernelPlan, LinearKernel, make_linear_kernel
 from kvflow.layers.norm import RMSNorm
 from kvflow.layers.rotary import RotaryEmbedding, RotaryFn, apply_rotary_, select_rotary
 from kvflow.models.decode_pass import DecodePass, decode_pass
 from kvflow.quantization.gguf_blocks import BlockQuantized
+from kvflow.quantization.packed_weights import STORED_TYPES, fuse_stored
 from kvflow.quantization.smoothquant import SMOOTH_ALPHA, smoothing_scales
 
 
@@ -360,6 +361,8 @@ class LlamaForCausalLM(torch.nn.Module):
             name = name.replace("embed_tokens.weight", "embed_tokens")
             name = name.replace("self_attn.", "").replace("mlp.", "")
             parts = name.split(".")
+            if self.tp.size > 1 and not isinstance(tensor, torch.Tensor):
+                raise ValueError("quantized weights kept as stored cannot be sharded (tensor_parallel_size must be 1)")
             if len(parts) == 4:  # layers.{i}.{proj}.{weight|bias}: this rank's slice
                 tensor = shard_weight(parts[2], tensor, self.tp)
             # layers.{i}.{proj}.{weight|bias}
@@ -372,6 +375,8 @@ class LlamaForCausalLM(torch.nn.Module):
                     parts = [group[i] for i in sorted(group)]
                     if all(isinstance(p, BlockQuantized) for p in parts):
                         self._set_blocks(key, parts)
+                    elif any(isinstance(p, STORED_TYPES) for p in parts):  # a quantized HF checkpoint's
+                        self.get_submodule(key.rpartition(".")[0]).load_blocks(fuse_stored(key, parts))
                     else:  # blocks beside float parts: the fused projection runs in float
                         parts = [p.dequantize() if isinstance(p, BlockQuantized) else p for p in parts]
                         self._copy(params, key, torch.cat(parts, dim=0))
@@ -380,6 +385,8 @@ class LlamaForCausalLM(torch.nn.Module):
                 continue
             if isinstance(tensor, BlockQuantized):
                 self._set_blocks(name, [tensor])
+            elif isinstance(tensor, STORED_TYPES):
+                self._set_blocks(name, tensor)
             else:
                 self._copy(params, name, tensor)
             loaded.add(name)
@@ -393,9 +400,10 @@ class LlamaForCausalLM(torch.nn.Module):
         leaves it to the names above."""
         return False
 
-    def _set_blocks(self, name: str, parts: list[BlockQuantized]) -> None:
-        """A weight kept in block formats (a GGUF's tensors as stored): a Linear's parts, or the
-        embedding (looked up row by row; the logits kernel of a tied model reads it too)."""
+    def _set_blocks(self, name: str, parts: StoredWeight) -> None:
+        """A weight kept as a quantized file stores it (a GGUF's blocks, a quantized HF checkpoint's
+        weights): a Linear's parts, or the embedding (looked up row by row; the logits kernel of a
+        tied model reads it too)."""
         if name == "embed_tokens":
             self.embed_blocks = parts[0]
             self.embed_tokens = torch.nn.Parameter(

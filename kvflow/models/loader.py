@@ -100,12 +100,26 @@ def _load_hf_folder(path: Path, tokenizer_path: str | None, with_tokenizer: bool
     model_config = ModelConfig.from_hf_config(hf_config)  # refuse unsupported models before reading weights
     gen_file = path / "generation_config.json"
     generation_config = json.loads(gen_file.read_text()) if gen_file.exists() else {}
+    weights = _safetensors_weights(path)
+    if hf_config.get("quantization_config"):
+        # GPTQ / AWQ / compressed-tensors: refused here (before reading weights) if unsupported;
+        # otherwise the packed tensors reach the model in the kernels' formats.
+        from kvflow.models.quantized_loader import quantized_weights
+        from kvflow.quantization.checkpoint_formats import parse_quantization_config
+
+        quant = parse_quantization_config(hf_config["quantization_config"])
+        if model_config.is_moe or hf_config.get("model_type") == "phi3":
+            raise ValueError(
+                f"{quant.label} checkpoints of {hf_config.get('model_type')!r} models are not supported yet "
+                "(quantized HF checkpoints run for dense models with separate q/k/v and gate/up projections)"
+            )
+        weights = quantized_weights(weights, quant)
     return Checkpoint(
         path=str(path),
         name=path.name,
         hf_config=hf_config,
         model_config=model_config,
-        weights=_safetensors_weights(path),
+        weights=weights,
         tokenizer=_load_tokenizer(Path(tokenizer_path) if tokenizer_path else path) if with_tokenizer else None,
         generation_config=generation_config,
     )

@@ -7,6 +7,10 @@
 * `gguf_blocks` -- GGUF's block formats (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K): `BlockQuantized` weights
   kept as a file stores them, their float32 dequantization, and round-to-nearest quantization into
   Q4_0 / Q4_1 / Q8_0 (``--quantization int4``).
+* `checkpoint_formats` -- a HF checkpoint's `quantization_config` (GPTQ, AWQ, compressed-tensors)
+  parsed and validated: what runs as stored, and a clear error for the rest.
+* `packed_weights` -- those checkpoints' packed tensors unpacked to integer codes and placed into
+  the kernels' formats (GGUF blocks, group offsets, act-order permutations, int8 rows).
 
 The kernels that compute with these formats are in kvflow.kernels (cpu/int8_linear.py,
 cpu/block_linear.py, int_mm.py).

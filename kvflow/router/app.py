@@ -3,7 +3,8 @@
 Request path for POST /v1/completions, /v1/chat/completions, /v1/responses, /v1/messages and
 /v1/embeddings: the policy picks a `Route` (a Responses request that continues a stored response,
 `previous_response_id`, goes to the engine that stores it: `locate_response`); with a prefill engine
-on it (completions and chat only), the router first sends that engine a prefill-only copy of the body (`pd.py`)
+on it (completions and chat only; with --max-local-prefill-length, only prompts longer than that for
+the decode engine: `PrefillDecodePolicy`), the router first sends that engine a prefill-only copy of the body (`pd.py`)
 and reads `kv_transfer_params` from its answer; then it sends the client's body (plus those params)
 to the target and relays its answer as it comes: status, headers that matter, JSON body, or the SSE
 stream chunk by chunk.
@@ -119,6 +120,9 @@ class Router:
         for b in self.policy.backends():
             # each backend's series from the start, at 0: a Prometheus rate() counts its first requests
             self.metrics.requests.labels(b.url, b.role)
+        if self.policy.name == "pd":
+            for decision in ("local_prefill", "remote_prefill"):
+                self.metrics.pd_decisions.labels(decision)
         self.client = httpx.AsyncClient(
             # read: the longest silence between bytes (a stream's next token, a prefill's answer)
             timeout=httpx.Timeout(config.timeout_s, connect=config.connect_timeout_s),
@@ -299,6 +303,15 @@ class Router:
         return out  # type: ignore[return-value]
 
     def _record_route(self, route: Route) -> None:
+        if route.pd_decision is not None:
+            self.metrics.pd_decisions.labels(route.pd_decision).inc()
+            if route.local_prefill_tokens is not None and logger.isEnabledFor(logging.DEBUG):
+                logger.debug(
+                    "pd: %s (about %.0f prompt tokens for %s to compute)",
+                    route.pd_decision,
+                    route.local_prefill_tokens,
+                    route.target.url,
+                )
         if route.cache_hit is not None:
             (self.metrics.cache_hits if route.cache_hit else self.metrics.cache_misses).inc()
         if route.match_ratio is not None:

@@ -57,6 +57,15 @@ class RouterConfig:
         "cache_aware: how many requests a replica's full KV pool counts as in its load "
         "(kvflow:kv_cache_usage_perc x this is added to its running + waiting requests)",
     )
+    max_local_prefill_length: int = option(
+        0,
+        "pd (conditional disaggregation, Dynamo's max_local_prefill_length): a request whose prompt "
+        "tokens the decode engine would compute (the prompt's length minus the decode engine's expected "
+        "prefix-cache hit, both estimated by the router from the prompt text, about 4 characters per "
+        "token) are at most this many is sent to the decode engine alone, which prefills it itself: "
+        "no prefill hop, no KV transfer; longer ones go through a prefill engine. 0: every request "
+        "through a prefill engine",
+    )
     otlp_traces_endpoint: str | None = option(
         None,
         "OpenTelemetry: a span per routed request (a child span per engine call, whose traceparent the "
@@ -148,6 +157,15 @@ class RouterConfig:
             value = getattr(self, name)
             if not is_number(value) or not 0 <= value < float("inf"):
                 raise ValueError(f"--{name.replace('_', '-')} must be a finite number >= 0, got {value}")
+        if not is_int(self.max_local_prefill_length) or self.max_local_prefill_length < 0:
+            raise ValueError(
+                "--max-local-prefill-length must be an integer >= 0 (prompt tokens the decode engine "
+                f"prefills itself; 0: every request through a prefill engine), got {self.max_local_prefill_length!r}"
+            )
+        if self.max_local_prefill_length and not self.is_pd:
+            raise ValueError(
+                f"--max-local-prefill-length is for --policy pd (--prefill/--decode), not --policy {self.policy}"
+            )
         self.router_kv_events = list(self.router_kv_events or [])
         if self.router_kv_events:
             if self.policy != "cache_aware":
@@ -182,6 +200,7 @@ class RouterConfig:
             load_cost_tokens=self.load_cost_tokens,
             kv_usage_weight=self.kv_usage_weight,
             kv_events=bool(self.router_kv_events),
+            max_local_prefill_length=self.max_local_prefill_length,
         )
 
     def kv_event_endpoints(self) -> list[tuple[str, str | None]]:

@@ -35,6 +35,16 @@ class RouterMetrics:
             "Requests whose prefill engine failed, sent whole to a decode engine (it computed the prompt)",
             registry=self.registry,
         )
+        # pd with --max-local-prefill-length: requests that could take the prefill step, by where
+        # their prompt was computed (local_prefill: on the decode engine; remote_prefill: on a
+        # prefill engine, its KV fetched). Both series exist from the start, at 0.
+        self.pd_decisions = Counter(
+            "kvflow_router:pd_decisions",
+            "pd: requests prefilled on their decode engine (local_prefill, at most "
+            "--max-local-prefill-length tokens to compute) or on a prefill engine (remote_prefill)",
+            ["decision"],
+            registry=self.registry,
+        )
         # data-parallel policies (--backend)
         self.cache_hits = Counter(
             "kvflow_router:cache_aware_hits",

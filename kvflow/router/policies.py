@@ -27,6 +27,8 @@ from kvflow.router.pd import takes_prefill_step
 from kvflow.router.prefix_tree import PrefixTree, prompt_texts_scaled
 
 Role = Literal["prefill", "decode", "backend"]
+# pd: how a request that could take the prefill step was served (kvflow_router:pd_decisions_total).
+PDDecision = Literal["local_prefill", "remote_prefill"]
 
 logger = logging.getLogger("kvflow.router")
 
@@ -50,6 +52,9 @@ class PolicyOptions:
     load_cost_tokens: float = 128.0
     kv_usage_weight: float = 4.0
     kv_events: bool = False  # cache_aware follows the replicas' KV events (--router-kv-events)
+    # pd: a prompt the decode engine would compute at most this many tokens of is prefilled there
+    # (0: every prompt goes through a prefill engine)
+    max_local_prefill_length: int = 0
 
 
 @dataclass(eq=False)
@@ -107,6 +112,11 @@ class Route:
     # (its tokens with KV events, else its characters).
     cache_hit: bool | None = None
     match_ratio: float | None = None
+    # pd only (None otherwise, and for requests that cannot take the prefill step): whether the
+    # decode engine prefills the prompt itself or a prefill engine does; with the tokens the decode
+    # engine was expected to compute (the estimate the choice was made on; None without a threshold).
+    pd_decision: PDDecision | None = None
+    local_prefill_tokens: float | None = None
 
 
 class RoundRobin:
@@ -409,25 +419,76 @@ class CacheAwarePolicy(ReplicaPolicy):
 
 class PrefillDecodePolicy(RoutingPolicy):
     """Prefill/decode disaggregation: a prefill engine computes the prompt, a decode engine fetches
-    its KV and generates; each chosen round robin among its own kind."""
+    its KV and generates; each chosen round robin among its own kind.
+
+    Conditional disaggregation (`max_local_prefill_length` > 0, Dynamo's `max_local_prefill_length`):
+    a prompt that costs the decode engine little is not worth a prefill hop, a transfer, and a place
+    in the prefill engine's queue behind long documents. The decode engine is chosen first (round
+    robin); the tokens it would compute itself are estimated as the prompt's tokens minus its
+    expected prefix-cache hit, the way `CacheAwarePolicy` estimates them without KV events: from
+    the characters of the prompt text (about `CHARS_PER_TOKEN` per token; token-id prompts exactly)
+    and from a `PrefixTree` per decode engine of the prompts sent there (a prefilled prompt's KV is
+    fetched into the decode engine's prefix cache too, so every prompt routed there is inserted),
+    a match under one block counting as none. At most `max_local_prefill_length`: the request goes
+    to the decode engine alone, which serves it as a plain aggregated request (no
+    kv_transfer_params); above it, through a prefill engine as always. 0 (the default): always
+    through a prefill engine, and no tree is kept."""
 
     name = "pd"
 
-    def __init__(self, prefill_urls: Sequence[str], decode_urls: Sequence[str]) -> None:
+    def __init__(
+        self,
+        prefill_urls: Sequence[str],
+        decode_urls: Sequence[str],
+        *,
+        max_local_prefill_length: int = 0,
+        max_chars: int = 1_000_000,
+    ) -> None:
         self._prefill = [Backend(url, "prefill") for url in prefill_urls]
         self._decode = [Backend(url, "decode") for url in decode_urls]
         self._prefill_rr = RoundRobin(self._prefill)
         self._decode_rr = RoundRobin(self._decode)
+        self.max_local_prefill_length = max_local_prefill_length
+        self.trees: dict[Backend, PrefixTree] | None = (
+            {b: PrefixTree(max_chars) for b in self._decode} if max_local_prefill_length > 0 else None
+        )
 
     @classmethod
     def from_options(cls, options: PolicyOptions) -> PrefillDecodePolicy:
-        return cls(options.prefill, options.decode)
+        return cls(
+            options.prefill,
+            options.decode,
+            max_local_prefill_length=options.max_local_prefill_length,
+            max_chars=options.cache_max_chars,
+        )
+
+    def local_prefill_tokens(self, decode: Backend, texts: list[tuple[str, float]]) -> float:
+        """The prompt tokens `decode` would compute for a request with these `prompt_texts_scaled`:
+        the estimated prompt length minus the expected prefix hit (a hit under one block counts as
+        none), at least one token per prompt (the engine always computes the last)."""
+        tree = self.trees[decode]
+        out = 0.0
+        for text, chars_per_token in texts:
+            total = len(text) / chars_per_token
+            hit = tree.match(text) / chars_per_token
+            if hit < TEXT_MIN_HIT_TOKENS:
+                hit = 0.0
+            out += max(total - hit, 1.0)
+        return out
 
     def route(self, request: RouteRequest) -> Route:
         decode = self._decode_rr.next()
         if not takes_prefill_step(request.path, request.body):
             return Route(decode)  # e.g. n > 1: see takes_prefill_step
-        return Route(decode, prefill=self._prefill_rr.next())
+        if self.trees is None:
+            return Route(decode, prefill=self._prefill_rr.next(), pd_decision="remote_prefill")
+        texts = prompt_texts_scaled(request.path, request.body)
+        tokens = self.local_prefill_tokens(decode, texts)
+        for text, _ in texts:  # served either way, its KV ends in the decode engine's prefix cache
+            self.trees[decode].insert(text)
+        if texts and tokens <= self.max_local_prefill_length:
+            return Route(decode, pd_decision="local_prefill", local_prefill_tokens=tokens)
+        return Route(decode, prefill=self._prefill_rr.next(), pd_decision="remote_prefill", local_prefill_tokens=tokens)
 
     def backends(self) -> list[Backend]:
         return [*self._prefill, *self._decode]

@@ -47,7 +47,9 @@ class KeyRerotation:
             return
         first = kv_caches[0]
         if first.quantized:
-            raise ValueError("attention sinks: int8 KV cannot be re-rotated (use the model dtype)")
+            raise ValueError(
+                "attention sinks: a quantized KV cache (int8, fp8, int4) cannot be re-rotated (use the model dtype)"
+            )
         idx = torch.tensor(blocks, dtype=torch.long, device=first.data.device)
         cos, sin_signed = self.rotation(delta, torch.float32)
         for cache in kv_caches:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvflow.attention.backend import SeqLayout, kv_cache_bytes_per_token
+from kvflow.attention.kv_formats import kv_format
 from kvflow.attention.selector import make_attention_backend
 from kvflow.config import EngineConfig, ModelConfig
 from kvflow.core.kv_groups import kv_layout
@@ -77,14 +78,15 @@ class KVCacheSpec:
     num_layers: int
     num_kv_heads: int  # this rank's
     head_dim: int
-    kv_cache_dtype: str  # "auto" (the model dtype) | "int8"
-    bytes_per_token: int  # K and V of every layer, int8 scales included
+    kv_cache_dtype: str  # "auto" (the model dtype) | "int8" | "fp8_e4m3" | "fp8_e5m2" | "int4"
+    bytes_per_token: int  # K and V of every layer, the quantized dtypes' scales included
 
     @property
     def per_value(self) -> str:
         """One K or V value's cost, as the start-up log line says it."""
-        if self.kv_cache_dtype == "int8":
-            return "1 byte + a 4-byte scale per head"
+        fmt = kv_format(self.kv_cache_dtype)
+        if fmt is not None:
+            return fmt.what
         return f"{self.bytes_per_token // (2 * self.num_layers * self.num_kv_heads * self.head_dim)} bytes"
 
 
@@ -181,8 +183,8 @@ class ModelRunner:
         # Attention sinks: the rotation that moves cached keys down the cache (kvflow.worker.kv_rerotate).
         self.key_rerotation = self._key_rerotation(model_config, max_model_len) if config.streaming_kv else None
         # One block of every layer as KV connectors move it (see read_blocks).
-        if config.kv_cache_dtype == "int8":
-            self.kv_block_shape: tuple[int, ...] = (model_config.num_layers, self._int8_block_bytes())
+        if self.kv_caches[0].quantized:
+            self.kv_block_shape: tuple[int, ...] = (model_config.num_layers, self._quantized_block_bytes())
             self.kv_block_dtype = torch.uint8
         else:
             self.kv_block_shape = (model_config.num_layers, *self.kv_caches[0].data.shape[1:])
@@ -571,16 +573,17 @@ class ModelRunner:
         """KV of whole blocks, [n, *kv_block_shape] of kv_block_dtype (a copy).
 
         Default KV dtype: [n, layers, block_size, 2 (K, V), kv_heads, head_dim] in the model dtype.
-        int8 KV: [n, layers, bytes] uint8, each layer's int8 values followed by its float32 scales.
+        Quantized KV (int8, fp8, int4): [n, layers, bytes] uint8, each layer's codes followed by
+        its float32 scales.
         """
         idx = torch.tensor(blocks, dtype=torch.long, device=self.device)
-        if self.kv_cache_dtype == "int8":
+        if self.kv_caches[0].quantized:
             n = len(blocks)
             return torch.stack(
                 [
                     torch.cat(
                         (
-                            c.data.index_select(0, idx).view(torch.uint8).reshape(n, -1),
+                            c.data.view(torch.uint8).index_select(0, idx).reshape(n, -1),
                             c.scale.index_select(0, idx).view(torch.uint8).reshape(n, -1),
                         ),
                         dim=1,
@@ -596,10 +599,10 @@ class ModelRunner:
         idx = torch.tensor(blocks, dtype=torch.long, device=self.device)
         data = data.to(self.device)
         for layer, c in enumerate(self.kv_caches):
-            if self.kv_cache_dtype == "int8":
+            if c.quantized:  # (every quantized format's codes are 1-byte elements)
                 split = c.data[0].numel()
                 raw = data[:, layer]
-                c.data.index_copy_(0, idx, raw[:, :split].contiguous().view(torch.int8).view(-1, *c.data.shape[1:]))
+                c.data.view(torch.uint8).index_copy_(0, idx, raw[:, :split].contiguous().view(-1, *c.data.shape[1:]))
                 c.scale.index_copy_(
                     0, idx, raw[:, split:].contiguous().view(torch.float32).view(-1, *c.scale.shape[1:])
                 )
@@ -644,7 +647,7 @@ class ModelRunner:
                 m.kernel = m.kernel.kernel
         return amax
 
-    def _int8_block_bytes(self) -> int:
+    def _quantized_block_bytes(self) -> int:
         c = self.kv_caches[0]
         return c.data[0].numel() + c.scale[0].numel() * 4
 

@@ -139,3 +139,38 @@ def test_server_specs():
         ("throughput", "one engine"),
         ("throughput", "DP 2"),
     ]
+
+
+def test_throughput_part_with_a_short_shared_prefix():
+    args = dp.parse_args(
+        [
+            "--parts",
+            "throughput",
+            "--tp-requests",
+            "6",
+            "--tp-input-len",
+            "30",
+            "--tp-output-len",
+            "4",
+            "--tp-shared-prefix-len",
+            "10",
+            "--tp-endpoint",
+            "chat",
+        ]
+    )
+    assert (args.tp_shared_prefix_len, args.tp_endpoint) == (10, "chat")
+    reqs = dp.throughput_workload(args, None)
+    assert len(reqs) == 6 and {r.output_len for r in reqs} == {4} and {r.prompt_len for r in reqs} == {30}
+    heads = {" ".join(r.prompt.split()[:10]) for r in reqs}
+    assert len(heads) == 1 and len({r.prompt for r in reqs}) == 6  # one prefix, then each its own
+    plain = dp.throughput_workload(dp.parse_args(["--tp-requests", "6", "--tp-input-len", "30"]), None)
+    assert len({" ".join(r.prompt.split()[:10]) for r in plain}) == 6  # the default: nothing shared
+    for bad in (["--tp-shared-prefix-len", "256"], ["--tp-shared-prefix-len", "-1"], ["--tp-endpoint", "x"]):
+        with pytest.raises(SystemExit):
+            dp.parse_args(bad)
+
+
+def test_largest_replica_share():
+    assert dp.largest_share({"http://a": 24.0, "http://b": 8.0}) == 75.0
+    assert dp.largest_share(None) is None and dp.largest_share({"http://a": 0.0}) is None
+    assert dp.THROUGHPUT_ROWS[-1][0] == "largest replica share (%)"

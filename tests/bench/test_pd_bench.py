@@ -36,6 +36,8 @@ def _rec(cls: str, send: float, chunks: list[float], out: int, prompt_len: int =
 def test_parse_setups():
     assert pd.parse_setups("agg,pd") == ["agg", "pd"]
     assert pd.parse_setups(" pd , agg,pd") == ["pd", "agg"]
+    assert pd.parse_setups("pd_cond,agg") == ["pd_cond", "agg"]
+    assert pd.parse_args([]).setups == ["agg", "pd", "pd_cond"]
     for bad in ("", "agg,xpd", ","):
         with pytest.raises(argparse.ArgumentTypeError):
             pd.parse_setups(bad)
@@ -142,6 +144,20 @@ def test_router_fallbacks():
     assert pd.router_fallbacks("kvflow_router:prefill_fallbacks_total 3.0\n") == 3.0
 
 
+def test_router_decisions_and_their_delta():
+    text = (
+        'kvflow_router:pd_decisions_total{decision="local_prefill"} 7.0\n'
+        'kvflow_router:pd_decisions_total{decision="remote_prefill"} 2.0\n'
+    )
+    assert pd.router_decisions(text) == (7.0, 2.0) and pd.router_decisions("") is None
+    before = pd.TransferStats(prefill_fallbacks=1.0, local_prefills=3.0, remote_prefills=1.0)
+    after = pd.TransferStats(prefill_fallbacks=1.0, local_prefills=7.0, remote_prefills=2.0)
+    d = pd.transfer_delta(before, after)
+    assert (d.prefill_fallbacks, d.local_prefills, d.remote_prefills) == (0.0, 4.0, 1.0)
+    none = pd.transfer_delta(pd.TransferStats(), pd.TransferStats())
+    assert none.local_prefills is None and none.prefill_fallbacks is None
+
+
 def test_summarize_load():
     recs = [
         _rec("chat", 0.0, [0.1, 0.2, 0.4], 3),  # ITL 0.1, 0.2; TPOT 0.15
@@ -185,6 +201,9 @@ def test_comparison_rows_and_ratio():
     rows = pd.comparison_rows(summary(40.0, 20.0, 2.0, 100.0), summary(20.0, 10.0, 3.0, None))
     assert [r[0] for r in rows] == [label for label, _ in pd.COMPARED]
     assert [r[3] for r in rows] == [0.5, 0.5, 1.5, None]
+    # aggregated, 1P1D, 1P1D conditional: both values, then both ratios
+    rows = pd.comparison_rows(summary(40.0, 20.0, 2.0, 100.0), summary(20.0, 10.0, 3.0, 50.0), summary(10, 5, 4, 80))
+    assert rows[3] == ["output throughput (tok/s)", 100.0, 50.0, 80, 0.5, 0.8]
     assert pd.ratio(1.0, 0.0) is None and pd.ratio(float("nan"), 1.0) is None
 
 
@@ -215,6 +234,14 @@ def test_setup_specs():
     assert "taskset" not in router.argv and router.argv[-4:] == ["--prefill", prefill.url, "--decode", decode.url]
     unpinned = pd.setup_specs("pd", args, None)
     assert all(s.argv[0] != "taskset" for s in unpinned)
+    assert "--max-local-prefill-length" not in router.argv  # plain 1P1D: every prompt through prefill
+    cond = pd.parse_args(["--max-local-prefill-length", "300"])
+    prefill, decode, router = pd.setup_specs("pd_cond", cond, [2, 5])
+    assert router.argv[-2:] == ["--max-local-prefill-length", "300"]
+    assert [s.name for s in (prefill, decode, router)] == ["pd-cond-prefill", "pd-cond-decode", "pd-cond-router"]
+    assert pd.parse_args([]).max_local_prefill_length == 512
+    with pytest.raises(SystemExit):
+        pd.parse_args(["--max-local-prefill-length", "-1"])
 
 
 def test_argument_types_are_finite():

@@ -52,7 +52,7 @@ def test_router_policy_names_are_what_the_router_implements():
     "field,bad",
     [
         ("dtype", "float8"),
-        ("kv_cache_dtype", "fp8"),
+        ("kv_cache_dtype", "fp4"),
         ("attention_backend", "flash"),
         ("scheduling_policy", "lottery"),
         ("fairness", "drr"),

@@ -392,6 +392,55 @@ def test_unknown_route_and_bad_json(pd_router, fakes):
     assert not fakes["prefill"].calls
 
 
+# ---- conditional disaggregation (--max-local-prefill-length) ---------------------------------------------------
+LOCAL = 'kvflow_router:pd_decisions_total{decision="local_prefill"}'
+REMOTE = 'kvflow_router:pd_decisions_total{decision="remote_prefill"}'
+
+
+def test_threshold_zero_sends_short_prompts_through_prefill_too(pd_router, fakes):
+    before = pd_router.metrics()
+    assert pd_router.post("/v1/completions", {"prompt": "hi", "max_tokens": 2}).status_code == 200
+    assert len(fakes["prefill"].calls) == 1
+    [dec] = decode_calls(fakes)
+    assert dec["body"]["kv_transfer_params"] == last_params(fakes)
+    after = pd_router.metrics()
+    assert after[LOCAL] == before[LOCAL] == 0  # the series exists from the start
+    assert after[REMOTE] == before[REMOTE] + 1
+
+
+def test_short_prompt_goes_to_decode_alone_long_one_through_prefill(fakes):
+    r = LiveRouter(prefill=[fakes["prefill"].url], decode=[fakes["decode1"].url], max_local_prefill_length=64)
+    try:
+        short = {"model": "m", "messages": [{"role": "user", "content": "What is the capital of Japan?"}]}
+        resp = r.post("/v1/chat/completions", short)
+        assert resp.status_code == 200, resp.text
+        assert not fakes["prefill"].calls
+        [dec] = fakes["decode1"].calls
+        assert dec["body"] == short  # untouched: the decode engine serves it as a plain request
+        assert resp.json()["kv_transfer_params_seen"] is None
+
+        long = {"model": "m", "prompt": "a long document about trains " * 100, "max_tokens": 3}
+        resp = r.post("/v1/completions", long)
+        assert resp.status_code == 200, resp.text
+        [pre] = fakes["prefill"].calls
+        assert pre["body"]["kv_transfer_params"] == {"do_remote_decode": True} and pre["body"]["max_tokens"] == 1
+        assert fakes["decode1"].calls[1]["body"] == {**long, "kv_transfer_params": last_params(fakes)}
+
+        fakes["decode1"].release.set()
+        with httpx.stream("POST", r.url + "/v1/completions", json={"prompt": "hi", "stream": True}, timeout=5) as s:
+            events = [line for line in s.iter_lines() if line]
+        assert events[-1] == "data: [DONE]" and len(fakes["prefill"].calls) == 1  # streamed, still local
+
+        m = r.metrics()
+        assert (m[LOCAL], m[REMOTE]) == (2, 1)
+        assert m[f'kvflow_router:requests_total{{backend="{fakes["prefill"].url}",role="prefill"}}'] == 1
+        assert m[f'kvflow_router:requests_total{{backend="{fakes["decode1"].url}",role="decode"}}'] == 3
+        assert "# TYPE kvflow_router:pd_decisions_total counter" in httpx.get(r.url + "/metrics").text
+        wait_for(lambda: all(v == 0 for v in r.inflight().values()), 5, "in-flight counts did not drop")
+    finally:
+        r.server.stop()
+
+
 # ---- failures of whole backends ---------------------------------------------------------------------------------
 def test_prefill_down_falls_back_and_is_counted(fakes):
     down = dead_url()

@@ -13,7 +13,7 @@ from kvflow.config import EngineConfig, ServerConfig
 from kvflow.router.app import build_router_app
 from kvflow.router.config import RouterConfig
 
-from server_utils import LiveServer, ThreadServer, wait_for
+from server_utils import LiveServer, ThreadServer, parse_metrics, wait_for
 
 pytestmark = pytest.mark.server  # starts servers or worker processes: not in `make test-fast`
 
@@ -96,3 +96,52 @@ def test_router_pd_matches_one_engine(cluster):
         == got['kvflow:kv_transfer_bytes_total{direction="received"}']
     )
     assert got["kvflow:kv_transfer_seconds_count"] >= 1
+
+
+# ---- conditional disaggregation: short prompts prefilled on the decode engine ------------------------------
+THRESHOLD = 16  # prompt tokens, as the router estimates them (about 4 characters per token)
+SHORT = "a red fox"  # about 2 tokens: the decode engine prefills it
+LONG = "a long tale of a red fox who ran far over the hills and came home again at night " * 2  # about 40
+LONG2 = "the grey dog slept all day by the fire and dreamt of rabbits in the field " * 2
+
+
+@pytest.fixture(scope="module")
+def conditional_router(cluster):
+    _, producer, consumer, _ = cluster
+    config = RouterConfig(port=0, prefill=[producer.url], decode=[consumer.url], max_local_prefill_length=THRESHOLD)
+    router = ThreadServer(build_router_app(config))
+    yield router
+    router.stop()
+
+
+def test_conditional_pd_local_and_remote_prefill_match_one_engine(cluster, conditional_router):
+    single, producer, consumer, _ = cluster
+    router = conditional_router
+    received = 'kvflow:kv_transfer_blocks_total{direction="received"}'
+    prefills = f'kvflow_router:requests_total{{backend="{producer.url}",role="prefill"}}'
+    cases = [
+        (SHORT, False, True),
+        (SHORT, True, True),
+        (LONG, False, False),
+        (LONG2, True, False),
+        (LONG, True, True),  # LONG's KV is in the consumer's prefix cache now: 1 token left to compute
+    ]
+    for prompt, stream, local in cases:
+        before = parse_metrics(httpx.get(router.url + "/metrics").text)[prefills]
+        fetched = consumer.metrics().get(received, 0.0)
+        assert _completion(router.url, prompt, stream) == _completion(single.url, prompt, False)
+        after = parse_metrics(httpx.get(router.url + "/metrics").text)[prefills]
+        assert after == before + (0 if local else 1), (prompt, stream)
+        if local:  # nothing was fetched: a plain request on the consumer
+            assert consumer.metrics().get(received, 0.0) == fetched
+        else:  # the prompt's KV travelled
+            wait_for(lambda f=fetched: consumer.metrics().get(received, 0.0) > f, 10, "no KV was fetched")
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi fox"}], "max_tokens": 8, "temperature": 0}
+    via_router = httpx.post(router.url + "/v1/chat/completions", json=chat, timeout=60).json()
+    direct = httpx.post(single.url + "/v1/chat/completions", json=chat, timeout=60).json()
+    assert via_router["choices"][0]["message"]["content"] == direct["choices"][0]["message"]["content"]
+    m = parse_metrics(httpx.get(router.url + "/metrics").text)
+    assert m['kvflow_router:pd_decisions_total{decision="local_prefill"}'] == 4
+    assert m['kvflow_router:pd_decisions_total{decision="remote_prefill"}'] == 2
+    for s in (producer, consumer):
+        _settled(s)

@@ -5,8 +5,8 @@ each new token of a step -- a decode, or a token of a prefill chunk -- is one ro
 keys of its sequence up to its own position (causal by construction, a sliding window by its
 start), walked through the block table where they lie. Nothing is gathered, nothing is padded to
 the longest context, and blocks that several sequences share (prefix caching) are read from cache,
-not copied. Float32 and bfloat16 models, with a cache in the model's dtype or in int8; the
-maths is float32 (a bf16 model's queries are widened at the call, its outputs rounded back).
+not copied. Float32 and bfloat16 models, with a cache in the model's dtype or quantized (int8,
+fp8 e4m3 / e5m2, int4: widened as they are read); the maths is float32 (a bf16 model's queries are widened at the call, its outputs rounded back).
 Each call takes its layer's window and attention-logit soft-cap (Gemma 2), so one backend serves
 models whose layers differ in both.
 
@@ -38,7 +38,7 @@ from kvflow.attention.backend import (
 from kvflow.attention.backends.torch import TorchPagedAttention
 from kvflow.kernels.cpu import paged_attention as kernel
 
-# The model dtypes the backend serves (the cache may also be int8).
+# The model dtypes the backend serves (the cache may also be quantized).
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -107,7 +107,7 @@ class CpuPagedAttention(TorchPagedAttention):
         return AttentionMetadata(positions=t.positions, slot_mapping=t.slot_mapping, groups=groups)
 
     def _write_kv(self, kv: torch.Tensor, kv_cache: LayerKVCache, meta: AttentionMetadata) -> None:
-        # The same C code as the native decode pass's write (int8 / bf16 caches: the same rounding).
+        # The same C code as the native decode pass's write (quantized / bf16 caches: the same rounding).
         kernel.write_kv(kv, meta.slot_mapping, kv_cache.data, kv_cache.scale)
 
     def decode_group(self, meta: AttentionMetadata) -> PagedRows | None:

@@ -15,7 +15,6 @@ import torch.nn.functional as F
 
 from kvflow.attention.backend import (
     BACKEND_WINDOW,
-    KV_CACHE_DTYPES,
     AttentionGroup,
     AttentionMetadata,
     LayerKVCache,
@@ -27,6 +26,7 @@ from kvflow.attention.backend import (
     layer_window,
     partition_groups,
 )
+from kvflow.attention.kv_formats import check_head_dim, dequantize, format_of, kv_format, quantize
 from kvflow.quantization.int8 import quantize_kv
 
 
@@ -49,14 +49,15 @@ class TorchPagedAttention:
         kv_cache_dtype: str = "auto",
     ) -> list[LayerKVCache]:
         shape = (num_blocks, self.block_size, 2, num_kv_heads, head_dim)
-        if kv_cache_dtype == "auto":
+        fmt = kv_format(kv_cache_dtype)
+        if fmt is None:
             return [LayerKVCache(kv_zeros(shape, dtype, self.device)) for _ in range(num_layers)]
-        if kv_cache_dtype == "int8":
-            return [
-                LayerKVCache(kv_zeros(shape, torch.int8, self.device), kv_zeros(shape[:-1], torch.float32, self.device))
-                for _ in range(num_layers)
-            ]
-        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+        check_head_dim(fmt, head_dim)
+        packed = (*shape[:-1], head_dim // fmt.values_per_element)
+        return [
+            LayerKVCache(kv_zeros(packed, fmt.storage, self.device), kv_zeros(shape[:-1], torch.float32, self.device))
+            for _ in range(num_layers)
+        ]
 
     # ---- per step ------------------------------------------------------------------------------
     def build_metadata(self, seqs: list[SeqLayout]) -> AttentionMetadata:
@@ -148,8 +149,9 @@ class TorchPagedAttention:
         if slot_scales is None:
             slots.index_copy_(0, meta.slot_mapping, kv)
         else:
-            kv_q, kv_s = quantize_kv(kv)
-            slots.index_copy_(0, meta.slot_mapping, kv_q)
+            kv_q, kv_s = quantize_kv(kv) if slots.dtype == torch.int8 else quantize(kv, format_of(slots))
+            # (as bytes: torch has no index_copy for float8; every quantized format's codes are bytes)
+            slots.view(torch.uint8).index_copy_(0, meta.slot_mapping, kv_q.view(torch.uint8))
             slot_scales.index_copy_(0, meta.slot_mapping, kv_s)
 
     @staticmethod
@@ -183,9 +185,14 @@ class TorchPagedAttention:
         num_kv = kv_cache.data.shape[3]
         slots, slot_scales = kv_cache.slots, kv_cache.slot_scales
         b, n = g.batch, g.q_len
-        kv_g = slots.index_select(0, g.slots)  # [B * L, 2, KV, D]
-        if slot_scales is not None:
+        if slot_scales is None or slots.dtype == torch.int8:
+            kv_g = slots.index_select(0, g.slots)  # [B * L, 2, KV, D]
+        else:  # fp8 / int4 codes gathered as bytes (int4: D / 2 of them); no float8 index_select in torch
+            kv_g = slots.view(torch.uint8).index_select(0, g.slots).view(slots.dtype)
+        if slot_scales is not None and slots.dtype == torch.int8:
             kv_g = kv_g * slot_scales.index_select(0, g.slots).unsqueeze(-1).to(q.dtype)
+        elif slot_scales is not None:  # fp8 / int4 codes, widened (and unpacked) here
+            kv_g = dequantize(kv_g, slot_scales.index_select(0, g.slots), q.dtype)
         kg, vg = kv_g.view(b, g.kv_len, 2, num_kv, head_dim).permute(2, 0, 3, 1, 4)  # 2 x [B, KV, L, D]
         qg = q if g.rows is None else q.index_select(0, g.rows)
         if softcap is not None:

@@ -7,7 +7,8 @@
   kvflow.attention.backends.cpu.
 * `int8_linear`     -- csrc/int8_linear.cpp: `Int8Kernel`, the W8A8 linear through FBGEMM.
 * `float_linear`    -- csrc/float_linear.cpp: `NativeFloatKernel`, the fp32 / bf16 register-tiled GEMM.
-* `block_linear`    -- csrc/block_linear.cpp: `BlockQuantKernel`, the linear over GGUF's block formats.
+* `block_linear`    -- csrc/block_linear.cpp: `BlockQuantKernel`, the linear over GGUF's block formats;
+  `GroupedInputKernel` around it for quantized HF checkpoints (act-order gather, group offsets).
 * `decode_pass`     -- csrc/decode_pass.cpp: `DecodePassKernel`, a decode-only step's layers in one
   call, int8, fp32 / bf16 or GGUF blocks (built for a model by kvflow.models.decode_pass).
 * `allocator`       -- glibc malloc settings that keep freed memory for the next step.

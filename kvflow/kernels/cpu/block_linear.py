@@ -13,7 +13,7 @@ import weakref
 import torch
 
 from kvflow.kernels.cpu import native
-from kvflow.kernels.norm import NormWeights
+from kvflow.kernels.norm import NormWeights, rms_norm
 from kvflow.quantization.gguf_blocks import BlockQuantized, quantize
 
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
@@ -110,3 +110,79 @@ class BlockQuantKernel:
     @property
     def nbytes(self) -> int:
         return self._nbytes + (0 if self.bias is None else self.bias.numel() * 4)
+
+
+class GroupedInputKernel:
+    """A block kernel with what its blocks cannot hold of a group-wise 4/8-bit format:
+
+    * `perm` -- inputs permuted, y = W' x[:, perm] (GPTQ's act-order: the checkpoint's columns were
+      permuted at load so each quantization group is contiguous);
+    * `offsets` -- float32 [out, groups] added per group of `group` (contiguous) inputs,
+      y += offsets . (sums of x over each group): an asymmetric format's zero point,
+      w = s * (q - z) = s * (q - 8) + s * (8 - z), with the first term in Q4_0 blocks and
+      offsets = s * (8 - z) (exact in float32), so groups of 64 / 128 hold 4.5 + 32 / group bits a
+      weight instead of Q4_1's 5 (see kvflow.quantization.packed_weights). The group sums are of
+      the float inputs (not the kernel's int8-rounded ones).
+
+    Both need the projection's input, so the norm / activation that feeds it runs here in torch
+    first, and the fused decode pass leaves such a projection out (it has no `native` kernel)."""
+
+    backend = "gguf"
+
+    def __init__(
+        self,
+        inner: BlockQuantKernel,
+        perm: torch.Tensor | None = None,
+        offsets: torch.Tensor | None = None,
+        group: int = 0,
+    ) -> None:
+        n = inner.in_features
+        if perm is not None and perm.shape != (n,):
+            raise ValueError(f"a permutation of {n} inputs, got {tuple(perm.shape)}")
+        if offsets is not None and (group <= 0 or n % group or offsets.shape != (inner.out_features, n // group)):
+            raise ValueError(
+                f"offsets of {inner.out_features} x {n} // group ({group}) expected, got {tuple(offsets.shape)}"
+            )
+        self.inner = inner
+        self.perm = None if perm is None else perm.to(torch.int64).contiguous()
+        self.offsets = None if offsets is None else offsets.float().contiguous()
+        self.group = group
+        self.in_features, self.out_features = inner.in_features, inner.out_features
+        self.bias = inner.bias
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None = None,
+        *,
+        norm: NormWeights | None = None,
+        silu_mul: bool = False,
+    ) -> torch.Tensor:
+        if norm is not None:
+            x = rms_norm(x, norm.weight, norm.eps)
+        if silu_mul:
+            gate, up = x.chunk(2, dim=-1)
+            x = torch.nn.functional.silu(gate) * up
+        if self.perm is not None:
+            x = x.index_select(-1, self.perm)
+        x = x.contiguous()
+        if self.offsets is None:
+            return self.inner(x, residual)
+        sums = x.float().unflatten(-1, (-1, self.group)).sum(-1)
+        y = sums @ self.offsets.t()
+        return self.inner(x, y if residual is None else y + residual)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        w = self.inner.dequantized_weight()
+        if self.offsets is not None:
+            w = w + self.offsets.repeat_interleave(self.group, dim=1)
+        if self.perm is None:
+            return w
+        out = torch.empty_like(w)
+        out[:, self.perm] = w
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        extra = sum(t.numel() * t.element_size() for t in (self.perm, self.offsets) if t is not None)
+        return self.inner.nbytes + extra

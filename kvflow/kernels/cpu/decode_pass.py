@@ -132,7 +132,7 @@ class DecodePassKernel:
 
     def bind_kv(self, data: list[torch.Tensor], scales: list[torch.Tensor | None]) -> None:
         """The KV cache the calls read and write: per layer its data [num_blocks, block_size, 2,
-        kv_heads, head_dim] and, for an int8 cache, its scales."""
+        kv_heads, head_dim] and, for a quantized cache (int8, fp8, int4), its scales."""
         for dst, d, s in zip(self.layers, data, scales):
             dst.kv_cache = d.data_ptr()
             dst.kv_scales = None if s is None else s.data_ptr()

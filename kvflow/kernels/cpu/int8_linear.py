@@ -43,14 +43,28 @@ class Int8Kernel:
 
     backend = "int8"
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        if weight.device.type != "cpu":
+    def __init__(
+        self,
+        weight: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
+        """`quantized`: (int8 [out, in], float32 scales [out]) already quantized (a W8A8
+        checkpoint's, as stored) instead of a float `weight` to quantize."""
+        if quantized is not None:
+            q, scale = quantized[0].contiguous(), quantized[1].float().contiguous()
+            if q.dtype != torch.int8 or scale.shape != (q.shape[0],):
+                raise ValueError(
+                    f"int8 weights need int8 [out, in] and [out] scales, got {q.dtype} {tuple(scale.shape)}"
+                )
+        else:
+            q, scale = quantize_weight_per_channel(weight.detach())
+        if q.device.type != "cpu":
             raise ValueError("the int8 linear backend (FBGEMM) is CPU only")
-        self.out_features, self.in_features = weight.shape
+        self.out_features, self.in_features = q.shape
         # The bias is added after the per-token rescale, so it stays out of the packed weight.
         self.bias = None if bias is None else bias.detach().float().contiguous().clone()
         self.x_scale, self.x_zero_point = activation_qparams()
-        q, scale = quantize_weight_per_channel(weight.detach())
         # The packed weight in the native library (csrc/int8_linear.cpp); None: the torch-op path.
         self._lib = int8_library()
         self.native_handle: int | None = None

@@ -17,9 +17,18 @@ from kvflow.kernels.cpu import native
 
 MAX_HEAD_DIM = 256  # the kernel's limits (csrc/paged_attention.cpp)
 MAX_GROUP = 32
-# Cache element type -> the kernels' format code (KV_F32 / KV_INT8 / KV_BF16 in csrc/attention.h).
-# Queries, outputs and the maths stay float32; a bfloat16 model's tensors are widened at the call.
-KV_FORMATS = {torch.float32: 0, torch.int8: 1, torch.bfloat16: 2}
+# Cache element type -> the kernels' format code (KV_F32 / KV_INT8 / KV_BF16 / KV_FP8_E4M3 /
+# KV_FP8_E5M2 / KV_INT4 in csrc/attention.h; uint8 is int4's two values a byte, see
+# kvflow.attention.kv_formats). Queries, outputs and the maths stay float32; a bfloat16 model's
+# tensors are widened at the call, fp8 and int4 codes as they are read.
+KV_FORMATS = {
+    torch.float32: 0,
+    torch.int8: 1,
+    torch.bfloat16: 2,
+    torch.float8_e4m3fn: 3,
+    torch.float8_e5m2: 4,
+    torch.uint8: 5,
+}
 
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 _SIGNATURES = {
@@ -60,8 +69,8 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> Non
 def write_kv(kv: torch.Tensor, slot_mapping: torch.Tensor, data: torch.Tensor, scales: torch.Tensor | None) -> None:
     """Writes kv [T, 2, kv_heads, head_dim] (any float dtype) into the cache `data` [num_blocks,
     block_size, 2, kv_heads, head_dim] at int64 `slot_mapping` [T]: stored as `data`'s dtype
-    (`KV_FORMATS`), an int8 cache with one scale per token, K/V and kv head into `scales`."""
-    t = kv.shape[0]
+    (`KV_FORMATS`), a quantized cache with one scale per token, K/V and kv head into `scales`."""
+    t, head_dim = kv.shape[0], kv.shape[-1]  # (an int4 cache's rows are head_dim / 2 bytes)
     kv = kv.reshape(t, -1)
     if kv.stride(1) != 1 or kv.dtype != torch.float32:
         kv = kv.float().contiguous()
@@ -74,7 +83,7 @@ def write_kv(kv: torch.Tensor, slot_mapping: torch.Tensor, data: torch.Tensor, s
         None if scales is None else scales.data_ptr(),
         KV_FORMATS[data.dtype],
         data.shape[3],
-        data.shape[4],
+        head_dim,
         torch.get_num_threads(),
     )
 
@@ -95,7 +104,7 @@ def paged_attention(
 ) -> None:
     """Attention of the query rows `tokens` (int32 [R]) of q [T, H, D] (float32, heads contiguous),
     row r over the first context_lens[r] keys (window: the last `window` of them) of block table
-    tables[r] (int32 [R, max_blocks]) in the cache `data` (`scales`: an int8 cache's), into rows
+    tables[r] (int32 [R, max_blocks]) in the cache `data` (`scales`: a quantized cache's), into rows
     `tokens` of out [T, H * D] float32. head_major: the rows share sequences (prefill chunks), so
     the kernel walks heads in the outer loop (csrc/attention.h's attend_rows). softcap: scores
     (scale * q.k) become tanh(score / softcap) * softcap before the softmax (None: as they are)."""

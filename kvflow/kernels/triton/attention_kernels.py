@@ -3,8 +3,11 @@ through each sequence's block table (PagedAttention), with the online softmax of
 (one pass over the keys, running max and sum in float32, no [q, kv] score matrix in memory).
 
 The cache is kvflow's layout (kvflow.attention.backend.LayerKVCache): slot-major
-``[num_slots, 2 (K, V), kv_heads, head_dim]`` with slot = block * block_size + offset; an int8
-cache has one float32 scale per (slot, K/V, kv head), applied here as the values are loaded.
+``[num_slots, 2 (K, V), kv_heads, head_dim]`` with slot = block * block_size + offset; a quantized
+cache (int8, fp8 e4m3 / e5m2, int4: kvflow.attention.kv_formats) has one float32 scale per (slot,
+K/V, kv head), applied here as the values are loaded. fp8 codes are read as bytes and decoded from
+their bits (no float8 loads: the same on every GPU and under the interpreter); int4 bytes hold two
+values, element d of a row in nibble d % 2 of byte d // 2.
 
 * `paged_decode` -- one new token per sequence. A program per (sequence, kv head) computes the
   GROUP query heads that share the kv head together, so each key/value is read once for all of
@@ -28,6 +31,20 @@ import triton.language as tl
 
 
 @triton.jit
+def _fp8_to_f32(c, M: tl.constexpr, REBIAS: tl.constexpr, SUB_STEP: tl.constexpr):
+    """fp8 codes (uint8) with M mantissa bits -> float32 from their bits: a normal code's exponent
+    moved to float32's bias (REBIAS = 127 - the fp8 bias), a subnormal one's mantissa times SUB_STEP
+    (2^(1 - bias - M)). The encoder never writes inf / NaN codes (values are clamped to the max)."""
+    c = c.to(tl.int32)
+    mag = c & 0x7F
+    ex = mag >> M
+    man = mag & ((1 << M) - 1)
+    normal = (((ex + REBIAS) << 23) | (man << (23 - M))).to(tl.float32, bitcast=True)
+    a = tl.where(ex == 0, man.to(tl.float32) * SUB_STEP, normal)
+    return tl.where((c & 0x80) != 0, -a, a)
+
+
+@triton.jit
 def _kv_tile(
     kv_ptr,
     scale_ptr,
@@ -47,14 +64,28 @@ def _kv_tile(
     QUANT: tl.constexpr,
 ):
     """K and V [N, D] of keys `n` (masked by n_mask) of sequence `seq`, kv head `kvh`: each key's slot
-    from the block table; in the cache's dtype, or in float32 with an int8 cache's scales applied."""
+    from the block table; in the cache's dtype, or in float32 with a quantized cache's scales applied
+    (QUANT: the format's code, kvflow.kernels.cpu.paged_attention.KV_FORMATS; 0: not quantized)."""
     page = tl.load(tables_ptr + seq * table_stride + n // BLOCK_SIZE, mask=n_mask, other=0)
     slot = page.to(tl.int64) * BLOCK_SIZE + n % BLOCK_SIZE
-    base = slot * slot_stride + kvh * HEAD_DIM
+    base = slot * slot_stride + kvh * HEAD_DIM  # in values (int4: two a byte)
     nd_mask = n_mask[:, None] & d_valid[None, :]
-    k = tl.load(kv_ptr + base[:, None] + d[None, :], mask=nd_mask, other=0.0)
-    v = tl.load(kv_ptr + part_stride + base[:, None] + d[None, :], mask=nd_mask, other=0.0)
-    if QUANT:
+    if QUANT == 5:  # int4: nibble d % 2 of byte d // 2, q + 8
+        k = tl.load(kv_ptr + (base[:, None] + d[None, :]) // 2, mask=nd_mask, other=0).to(tl.int32)
+        v = tl.load(kv_ptr + (part_stride + base[:, None] + d[None, :]) // 2, mask=nd_mask, other=0).to(tl.int32)
+        odd = (d % 2 == 1)[None, :]
+        k = tl.where(odd, k >> 4, k & 15) - 8
+        v = tl.where(odd, v >> 4, v & 15) - 8
+    else:
+        k = tl.load(kv_ptr + base[:, None] + d[None, :], mask=nd_mask, other=0.0)
+        v = tl.load(kv_ptr + part_stride + base[:, None] + d[None, :], mask=nd_mask, other=0.0)
+    if QUANT == 3:  # fp8 e4m3fn bytes
+        k = _fp8_to_f32(k, 3, 120, 0.001953125)
+        v = _fp8_to_f32(v, 3, 120, 0.001953125)
+    if QUANT == 4:  # fp8 e5m2 bytes
+        k = _fp8_to_f32(k, 2, 112, 0.0000152587890625)
+        v = _fp8_to_f32(v, 2, 112, 0.0000152587890625)
+    if QUANT != 0:
         s_base = slot * (2 * NUM_KV_HEADS) + kvh
         k = k.to(tl.float32) * tl.load(scale_ptr + s_base, mask=n_mask, other=0.0)[:, None]
         v = v.to(tl.float32) * tl.load(scale_ptr + s_base + NUM_KV_HEADS, mask=n_mask, other=0.0)[:, None]
@@ -240,7 +271,7 @@ def _prefill_kernel(
             NUM_KV_HEADS,
             QUANT,
         )
-        k = k.to(q.dtype)  # (int8: dequantized to the model's dtype; under UPCAST q is float32)
+        k = k.to(q.dtype)  # (quantized: dequantized to the model's dtype; under UPCAST q is float32)
         v = v.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale  # [M, N] float32
         if SOFTCAP:
@@ -268,12 +299,19 @@ def _pow2(n: int, least: int) -> int:
     return max(triton.next_power_of_2(n), least)
 
 
-def _cache_args(data: torch.Tensor, scale: torch.Tensor | None) -> tuple:
-    """The cache's pointer, its scales' (or the data again: unread without QUANT) and its strides."""
-    *_, kv_heads, head_dim = data.shape
+# A quantized cache's element type -> QUANT (the CPU kernels' format codes, KV_FORMATS there).
+_QUANT = {torch.int8: 1, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4, torch.uint8: 5}
+
+
+def _cache_args(data: torch.Tensor, scale: torch.Tensor | None, head_dim: int) -> tuple:
+    """The cache's pointer (fp8: as bytes), its scales' (or the data again: unread without QUANT),
+    its strides in values (int4: two a byte) and QUANT."""
+    kv_heads = data.shape[3]
     if not data.is_contiguous():
         raise ValueError("the paged KV cache must be contiguous")
-    return data, data if scale is None else scale, 2 * kv_heads * head_dim, kv_heads * head_dim
+    quant = 0 if scale is None else _QUANT[data.dtype]
+    kv = data.view(torch.uint8) if quant in (3, 4) else data
+    return kv, data if scale is None else scale, 2 * kv_heads * head_dim, kv_heads * head_dim, quant
 
 
 def paged_decode(
@@ -296,7 +334,7 @@ def paged_decode(
     _, num_heads, head_dim = q.shape
     kv_heads, block_size = data.shape[3], data.shape[1]
     group = num_heads // kv_heads
-    kv, sc, slot_stride, part_stride = _cache_args(data, scale)
+    kv, sc, slot_stride, part_stride, quant = _cache_args(data, scale, head_dim)
     _decode_kernel[(seqs.shape[0], kv_heads)](
         q,
         q.stride(0),
@@ -322,7 +360,7 @@ def paged_decode(
         BLOCK_G=_pow2(group, 2),
         BLOCK_N=block_n,
         NUM_KV_HEADS=kv_heads,
-        QUANT=scale is not None,
+        QUANT=quant,
         SLIDING=sliding_window is not None,
         SOFTCAP=softcap is not None,
     )
@@ -349,7 +387,7 @@ def paged_prefill(
     (tile, head), tile t covering rows tile_start[t] : + block_m of sequence tile_seq[t]."""
     _, num_heads, head_dim = q.shape
     kv_heads, block_size = data.shape[3], data.shape[1]
-    kv, sc, slot_stride, part_stride = _cache_args(data, scale)
+    kv, sc, slot_stride, part_stride, quant = _cache_args(data, scale, head_dim)
     # float32 models: full-precision products (a GPU's tl.dot would otherwise round to tf32).
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     # Triton's interpreter computes a bf16 / fp16 tl.dot on the raw bits (3.9): under it, the
@@ -381,7 +419,7 @@ def paged_prefill(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         NUM_KV_HEADS=kv_heads,
-        QUANT=scale is not None,
+        QUANT=quant,
         SLIDING=sliding_window is not None,
         SOFTCAP=softcap is not None,
         PRECISION=precision,

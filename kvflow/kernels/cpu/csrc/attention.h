@@ -9,6 +9,7 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 #include <omp.h>
 
 #include <algorithm>
@@ -28,8 +29,76 @@ using kvflow::vfloat;
 #define PARALLEL_MIN 65536 /* elements below which rotary / cache writes stay on one thread */
 #define MIN_KV_SCALE 1e-12f /* as kvflow.quantization.int8: an all-zero vector quantizes to zeros */
 
-/* Element types of a KV cache (`fmt` below; kvflow.kernels.cpu.paged_attention.KV_FORMATS). */
-enum { KV_F32 = 0, KV_INT8 = 1, KV_BF16 = 2 };
+/* Element types of a KV cache (`fmt` below; kvflow.kernels.cpu.paged_attention.KV_FORMATS). The
+ * quantized ones (int8, fp8 e4m3 / e5m2, int4) keep one float32 scale per (token, K/V, kv head):
+ * amax / the format's largest magnitude (kvflow/attention/kv_formats.py). int4 packs two values a
+ * byte (q + 8 in a nibble, even elements in the low nibble), so its rows are head_dim / 2 bytes. */
+enum { KV_F32 = 0, KV_INT8 = 1, KV_BF16 = 2, KV_FP8_E4M3 = 3, KV_FP8_E5M2 = 4, KV_INT4 = 5 };
+
+/* fp8 with E exponent bits, M mantissa bits and exponent bias B (e4m3fn: 4, 3, 7; e5m2: 5, 2, 15).
+ * Encoding: round to nearest even (torch's .to(float8_*)), |x| <= the format's max (callers clamp). */
+template <int M, int B>
+static inline uint8_t f32_to_fp8(float x) {
+    const uint8_t sign = x < 0.f ? 0x80 : 0;
+    const float a = fabsf(x);
+    uint32_t bits;
+    memcpy(&bits, &a, 4);
+    /* a's unbiased exponent from its bits (frexpf leaves it unset for 0 under -ffast-math); a
+     * float32 zero or subnormal reads as -127, clamped just below */
+    int ue = (int)(bits >> 23) - 127;
+    if (ue < 1 - B) ue = 1 - B;  /* subnormals: the smallest normal exponent's step */
+    float q = nearbyintf(ldexpf(a, M - ue)); /* the mantissa with its implicit bit, in units of the step */
+    if (ue == 1 - B && q < (float)(1 << M)) return sign | (uint8_t)q; /* subnormal (or zero) */
+    if (q >= (float)(2 << M)) { /* rounded up into the next binade */
+        q = (float)(1 << M);
+        ue++;
+    }
+    return sign | (uint8_t)((ue + B) << M) | (uint8_t)((int)q - (1 << M));
+}
+
+template <int M, int B>
+static inline float fp8_to_f32(uint8_t c) {
+    const int mag = c & 0x7F, ex = mag >> M, man = mag & ((1 << M) - 1);
+    const float a = ex == 0 ? ldexpf((float)man, 1 - B - M) : ldexpf((float)((1 << M) + man), ex - B - M);
+    return c & 0x80 ? -a : a;
+}
+
+/* fp8 code -> float, 256 entries per format, filled once. */
+struct Fp8Tables {
+    float e4m3[256], e5m2[256];
+    Fp8Tables() {
+        for (int c = 0; c < 256; c++) {
+            e4m3[c] = fp8_to_f32<3, 7>((uint8_t)c);
+            e5m2[c] = fp8_to_f32<2, 15>((uint8_t)c);
+        }
+    }
+};
+
+static inline const float *fp8_table(int fmt) {
+    static const Fp8Tables tables;
+    return fmt == KV_FP8_E4M3 ? tables.e4m3 : tables.e5m2;
+}
+
+/* The largest magnitude of a quantized format's codes (the scale is amax / it). */
+static inline float kv_qmax(int fmt) {
+    return fmt == KV_INT8 ? 127.f : fmt == KV_FP8_E4M3 ? 448.f : fmt == KV_FP8_E5M2 ? 57344.f : 7.f;
+}
+
+/* One head's row of a quantized cache (fmt KV_FP8_* or KV_INT4; `base`: its first value's index as
+ * if one value were one byte) widened to floats, the scale not applied. */
+static inline void widen_codes(int fmt, const void *kv, long base, int head_dim, const float *restrict lut,
+                               float *restrict dst) {
+    if (fmt == KV_INT4) {
+        const uint8_t *p = (const uint8_t *)kv + base / 2;
+        for (int d = 0; d < head_dim / 2; d++) {
+            dst[2 * d] = (float)((int)(p[d] & 0xF) - 8);
+            dst[2 * d + 1] = (float)((int)(p[d] >> 4) - 8);
+        }
+        return;
+    }
+    const uint8_t *p = (const uint8_t *)kv + base;
+    for (int d = 0; d < head_dim; d++) dst[d] = lut[p[d]];
+}
 
 
 /* Rotary in place on `heads` contiguous head vectors, rotate-half layout:
@@ -52,7 +121,8 @@ static inline void rotary_heads(float *x, int heads, int head_dim, const float *
 }
 
 /* One token's new k and v (kv: 2 * kv_heads * head_dim floats, k heads then v heads) into cache slot
- * `slot`; int8 caches get one scale per (k/v, head): max|x| / 127; bf16 ones are rounded to nearest. */
+ * `slot`; quantized caches get one scale per (k/v, head): max|x| / qmax (int8 127, fp8 e4m3 448,
+ * e5m2 57344, int4 7); bf16 ones are rounded to nearest. */
 static inline void write_kv(const float *restrict kv, long slot, void *cache, float *scales, int fmt,
                             int kv_heads, int head_dim) {
     const long n = 2L * kv_heads * head_dim;
@@ -66,14 +136,39 @@ static inline void write_kv(const float *restrict kv, long slot, void *cache, fl
         for (long i = 0; i < n; i++) dst[i] = f32_to_bf16(kv[i]);
         return;
     }
-    int8_t *restrict dst = (int8_t *)cache + slot * n;
+    if (fmt == KV_INT8) {
+        int8_t *restrict dst = (int8_t *)cache + slot * n;
+        for (int v = 0; v < 2 * kv_heads; v++) {
+            const float *restrict x = kv + (long)v * head_dim;
+            float mx = 0.f;
+            for (int d = 0; d < head_dim; d++) mx = fmaxf(mx, fabsf(x[d]));
+            const float sc = fmaxf(mx * (1.f / 127.f), MIN_KV_SCALE);
+            scales[slot * 2 * kv_heads + v] = sc;
+            for (int d = 0; d < head_dim; d++) dst[(long)v * head_dim + d] = (int8_t)nearbyintf(x[d] / sc);
+        }
+        return;
+    }
+    const float qmax = kv_qmax(fmt);
     for (int v = 0; v < 2 * kv_heads; v++) {
         const float *restrict x = kv + (long)v * head_dim;
         float mx = 0.f;
         for (int d = 0; d < head_dim; d++) mx = fmaxf(mx, fabsf(x[d]));
-        const float sc = fmaxf(mx * (1.f / 127.f), MIN_KV_SCALE);
+        const float sc = fmaxf(mx * (1.f / qmax), MIN_KV_SCALE);
         scales[slot * 2 * kv_heads + v] = sc;
-        for (int d = 0; d < head_dim; d++) dst[(long)v * head_dim + d] = (int8_t)nearbyintf(x[d] / sc);
+        if (fmt == KV_INT4) {
+            uint8_t *restrict dst = (uint8_t *)cache + (slot * n + (long)v * head_dim) / 2;
+            for (int d = 0; d < head_dim / 2; d++) {
+                const int lo = (int)fminf(fmaxf(nearbyintf(x[2 * d] / sc), -7.f), 7.f) + 8;
+                const int hi = (int)fminf(fmaxf(nearbyintf(x[2 * d + 1] / sc), -7.f), 7.f) + 8;
+                dst[d] = (uint8_t)(lo | (hi << 4));
+            }
+        } else {
+            uint8_t *restrict dst = (uint8_t *)cache + slot * n + (long)v * head_dim;
+            for (int d = 0; d < head_dim; d++) {
+                const float y = fminf(fmaxf(x[d] / sc, -qmax), qmax);
+                dst[d] = fmt == KV_FP8_E4M3 ? f32_to_fp8<3, 7>(y) : f32_to_fp8<2, 15>(y);
+            }
+        }
     }
 }
 
@@ -125,6 +220,7 @@ static inline __attribute__((always_inline)) void attend(const float *restrict q
     float s[MAX_GROUP][CHUNK];
     const long tok_stride = 2L * kv_heads * head_dim; /* elements from one slot to the next */
     const long v_off = (long)kv_heads * head_dim;
+    const float *lut = fmt == KV_FP8_E4M3 || fmt == KV_FP8_E5M2 ? fp8_table(fmt) : nullptr;
 
     for (int g = 0; g < group; g++) {
         for (int d = 0; d < head_dim; d++) {
@@ -148,6 +244,12 @@ static inline __attribute__((always_inline)) void attend(const float *restrict q
                 const float ks = scales[(slot0 + j) * 2 * kv_heads + h];
                 const int8_t *k = (const int8_t *)kv + base;
                 for (int g = 0; g < group; g++) s[g][j] = ks * dot_i8(qs[g], k, head_dim);
+            } else if (fmt == KV_FP8_E4M3 || fmt == KV_FP8_E5M2 || fmt == KV_INT4) {
+                /* widened to floats once for the group, the scale applied to the dot */
+                const float ks = scales[(slot0 + j) * 2 * kv_heads + h];
+                float kf[MAX_HEAD_DIM];
+                widen_codes(fmt, kv, base, head_dim, lut, kf);
+                for (int g = 0; g < group; g++) s[g][j] = ks * dot_f32(qs[g], kf, head_dim);
             } else if (fmt == KV_BF16) {
                 const uint16_t *k = (const uint16_t *)kv + base;
                 for (int g = 0; g < group; g++) s[g][j] = dot_bf16(qs[g], k, head_dim);
@@ -176,6 +278,15 @@ static inline __attribute__((always_inline)) void attend(const float *restrict q
                     const float p = s[g][j] * vs;
 #pragma omp simd
                     for (int d = 0; d < head_dim; d++) acc[g][d] += p * (float)v[d];
+                }
+            } else if (fmt == KV_FP8_E4M3 || fmt == KV_FP8_E5M2 || fmt == KV_INT4) {
+                const float vs = scales[(slot0 + j) * 2 * kv_heads + kv_heads + h];
+                float vf[MAX_HEAD_DIM];
+                widen_codes(fmt, kv, base, head_dim, lut, vf);
+                for (int g = 0; g < group; g++) {
+                    const float p = s[g][j] * vs;
+#pragma omp simd
+                    for (int d = 0; d < head_dim; d++) acc[g][d] += p * vf[d];
                 }
             } else if (fmt == KV_BF16) {
                 const uint16_t *v = (const uint16_t *)kv + base;
@@ -494,6 +605,12 @@ static inline void attend_rows(const float *q, long q_row_stride, const void *kv
                 ATTEND_DIMS(KV_F32);
             else if (fmt == KV_BF16)
                 ATTEND_DIMS(KV_BF16);
+            else if (fmt == KV_FP8_E4M3)
+                ATTEND_DIMS(KV_FP8_E4M3);
+            else if (fmt == KV_FP8_E5M2)
+                ATTEND_DIMS(KV_FP8_E5M2);
+            else if (fmt == KV_INT4)
+                ATTEND_DIMS(KV_INT4);
             else
                 ATTEND_DIMS(KV_INT8);  // (its dot of int8 codes, scaled once, beats dequantizing each row first)
 #undef ATTEND_DIMS

@@ -27,7 +27,7 @@ namespace {
 /* Mirrors kvflow/kernels/cpu/decode_pass.py (ctypes.Structure): keep the field order in step. */
 struct DecoderShape {
   int num_layers, hidden, intermediate, num_heads, num_kv_heads, head_dim, block_size, window;
-  int kv_format;  // KV_F32, KV_INT8 or KV_BF16 (attention.h)
+  int kv_format;  // KV_F32, KV_INT8, KV_BF16, KV_FP8_E4M3, KV_FP8_E5M2 or KV_INT4 (attention.h)
   float eps, scale;
 };
 

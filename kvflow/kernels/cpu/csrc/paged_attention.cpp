@@ -7,14 +7,15 @@
  * there, and blocks shared by several sequences (prefix caching) are read from cache, not copied.
  *
  * Cache layout (see kvflow/attention/backend.py): data [num_blocks, block_size, 2, kv_heads, head_dim],
- * float32, bfloat16 (`fmt` KV_BF16: computed in float32, stored rounded to nearest), or int8 with scales
- * [num_blocks, block_size, 2, kv_heads] (one per token, K/V and head).
+ * float32, bfloat16 (`fmt` KV_BF16: computed in float32, stored rounded to nearest), or quantized --
+ * int8, fp8 e4m3 / e5m2, int4 (head_dim / 2 bytes a row) -- with scales [num_blocks, block_size, 2,
+ * kv_heads] (one per token, K/V and head; attention.h).
  *
  * One task = one (query row, kv head): the `group` query heads sharing that kv head are scored
  * together, so each K/V row is loaded once for all of them.
  *
- * Also here: rotary (kvflow_rotary) and the cache write (kvflow_write_kv, int8 caches quantized
- * there), by the same code (attention.h) as the native decode pass (decode_pass.cpp), so a token's
+ * Also here: rotary (kvflow_rotary) and the cache write (kvflow_write_kv, quantized caches
+ * quantized there), by the same code (attention.h) as the native decode pass (decode_pass.cpp), so a token's
  * cached K/V are bit for bit the same whichever path computed them.
  */
 #include "attention.h"
