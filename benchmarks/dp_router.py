@@ -3,7 +3,7 @@ under a multi-prefix workload, and two 1-thread replicas against one 2-thread en
 
     .venv/bin/python benchmarks/dp_router.py [--parts prefix,throughput] [--cpus 0,1]
         [--groups 8] [--prefix-len 1024] [--per-group 16] [--question-len 32] [--prefix-output-len 32]
-        [--prefix-rate inf] [--prefix-concurrency 16] [--policies round_robin,cache_aware]
+        [--prefix-rate inf] [--prefix-concurrency 16] [--policies round_robin,cache_aware,cache_aware_kv_events]
         [--tp-requests 64] [--tp-concurrency 64] [--tp-input-len 256] [--tp-output-len 128]
         [--tp-shared-prefix-len 0] [--tp-endpoint completions|chat] [--dp-policy cache_aware] [--seed 0] [--server-args "--model DIR ..."] [--result-json FILE]
 
@@ -25,6 +25,8 @@ in prompt tokens, after minus before the timed run), the prompt tokens the engin
 the router split the requests (kvflow_router:requests_total by replica), TTFT p50/p99, TPOT p50,
 throughput. The engines' KV pools are their defaults (--server-args "--num-kv-blocks N" to shrink
 them: when one replica cannot hold every prefix, round robin evicts what cache_aware keeps).
+`cache_aware_kv_events` in --policies is cache_aware with `--router-kv-events`: the router routes on
+the blocks each replica reports holding, evictions included, instead of on the prompts it sent.
 
 Part `throughput`: --tp-requests requests of the `random` dataset (--tp-input-len prompt tokens,
 --tp-output-len output tokens), all sent at once with at most --tp-concurrency in flight, against
@@ -82,6 +84,8 @@ from kvflow.utils.prometheus import by_label, parse_prometheus, sample_sum
 
 PARTS = ("prefix", "throughput")
 DP_POLICIES = ("round_robin", "least_loaded", "cache_aware")
+# Part prefix also takes cache_aware following the replicas' KV events (`--router-kv-events`).
+KV_EVENTS_POLICY = "cache_aware_kv_events"
 # Flags the harness sets itself: they may not come in --server-args.
 OWN_FLAGS = ("--port", "--host", "--data-parallel-size", "--router-policy")
 PYTHON_CMD = [sys.executable, "-m", "kvflow.cli.main"]
@@ -107,7 +111,7 @@ def parse_parts(spec: str) -> list[str]:
 
 
 def parse_policies(spec: str) -> list[str]:
-    return _names(spec, DP_POLICIES, "policies")
+    return _names(spec, (*DP_POLICIES, KV_EVENTS_POLICY), "policies")
 
 
 def parse_cpus(spec: str) -> list[int]:
@@ -153,7 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--policies",
         type=parse_policies,
         default=["round_robin", "cache_aware"],
-        help="router policies compared, in this order (default round_robin,cache_aware)",
+        help="router policies compared, in this order (default round_robin,cache_aware); "
+        f"{KV_EVENTS_POLICY}: cache_aware with --router-kv-events",
     )
     g.add_argument("--groups", type=_positive_int, default=8, help="system prompts (default 8)")
     g.add_argument("--prefix-len", type=_positive_int, default=1024, help="tokens per system prompt (default 1024)")
@@ -307,7 +312,10 @@ def server_spec(
     port = free_port()
     argv = [*PYTHON_CMD, "serve", "--port", str(port)]
     if data_parallel_size > 1:
-        argv += ["--data-parallel-size", str(data_parallel_size), "--router-policy", policy or "cache_aware"]
+        events = policy == KV_EVENTS_POLICY
+        argv += ["--data-parallel-size", str(data_parallel_size)]
+        argv += ["--router-policy", "cache_aware" if events else policy or "cache_aware"]
+        argv += ["--router-kv-events"] if events else []
     argv += list(server_flags)
     threads = len(cpus) if cpus is not None else (os.cpu_count() or 1)
     env = thread_env(threads if data_parallel_size == 1 else None)  # a DP server sets its replicas' threads

@@ -18,6 +18,8 @@ What a GGUF does differently from a Hugging Face checkpoint:
   halves (rows i, i + head_dim/2). `_unpermute_rows` undoes it per head, so the weights work with
   the usual "rotate half" rotary embedding. (`qwen2moe`, `qwen3moe` and `olmoe` use llama.cpp's
   NEOX rotary, which is HF's: their rows are stored as HF holds them.)
+* llama.cpp's converter stores Gemma's (`gemma2`, `gemma3`) norm weights as 1 + w, its norm being
+  plain x * w; the 1 is taken off here, so they are HF's w for the (1 + w) norm of kvflow.models.gemma.
 * A MoE layer's experts are three 3-D tensors, `ffn_{gate,up,down}_exps` of GGUF dims
   [inputs, outputs, experts] (numpy / torch [experts, outputs, inputs]: expert e's weight is the
   e-th slice), beside the router `ffn_gate_inp` [experts, hidden] and Qwen2-MoE's shared expert
@@ -273,7 +275,16 @@ _MOE_ARCHS: dict[str, tuple[str, str, bool]] = {
 _DENSE_ARCHS: dict[str, tuple[str, str]] = {
     "olmo2": ("Olmo2ForCausalLM", "olmo2"),
     "phi3": ("Phi3ForCausalLM", "phi3"),
+    "gemma2": ("Gemma2ForCausalLM", "gemma2"),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
 }
+# Gemma's norms are x * (1 + w) (HF's weights hold w); llama.cpp's converter stores 1 + w (its norm
+# is plain x * w), so the loader takes the 1 back off every norm weight of these architectures.
+_GEMMA_ARCHS = ("gemma2", "gemma3")
+_GEMMA_FAMILIES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+# llama.cpp's layer counts of Gemma's 27B models, whose attention scale it takes from
+# hidden / heads (the checkpoints' query_pre_attn_scalar) instead of head_dim (llama-model.cpp).
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 # Phi-3's LongRoPE factors, which llama.cpp stores as tensors: read into the config, not the weights.
 _PHI3_ROPE_FACTORS = {"rope_factors_short.weight": "short_factor", "rope_factors_long.weight": "long_factor"}
 SUPPORTED_ARCHS = (*_MOE_ARCHS, *_DENSE_ARCHS)  # (`llama` dense or with experts)
@@ -368,7 +379,59 @@ def _build_config(
         cfg["architectures"], cfg["model_type"] = [_DENSE_ARCHS[arch][0]], _DENSE_ARCHS[arch][1]
     if arch == "phi3":
         _add_phi3(path, cfg, key, rope_factors or {})
+    if arch in _GEMMA_ARCHS:
+        _add_gemma(path, cfg, key, arch)
     return cfg
+
+
+def _add_gemma(path: str, cfg: dict[str, Any], key, arch: str) -> None:
+    """Gemma 2 / 3's keys, as llama.cpp's converter writes them and its loader reads them
+    (llama-model.cpp): GeGLU; the sliding window (Gemma 2: 4096 unless written; Gemma 3: required)
+    on every other layer from layer 0 (Gemma 2) or on five layers of each six (Gemma 3: llama.cpp's
+    fixed pattern); Gemma 2's soft-caps (llama.cpp's defaults 50 / 30 unless written), Gemma 3's
+    final cap if written; Gemma 3's local layers at rope base 10000, unscaled (fixed in llama.cpp),
+    its global ones at the file's `rope.freq_base` and scaling. No GGUF key holds
+    query_pre_attn_scalar: llama.cpp takes head_dim (`attention.key_length`), and hidden / heads for
+    the 27B models (46 layers for Gemma 2, 62 for Gemma 3), as their HF configs say."""
+    head_dim = cfg["head_dim"]
+    value_length = key("attention.value_length")
+    if value_length is not None and int(value_length) != head_dim:
+        raise ValueError(
+            f"{path}: {arch}.attention.value_length {value_length} differs from key_length {head_dim}; "
+            "kvflow's Gemma needs one head size"
+        )
+    n_layers, hidden, n_head = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"]
+    if n_layers == _GEMMA_27B_LAYERS[arch]:
+        if hidden % n_head:
+            raise ValueError(
+                f"{path}: cannot tell query_pre_attn_scalar: a {n_layers}-layer {arch} takes hidden / heads as "
+                f"llama.cpp does, but {hidden} is not a multiple of {n_head} heads"
+            )
+        scalar = hidden // n_head
+    else:
+        scalar = head_dim
+    window = key("attention.sliding_window", 4096 if arch == "gemma2" else None, required=arch == "gemma3")
+    if int(window) < 1:
+        raise ValueError(f"{path}: {arch}.attention.sliding_window must be a positive number of tokens, got {window}")
+    cfg.update(
+        hidden_act="gelu_pytorch_tanh",
+        hidden_activation="gelu_pytorch_tanh",
+        query_pre_attn_scalar=float(scalar),
+        sliding_window=int(window),
+    )
+    if arch == "gemma2":
+        cfg["attn_logit_softcapping"] = float(key("attn_logit_softcapping", 50.0))
+        cfg["final_logit_softcapping"] = float(key("final_logit_softcapping", 30.0))
+        return
+    final_cap = key("final_logit_softcapping")
+    cfg["final_logit_softcapping"] = float(final_cap) if final_cap else None
+    cfg["attn_logit_softcapping"] = None
+    cfg["sliding_window_pattern"] = 6
+    cfg["rope_parameters"] = {
+        "full_attention": cfg["rope_parameters"],
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+    }
+    cfg.pop("rope_scaling", None)
 
 
 def _add_phi3(path: str, cfg: dict[str, Any], key, rope_factors: dict[str, list[float]]) -> None:
@@ -492,6 +555,10 @@ def _expected_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
         for part in ("q", "k", "v"):
             del attention[f"self_attn.{part}_proj.weight"]
         attention["self_attn.qkv_proj.weight"] = (q + 2 * kv, h)
+    elif arch in _GEMMA_FAMILIES:  # a norm before and after each sublayer; Gemma 3: per-head q/k norms
+        attention.update({"pre_feedforward_layernorm.weight": (h,), "post_feedforward_layernorm.weight": (h,)})
+        if arch == "Gemma3ForCausalLM":
+            attention.update({"self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)})
     elif arch == "Olmo2ForCausalLM":  # no input norm; whole-projection q/k norms; a norm on each output
         del attention["input_layernorm.weight"]
         attention.update(
@@ -717,6 +784,7 @@ def load_gguf(path: str | os.PathLike, with_tokenizer: bool = True, keep_blocks:
     cfg = index.hf_config
     n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     permuted = cfg["architectures"][0] in _PERMUTED_QK
+    offset_norms = cfg["architectures"][0] in _GEMMA_FAMILIES  # stored as 1 + w: see _GEMMA_ARCHS
     expected = _expected_shapes(cfg)
     tensors: dict[str, torch.Tensor | BlockQuantized] = {}
     # The ops here are memory-bound and small; torch's intra-op thread pool gains nothing on them and,
@@ -742,6 +810,8 @@ def load_gguf(path: str | os.PathLike, with_tokenizer: bool = True, keep_blocks:
             elif permuted and ".k_proj." in hf:
                 rows = _unpermute_rows(rows, n_kv)
             w = w.with_rows(rows) if isinstance(w, BlockQuantized) else rows
+            if offset_norms and hf.endswith("norm.weight"):  # (1-D: always float here)
+                w = w - 1.0
             tensors[hf] = w
     finally:
         torch.set_num_threads(threads)
@@ -761,7 +831,8 @@ def _index(path: str, with_tokenizer: bool) -> gguf_cache.GGUFIndex:
     if arch not in SUPPORTED_ARCHS:
         raise ValueError(
             f"{path}: GGUF architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHS)} "
-            "(llama dense or with experts, the Mixture-of-Experts qwen2moe, qwen3moe and olmoe, olmo2 and phi3)"
+            "(llama dense or with experts, the Mixture-of-Experts qwen2moe, qwen3moe and olmoe, olmo2, phi3, "
+            "gemma2 and gemma3)"
         )
 
     by_name = {t.name: t for t in reader.tensors}
@@ -795,6 +866,10 @@ def _index(path: str, with_tokenizer: bool) -> gguf_cache.GGUFIndex:
         hf = _hf_name(t.name, cfg["num_hidden_layers"])
         if arch == "phi3" and hf is not None:  # (its ffn_up is gate and up, fused)
             hf = hf.replace(".mlp.up_proj.", ".mlp.gate_up_proj.")
+        if arch in _GEMMA_ARCHS and hf is not None and t.name.endswith(".ffn_norm.weight"):
+            # Gemma's ffn_norm is the norm before the feed-forward; post_attention_norm is HF's
+            # post_attention_layernorm (on the attention output)
+            hf = hf.replace(".post_attention_layernorm.", ".pre_feedforward_layernorm.")
         if hf is None or hf not in expected:
             raise ValueError(
                 f"{path}: unexpected tensor {t.name!r} for a {cfg['architectures'][0]} model "
