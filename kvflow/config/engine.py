@@ -140,7 +140,14 @@ class EngineConfig:
     tensor_parallel_size: int = option(
         1,
         "split every layer over this many ranks (worker processes on this machine, all-reduce over "
-        "shared memory or gloo, whichever measures faster)",
+        "shared memory or gloo, whichever measures faster); a Mixture-of-Experts model's experts are "
+        "split inside, or partitioned whole with --enable-expert-parallel",
+    )
+    enable_expert_parallel: bool = option(
+        False,
+        "Mixture-of-Experts models under --tensor-parallel-size N: partition the experts over the N ranks "
+        "(each holds and computes a contiguous range of whole experts; with E experts the first E mod N "
+        "ranks hold one more) instead of splitting every expert's width; attention stays tensor-parallel",
     )
     distributed_executor_backend: str | None = option(
         None,
@@ -373,6 +380,11 @@ class EngineConfig:
         if self.cpu_threads_per_rank is not None:
             positive("cpu_threads_per_rank", self.cpu_threads_per_rank)
         tp = self.tensor_parallel_size
+        if self.enable_expert_parallel and tp == 1:
+            raise ValueError(
+                "enable_expert_parallel partitions the experts over the tensor-parallel ranks: it needs "
+                "tensor_parallel_size > 1 (got 1)"
+            )
         if tp == 1:
             return
         if self.distributed_executor_backend == "uni":

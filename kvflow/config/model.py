@@ -82,6 +82,10 @@ class MoeConfig:
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-on expert (0: none)
     decoder_sparse_step: int = 1  # every n-th layer routes (Qwen2/3-MoE); the others are dense
     mlp_only_layers: tuple[int, ...] = ()  # layers with a dense MLP whatever the step
+    # Under tensor parallelism with expert parallelism, the ranks the experts are partitioned over
+    # (each holds a contiguous range: kvflow.distributed.parallel.expert_range); 1: every rank has
+    # every expert (split inside, the widths above being this rank's share). Set by `local_config`.
+    expert_parallel_size: int = 1
 
     def is_sparse(self, layer: int) -> bool:
         """Whether decoder layer `layer` routes to experts (HF Qwen2/3-MoE's rule; Mixtral and

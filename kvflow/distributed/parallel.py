@@ -1,7 +1,9 @@
 """One tensor-parallel group: its rank, its size, and the all-reduce the row-parallel projections
 call. Weights are split by rank at load time (`shard_weight`): column-parallel q/k/v and gate/up
 (each rank its heads / its slice of the FFN), row-parallel o and down (each rank its input slice,
-partial outputs summed by one all-reduce); embeddings, norms and the lm_head stay whole."""
+partial outputs summed by one all-reduce); embeddings, norms and the lm_head stay whole. A
+Mixture-of-Experts model's experts are split the same way inside (kvflow.models.moe), or, with
+expert parallelism, whole experts are assigned to the ranks (`expert_range`)."""
 
 from __future__ import annotations
 
@@ -119,32 +121,70 @@ def init_tp_group(rank: int, size: int, init_method: str, timeout_s: float) -> T
     return TPGroup(rank, size, torch.distributed.group.WORLD)
 
 
-def check_divisible(cfg: ModelConfig, size: int) -> None:
-    for name, value in (
-        ("attention heads", cfg.num_heads),
-        ("KV heads", cfg.num_kv_heads),
-        ("FFN width (intermediate_size)", cfg.intermediate_size),
-    ):
+def check_divisible(cfg: ModelConfig, size: int, expert_parallel: bool = False) -> None:
+    """Refuse a split the model's shapes do not allow, naming the shape and the TP size. A MoE
+    model's experts are split inside (their width divided) unless `expert_parallel` assigns whole
+    experts to the ranks instead (`expert_range`); its dense FFN width counts only where some
+    layer is dense."""
+    moe = cfg.moe
+    dense_layers = moe is None or any(not moe.is_sparse(i) for i in range(cfg.num_layers))
+    shapes = [("attention heads", cfg.num_heads), ("KV heads", cfg.num_kv_heads)]
+    if dense_layers:
+        shapes.append(("FFN width (intermediate_size)", cfg.intermediate_size))
+    if moe is not None and not expert_parallel:
+        shapes.append(
+            ("expert width (moe_intermediate_size; or pass enable_expert_parallel)", moe.moe_intermediate_size)
+        )
+    if moe is not None and moe.shared_expert_intermediate_size:
+        shapes.append(("shared expert width (shared_expert_intermediate_size)", moe.shared_expert_intermediate_size))
+    for name, value in shapes:
         if value % size:
             raise ValueError(f"tensor_parallel_size={size} must divide the model's {name} ({value})")
+    if expert_parallel:
+        if moe is None:
+            raise ValueError(
+                f"enable_expert_parallel partitions the experts of a Mixture-of-Experts model; {cfg.architecture} "
+                "has none: unset enable_expert_parallel"
+            )
+        if moe.num_experts < size:
+            raise ValueError(
+                f"enable_expert_parallel with tensor_parallel_size={size} needs at least one expert per rank; "
+                f"the model has {moe.num_experts} experts: use a smaller tensor_parallel_size or unset "
+                "enable_expert_parallel"
+            )
 
 
-def local_config(cfg: ModelConfig, size: int) -> ModelConfig:
-    """The architecture one rank holds: its share of the heads and of the FFN."""
+def expert_range(num_experts: int, rank: int, size: int) -> range:
+    """The experts rank `rank` of `size` holds under expert parallelism: a contiguous range, the
+    first `num_experts % size` ranks one expert more than the others (as vLLM assigns them)."""
+    base, extra = divmod(num_experts, size)
+    start = rank * base + min(rank, extra)
+    return range(start, start + base + (rank < extra))
+
+
+def local_config(cfg: ModelConfig, size: int, expert_parallel: bool = False) -> ModelConfig:
+    """The architecture one rank holds: its share of the heads and of the FFN; for a MoE model its
+    share of every expert's width (and of the shared expert's), or with `expert_parallel` whole
+    experts, a range of them per rank (`MoeConfig.expert_parallel_size`)."""
     if size == 1:
+        if expert_parallel:
+            raise ValueError("enable_expert_parallel needs tensor_parallel_size > 1 (got 1)")
         return cfg
-    if cfg.is_moe:
-        raise ValueError(
-            f"tensor_parallel_size={size}: Mixture-of-Experts models ({cfg.architecture}) run on one rank "
-            f"so far (neither expert parallelism nor experts split across ranks is there yet); set "
-            f"tensor_parallel_size=1"
+    check_divisible(cfg, size, expert_parallel)
+    moe = cfg.moe
+    if moe is not None:
+        moe = dataclasses.replace(
+            moe,
+            moe_intermediate_size=moe.moe_intermediate_size if expert_parallel else moe.moe_intermediate_size // size,
+            shared_expert_intermediate_size=moe.shared_expert_intermediate_size // size,
+            expert_parallel_size=size if expert_parallel else 1,
         )
-    check_divisible(cfg, size)
     return dataclasses.replace(
         cfg,
         num_heads=cfg.num_heads // size,
         num_kv_heads=cfg.num_kv_heads // size,
         intermediate_size=cfg.intermediate_size // size,
+        moe=moe,
     )
 
 

@@ -50,7 +50,8 @@ class Executor:
         from kvflow.distributed.parallel import local_config
         from kvflow.worker.model_runner import ModelRunner, calibration_ids
 
-        mc = local_config(ckpt.model_config, config.tensor_parallel_size)  # this rank's share
+        # this rank's share
+        mc = local_config(ckpt.model_config, config.tensor_parallel_size, config.enable_expert_parallel)
         # int8's calibration tokens: tokenized here, the same for every rank.
         calibration = calibration_ids(ckpt.tokenizer, mc.vocab_size) if config.quantization == "int8" else None
         workers = _start_workers(config, max_model_len, num_blocks, mc.hidden_size, calibration)

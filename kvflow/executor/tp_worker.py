@@ -38,7 +38,7 @@ class RankWorker:
         config = EngineConfig(**args["config"])
         ckpt = load_checkpoint(config.model, config.tokenizer, with_tokenizer=False)
         self.runner = ModelRunner(
-            local_config(ckpt.model_config, self.tp.size),
+            local_config(ckpt.model_config, self.tp.size, config.enable_expert_parallel),
             config,
             args["max_model_len"],
             args["num_blocks"],

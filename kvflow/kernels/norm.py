@@ -31,3 +31,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x = x.float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x.to(dtype)
+
+
+def rms_norm_of(x: torch.Tensor, mean_square: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`rms_norm` of x [rows, n] given each row's mean square [rows, 1] (float32), which may span
+    more than x: a norm over a whole projection of which x is one tensor-parallel rank's slice
+    (and `weight` that slice of the norm's weight)."""
+    r = torch.rsqrt(mean_square + eps)
+    if x.dtype == torch.float32:
+        return torch.mul(x, r).mul_(weight)
+    return weight * (x.float() * r).to(x.dtype)

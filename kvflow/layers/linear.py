@@ -9,11 +9,11 @@ import torch
 
 from kvflow.layers.linear_kernels import DenseKernel, KernelPlan, LinearKernel, make_linear_kernel
 from kvflow.quantization.gguf_blocks import BlockQuantized
-from kvflow.quantization.packed_weights import GroupedBlocks, Int8Rows
+from kvflow.quantization.packed_weights import Fp8Rows, GroupedBlocks, Int8Rows
 
 # A weight kept as a quantized file stores it: GGUF blocks (a fused projection's parts), or a
-# quantized HF checkpoint's int8 rows (W8A8) / blocks over permuted inputs (GPTQ act-order).
-StoredWeight = list[BlockQuantized] | Int8Rows | GroupedBlocks
+# quantized HF checkpoint's int8 rows (W8A8) / blocks over permuted inputs (GPTQ act-order) / FP8 rows.
+StoredWeight = list[BlockQuantized] | Int8Rows | GroupedBlocks | Fp8Rows
 
 
 class RowParallelKernel:

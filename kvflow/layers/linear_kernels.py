@@ -46,7 +46,7 @@ from kvflow.kernels.cpu.int8_linear import Int8Kernel
 from kvflow.kernels.int_mm import IntMMKernel
 from kvflow.kernels.norm import NormWeights, rms_norm
 from kvflow.quantization.gguf_blocks import BlockQuantized, quantize
-from kvflow.quantization.packed_weights import GroupedBlocks, Int8Rows
+from kvflow.quantization.packed_weights import Fp8Rows, GroupedBlocks, Int8Rows
 
 LINEAR_BACKENDS = ("auto", "dense", "onednn", "native", "int8", "int8_mm", "gguf", "int4")
 FORCED_PATHS = ("dense", "onednn", "native")
@@ -326,7 +326,7 @@ def make_path_kernel(path: str, weight: torch.Tensor, bias: torch.Tensor | None 
 
 def make_linear_kernel(
     backend: str,
-    weight: torch.Tensor | BlockQuantized | list[BlockQuantized] | Int8Rows | GroupedBlocks,
+    weight: torch.Tensor | BlockQuantized | list[BlockQuantized] | Int8Rows | GroupedBlocks | Fp8Rows,
     bias: torch.Tensor | None = None,
     plan: KernelPlan | None = None,
     logits: bool = False,
@@ -336,13 +336,16 @@ def make_linear_kernel(
     for this shape from `plan` (None: `default_choice`), with the native path
     as well on the projections the plan's decode pass runs. `weight` in block formats (one part,
     or a fused projection's parts) needs `gguf`; `logits`: the logits projection (int4 keeps it in
-    8 bits). A quantized checkpoint's `Int8Rows` (W8A8) and `GroupedBlocks` (act-order, group offsets) need
-    `gguf` too (the backend of weights kept as stored)."""
-    if isinstance(weight, (Int8Rows, GroupedBlocks)):  # a quantized checkpoint's weights, as stored
+    8 bits). A quantized checkpoint's `Int8Rows` (W8A8), `GroupedBlocks` (act-order, group offsets)
+    and `Fp8Rows` (FP8, on the native float kernel) need `gguf` too (the backend of weights kept as
+    stored)."""
+    if isinstance(weight, (Int8Rows, GroupedBlocks, Fp8Rows)):  # a quantized checkpoint's weights, as stored
         if backend != "gguf":
             raise ValueError(f"a quantized checkpoint's weights run on the gguf backend, not {backend!r}")
         if isinstance(weight, Int8Rows):
             return Int8Kernel(None, bias, quantized=(weight.q, weight.scale))
+        if isinstance(weight, Fp8Rows):
+            return NativeFloatKernel(weight.q, bias, scale=weight.scale, activations=weight.activations)
         return GroupedInputKernel(BlockQuantKernel(weight.parts, bias), weight.perm, weight.offsets, weight.group)
     if isinstance(weight, BlockQuantized):
         weight = [weight]

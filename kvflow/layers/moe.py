@@ -16,6 +16,10 @@ float weights, or, for a GGUF's quantized experts kept as stored, through each e
 kernels (kvflow.kernels.cpu.block_linear); a native grouped kernel is for later (see
 docs/features/moe.md).
 
+Under tensor parallelism each rank holds a share of every expert, or (expert parallelism) a range
+of whole experts, routes every token itself and returns a partial sum that one all-reduce
+completes (`SparseMoeBlock`).
+
 What the routing did can be recorded (`RoutingRecorder`): tokens per layer and expert, the load
 imbalance of each step, and the chosen experts of a step's rows (expert traces). Nothing is
 recorded, and nothing costs anything, unless a recorder is attached.
@@ -31,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from kvflow.config import MoeConfig
+from kvflow.distributed.parallel import TPGroup, expert_range
 from kvflow.layers.linear import Linear
 from kvflow.layers.linear_kernels import LinearKernel, make_linear_kernel
 from kvflow.quantization.gguf_blocks import BlockQuantized
@@ -60,6 +65,7 @@ def grouped_experts(
     w13: torch.Tensor | Sequence[LinearKernel],
     w2: torch.Tensor | Sequence[LinearKernel],
     counts: torch.Tensor | None = None,
+    first_expert: int = 0,
 ) -> torch.Tensor:
     """For every token t of x [tokens, hidden]: sum over its slots j of
     weight[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = experts[t, j].
@@ -70,28 +76,37 @@ def grouped_experts(
     the pairs per expert (`torch.bincount` of the experts, if the caller has it already). The
     (token, slot) pairs are sorted by expert and each expert that received any runs one matmul
     pair over its rows: an expert no token chose costs nothing, and no expert sees a token that
-    did not choose it."""
+    did not choose it.
+
+    Under expert parallelism `w13` / `w2` hold only experts `first_expert` .. `first_expert +
+    len(w13) - 1` (this rank's range): the pairs routed to other experts add nothing here (their
+    ranks add them, in the all-reduce after the block)."""
     tokens, top_k = routing.experts.shape
     flat = routing.experts.reshape(-1)
     # Pairs grouped by expert; stable, so each group keeps token order (a deterministic layout).
     order = torch.argsort(flat, stable=True)
+    last = first_expert + len(w13)  # (one past this rank's last expert)
     if counts is None:
-        counts = torch.bincount(flat, minlength=len(w13))
+        counts = torch.bincount(flat, minlength=last)
     bounds = [0, *counts.cumsum(0).tolist()]  # expert e's pairs are order[bounds[e]:bounds[e + 1]]
-    rows = x.index_select(0, order // top_k)
+    start, stop = bounds[first_expert], bounds[last]  # the pairs of the experts held here
+    whole = start == 0 and stop == flat.numel()
+    pairs = order if whole else order[start:stop]
+    rows = x.index_select(0, pairs // top_k)
     out = torch.empty_like(rows)
     stacked = isinstance(w13, torch.Tensor)
-    for e in counts.nonzero().flatten().tolist():
-        lo, hi = bounds[e], bounds[e + 1]
+    for e in (counts[first_expert:last].nonzero().flatten() + first_expert).tolist():
+        lo, hi, i = bounds[e] - start, bounds[e + 1] - start, e - first_expert
         if stacked:
-            gate, up = F.linear(rows[lo:hi], w13[e]).chunk(2, dim=-1)
-            torch.mm(F.silu(gate) * up, w2[e].t(), out=out[lo:hi])
+            gate, up = F.linear(rows[lo:hi], w13[i]).chunk(2, dim=-1)
+            torch.mm(F.silu(gate) * up, w2[i].t(), out=out[lo:hi])
         else:
-            out[lo:hi] = w2[e](w13[e](rows[lo:hi]), silu_mul=True)
+            out[lo:hi] = w2[i](w13[i](rows[lo:hi]), silu_mul=True)
     # Weighted in the weights' dtype (float32 for Mixtral, whatever x's), back in (token, slot)
-    # order, summed over the slots, then cast once.
-    weighted = out * routing.weights.reshape(-1).index_select(0, order).unsqueeze(-1)
-    combined = torch.empty_like(weighted).index_copy_(0, order, weighted)
+    # order (zeros for the pairs of experts held elsewhere), summed over the slots, then cast once.
+    weighted = out * routing.weights.reshape(-1).index_select(0, pairs).unsqueeze(-1)
+    combined = weighted.new_empty(flat.numel(), x.shape[1]) if whole else weighted.new_zeros(flat.numel(), x.shape[1])
+    combined.index_copy_(0, pairs, weighted)
     return combined.view(tokens, top_k, -1).sum(dim=1).to(x.dtype)
 
 
@@ -165,12 +180,26 @@ class SparseMoeBlock(torch.nn.Module):
     (`load_expert_blocks`) run by block kernels made at `prepare`. The router (`router` [E, H]) and
     the shared gate ([1, H]) run through `F.linear` as HF's do, so the routing sees the same
     logits. The shared expert is a dense MLP on the model's linear kernels (`Linear`, prepared with
-    the rest)."""
+    the rest).
 
-    def __init__(self, hidden_size: int, moe: MoeConfig, dtype: torch.dtype, device: torch.device) -> None:
+    Under tensor parallelism (`tp`) every rank routes every token with the whole router; `moe` is
+    this rank's share (kvflow.distributed.parallel.local_config): every expert's width I and the
+    shared expert's split over the ranks (gate / up rows and down columns, as the dense MLP), or,
+    with expert parallelism, whole experts, this rank's range (`experts`) of them. Either way a
+    rank's output is a partial sum, and one all-reduce after the block (the residual added by the
+    first rank) makes it whole."""
+
+    def __init__(
+        self, hidden_size: int, moe: MoeConfig, dtype: torch.dtype, device: torch.device, tp: TPGroup | None = None
+    ) -> None:
         super().__init__()
         e, inter = moe.num_experts, moe.moe_intermediate_size
         self.num_experts, self.inter = e, inter
+        self.tp = tp or TPGroup()
+        # The experts this rank holds and computes (all of them unless expert-parallel).
+        ep = moe.expert_parallel_size
+        self.expert_parallel = ep > 1
+        self.experts = expert_range(e, self.tp.rank, ep) if self.expert_parallel else range(e)
         self.top_k = moe.num_experts_per_tok
         self.renormalize = moe.norm_topk_prob
         self.weights_dtype = torch.float32 if moe.routing_weights_float32 else dtype
@@ -179,8 +208,8 @@ class SparseMoeBlock(torch.nn.Module):
             return torch.nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
         self.router = param(e, hidden_size)
-        self.w13 = param(e, 2 * inter, hidden_size)
-        self.w2 = param(e, hidden_size, inter)
+        self.w13 = param(len(self.experts), 2 * inter, hidden_size)
+        self.w2 = param(len(self.experts), hidden_size, inter)
         shared = moe.shared_expert_intermediate_size
         self.shared_gate_up = Linear(hidden_size, 2 * shared, False, dtype, device) if shared else None
         self.shared_down = Linear(shared, hidden_size, False, dtype, device) if shared else None
@@ -197,7 +226,7 @@ class SparseMoeBlock(torch.nn.Module):
         """Take the experts in block formats: every expert's gate / up rows [E x I, H] and down rows
         [E x H, I], expert after expert (a GGUF's 3-D tensors as stored). The stacked float
         weights are dropped."""
-        e, inter, hidden = self.num_experts, self.inter, self.router.shape[1]
+        e, inter, hidden = len(self.experts), self.inter, self.router.shape[1]
         for name, blocks, shape in (("gate", gate, (e * inter, hidden)), ("up", up, (e * inter, hidden))):
             if blocks.shape != shape:
                 raise ValueError(f"block-quantized expert {name} weights of {blocks.shape}, expected {shape}")
@@ -227,11 +256,13 @@ class SparseMoeBlock(torch.nn.Module):
         if self.recorder is not None:
             self.recorder.record(self.slot, routing.experts, counts)
         experts = self.expert_kernels if self.expert_kernels is not None else (self.w13, self.w2)
-        out = grouped_experts(h, routing, *experts, counts=counts)
+        out = grouped_experts(h, routing, *experts, counts=counts, first_expert=self.experts.start)
         if self.shared_down is not None:
             gate, up = self.shared_gate_up.kernel(h).chunk(2, dim=-1)
             shared = self.shared_down.kernel(F.silu(gate) * up)
             out = out + torch.sigmoid(F.linear(h, self.shared_expert_gate)) * shared
+        if self.tp.size > 1:  # this rank's partial sum: one all-reduce, the residual counted once
+            return self.tp.all_reduce(residual + out if self.tp.is_first else out)
         return residual + out
 
     def expert_bytes(self) -> int:

@@ -3,9 +3,10 @@
 PEFT stores, per adapted module, `lora_A` [r, in] and `lora_B` [out, r]; the module computes
 W x + scaling * B (A x), scaling = lora_alpha / r (or lora_alpha / sqrt(r) with rsLoRA), both per
 module where `rank_pattern` / `alpha_pattern` say so. kvflow fuses q/k/v into `qkv_proj` and
-gate/up into `gate_up_proj`, so an adapter's parts of one fused projection are stacked: A over
-the parts' ranks ([sum r, in]), B block-diagonal ([sum out, sum r], scaling folded in, zeros where
-a part is not adapted). One shrink and one expand per fused projection then serve all its parts.
+gate/up into `gate_up_proj`: an adapter keeps, per fused projection, each part's A [r, in] and
+(scaling * B)^T [r, out_part] (None for a part it does not adapt), in float32, which the
+`LoRAManager` writes into a resident slot (kvflow.kernels.cpu.lora.LoRAProjection), where one
+shrink and one expand per fused projection serve all its parts and all the step's adapters.
 
 Every check happens here, at load: a bad adapter is a ValueError naming the module, never a
 failure in the middle of a batch.
@@ -20,6 +21,8 @@ import re
 from dataclasses import dataclass, field
 
 import torch
+
+from kvflow.kernels.cpu.lora import PartWeights
 
 # HF module name -> (kvflow's fused projection, index of the part in it)
 PART_OF: dict[str, tuple[str, int]] = {
@@ -62,27 +65,24 @@ BaseShapes = list[dict[str, ProjectionShape]]  # per decoder layer: fused projec
 
 @dataclass
 class LoRAAdapter:
-    """An adapter in kvflow's layout: per layer, per fused projection it adapts, (A^T [in, R],
-    (scaling * B)^T [R, out]) with R the sum of the parts' ranks."""
+    """An adapter in kvflow's layout: per layer, per fused projection it adapts, per part of it in
+    fused order, (A [r, in], (scaling * B)^T [r, out_part]) in float32, or None."""
 
     name: str
     int_id: int
     path: str
-    weights: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]
+    weights: list[dict[str, list[PartWeights | None]]]
     max_rank: int
     modules: list[str] = field(default_factory=list)  # the HF module names it adapts (deduplicated)
 
     @property
     def nbytes(self) -> int:
         return sum(
-            a.numel() * a.element_size() + b.numel() * b.element_size() for w in self.weights for a, b in w.values()
+            a.numel() * a.element_size() + b.numel() * b.element_size()
+            for w in self.weights
+            for parts in w.values()
+            for a, b in filter(None, parts)
         )
-
-    def to(self, device: torch.device) -> LoRAAdapter:
-        if all(a.device == device for w in self.weights for a, _ in w.values()):
-            return self
-        moved = [{k: (a.to(device), b.to(device)) for k, (a, b) in w.items()} for w in self.weights]
-        return LoRAAdapter(self.name, self.int_id, self.path, moved, self.max_rank, self.modules)
 
 
 def _pattern_value(patterns: dict, module: str, default):
@@ -131,14 +131,17 @@ def _read_tensors(path: str) -> dict[str, torch.Tensor]:
     raise ValueError(f"LoRA adapter {path!r}: no {WEIGHTS_FILES[0]} (save the adapter with safe_serialization)")
 
 
+def _part(a: torch.Tensor, b: torch.Tensor, scaling: float) -> PartWeights:
+    """A part as a slot takes it: A [r, in], (scaling * B)^T [r, out] (float32: the sums' type)."""
+    return a.float().contiguous(), (b.float() * scaling).t().contiguous()
+
+
 def load_adapter(
     name: str,
     int_id: int,
     path: str,
     shapes: BaseShapes,
     max_rank: int,
-    dtype: torch.dtype,
-    device: torch.device | str = "cpu",
 ) -> LoRAAdapter:
     """Read and check the PEFT adapter at `path` against the base model's `shapes`; ValueError
     naming the module for an unknown module, a shape that does not fit, a rank > `max_rank`."""
@@ -173,7 +176,7 @@ def load_adapter(
         full_names[(layer, module)] = f"model.layers.{layer}.{section}.{module}"
     if not found:
         raise ValueError(f"{where}: {WEIGHTS_FILES[0]} holds no LoRA weights")
-    weights: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in shapes]
+    weights: list[dict[str, list[PartWeights | None]]] = [{} for _ in shapes]
     parts_by_proj: dict[tuple[int, str], dict[str, tuple[torch.Tensor, torch.Tensor, float]]] = {}
     top_rank = 0
     for (layer, module), ab in sorted(found.items()):
@@ -204,22 +207,8 @@ def load_adapter(
         top_rank = max(top_rank, r)
         parts_by_proj.setdefault((layer, fused), {})[module] = (a, b, scaling)
     for (layer, fused), parts in parts_by_proj.items():
-        shape = shapes[layer][fused]
-        total_r = sum(a.shape[0] for a, _, _ in parts.values())
-        a_cat = torch.zeros(total_r, shape.in_features, dtype=torch.float32)
-        b_full = torch.zeros(shape.out_features, total_r, dtype=torch.float32)
-        row = col = 0
-        for part, n_out in shape.parts:
-            if part in parts:
-                a, b, s = parts[part]
-                r = a.shape[0]
-                a_cat[col : col + r] = a.float()
-                b_full[row : row + n_out, col : col + r] = b.float() * s
-                col += r
-            row += n_out
-        weights[layer][fused] = (
-            a_cat.t().contiguous().to(device=device, dtype=dtype),
-            b_full.t().contiguous().to(device=device, dtype=dtype),
-        )
+        weights[layer][fused] = [
+            None if part not in parts else _part(*parts[part]) for part, _ in shapes[layer][fused].parts
+        ]
     modules = sorted({m for _, m in found}, key=list(PART_OF).index)
     return LoRAAdapter(name, int_id, path, weights, top_rank, modules)

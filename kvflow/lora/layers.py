@@ -1,11 +1,13 @@
 """The batched LoRA compute, as a wrapper around a projection's kernel.
 
-The model runner sets one `LoRABatch` per step: groups of rows, each with the resident adapter
-they run under (rows of the base model are in no group). The model stays request-agnostic: it
-only ever sees rows and weights. Each wrapped projection computes its base output with its own
-kernel, untouched, then for each group adds scaling * B (A x) over that group's rows: the shrink
-(x @ A^T, [rows, R]) and the expand (@ (s B)^T, [rows, out]) pair of Punica/S-LoRA, one per
-adapter group. With no group set (no adapter in the step) the wrapper only calls the kernel.
+The runner's `LoRAManager` keeps the resident adapters stacked by slot, per layer and projection
+(`LoRABatch.slots`), and sets each step's rows under adapters (`LoRABatch.rows`, grouped by
+slot; rows of the base model are in none). The model stays request-agnostic: it only ever sees
+rows, slots and weights. Each wrapped projection computes its base output with its own kernel,
+untouched, then adds every adapter row's scaling * B (A x) in one call for all the step's
+adapters (kvflow.kernels.cpu.lora.add_lora). Decode-only steps that the fused native decode pass
+takes run the same shrink / expand inside the pass (kvflow.models.decode_pass), so a row gets the
+same result either way. With no rows set (no adapter in the step) the wrapper only calls the kernel.
 """
 
 from __future__ import annotations
@@ -13,26 +15,25 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
-from kvflow.kernels.norm import rms_norm
+from kvflow.kernels.cpu.lora import LoRAProjection, LoRARows, add_lora
 from kvflow.lora.adapter import FUSED_PARTS, BaseShapes, ProjectionShape
-
-Rows = slice | torch.Tensor  # a contiguous run of rows, or their indices (int64)
 
 
 @dataclass
 class LoRABatch:
-    """This step's rows per adapter: (rows, the adapter's per-layer weights). Empty: no adapter."""
+    """The resident adapters, per layer: fused projection -> its slots; and this step's rows under
+    adapters (None: no adapter in the step)."""
 
-    groups: list[tuple[Rows, list[dict[str, tuple[torch.Tensor, torch.Tensor]]]]] = field(default_factory=list)
+    slots: list[dict[str, LoRAProjection]] = field(default_factory=list)
+    rows: LoRARows | None = None
 
 
 class LoRAKernel:
     """A projection kernel with the step's adapters added to its output (see the module doc).
 
     Takes the kernel's `norm=` / `silu_mul=` arguments (native kernels apply the input norm and
-    the activation themselves): the adapter's input is then computed in torch, for the adapter
+    the activation themselves): the adapters' input is computed the same way, for the adapter
     rows only."""
 
     def __init__(self, inner, layer: int, proj: str, batch: LoRABatch) -> None:
@@ -42,27 +43,18 @@ class LoRAKernel:
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
         out = self.inner(x, residual, **kwargs)
-        if not self.batch.groups:
+        rows = self.batch.rows
+        if rows is None:
             return out
-        x2 = x.reshape(out.shape[0], -1)
-        norm, silu_mul = kwargs.get("norm"), kwargs.get("silu_mul", False)
-        for rows, weights in self.batch.groups:
-            ab = weights[self.layer].get(self.proj)
-            if ab is None:
-                continue
-            a_t, b_t = ab
-            contiguous = isinstance(rows, slice)
-            xs = x2[rows] if contiguous else x2.index_select(0, rows)
-            if norm is not None:
-                xs = rms_norm(xs, norm.weight, norm.eps)
-            if silu_mul:
-                gate, up = xs.chunk(2, dim=-1)
-                xs = F.silu(gate) * up
-            shrunk = xs @ a_t  # [rows, R]
-            if contiguous:
-                out[rows].addmm_(shrunk, b_t)  # in place: a view of the output
-            else:
-                out.index_add_(0, rows, shrunk @ b_t)
+        out2 = out.view(-1, out.shape[-1])
+        add_lora(
+            self.batch.slots[self.layer][self.proj],
+            rows,
+            x.reshape(out2.shape[0], -1),
+            out2,
+            kwargs.get("norm"),
+            kwargs.get("silu_mul", False),
+        )
         return out
 
     def __getattr__(self, name: str):
@@ -100,9 +92,12 @@ def base_shapes(model: torch.nn.Module) -> BaseShapes:
 
 
 def attach(model: torch.nn.Module, batch: LoRABatch) -> None:
-    """Wrap every adaptable projection's kernel (after `prepare`: the kernels are final)."""
+    """Wrap every adaptable projection's kernel (after `prepare`: the kernels are final), and
+    hand the adapters to the fused decode pass where the model has one."""
     for i, (layer, shape) in enumerate(zip(model.layers, base_shapes(model))):
         for proj in shape:
             lin = getattr(layer, proj)
             if not isinstance(lin.kernel, LoRAKernel):
                 lin.kernel = LoRAKernel(lin.kernel, i, proj, batch)
+    if getattr(model, "native_decode", None) is not None:
+        model.native_decode.use_lora(batch)

@@ -1,8 +1,10 @@
 """`LoRAManager`: the runner's adapters. Loaded adapters are kept in CPU memory (at most
 `max_cpu_loras`, least recently used dropped first: a dropped one is read from its folder again
-when a request needs it); those a step runs occupy one of `max_loras` resident slots on the
-model's device (least recently used evicted back to CPU memory when a new one needs a slot).
-`batch_for` turns a step's row -> adapter assignment into the `LoRABatch` the projections read.
+when a request needs it); those a step runs occupy one of `max_loras` resident slots (least
+recently used evicted back to CPU memory when a new one needs a slot). The slots are per layer
+and projection stacked tensors (kvflow.kernels.cpu.lora.LoRAProjection) sized for
+`max_lora_rank`, written once when an adapter takes a slot. `batch_for` turns a step's row ->
+adapter assignment into the rows per slot that the projections and the decode pass read.
 """
 
 from __future__ import annotations
@@ -10,10 +12,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-import torch
-
+from kvflow.kernels.cpu.lora import LoRAProjection, LoRARows
 from kvflow.lora.adapter import BaseShapes, LoRAAdapter, load_adapter
-from kvflow.lora.layers import LoRABatch, Rows
+from kvflow.lora.layers import LoRABatch
 from kvflow.lora.request import LoRARequest
 
 
@@ -31,15 +32,22 @@ class LoRAManager:
         max_loras: int,
         max_cpu_loras: int,
         max_lora_rank: int,
-        dtype: torch.dtype,
-        device: torch.device,
+        batch: LoRABatch,
     ) -> None:
-        self.shapes, self.dtype, self.device = shapes, dtype, device
+        """`batch`: the one the projections read; its slots are created here."""
+        self.shapes, self.batch = shapes, batch
         self.max_loras, self.max_cpu_loras, self.max_lora_rank = max_loras, max_cpu_loras, max_lora_rank
         self.cpu: OrderedDict[int, LoRAAdapter] = OrderedDict()  # int id -> adapter, LRU first
-        self.resident: OrderedDict[int, tuple[int, LoRAAdapter]] = OrderedDict()  # int id -> (slot, on device)
+        self.resident: OrderedDict[int, tuple[int, LoRAAdapter]] = OrderedDict()  # int id -> (slot, adapter)
         self.free_slots = list(range(max_loras))
         self.counters = LoRACounters()
+        batch.slots = [
+            {
+                proj: LoRAProjection(max_loras, shape.in_features, tuple(n for _, n in shape.parts), max_lora_rank)
+                for proj, shape in layer.items()
+            }
+            for layer in shapes
+        ]
 
     def add(self, lora: LoRARequest) -> LoRAAdapter:
         """Load (and check) `lora` into CPU memory if it is not there; ValueError for a bad adapter."""
@@ -49,9 +57,7 @@ class LoRAManager:
             return held
         if held is not None:
             self.remove(lora.lora_int_id)  # the id now names another adapter
-        adapter = load_adapter(
-            lora.lora_name, lora.lora_int_id, lora.lora_path, self.shapes, self.max_lora_rank, self.dtype, "cpu"
-        )
+        adapter = load_adapter(lora.lora_name, lora.lora_int_id, lora.lora_path, self.shapes, self.max_lora_rank)
         self.counters.loads += 1
         self.cpu[lora.lora_int_id] = adapter
         while len(self.cpu) > self.max_cpu_loras:
@@ -82,42 +88,38 @@ class LoRAManager:
                 raise RuntimeError(f"more than --max-loras {self.max_loras} adapters in one step")
             self.free_slots.append(self.resident.pop(victim)[0])
             self.counters.evictions += 1
-        entry = (self.free_slots.pop(), adapter.to(self.device))
+        slot = self.free_slots.pop()
+        for stacked, weights in zip(self.batch.slots, adapter.weights):
+            for proj, projection in stacked.items():
+                projection.set_slot(slot, weights.get(proj))
+        entry = (slot, adapter)
         self.resident[lora.lora_int_id] = entry
         return entry
 
-    def batch_for(self, rows: list[tuple[LoRARequest | None, int]], batch: LoRABatch) -> bool:
-        """Fill `batch` for a step whose sequences are, in row order, (adapter or None, number of
-        rows); True if any row has an adapter. Rows of one adapter form one group."""
-        batch.groups.clear()
+    def batch_for(self, rows: list[tuple[LoRARequest | None, int]]) -> bool:
+        """Set the batch's rows for a step whose sequences are, in row order, (adapter or None,
+        number of rows); True if any row has an adapter. The rows of one adapter form one segment."""
+        self.batch.rows = None
         if all(lora is None for lora, _ in rows):
             return False
         ids = {lora.lora_int_id for lora, _ in rows if lora is not None}
         if len(ids) > self.max_loras:
             raise RuntimeError(f"{len(ids)} adapters in one step, above --max-loras {self.max_loras}")
-        spans: dict[int, list[tuple[int, int]]] = {}
+        by_id: dict[int, list[int]] = {}
         loras: dict[int, LoRARequest] = {}
         start = 0
         for lora, n in rows:
             if lora is not None:
-                spans.setdefault(lora.lora_int_id, []).append((start, start + n))
+                by_id.setdefault(lora.lora_int_id, []).extend(range(start, start + n))
                 loras[lora.lora_int_id] = lora
             start += n
-        for lora_id, runs in spans.items():
-            _, adapter = self._make_resident(loras[lora_id], ids)
-            merged: list[tuple[int, int]] = []
-            for a, b in runs:  # adjacent sequences of one adapter: one run
-                if merged and merged[-1][1] == a:
-                    merged[-1] = (merged[-1][0], b)
-                else:
-                    merged.append((a, b))
-            sel: Rows
-            if len(merged) == 1:
-                sel = slice(*merged[0])
-            else:
-                sel = torch.cat([torch.arange(a, b) for a, b in merged]).to(self.device)
-            batch.groups.append((sel, adapter.weights))
+        groups = [(self._make_resident(loras[i], ids)[0], r) for i, r in by_id.items()]
+        self.batch.rows = LoRARows.of(groups)
         return True
+
+    def end_step(self) -> None:
+        """The step is over: no rows under adapters until the next `batch_for`."""
+        self.batch.rows = None
 
     @property
     def resident_names(self) -> list[str]:

@@ -15,6 +15,10 @@ A bfloat16 model's pass keeps its activations in float32 from the first layer to
 hidden state widened on the way in, rounded on the way out; the KV cache written in bf16), where
 the per-layer path rounds each op's output to bf16: both are bf16 models' approximations of the
 float32 maths, the pass the closer one. Only float32 promises bit-identical paths.
+
+LoRA adapters (`use_lora`, kvflow.lora) ride along: rows under adapters and rows of the base model
+share the pass, each projection adding its adapter rows' scaling * B (A x) with the function the
+per-layer path's wrapped kernels call.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import torch
 from kvflow.attention.backend import LayerKVCache, PagedRows
 from kvflow.attention.backends.cpu import CpuPagedAttention
 from kvflow.kernels.cpu.block_linear import BlockQuantKernel
-from kvflow.kernels.cpu.decode_pass import DecodePassKernel, LayerWeights, NativeLinear
+from kvflow.kernels.cpu.decode_pass import DecodePassKernel, LayerWeights, LoRAStep, NativeLinear
 from kvflow.kernels.cpu.float_linear import NativeFloatKernel
 from kvflow.kernels.cpu.int8_linear import Int8Kernel
 from kvflow.kernels.cpu.paged_attention import MAX_HEAD_DIM
@@ -139,6 +143,12 @@ class NativeDecode:
         )
         self.max_rows = max_rows(model)
         self._bound: list[LayerKVCache] | None = None
+        self._lora = None  # (the LoRABatch the wrapped projections read, and its slots as the pass reads them)
+
+    def use_lora(self, batch) -> None:
+        """Run `batch`'s adapters (a kvflow.lora.layers.LoRABatch: resident slots per layer, and
+        each step's rows under them, None for none) in the pass."""
+        self._lora = (batch, LoRAStep(batch.slots))
 
     @property
     def phase_seconds(self) -> torch.Tensor | None:
@@ -162,7 +172,10 @@ class NativeDecode:
         if kv_caches is not self._bound:
             self.kernel.bind_kv([kv.data for kv in kv_caches], [kv.scale for kv in kv_caches])
             self._bound = kv_caches
-        self.kernel(x, cos, sin_signed, slot_mapping, group.tables, group.context_lens, group.tokens)
+        lora = None
+        if self._lora is not None and self._lora[0].rows is not None:
+            lora = (self._lora[1], self._lora[0].rows)
+        self.kernel(x, cos, sin_signed, slot_mapping, group.tables, group.context_lens, group.tokens, lora)
 
 
 def decode_pass(model: torch.nn.Module) -> DecodePass | None:

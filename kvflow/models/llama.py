@@ -233,8 +233,8 @@ class LlamaForCausalLM(torch.nn.Module):
         if self.tp.size == 1:
             return
         for layer in self.layers:
-            for lin in (layer.o_proj, layer.down_proj):
-                if not isinstance(lin.kernel, RowParallelKernel):
+            for lin in (layer.o_proj, layer.down_proj):  # (a layer with its own feed-forward has no down_proj)
+                if lin is not None and not isinstance(lin.kernel, RowParallelKernel):
                     lin.kernel = RowParallelKernel(lin.kernel, self.tp.all_reduce, self.tp.is_first)
 
     def projection_shapes(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
@@ -244,9 +244,13 @@ class LlamaForCausalLM(torch.nn.Module):
         per_layer = [
             tuple(lin.weight.shape) for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
         ]
-        # The logits kernel: this rank's slice of the vocabulary under TP (as `prepare` cuts it).
+        return list(dict.fromkeys([*per_layer, self._logits_shape()])), per_layer
+
+    def _logits_shape(self) -> tuple[int, int]:
+        """(out, in) of the logits kernel: this rank's slice of the vocabulary under TP (as
+        `prepare` cuts it)."""
         vocab = torch.empty(self.cfg.vocab_size, 0).chunk(self.tp.size)[self.tp.rank].shape[0]
-        return list(dict.fromkeys([*per_layer, (vocab, self.cfg.hidden_size)])), per_layer
+        return vocab, self.cfg.hidden_size
 
     def linear_inputs(self) -> dict[str, torch.nn.Module]:
         """The modules whose inputs `apply_smoothing` takes statistics of: every Linear by its

@@ -14,20 +14,27 @@ per layer and expert and the load imbalance for the metrics, the experts of a st
 expert traces (kvflow.layers.moe.RoutingRecorder); the model knows no requests, the runner reads
 what it needs.
 
-Not there yet, refused where they would be asked for: tensor parallelism (kvflow.distributed),
-int8 / int4 weights (`check_options`), and the native decode pass (kvflow.models.decode_pass: MoE
-models take the per-layer path).
+Under tensor parallelism (kvflow.distributed) the attention is split as the dense model's, every
+rank keeps the whole router, and the experts are split inside as the dense MLP (each expert's gate
+/ up rows and down columns; Qwen2-MoE's shared expert too) or, with expert parallelism, partitioned
+whole over the ranks: each loads and keeps only its range. OLMoE's q/k norms over the whole
+projections sum their squares over the ranks (one all-reduce per layer).
+
+Not there yet, refused where they would be asked for: int8 / int4 weights (`check_options`), and
+the native decode pass (kvflow.models.decode_pass: MoE models take the per-layer path).
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 import torch
 
 from kvflow.attention.backend import AttentionBackend, AttentionMetadata, LayerKVCache
 from kvflow.config import ModelConfig
 from kvflow.distributed.parallel import TPGroup
+from kvflow.kernels.norm import rms_norm_of
 from kvflow.layers.linear import Linear
 from kvflow.layers.linear_kernels import KernelPlan
 from kvflow.layers.moe import MoeRoutingStats, RoutingRecorder, SparseMoeBlock
@@ -46,6 +53,8 @@ _EXPERT_KEY = re.compile(r"experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj
 _EXPERT_PART = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
 # One projection of every expert, stacked [E, out, in] (GGUF's 3-D tensors; transformers' down_proj).
 _STACKED_KEY = re.compile(r"experts\.(gate_proj|up_proj|down_proj)")
+# OLMoE's q/k norms over the whole projections: under tensor parallelism each rank's slice.
+_WHOLE_QK_NORM_KEY = re.compile(r"layers\.(\d+)\.self_attn\.([qk])_norm\.weight")
 
 
 def check_options(cfg: ModelConfig, quantization: str | None) -> None:
@@ -61,9 +70,12 @@ class MoeDecoderLayer(DecoderLayer):
     """A decoder layer whose feed-forward routes each token to experts; its attention is the dense
     layer's (`attend`), so every attention backend and KV layout serves it unchanged."""
 
-    def __init__(self, cfg: ModelConfig, attention: AttentionBackend, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, cfg: ModelConfig, attention: AttentionBackend, dtype: torch.dtype, device: torch.device, tp: TPGroup
+    ) -> None:
         super().__init__(cfg, attention, dtype, device, dense_mlp=False)
-        self.moe = SparseMoeBlock(cfg.hidden_size, cfg.moe, dtype, device)
+        self.tp = tp
+        self.moe = SparseMoeBlock(cfg.hidden_size, cfg.moe, dtype, device, tp)
 
     def forward(
         self,
@@ -76,6 +88,29 @@ class MoeDecoderLayer(DecoderLayer):
         x = self.attend(x, cos, sin_signed, kv_cache, meta)
         # (called directly, as the dense layer calls its kernels: no nn.Module hooks per step)
         return self.moe.forward(self.post_attention_layernorm.forward(x), x)  # x + moe(norm(x))
+
+    def _whole_qk_norm(self, qkv: torch.Tensor, t: int, heads: int) -> torch.Tensor:
+        """OLMoE's whole-projection q/k norms, as the dense layer's; under tensor parallelism a
+        rank holds only its heads' slice of q and k, so the per-token sums of squares are summed
+        over the ranks first (one all-reduce of [t, 2] for both norms)."""
+        if self.tp.size == 1:
+            return super()._whole_qk_norm(qkv, t, heads)
+        q_end, k_end = self.q_size, self.q_size + self.kv_size
+        q, k = qkv[:, :q_end], qkv[:, q_end:k_end]
+        squares = torch.stack([(f * f).sum(-1) for f in (q.float(), k.float())], dim=1)
+        widths = squares.new_tensor([q_end * self.tp.size, (k_end - q_end) * self.tp.size])  # the whole q, k
+        mean_sq = self.tp.all_reduce(squares) / widths
+        normed = torch.cat(
+            (
+                rms_norm_of(q, mean_sq[:, :1], self.q_norm.weight, self.q_norm.eps),
+                rms_norm_of(k, mean_sq[:, 1:], self.k_norm.weight, self.k_norm.eps),
+            ),
+            dim=1,
+        ).view(t, heads, self.head_dim)
+        if self.clip_qkv is not None:
+            normed.clamp_(-self.clip_qkv, self.clip_qkv)
+            qkv[:, k_end:].clamp_(-self.clip_qkv, self.clip_qkv)
+        return normed
 
 
 class MoeForCausalLM(LlamaForCausalLM):
@@ -92,8 +127,6 @@ class MoeForCausalLM(LlamaForCausalLM):
     ) -> None:
         if cfg.moe is None:
             raise ValueError(f"{cfg.architecture} has no experts: it is LlamaForCausalLM's")
-        if tp is not None and tp.size > 1:
-            raise ValueError("Mixture-of-Experts models run on one rank so far (tensor_parallel_size=1)")
         super().__init__(cfg, attention, max_positions, dtype, device, tp)
         # Per MoE layer, the parts of its stacked weights read so far (see _load_family_weight).
         self._parts: dict[int, _LayerParts] = {}
@@ -108,7 +141,7 @@ class MoeForCausalLM(LlamaForCausalLM):
         self, index: int, cfg: ModelConfig, attention: AttentionBackend, dtype: torch.dtype, device: torch.device
     ) -> DecoderLayer:
         if cfg.moe.is_sparse(index):
-            return MoeDecoderLayer(cfg, attention, dtype, device)
+            return MoeDecoderLayer(cfg, attention, dtype, device, self.tp)
         return DecoderLayer(cfg, attention, dtype, device)
 
     def projection_shapes(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
@@ -118,7 +151,7 @@ class MoeForCausalLM(LlamaForCausalLM):
         layer = self.layers[0]
         per_layer = [tuple(lin.weight.shape) for lin in (layer.qkv_proj, layer.o_proj)]
         linears = [tuple(m.weight.shape) for m in self.modules() if isinstance(m, Linear) and m is not self.lm_head]
-        return list(dict.fromkeys([*per_layer, *linears, (self.cfg.vocab_size, self.cfg.hidden_size)])), per_layer
+        return list(dict.fromkeys([*per_layer, *linears, self._logits_shape()])), per_layer
 
     def weight_bytes(self) -> int:
         return super().weight_bytes() + sum(m.expert_bytes() for m in self.moe_blocks)
@@ -190,7 +223,20 @@ class MoeForCausalLM(LlamaForCausalLM):
         * the router `gate.weight` [E, H]; Qwen2-MoE's `shared_expert.{gate,up,down}_proj.weight`
           (float or blocks, on the linear kernels) and `shared_expert_gate.weight` [1, H].
 
+        Under tensor parallelism each rank keeps its share (`_ExpertShard`): its slice of every
+        expert's and of the shared expert's width, or (expert parallelism) its range of whole
+        experts, the others' tensors dropped as they are read; the router and the shared gate
+        whole. OLMoE's whole-projection q/k norm weights are sliced to the rank's heads here too.
+
         Dense layers' MLP weights are left to the Llama names."""
+        if self.tp.size > 1 and isinstance(tensor, BlockQuantized):
+            raise ValueError("quantized weights kept as stored cannot be sharded (tensor_parallel_size must be 1)")
+        norm = _WHOLE_QK_NORM_KEY.fullmatch(name)
+        if norm is not None and self.tp.size > 1 and not self.cfg.qk_norm_per_head:
+            target = f"layers.{norm.group(1)}.{norm.group(2)}_norm.weight"
+            _copy_into(name, self.get_parameter(target), tensor.chunk(self.tp.size)[self.tp.rank])
+            loaded.add(target)
+            return True
         m = _FFN_KEY.fullmatch(name)
         if m is None:
             return False
@@ -207,18 +253,22 @@ class MoeForCausalLM(LlamaForCausalLM):
                     f"checkpoint has a block-quantized expert weight {name!r} in a layout kvflow cannot run"
                 )
         prefix = f"layers.{index}.moe."
-        experts, inter = block.num_experts, block.inter
+        shard = _ExpertShard(block, self.tp)
+        experts, held, inter = block.num_experts, block.experts, block.inter
         expert = _EXPERT_KEY.fullmatch(key)
         if expert is not None:
             e, part = int(expert.group(1)), _EXPERT_PART[expert.group(2)]
             if e >= experts:
                 raise ValueError(f"checkpoint has weights of expert {e} in {name!r}; the config has {experts}")
-            dst = {"gate": block.w13[e, :inter], "up": block.w13[e, inter:], "down": block.w2[e]}[part]
-            _copy_into(name, dst, tensor)
-            (parts.down if part == "down" else parts.gate_up).add((e, part))
+            if e in held:  # (an expert held by another rank: dropped)
+                i = e - held.start
+                dst = {"gate": block.w13[i, :inter], "up": block.w13[i, inter:], "down": block.w2[i]}[part]
+                _copy_into(name, dst, shard.inner(part, tensor))
+                (parts.down if part == "down" else parts.gate_up).add((e, part))
         elif key == "experts.gate_up_proj":
-            _copy_into(name, block.w13, tensor)
-            parts.gate_up.update((e, p) for e in range(experts) for p in ("gate", "up"))
+            gate, up = shard.experts(tensor).chunk(2, dim=1)
+            _copy_into(name, block.w13, torch.cat((shard.inner("gate", gate), shard.inner("up", up)), dim=1))
+            parts.gate_up.update((e, p) for e in held for p in ("gate", "up"))
         elif _STACKED_KEY.fullmatch(key) is not None:
             # One projection of every expert, [E, out, in] (a GGUF's ffn_{gate,up,down}_exps; the
             # down one is transformers' experts.down_proj as well): float ones are copied now,
@@ -228,9 +278,9 @@ class MoeForCausalLM(LlamaForCausalLM):
                 parts.blocks[part] = (name, tensor)
             else:
                 dst = {"gate": block.w13[:, :inter], "up": block.w13[:, inter:], "down": block.w2}[part]
-                _copy_into(name, dst, tensor)
-            (parts.down if part == "down" else parts.gate_up).update((e, part) for e in range(experts))
-            if parts.blocks and len(parts.gate_up) == 2 * experts and len(parts.down) == experts:
+                _copy_into(name, dst, shard.inner(part, shard.experts(tensor)))
+            (parts.down if part == "down" else parts.gate_up).update((e, part) for e in held)
+            if parts.blocks and len(parts.gate_up) == 2 * len(held) and len(parts.down) == len(held):
                 _resolve_expert_blocks(block, parts)
         elif key == "gate.weight":
             _copy_into(name, block.router, tensor)
@@ -249,22 +299,51 @@ class MoeForCausalLM(LlamaForCausalLM):
                     block.shared_gate_up.load_blocks([gate, up])
                 else:
                     rows, w = block.shared_down.in_features, block.shared_gate_up.weight
-                    _copy_into(name, w[:rows], _float(gate))
-                    _copy_into(name, w[rows:], _float(up))
+                    _copy_into(name, w[:rows], shard.shared("gate", _float(gate)))
+                    _copy_into(name, w[rows:], shard.shared("up", _float(up)))
                 loaded.add(prefix + "shared_gate_up.weight")
         elif key == "shared_expert.down_proj.weight" and block.shared_down is not None:
             if isinstance(tensor, BlockQuantized):
                 block.shared_down.load_blocks([tensor])
             else:
-                _copy_into(name, block.shared_down.weight, tensor)
+                _copy_into(name, block.shared_down.weight, shard.shared("down", tensor))
             loaded.add(prefix + "shared_down.weight")
         else:
             raise ValueError(f"checkpoint has an unexpected weight {name!r} for a Mixture-of-Experts layer")
-        if len(parts.gate_up) == 2 * experts:
+        if len(parts.gate_up) == 2 * len(held):
             loaded.add(prefix + "w13")
-        if len(parts.down) == experts:
+        if len(parts.down) == len(held):
             loaded.add(prefix + "w2")
         return True
+
+
+@dataclass(frozen=True)
+class _ExpertShard:
+    """What of a MoE layer's checkpoint tensors one tensor-parallel rank keeps: with expert
+    parallelism its range of whole experts (`experts`), else its slice of every expert's width
+    (`inner`: gate / up rows, down columns, as the dense MLP's column- and row-parallel halves);
+    the shared expert's width is split either way (`shared`)."""
+
+    block: SparseMoeBlock
+    tp: TPGroup
+
+    def experts(self, stacked: torch.Tensor) -> torch.Tensor:
+        """This rank's experts of a stacked [E, ...] tensor."""
+        held = self.block.experts
+        # (a tensor of another count of experts stays whole: its copy names the wrong shape)
+        return stacked[held.start : held.stop] if len(stacked) == self.block.num_experts else stacked
+
+    def inner(self, part: str, t: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of one expert's (or stacked experts') `part` weight, [..., out, in]."""
+        if self.block.expert_parallel:  # whole experts
+            return t
+        return self.shared(part, t)
+
+    def shared(self, part: str, t: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a `part` ("gate", "up", "down") weight [..., out, in] split by width."""
+        if self.tp.size == 1:
+            return t
+        return t.chunk(self.tp.size, dim=-1 if part == "down" else -2)[self.tp.rank]
 
 
 class _LayerParts:

@@ -15,6 +15,7 @@ import torch
 from kvflow.quantization.checkpoint_formats import CheckpointQuant
 from kvflow.quantization.gguf_blocks import BlockQuantized
 from kvflow.quantization.packed_weights import (
+    Fp8Rows,
     GroupedBlocks,
     Int8Rows,
     IntGroups,
@@ -33,6 +34,7 @@ _PARTS = {
     "awq": (("qweight", "qzeros", "scales"), ()),
     "ct-packed": (("weight_packed", "weight_scale", "weight_shape"), ("weight_zero_point", "weight_g_idx")),
     "ct-int": (("weight", "weight_scale"), ("weight_zero_point", "weight_g_idx")),
+    "ct-fp8": (("weight", "weight_scale"), ("weight_zero_point",)),
 }
 
 
@@ -50,7 +52,9 @@ class QuantizedLoadStats:
         return self.held_bytes / self.packed_bytes if self.packed_bytes else 0.0
 
 
-def _held(w: BlockQuantized | Int8Rows | GroupedBlocks) -> tuple[int, str]:
+def _held(w: BlockQuantized | Int8Rows | GroupedBlocks | Fp8Rows) -> tuple[int, str]:
+    if isinstance(w, Fp8Rows):
+        return w.q.numel() + 4 * w.scale.numel(), f"fp8 e4m3 ({'W8A8' if w.activations != 'none' else 'W8A16'})"
     if isinstance(w, Int8Rows):
         return w.q.numel() + 4 * w.scale.numel(), "int8 (W8A8)"
     if isinstance(w, GroupedBlocks):
@@ -77,7 +81,7 @@ def quantized_weights(
     for name, tensor in weights:
         split = _split(name, quant.layout)
         if split is not None and quant.covers(split[0]):
-            if split[1] == "weight" and tensor.is_floating_point():
+            if split[1] == "weight" and tensor.is_floating_point() and tensor.dtype != torch.float8_e4m3fn:
                 raise ValueError(
                     f"{name} is stored in float ({tensor.dtype}) but quantization_config covers {split[0]} "
                     f"({quant.label}); add it to `ignore`"
@@ -91,8 +95,11 @@ def quantized_weights(
         if missing:
             raise ValueError(f"quantized projection {module} lacks {missing} ({quant.label})")
         stats.packed_bytes += sum(t.numel() * t.element_size() for t in parts.values())
-        groups = _unpack(module, parts, quant)
-        w = to_int8_rows(groups) if quant.activations == "int8-token" else to_blocks(groups)
+        if quant.layout == "ct-fp8":
+            w = _fp8_rows(module, parts, quant)
+        else:
+            groups = _unpack(module, parts, quant)
+            w = to_int8_rows(groups) if quant.activations == "int8-token" else to_blocks(groups)
         held, fmt = _held(w)
         stats.held_bytes += held
         stats.formats[fmt] = stats.formats.get(fmt, 0) + 1
@@ -138,3 +145,22 @@ def _unpack(module: str, t: dict[str, torch.Tensor], quant: CheckpointQuant) -> 
             f"quantization_config's group_size {quant.group_size} gives {expected}"
         )
     return w
+
+
+def _fp8_rows(module: str, t: dict[str, torch.Tensor], quant: CheckpointQuant) -> Fp8Rows:
+    """A float-quantized projection as stored: e4m3 weights, the scale per channel (a per-tensor
+    one repeated over the channels)."""
+    q, scale = t["weight"], t["weight_scale"].float().reshape(-1)
+    if q.dtype != torch.float8_e4m3fn or q.dim() != 2:
+        raise ValueError(f"quantized projection {module} ({quant.label}): weight must be 2-D float8_e4m3fn, got {q.dtype}")
+    zp = t.get("weight_zero_point")
+    if zp is not None and bool(zp.ne(0).any()):
+        raise ValueError(f"quantized projection {module} ({quant.label}): FP8 weights with nonzero zero points")
+    out = q.shape[0]
+    if scale.numel() == 1:
+        scale = scale.expand(out).clone()
+    if scale.numel() != out:
+        raise ValueError(
+            f"quantized projection {module} ({quant.label}): {scale.numel()} weight scales for {out} output channels"
+        )
+    return Fp8Rows(q.contiguous(), scale.contiguous(), quant.activations)

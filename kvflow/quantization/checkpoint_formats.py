@@ -12,7 +12,9 @@ Formats (what the tensors hold is in kvflow.quantization.packed_weights):
 * ``compressed-tensors`` -- one scheme (a `config_groups` entry) over the Linear layers but
   `ignore`: `pack-quantized` int weights of 4 or 8 bits without activation quantization (W4A16,
   W8A16), `int-quantized` 8-bit symmetric per-channel weights with dynamic per-token int8
-  activations (W8A8), or without activation quantization (W8A16). `float-quantized` (FP8) is refused.
+  activations (W8A8), or without activation quantization (W8A16); `float-quantized` FP8 (e4m3)
+  weights per channel or tensor, with dynamic per-token FP8 activations (llm-compressor's
+  FP8_DYNAMIC) or none (W8A16). Block-wise FP8 scales and static activation scales are refused.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 QUANT_METHODS = ("gptq", "awq", "compressed-tensors")
-CT_FORMATS = ("pack-quantized", "int-quantized", "naive-quantized")
+CT_FORMATS = ("pack-quantized", "int-quantized", "naive-quantized", "float-quantized")
 
 
 class UnsupportedQuantization(ValueError):
@@ -36,7 +38,8 @@ class CheckpointQuant:
     `method`: "gptq", "awq" or "compressed-tensors"; `layout` how its tensors are stored ("gptq",
     "awq", "ct-packed", "ct-int"); `bits`; `group_size` (-1: one group over all inputs);
     `zero_offset`: what to add to a stored zero point (GPTQ v1 stores zero - 1); `activations`:
-    "none" (weights only, activations stay float) or "int8-token" (dynamic per-token symmetric int8);
+    "none" (weights only, activations stay float), "int8-token" (dynamic per-token symmetric int8)
+    or "fp8-token" (dynamic per-token float8 e4m3);
     `ignore`: module names or "re:" patterns kept in float; `targets`: what the scheme covers."""
 
     method: str
@@ -53,8 +56,9 @@ class CheckpointQuant:
     @property
     def label(self) -> str:
         group = "per-channel" if self.group_size == -1 else f"group {self.group_size}"
-        acts = "A16" if self.activations == "none" else "A8 (dynamic per-token int8)"
-        return f"{self.method} W{self.bits}{acts}, {group}"
+        acts = {"none": "A16", "int8-token": "A8 (dynamic per-token int8)", "fp8-token": "A8 (dynamic per-token fp8)"}
+        fp8 = " FP8" if self.layout == "ct-fp8" else ""
+        return f"{self.method}{fp8} W{self.bits}{acts[self.activations]}, {group}"
 
     def covers(self, module: str) -> bool:
         """Whether the quantized tensors of `module` (e.g. "model.layers.0.mlp.down_proj") are
@@ -155,12 +159,7 @@ def _compressed_tensors(qc: dict[str, Any]) -> CheckpointQuant:
     ((name, scheme),) = groups.items()
     fmt = scheme.get("format") or qc.get("format")
     if fmt == "float-quantized":
-        raise _fail(
-            "format",
-            fmt,
-            "int-quantized and pack-quantized compressed-tensors checkpoints: FP8 (float-quantized) weights "
-            "have no CPU kernel in kvflow yet",
-        )
+        return _compressed_tensors_fp8(qc, name, scheme)
     if fmt not in CT_FORMATS:
         raise _fail("format", fmt, f"compressed-tensors formats {CT_FORMATS}")
     w = scheme.get("weights") or {}
@@ -220,5 +219,50 @@ def _compressed_tensors(qc: dict[str, Any]) -> CheckpointQuant:
         desc_act=w.get("actorder") is not None,
         ignore=tuple(qc.get("ignore") or ()),
         targets=targets,
+        raw=qc,
+    )
+
+
+def _compressed_tensors_fp8(qc: dict[str, Any], name: str, scheme: dict[str, Any]) -> CheckpointQuant:
+    """`float-quantized`: float8 e4m3 weights with a float32 scale per output channel or per tensor
+    (run as stored by the native float kernel, widened in registers); activations float (W8A16) or
+    rounded to e4m3 per token with the scale max|x| / 448 (FP8_DYNAMIC)."""
+    w = scheme.get("weights") or {}
+    where = f"config_groups.{name}.weights"
+    if w.get("type") != "float" or w.get("num_bits") != 8:
+        raise _fail(where, w, "float-quantized weights of type 'float', 8 bits (e4m3)")
+    if w.get("strategy") not in ("channel", "tensor"):
+        raise _fail(
+            f"{where}.strategy", w.get("strategy"), "FP8 weights scaled per output channel or per tensor (not block-wise)"
+        )
+    if not w.get("symmetric", True) or w.get("dynamic"):
+        raise _fail(where, w, "symmetric FP8 weights with static scales")
+    if scheme.get("output_activations"):
+        raise _fail(f"config_groups.{name}.output_activations", scheme["output_activations"], "no output quantization")
+    acts = scheme.get("input_activations")
+    activations = "none"
+    if acts:
+        ok = (
+            acts.get("type") == "float"
+            and acts.get("num_bits") == 8
+            and acts.get("dynamic") is True
+            and acts.get("strategy") == "token"
+        )
+        if not ok:
+            raise _fail(
+                f"config_groups.{name}.input_activations",
+                acts,
+                "FP8 activations quantized dynamically per token (FP8_DYNAMIC); static activation scales are not "
+                "supported",
+            )
+        activations = "fp8-token"
+    return CheckpointQuant(
+        method="compressed-tensors",
+        layout="ct-fp8",
+        bits=8,
+        group_size=-1,
+        activations=activations,
+        ignore=tuple(qc.get("ignore") or ()),
+        targets=tuple(scheme.get("targets") or ("Linear",)),
         raw=qc,
     )

@@ -71,6 +71,24 @@ class Int8Rows:
 
 
 @dataclass
+class Fp8Rows:
+    """float8 e4m3 weights as an FP8 checkpoint stores them: `q` torch.float8_e4m3fn [out, in],
+    `scale` float32 [out] (a per-tensor scale repeated), `activations` "none" or "fp8-token"."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    activations: str = "none"
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+    @staticmethod
+    def cat(parts: list[Fp8Rows]) -> Fp8Rows:
+        return Fp8Rows(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]), parts[0].activations)
+
+
+@dataclass
 class GroupedBlocks:
     """Blocks with what they cannot hold of a group-wise format (see GroupedInputKernel):
     `perm` -- inputs permuted (act-order), y = W' x[perm]; `offsets` -- float32 [out, groups], the
@@ -87,14 +105,16 @@ class GroupedBlocks:
         return sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]
 
 
-STORED_TYPES = (Int8Rows, GroupedBlocks)
+STORED_TYPES = (Int8Rows, GroupedBlocks, Fp8Rows)
 
 
-def fuse_stored(name: str, parts: list) -> list[BlockQuantized] | Int8Rows | GroupedBlocks:
+def fuse_stored(name: str, parts: list) -> list[BlockQuantized] | Int8Rows | GroupedBlocks | Fp8Rows:
     """One fused projection (`name`: q|k|v or gate|up) from its parts as a quantized checkpoint
     stores them; they must share one kind (and one act-order permutation, one group size)."""
     if all(isinstance(p, Int8Rows) for p in parts):
         return Int8Rows.cat(parts)
+    if all(isinstance(p, Fp8Rows) for p in parts):
+        return Fp8Rows.cat(parts)
     if all(isinstance(p, BlockQuantized) for p in parts):
         return parts
     if all(isinstance(p, (GroupedBlocks, BlockQuantized)) for p in parts):

@@ -93,7 +93,7 @@ class KVCacheSpec:
 def kv_cache_spec(model_config: ModelConfig, config: EngineConfig) -> KVCacheSpec:
     """One rank's KV bytes per token for this model and engine config (dtype, KV dtype, TP size).
     Asked before any runner exists: the number of KV blocks the runners allocate comes from it."""
-    mc = local_config(model_config, config.tensor_parallel_size)
+    mc = local_config(model_config, config.tensor_parallel_size, config.enable_expert_parallel)
     per_token = kv_cache_bytes_per_token(
         mc.num_layers, mc.num_kv_heads, mc.head_dim, getattr(torch, config.dtype), config.kv_cache_dtype
     )
@@ -161,7 +161,8 @@ class ModelRunner:
             )
         self.model.prepare(self.linear_backend, self.kernel_plan)
         if model_config.is_moe:  # tokens per layer / expert for the metrics ("off": no per-step work)
-            self.model.set_routing_stats(config.moe_expert_metrics)
+            # (every tensor-parallel rank routes every token; the first rank's counts are reported)
+            self.model.set_routing_stats(config.moe_expert_metrics if tp is None or tp.is_first else "off")
         logger.info(
             "weights: %.1f MB as the kernels hold them (%s)", self.model.weight_bytes() / 1e6, self.linear_backend
         )
@@ -228,12 +229,7 @@ class ModelRunner:
 
             self.lora_batch = LoRABatch()
             self.lora = LoRAManager(
-                base_shapes(self.model),
-                config.max_loras,
-                config.cpu_loras,
-                config.max_lora_rank,
-                self.dtype,
-                self.device,
+                base_shapes(self.model), config.max_loras, config.cpu_loras, config.max_lora_rank, self.lora_batch
             )
             attach(self.model, self.lora_batch)  # (after every kernel choice: wraps the final kernels)
 
@@ -365,12 +361,10 @@ class ModelRunner:
         traced = self.model.cfg.is_moe and any(s.params.return_expert_trace for s in seqs)
         if traced:  # (only then: the experts of the traced rows are read back after the pass)
             self.model.start_routing_capture()
-        lora_rows = self.lora is not None and self.lora.batch_for(
-            [(s.lora, len(s.token_ids)) for s in seqs], self.lora_batch
-        )
-        saved = self.model.native_decode, self.decode_graphs
-        if lora_rows:  # adapter rows: the per-layer path (the fused decode pass has no adapters)
-            self.model.native_decode = self.decode_graphs = None
+        lora_rows = self.lora is not None and self.lora.batch_for([(s.lora, len(s.token_ids)) for s in seqs])
+        saved = self.decode_graphs
+        if lora_rows:  # adapter rows: eager (the captured graphs have no adapters; the decode pass has)
+            self.decode_graphs = None
         try:
             hidden = self.run_model(
                 # (positions in the cache: attention sinks drop tokens from it)
@@ -382,8 +376,8 @@ class ModelRunner:
         finally:
             experts = self.model.take_routing_capture() if traced else None
             if lora_rows:
-                self.model.native_decode, self.decode_graphs = saved
-                self.lora_batch.groups.clear()
+                self.decode_graphs = saved
+                self.lora.end_step()
         trace = {} if experts is None else _expert_trace(seqs, experts)
         embeddings = self._pool(seqs, hidden) if any(s.params.pooling for s in seqs) else {}
         prompt_lps = (

@@ -15,7 +15,7 @@ from lora_utils import ADAPTERS, base_model, make_adapters
 
 from kvflow import LLM, LoRARequest, SamplingParams
 
-from conftest import assert_no_leaks, hf_greedy
+from conftest import assert_no_leaks, assert_same_completions, hf_greedy
 
 peft = pytest.importorskip("peft")  # (in the test extras: CI has it)
 
@@ -42,22 +42,71 @@ def _llm(path: str, **kw) -> LLM:
     return LLM(path, **opts)
 
 
-def test_mixed_batch_matches_peft_merged(tiny_llama, adapters):
-    path, _ = tiny_llama
+MIXED = [None, "qv4", "all8", None, "mlp16", "qv4"]  # the two qv4 rows are not adjacent
+
+
+def _mixed_prompts() -> list[list[int]]:
     gen = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(2, 200, (n,), generator=gen).tolist() for n in (5, 9, 3, 12, 7, 6)]
-    names = [None, "qv4", "all8", None, "mlp16", "qv4"]  # the two qv4 rows are not adjacent
+    return [torch.randint(2, 200, (n,), generator=gen).tolist() for n in (5, 9, 3, 12, 7, 6)]
+
+
+def _mixed_loras(adapters) -> list[LoRARequest | None]:
     ids = {name: i + 1 for i, name in enumerate(ADAPTERS)}
-    loras = [None if n is None else LoRARequest(n, ids[n], adapters[n]) for n in names]
-    llm = _llm(path)
-    outs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)
+    return [None if n is None else LoRARequest(n, ids[n], adapters[n]) for n in MIXED]
+
+
+def _assert_mixed_matches_peft(path: str, adapters, outs) -> None:
     differs = 0
-    for prompt, name, out in zip(prompts, names, outs):
+    for prompt, name, out in zip(_mixed_prompts(), MIXED, outs):
         expected = merged_greedy(path, None if name is None else adapters[name], prompt, GREEDY.max_tokens)
         assert out.outputs[0].token_ids == expected, name
         if name is not None:
             differs += expected != merged_greedy(path, None, prompt, GREEDY.max_tokens)
     assert differs >= 3  # the adapters do change the model: the comparison tests something
+
+
+def test_mixed_batch_matches_peft_merged(tiny_llama, adapters):
+    path, _ = tiny_llama
+    llm = _llm(path)
+    outs = llm.generate(_mixed_prompts(), GREEDY, use_tqdm=False, lora_request=_mixed_loras(adapters))
+    _assert_mixed_matches_peft(path, adapters, outs)
+    assert_no_leaks(llm.engine)
+    llm.shutdown()
+
+
+def test_mixed_batch_through_decode_pass(tiny_llama, adapters, monkeypatch):
+    """Decode steps of adapter rows and base rows together run in the fused native decode pass:
+    tokens equal peft's, and the logprobs equal the per-layer path's bit for bit."""
+    from kvflow.kernels.cpu.decode_pass import DecodePassKernel
+
+    path, _ = tiny_llama
+    # The native float kernels on both paths (the pass for every decode step, whatever its rows):
+    # then a token's result is the same bits whichever path ran it.
+    monkeypatch.setenv("KVFLOW_LINEAR_BACKEND", "native")
+    llm = _llm(path)
+    model = llm.engine.runner.model
+    if model.native_decode is None:
+        pytest.fail("the native decode pass is unavailable here (the native library could not be built)")
+    calls: list[tuple[int, int]] = []  # per pass call: (rows, rows under adapters)
+    real_call = DecodePassKernel.__call__
+
+    def counting(self, x, *args):
+        lora = args[-1] if len(args) == 7 else None
+        calls.append((x.shape[0], 0 if lora is None else int(lora[1].seg_start[-1])))
+        return real_call(self, x, *args)
+
+    monkeypatch.setattr(DecodePassKernel, "__call__", counting)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=3)
+    outs = llm.generate(_mixed_prompts(), params, use_tqdm=False, lora_request=_mixed_loras(adapters))
+    _assert_mixed_matches_peft(path, adapters, outs)
+    # decode steps with 4 adapter rows beside 2 base rows went through the pass
+    assert (6, 4) in calls
+    native, model.native_decode = model.native_decode, None  # the per-layer path, same engine
+    n_calls = len(calls)
+    per_layer = llm.generate(_mixed_prompts(), params, use_tqdm=False, lora_request=_mixed_loras(adapters))
+    model.native_decode = native
+    assert len(calls) == n_calls
+    assert_same_completions([o.outputs[0] for o in outs], [o.outputs[0] for o in per_layer], abs_tol=0.0)
     assert_no_leaks(llm.engine)
     llm.shutdown()
 

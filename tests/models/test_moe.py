@@ -1,10 +1,12 @@
 """Mixture-of-Experts models (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) against HF transformers on the
 same tiny random weights: greedy tokens under batching, chunked prefill, preemption and prefix
 hits; prefill logits; the grouped experts against a float64 loop; routing ties against HF's own
-routers; bfloat16 against float32; and the refusals of what is not there yet."""
+routers; bfloat16 against float32; tensor and expert parallelism (TP = 2, mp executor) against HF
+and TP = 1; and the refusals of what is not there yet."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from pathlib import Path
@@ -21,7 +23,7 @@ from kvflow.layers.moe import Routing, SparseMoeBlock, grouped_experts
 from kvflow.models.decode_pass import native_decode_unsupported
 from kvflow.worker.model_runner import MOE_PATH
 
-from conftest import assert_no_leaks, hf_greedy, kvflow_prefill_logits
+from conftest import assert_no_leaks, assert_same_completions, hf_greedy, kvflow_prefill_logits
 
 MAX_TOKENS = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -238,10 +240,104 @@ def test_quantization_refused(model_factory, quantization):
         LLM(path, quantization=quantization, num_kv_blocks=16, max_model_len=32)
 
 
-def test_tensor_parallel_refused(model_factory):
-    path, _ = model_factory("qwen3_moe")
-    with pytest.raises(ValueError, match="tensor_parallel_size=2.*Mixture-of-Experts.*tensor_parallel_size=1"):
-        LLM(path, tensor_parallel_size=2, num_kv_blocks=16, max_model_len=32)
+# ---- tensor and expert parallelism ----------------------------------------------------------------
+# (family variant, mode, overrides): every family split inside its experts ("tp") and with whole
+# experts per rank ("ep"); Qwen2-MoE with a dense layer between its routed ones (and its shared
+# expert); Qwen3-MoE with 5 experts over 2 ranks (3 and 2).
+PARALLEL = {
+    f"{v}-{mode}": (v, mode, {})
+    for v in ("mixtral", "qwen2_moe-mlp_only", "qwen3_moe-norm_topk", "olmoe-clip_qkv")
+    for mode in ("tp", "ep")
+}
+PARALLEL["qwen3_moe-5_experts-ep"] = ("qwen3_moe-norm_topk", "ep", {"num_experts": 5})
+PARALLEL_PARAMS = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
+
+
+def _parallel_run(path: str, tp: int, ep: bool = False):
+    """The workload through 4-token blocks, a 16-token step budget (chunked prefill, several prompts
+    per step) and 24 KV blocks (preemption), per-expert routing counts on."""
+    llm = LLM(
+        path,
+        max_model_len=64,
+        block_size=4,
+        num_kv_blocks=24,
+        max_num_batched_tokens=16,
+        kernel_autotune="off",
+        moe_expert_metrics="per_expert",
+        tensor_parallel_size=tp,
+        enable_expert_parallel=ep,
+    )
+    try:
+        outs = [o.outputs[0] for o in llm.generate(_workload(), PARALLEL_PARAMS, use_tqdm=False)]
+        assert_no_leaks(llm.engine)
+        return outs, llm.get_stats(), llm.engine.executor.runner.model
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.server  # starts a worker process
+@pytest.mark.parametrize("variant,mode,overrides", list(PARALLEL.values()), ids=list(PARALLEL))
+def test_tensor_parallel_matches_hf_and_tp1(model_factory, variant, mode, overrides):
+    """TP = 2 (mp executor), experts split inside or partitioned whole: HF's greedy tokens and
+    TP = 1's logprobs, under batching, chunked prefill and preemption; rank 0 holds its share of
+    the experts only; the routing counts are TP = 1's (each (token, expert) pair counted once)."""
+    arch, base = VARIANTS[variant]
+    path, hf = model_factory(arch, **base, **overrides)
+    ref, ref_stats, _ = _parallel_run(path, 1)
+    got, stats, model = _parallel_run(path, 2, ep=mode == "ep")
+    assert stats.num_preemptions > 0
+    for p, o in zip(_workload(), got):
+        assert o.token_ids == hf_greedy(hf, p, MAX_TOKENS)
+    assert_same_completions(got, ref, abs_tol=1e-4)
+    assert stats.moe == ref_stats.moe and sum(stats.moe.tokens) > 0
+    experts = hf.config.num_local_experts if arch == "mixtral" else hf.config.num_experts
+    width = getattr(hf.config, "moe_intermediate_size", None) or hf.config.intermediate_size  # (Mixtral, OLMoE)
+    block = model.moe_blocks[0]
+    held = range((experts + 1) // 2) if mode == "ep" else range(experts)  # rank 0 holds the extra one
+    assert block.experts == held
+    assert tuple(block.w13.shape) == (len(held), 2 * width // (1 if mode == "ep" else 2), hf.config.hidden_size)
+
+
+def test_expert_parallel_partial_sums_add_up():
+    """Each rank's grouped experts over its range of 5 experts (3 and 2, as expert_range assigns
+    them, and 5 ranks of one) add up to the whole block's output (a float64 loop)."""
+    from kvflow.distributed.parallel import expert_range
+
+    assert [expert_range(5, r, 2) for r in range(2)] == [range(3), range(3, 5)]
+    assert [len(expert_range(10, r, 4)) for r in range(4)] == [3, 3, 2, 2]
+    g = torch.Generator().manual_seed(7)
+    tokens, hidden, inter, experts, top_k = 9, 16, 8, 5, 2
+    x = torch.randn(tokens, hidden, generator=g)
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=g) * 0.3
+    w2 = torch.randn(experts, hidden, inter, generator=g) * 0.3
+    chosen = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
+    routing = Routing(torch.rand(tokens, top_k, generator=g), chosen)
+    ref = _loop_reference(x, routing, w13, w2)
+    for size in (2, 5):
+        parts = []
+        for rank in range(size):
+            held = expert_range(experts, rank, size)
+            sl = slice(held.start, held.stop)
+            parts.append(grouped_experts(x, routing, w13[sl], w2[sl], first_expert=held.start).double())
+        torch.testing.assert_close(sum(parts), ref, atol=1e-5 * ref.abs().max().item(), rtol=0)
+
+
+def test_parallel_config_errors(model_factory):
+    """Refused before any worker starts, naming the shape or the option."""
+    from kvflow.distributed.parallel import local_config
+
+    with pytest.raises(ValueError, match=r"enable_expert_parallel .* needs tensor_parallel_size > 1 \(got 1\)"):
+        LLM(model_factory("qwen3_moe")[0], max_model_len=32, enable_expert_parallel=True)
+    path, _ = model_factory("qwen3_moe", moe_intermediate_size=33)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 must divide the model's expert width .*\(33\)"):
+        LLM(path, max_model_len=32, num_kv_blocks=16, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"enable_expert_parallel .* LlamaForCausalLM has none"):
+        LLM(model_factory("llama")[0], max_model_len=32, tensor_parallel_size=2, enable_expert_parallel=True)
+    cfg = ModelConfig.from_hf_config(json.loads((Path(path) / "config.json").read_text()))
+    with pytest.raises(ValueError, match="at least one expert per rank; the model has 4 experts"):
+        local_config(dataclasses.replace(cfg, num_heads=8, num_kv_heads=8), 8, expert_parallel=True)
+    local = local_config(cfg, 2, expert_parallel=True)  # whole experts: their width need not divide
+    assert local.moe.moe_intermediate_size == 33 and local.moe.expert_parallel_size == 2
 
 
 def test_native_attention_and_no_decode_pass(model_factory, monkeypatch):

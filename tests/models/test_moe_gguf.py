@@ -9,7 +9,8 @@ writer (gguf_files.write_moe_gguf) from the weights of a tiny HF model of each f
   of its batch); the model's logits follow the dequantized path's within the activation
   quantization's noise, greedy tokens equal while the margins allow;
 * a layer whose experts come in mixed float and block types runs them in float (dequantized);
-* the metadata cache serves a MoE file's second load.
+* the metadata cache serves a MoE file's second load;
+* under tensor parallelism (experts split inside or whole per rank), HF's greedy tokens.
 """
 
 from __future__ import annotations
@@ -114,6 +115,24 @@ def test_dequantized_matches_hf(model_factory, tmp_path, variant):
         assert o.outputs[0].token_ids == hf_greedy(hf, p, 12)
     assert MOE_PATH in llm.get_stats().linear_kernels
     assert_no_leaks(llm.engine)
+
+
+@pytest.mark.server  # starts a worker process
+@pytest.mark.parametrize("ep", [False, True], ids=["tp", "ep"])
+def test_tensor_parallel_matches_hf(model_factory, tmp_path, ep):
+    """A GGUF's experts (Qwen2-MoE: shared expert, a dense layer) split over 2 ranks, inside or
+    whole per rank (each rank keeping its slices of the 3-D tensors): dequantized at load, as
+    under TP every GGUF is, HF's greedy tokens for three prompts in one batch."""
+    path, _, hf = _gguf(model_factory, tmp_path, "qwen2_moe")
+    llm = LLM(path, tensor_parallel_size=2, enable_expert_parallel=ep, **ENGINE)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+        for p, o in zip(PROMPTS, llm.generate(PROMPTS, params, use_tqdm=False)):
+            assert o.outputs[0].token_ids == hf_greedy(hf, p, 12)
+        assert llm.engine.executor.runner.model.moe_blocks[0].experts == (range(2) if ep else range(4))
+        assert_no_leaks(llm.engine)
+    finally:
+        llm.shutdown()
 
 
 # ---- quantized experts, as stored ------------------------------------------------------------------

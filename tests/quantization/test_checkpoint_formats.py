@@ -414,6 +414,80 @@ def test_ct_w8a16_int_quantized_runs_as_q8_0(base, tmp_path):
     assert packed_ratio(path) <= 1.15
 
 
+# ---- FP8 (float-quantized) -----------------------------------------------------------------------
+def _fp8_round(x: torch.Tensor) -> torch.Tensor:
+    """Each row rounded to float8 e4m3 with the scale max|x| / 448, by torch's own float8 cast
+    (compressed-tensors' dynamic per-token FP8 activations), back in float64."""
+    s = x.float().abs().amax(-1, keepdim=True) / 448
+    return torch.where(s > 0, (x.float() / s).to(torch.float8_e4m3fn).float() * s, x.float()).double()
+
+
+@pytest.mark.parametrize(("strategy", "dynamic_acts"), [("channel", True), ("tensor", False), ("channel", False)])
+def test_ct_fp8_float_quantized(base, tmp_path, strategy, dynamic_acts):
+    """An FP8 checkpoint written by compressed-tensors' own float-quantized compressor runs as stored
+    (e4m3 bytes in the native float kernel, also inside the decode pass): each projection equals the
+    compressor's own decompression times the (FP8-rounded, for FP8_DYNAMIC) input to float32
+    rounding; greedy tokens equal the HF model with the decompressed weights and the same
+    activation rounding (torch's float8 cast)."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+
+    from kvflow.kernels.cpu.float_linear import NativeFloatKernel
+
+    src, hf, sd = base
+    args = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy=strategy)
+    acts = QuantizationArgs(num_bits=8, type="float", strategy="token", dynamic=True) if dynamic_acts else None
+    scheme = QuantizationScheme(targets=["Linear"], weights=args, input_activations=acts, format="float-quantized")
+    compressor = BaseCompressor.get_value_from_registry("float-quantized")
+    tensors, ref = {}, dict(sd)
+    for module in _projections(sd):
+        w = sd[f"{module}.weight"].float()
+        amax = w.abs().amax(1, keepdim=True) if strategy == "channel" else w.abs().amax().reshape(1, 1)
+        state = {"weight": w, "weight_scale": amax / 448, "weight_zero_point": torch.zeros_like(amax)}
+        packed = compressor.compress(state, scheme)
+        assert packed["weight"].dtype == torch.float8_e4m3fn
+        ref[f"{module}.weight"] = compressor.decompress(dict(packed), scheme)["weight"].float()
+        tensors.update({f"{module}.{k}": v for k, v in packed.items()})
+    tensors.update({k: v for k, v in sd.items() if not k.endswith("_proj.weight")})
+    qc = QuantizationConfig(
+        config_groups={"group_0": scheme}, quant_method="compressed-tensors", format="float-quantized", ignore=["lm_head"]
+    ).model_dump(mode="json")
+    path = _write(src, tmp_path / "fp8", tensors, qc)
+    assert packed_ratio(path) <= 1.15
+
+    llm = LLM(path, max_model_len=128, num_kv_blocks=32)
+    model = llm.engine.runner.model
+    assert model.native_decode is not None  # decode steps run the e4m3 weights in the fused pass
+    gen = torch.Generator().manual_seed(5)
+    for i, layer in enumerate(model.layers):
+        for proj, names in (
+            ("qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+            ("down_proj", ("mlp.down_proj",)),
+        ):
+            kernel = getattr(layer, proj).kernel
+            assert isinstance(kernel, NativeFloatKernel) and kernel.weight_dtype == torch.float8_e4m3fn
+            w_ref = torch.cat([ref[f"model.layers.{i}.{n}.weight"] for n in names]).double()
+            x = torch.randn(5, w_ref.shape[1], generator=gen)
+            xr = _fp8_round(x) if dynamic_acts else x.double()
+            with torch.inference_mode():
+                err = (kernel(x).double() - xr @ w_ref.t()).abs()
+            assert (err <= 1e-5 * (xr.abs() @ w_ref.abs().t()) + 1e-6).all(), err.max()
+
+    ref_model = reference_model(hf, ref)
+    if dynamic_acts:
+        for name, m in ref_model.named_modules():
+            if isinstance(m, torch.nn.Linear) and name.endswith("proj"):
+                m.forward = lambda x, w=m.weight.double(): torch.nn.functional.linear(_fp8_round(x), w).float()
+    with torch.no_grad():
+        want = ref_model(torch.tensor([PROMPT])).logits[0].float()
+    got = all_logits(llm, PROMPT)
+    # The same arithmetic up to float32 vs float64 (and, FP8_DYNAMIC, an input whose x / scale lands
+    # on the other side of a half step: rare).
+    assert ((got - want).norm() / want.norm()).item() < 1e-2
+    out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    assert out[0].outputs[0].token_ids == hf_greedy(ref_model, PROMPT, 12)
+
+
 # ---- GPTQ / AWQ ------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("bits", "group", "sym", "desc_act"),
@@ -460,9 +534,28 @@ def test_awq_gemm(base, tmp_path):
             {
                 "quant_method": "compressed-tensors",
                 "format": "float-quantized",
-                "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float"}}},
+                "config_groups": {
+                    "group_0": {
+                        "targets": ["Linear"],
+                        "weights": {"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [128, 128]},
+                    }
+                },
             },
-            "float-quantized",
+            "not block-wise",
+        ),
+        (
+            {
+                "quant_method": "compressed-tensors",
+                "format": "float-quantized",
+                "config_groups": {
+                    "group_0": {
+                        "targets": ["Linear"],
+                        "weights": {"num_bits": 8, "type": "float", "strategy": "channel"},
+                        "input_activations": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False},
+                    }
+                },
+            },
+            "static activation scales",
         ),
     ],
 )

@@ -5,8 +5,10 @@ ones (`BlockQuantKernel`: GGUF formats, int4).
 The C++ loop runs, per layer, the same kernels in the same order as the per-layer path (each
 linear with its fused norm / activation, the native rotary, cache write and paged attention), so a
 token's hidden state is bit for bit the same whichever path ran it (float32; a bfloat16 model's
-pass keeps its activations in float32 from the first layer to the last). What a layer is made of
-and when a model may run the pass is the model side's: kvflow.models.decode_pass.
+pass keeps its activations in float32 from the first layer to the last). With LoRA adapters
+(`LoRAStep`) each projection's adapter rows get their scaling * B (A x) in the pass too, from the
+function the per-layer path calls (csrc/lora.cpp, kvflow.kernels.cpu.lora). What a layer is made
+of and when a model may run the pass is the model side's: kvflow.models.decode_pass.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 from kvflow.kernels.cpu.block_linear import BlockQuantKernel
 from kvflow.kernels.cpu.float_linear import NativeFloatKernel
 from kvflow.kernels.cpu.int8_linear import Int8Kernel, int8_library
+from kvflow.kernels.cpu.lora import LoRAProjection, LoRARows, NativeProj, NativeRows
 from kvflow.kernels.cpu.paged_attention import KV_FORMATS
 
 _I, _F, _P = ctypes.c_int, ctypes.c_float, ctypes.c_void_p
@@ -47,7 +50,26 @@ class _Layer(ctypes.Structure):  # DecoderLayer in csrc/decode_pass.cpp
     ]
 
 
-_ARGS = [ctypes.POINTER(_Shape), ctypes.POINTER(_Layer), _P, _I, _P, _P, _P, _P, ctypes.c_long, _P, _P, _P, _I]
+class _LoraStep(ctypes.Structure):  # LoraStep in csrc/decode_pass.cpp
+    _fields_ = [("projs", ctypes.POINTER(NativeProj)), ("rows", NativeRows), ("max_tk", _I)]
+
+
+_ARGS = [
+    ctypes.POINTER(_Shape),
+    ctypes.POINTER(_Layer),
+    _P,
+    _I,
+    _P,
+    _P,
+    _P,
+    _P,
+    ctypes.c_long,
+    _P,
+    _P,
+    _P,
+    _I,
+    ctypes.POINTER(_LoraStep),
+]
 _SIGNATURES = {
     "kvflow_int8_decode": (_ARGS, _I),
     "kvflow_float_decode": (_ARGS, _I),
@@ -68,6 +90,29 @@ PHASES = (
 )
 
 NativeLinear = Int8Kernel | NativeFloatKernel | BlockQuantKernel
+LORA_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # a layer's, in the pass's order
+
+
+class LoRAStep:
+    """The resident adapters as the pass reads them: per layer, its projections' stacked slots
+    (`LORA_PROJECTIONS`; a projection missing from a layer's dict takes none). `for_rows` gives
+    the step's argument."""
+
+    def __init__(self, slots: list[dict[str, LoRAProjection]]) -> None:
+        self._slots = slots  # (what the pointers below point into)
+        self.projs = (NativeProj * (len(LORA_PROJECTIONS) * len(slots)))()
+        max_tk = 1
+        for i, layer in enumerate(slots):
+            for j, name in enumerate(LORA_PROJECTIONS):
+                proj = layer.get(name)
+                if proj is not None:  # (else all zeros: a null `a`)
+                    self.projs[i * len(LORA_PROJECTIONS) + j] = proj.native
+                    max_tk = max(max_tk, proj.native.parts * proj.native.rmax)
+        self.step = _LoraStep(self.projs, NativeRows(), max_tk)
+
+    def for_rows(self, rows: LoRARows) -> _LoraStep:
+        self.step.rows = rows.native
+        return self.step
 
 
 @dataclass
@@ -147,10 +192,12 @@ class DecodePassKernel:
         tables: torch.Tensor,
         context_lens: torch.Tensor,
         tokens: torch.Tensor,
+        lora: tuple[LoRAStep, LoRARows] | None = None,
     ) -> None:
         """Runs every decoder layer on x [rows, hidden] (contiguous; float32, or bfloat16: widened
         for the pass and rounded back) in place; row r is the step's token r, one per sequence,
-        attending to the first context_lens[r] keys of block table tables[r] (int32)."""
+        attending to the first context_lens[r] keys of block table tables[r] (int32). `lora`: the
+        resident adapters and the step's rows under them, or None."""
         h = x if x.dtype == torch.float32 else x.float()
         if cos.dtype != torch.float32:
             cos, sin_signed = cos.float(), sin_signed.float()
@@ -168,6 +215,7 @@ class DecodePassKernel:
             tokens.data_ptr(),
             None if self.phase_seconds is None else self.phase_seconds.data_ptr(),
             torch.get_num_threads(),
+            None if lora is None else ctypes.byref(lora[0].for_rows(lora[1])),
         )
         if rc != 0:
             raise RuntimeError("native decode refused the attention shape")

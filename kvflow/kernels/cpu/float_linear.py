@@ -3,8 +3,10 @@ over a packed copy of the weight (panels of output channels, register tiles of r
 with the norm / activation that feeds the projection and the residual in the same call. float32
 sums; the weight in float32, or in bfloat16 (half the bytes a decode step reads: through the CPU's
 bf16 dot product on bf16-rounded inputs where it has AVX512-BF16, `bf16_dot` -- on AMX tiles where
-it has those, `bf16_amx` -- else widened in registers). The ``native`` path of
-kvflow.layers.linear_kernels for float32 and bfloat16 models.
+it has those, `bf16_amx` -- else widened in registers), or in float8 e4m3 with a scale per output
+channel (an FP8 checkpoint's weights as stored, a quarter of float32's bytes: widened in registers,
+the inputs rounded to e4m3 per token first where the checkpoint's activations are FP8 too). The
+``native`` path of kvflow.layers.linear_kernels for float32 and bfloat16 models.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from kvflow.kernels.norm import NormWeights
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 _SIGNATURES = {
     "kvflow_float_pack": ([_P, _I, _I, _I], _P),
+    "kvflow_float_pack_fp8": ([_P, _I, _I, _P, _I], _P),
     "kvflow_float_free": ([_P], None),
     "kvflow_float_unpack": ([_P, _P], None),
     "kvflow_float_linear": ([_P, _P, _L, _I, _I, _P, _F, _P, _P, _L, _P, _I], None),
@@ -27,6 +30,7 @@ _SIGNATURES = {
     "kvflow_float_amx": ([], _I),
 }
 WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1}  # enum WeightType in csrc/float_linear.h
+FP8_ACTIVATIONS = {"none": 0, "fp8-token": 1}  # enum ActQuant in csrc/float_linear.h
 
 
 def float_library() -> ctypes.CDLL | None:
@@ -52,17 +56,34 @@ class NativeFloatKernel:
     """y = residual + W . pre(x) + bias in float32, W [out, in] (float32 or bfloat16) packed once
     into the kernel's layout; the result in x's dtype.
 
+    FP8 weights: W in torch.float8_e4m3fn with `scale` [out] (float32, one per output channel: y =
+    scale * (W . x)), and `activations` "none" or "fp8-token" (each input row rounded to e4m3 with
+    the scale max|x| / 448 before the products, as an FP8 W8A8 checkpoint's dynamic activations).
+
     `norm=<NormWeights>` / `silu_mul=True` apply the op that produces the projection's input first
     (as Int8Kernel takes them), so the per-layer path and the fused decode pass
     (kvflow.models.decode_pass) run the same code on a token."""
 
     backend = "native"
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        if weight.dtype not in WEIGHT_TYPES or weight.device.type != "cpu":
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        *,
+        scale: torch.Tensor | None = None,
+        activations: str = "none",
+    ) -> None:
+        fp8 = weight.dtype == torch.float8_e4m3fn
+        if (weight.dtype not in WEIGHT_TYPES and not fp8) or weight.device.type != "cpu":
             raise ValueError(
-                f"the native float linear takes float32 or bfloat16 CPU weights, got {weight.dtype} "
+                f"the native float linear takes float32, bfloat16 or float8_e4m3fn CPU weights, got {weight.dtype} "
                 f"on {weight.device.type}"
+            )
+        if fp8 != (scale is not None) or (activations != "none" and not fp8) or activations not in FP8_ACTIVATIONS:
+            raise ValueError(
+                "float8_e4m3fn weights take a per-channel `scale` (and only they do), and `activations` one of "
+                f"{tuple(FP8_ACTIVATIONS)}; got scale={scale is not None}, activations={activations!r}"
             )
         self._lib = float_library()
         if self._lib is None:
@@ -70,10 +91,25 @@ class NativeFloatKernel:
         self.weight_dtype = weight.dtype
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else bias.detach().float().contiguous().clone()
+        self.activations = activations
         w = weight.detach().contiguous()
-        self.native_handle = self._lib.kvflow_float_pack(
-            w.data_ptr(), self.out_features, self.in_features, WEIGHT_TYPES[weight.dtype]
-        )
+        if fp8:
+            s = scale.detach().float().reshape(-1).contiguous()
+            if s.numel() != self.out_features:
+                raise ValueError(f"{s.numel()} weight scales for {self.out_features} output channels")
+            self.scale = s.clone()
+            self.native_handle = self._lib.kvflow_float_pack_fp8(
+                w.view(torch.uint8).data_ptr(),
+                self.out_features,
+                self.in_features,
+                s.data_ptr(),
+                FP8_ACTIVATIONS[activations],
+            )
+        else:
+            self.scale = None
+            self.native_handle = self._lib.kvflow_float_pack(
+                w.data_ptr(), self.out_features, self.in_features, WEIGHT_TYPES[weight.dtype]
+            )
         if not self.native_handle:
             raise MemoryError(f"no memory for the packed {self.out_features}x{self.in_features} weight")
         weakref.finalize(self, self._lib.kvflow_float_free, self.native_handle)
@@ -98,6 +134,8 @@ class NativeFloatKernel:
 
     @property
     def nbytes(self) -> int:
-        return self.out_features * self.in_features * self.weight_dtype.itemsize + (
-            0 if self.bias is None else self.bias.numel() * 4
+        return (
+            self.out_features * self.in_features * self.weight_dtype.itemsize
+            + (0 if self.bias is None else self.bias.numel() * 4)
+            + (0 if self.scale is None else self.scale.numel() * 4)
         )

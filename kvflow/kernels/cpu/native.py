@@ -82,12 +82,13 @@ def cpu_id() -> str:
 SOURCE_FLAGS = {
     "block_linear.cpp": ("-fno-associative-math", "-ffp-contract=off"),
     "float_linear.cpp": ("-fno-associative-math", "-ffp-contract=off"),
+    "lora.cpp": ("-fno-associative-math", "-ffp-contract=off"),
 }
 
 # Library -> its sources (one language per library). Headers (csrc/*.h) are shared.
 LIBRARIES = {
     "paged_attention": ("paged_attention.cpp",),
-    "linear": ("int8_linear.cpp", "float_linear.cpp", "block_linear.cpp", "decode_pass.cpp"),
+    "linear": ("int8_linear.cpp", "float_linear.cpp", "block_linear.cpp", "lora.cpp", "decode_pass.cpp"),
 }
 
 

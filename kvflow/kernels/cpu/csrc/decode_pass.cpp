@@ -10,6 +10,10 @@
  * The same functions as the per-layer path (Int8Kernel / NativeFloatKernel, CpuPagedAttention) in the
  * same order, so a token's result is bit for bit the one that path gives; what goes is the ~10
  * Python-level calls per layer, most of a small-batch step's time after the matmuls.
+ *
+ * With LoRA adapters (a LoraStep), each projection's output then gets its adapter rows' scaling * B (A x)
+ * from lora_team (lora.cpp), the same function the per-layer path calls: rows of adapters and of the
+ * base model share the pass.
  */
 #include <omp.h>
 
@@ -21,6 +25,7 @@
 #include "block_linear.h"
 #include "float_linear.h"
 #include "int8_linear.h"
+#include "lora.h"
 
 namespace {
 
@@ -40,6 +45,16 @@ struct DecoderLayer {
   float* kv_scales;
 };
 
+/* A step's adapters (kvflow/kernels/cpu/decode_pass.py mirrors it): per layer its qkv, o, gate_up and
+ * down projections' stacked adapters (projs[4 * layer + i]; a null `a`: that projection takes none),
+ * the rows under adapters, and the widest parts * rmax of any projection. */
+struct LoraStep {
+  const kvflow::LoraProj* projs;
+  kvflow::LoraRows rows;
+  int max_tk;
+};
+
+thread_local kvflow::LoraWorkspace t_lora;
 thread_local std::vector<float> t_qkv, t_attn, t_mid, t_gate_up;
 
 /* The int8, float and block linears, each with its workspace sized for every projection of a layer. */
@@ -95,7 +110,8 @@ thread_local Block t_block;
 template <class Linear>
 int decode(Linear& linear, const DecoderShape* s, const DecoderLayer* layers, float* x, int rows, const float* cos_t,
            const float* sin_t, const int64_t* slots, const int32_t* tables, long table_stride,
-           const int32_t* context_lens, const int32_t* tokens, double* phase_seconds, int num_threads) {
+           const int32_t* context_lens, const int32_t* tokens, double* phase_seconds, int num_threads,
+           const LoraStep* lora) {
   using kvflow::NONE;
   using kvflow::RMSNORM;
   using kvflow::SILU_MUL;
@@ -107,6 +123,16 @@ int decode(Linear& linear, const DecoderShape* s, const DecoderLayer* layers, fl
   t_mid.resize((size_t)rows * s->hidden);
   t_gate_up.resize((size_t)rows * 2 * s->intermediate);
   linear.reserve(s, rows, num_threads, qkv_cols);
+  if (lora && lora->rows.num_segments == 0) lora = nullptr;
+  kvflow::LoraWorkspace& lora_work = t_lora;  // (the calling thread's: the team shares it)
+  if (lora)
+    lora_work.reserve(lora->rows.seg_start[lora->rows.num_segments],
+                      std::max({s->hidden, s->num_heads * s->head_dim, s->intermediate}), lora->max_tk);
+  // out += the adapter rows' LoRA of projection i of layer l (its input x, pre-op `kind`).
+  auto adapt = [&](int l, int i, const float* in, long ld_in, int kind, const float* norm_w, float* out, long ld_out) {
+    if (!lora || !lora->projs[4 * l + i].a) return;
+    kvflow::lora_team(lora->projs[4 * l + i], lora->rows, in, ld_in, kind, norm_w, s->eps, out, ld_out, lora_work);
+  };
   float *qkv = t_qkv.data(), *attn = t_attn.data(), *mid = t_mid.data(), *gate_up = t_gate_up.data();
   // phase_seconds (or null): wall time added per phase -- qkv, attention, o, gate_up, down -- by
   // the first thread, after the barrier that ends each phase.
@@ -121,6 +147,7 @@ int decode(Linear& linear, const DecoderShape* s, const DecoderLayer* layers, fl
   for (int l = 0; l < s->num_layers; l++) {
     const DecoderLayer& L = layers[l];
     linear(L.qkv, x, s->hidden, rows, RMSNORM, L.input_norm, s->eps, L.qkv_bias, nullptr, 0, qkv);
+    adapt(l, 0, x, s->hidden, RMSNORM, L.input_norm, qkv, qkv_cols);
     phase(0);
     decode_attention(qkv, qkv_cols, cos_t, sin_t, L.kv_cache, L.kv_scales, s->kv_format, slots, tables,
                      table_stride, context_lens, tokens, rows, s->num_heads, s->num_kv_heads, s->head_dim,
@@ -128,10 +155,13 @@ int decode(Linear& linear, const DecoderShape* s, const DecoderLayer* layers, fl
 #pragma omp barrier
     phase(1);
     linear(L.o, attn, q_cols, rows, NONE, nullptr, 0.f, nullptr, x, s->hidden, mid);
+    adapt(l, 1, attn, q_cols, NONE, nullptr, mid, s->hidden);
     phase(2);
     linear(L.gate_up, mid, s->hidden, rows, RMSNORM, L.post_norm, s->eps, nullptr, nullptr, 0, gate_up);
+    adapt(l, 2, mid, s->hidden, RMSNORM, L.post_norm, gate_up, 2L * s->intermediate);
     phase(3);
     linear(L.down, gate_up, 2L * s->intermediate, rows, SILU_MUL, nullptr, 0.f, nullptr, mid, s->hidden, x);
+    adapt(l, 3, gate_up, 2L * s->intermediate, SILU_MUL, nullptr, x, s->hidden);
     phase(4);
   }
   return 0;
@@ -145,31 +175,33 @@ extern "C" {
  * Row r is sequence r's new token at cache slot slots[r]; it attends to the first context_lens[r]
  * keys of its block table (tables + r * table_stride). cos, sin: [rows, head_dim] (sin with its
  * first half negated). phase_seconds: null, or 5 doubles that collect the time spent in each phase
- * (benchmarks). Returns 0, or -1 for attention shapes beyond the kernel's limits. */
+ * (benchmarks). lora: null, or the step's adapters and the rows that run under them. Returns 0, or -1
+ * for attention shapes beyond the kernel's limits. */
 int kvflow_int8_decode(const DecoderShape* s, const DecoderLayer* layers, float* x, int rows, const float* cos_t,
                        const float* sin_t, const int64_t* slots, const int32_t* tables, long table_stride,
                        const int32_t* context_lens, const int32_t* tokens, double* phase_seconds,
-                       int num_threads) {
+                       int num_threads, const LoraStep* lora) {
   return decode(t_int8, s, layers, x, rows, cos_t, sin_t, slots, tables, table_stride, context_lens, tokens,
-                phase_seconds, num_threads);
+                phase_seconds, num_threads, lora);
 }
 
 /* The same over float32 or bfloat16 weights (layers hold kvflow::FloatWeight handles); activations in
  * float32 either way (a bf16 model's hidden states are widened by the caller). */
 int kvflow_float_decode(const DecoderShape* s, const DecoderLayer* layers, float* x, int rows, const float* cos_t,
                       const float* sin_t, const int64_t* slots, const int32_t* tables, long table_stride,
-                      const int32_t* context_lens, const int32_t* tokens, double* phase_seconds, int num_threads) {
+                      const int32_t* context_lens, const int32_t* tokens, double* phase_seconds, int num_threads,
+                      const LoraStep* lora) {
   return decode(t_float, s, layers, x, rows, cos_t, sin_t, slots, tables, table_stride, context_lens, tokens,
-                phase_seconds, num_threads);
+                phase_seconds, num_threads, lora);
 }
 
 /* The same over block-quantized weights (layers hold kvflow::BlockWeight handles). */
 int kvflow_block_decode(const DecoderShape* s, const DecoderLayer* layers, float* x, int rows, const float* cos_t,
                         const float* sin_t, const int64_t* slots, const int32_t* tables, long table_stride,
                         const int32_t* context_lens, const int32_t* tokens, double* phase_seconds,
-                        int num_threads) {
+                        int num_threads, const LoraStep* lora) {
   return decode(t_block, s, layers, x, rows, cos_t, sin_t, slots, tables, table_stride, context_lens, tokens,
-                phase_seconds, num_threads);
+                phase_seconds, num_threads, lora);
 }
 
 }  // extern "C"

@@ -13,6 +13,10 @@
  * and the fused decode pass over it (decode_pass.cpp) are the autotune's native candidates
  * (kvflow/worker/autotune.py).
  *
+ * float8 e4m3 weights (FP8 checkpoints): widened in registers through the CPU's half-to-float
+ * conversion (simd.h), each output's sum scaled by its channel's scale afterwards; rows rounded to
+ * e4m3 per token first where the checkpoint quantizes activations (ACT_FP8_TOKEN).
+ *
  * bfloat16 weights: where the CPU has AVX512-BF16 each row's input is rounded to bf16 once per call
  * and pairs of features go through vdpbf16ps (two exact products per lane, summed in float32), as
  * a bf16 model's matmuls round their inputs; elsewhere the weights are widened to float32 in
@@ -60,10 +64,18 @@ constexpr int GROUP = 4;  // panels per tile (J), stored interleaved
 
 inline vfloat load(const float* p) { return *(const vfloat*)p; }
 inline vfloat load(const uint16_t* p) { return widen_bf16(p); }
+inline vfloat load(const uint8_t* p) { return widen_e4m3(p); }
+
+inline int element_size(int type) { return type == W_F32 ? 4 : type == W_BF16 ? 2 : 1; }
 
 /* The J panels' vectors of one input feature (or, bf16, its widened values), w at the feature. */
 template <int J>
 inline void load_panels(const float* w, vfloat (&wv)[J]) {
+  for (int j = 0; j < J; j++) wv[j] = load(w + j * LANES_OUT);
+}
+
+template <int J>
+inline void load_panels(const uint8_t* w, vfloat (&wv)[J]) {
   for (int j = 0; j < J; j++) wv[j] = load(w + j * LANES_OUT);
 }
 
@@ -232,6 +244,10 @@ inline void run(const FloatWeight& p, const Rows& in, int r, int g, float* out, 
     tile<R, J>(static_cast<const float*>(p.w) + at, p.k, in.f + r * in.ldf, in.ldf, y, n, valid, pf);
     return;
   }
+  if (p.type == W_FP8) {
+    tile<R, J>(static_cast<const uint8_t*>(p.w) + at, p.k, in.f + r * in.ldf, in.ldf, y, n, valid, pf);
+    return;
+  }
   const uint16_t* w = static_cast<const uint16_t*>(p.w) + at;
 #ifdef __AVX512BF16__
   tile_dot<R, J>(w, p.kp / 2, in.pairs + r * in.ldp, in.ldp, y, n, valid, pf);
@@ -252,11 +268,11 @@ inline void run_rows(int rows, const FloatWeight& p, const Rows& in, int r, int 
 /* Bytes of group g's packed weight, and where it starts. */
 inline long group_bytes(const FloatWeight& p, int g) {
   const int np = (p.n + LANES_OUT - 1) / LANES_OUT;
-  return (long)std::min(GROUP, np - g * GROUP) * LANES_OUT * p.kp * (p.type == W_BF16 ? 2 : 4);
+  return (long)std::min(GROUP, np - g * GROUP) * LANES_OUT * p.kp * element_size(p.type);
 }
 
 inline const char* group_start(const FloatWeight& p, int g) {
-  return static_cast<const char*>(p.w) + (long)g * GROUP * LANES_OUT * p.kp * (p.type == W_BF16 ? 2 : 4);
+  return static_cast<const char*>(p.w) + (long)g * GROUP * LANES_OUT * p.kp * element_size(p.type);
 }
 
 /* What pass t of `passes` over a group fetches of the thread's next group `next` (-1: none) into L2,
@@ -422,19 +438,31 @@ thread_local FloatWorkspace t_work;  // per calling thread (the engine's), reuse
 FloatWeight* float_pack(const void* w, int n, int k, int type) {
   const int kp = type == W_BF16 && BF16_DOT ? (k + 1) / 2 * 2 : k;
   const int np = (n + LANES_OUT - 1) / LANES_OUT;
-  const size_t size = type == W_BF16 ? 2 : 4;
+  const size_t size = element_size(type);
   const size_t bytes = ((size_t)np * LANES_OUT * kp * size + 63) / 64 * 64;
   void* buf = alloc_weights(bytes);
   if (!buf) return nullptr;
   auto* p = new FloatWeight{buf, n, k, kp, type, bytes};
   if (type == W_BF16)
     pack(static_cast<const uint16_t*>(w), *p, static_cast<uint16_t*>(p->w));
+  else if (type == W_FP8)
+    pack(static_cast<const uint8_t*>(w), *p, static_cast<uint8_t*>(p->w));
   else
     pack(static_cast<const float*>(w), *p, static_cast<float*>(p->w));
   return p;
 }
 
+FloatWeight* float_pack_fp8(const uint8_t* w, int n, int k, const float* scale, int act) {
+  FloatWeight* p = float_pack(w, n, k, W_FP8);
+  if (!p) return nullptr;
+  p->channel_scale = new float[n];
+  for (int i = 0; i < n; i++) p->channel_scale[i] = scale[i] * 256.f;  // (widen_e4m3's 2^-8 back)
+  p->act = act;
+  return p;
+}
+
 void float_free(FloatWeight* p) {
+  delete[] p->channel_scale;
   free_weights(p->w, p->bytes);
   delete p;
 }
@@ -452,7 +480,7 @@ void float_linear_team(const FloatWeight& p, const float* x, long ldx, int m, in
   const int n = p.n, k = p.k;
   const bool dot = p.type == W_BF16 && BF16_DOT;
   Rows in{x, ldx, nullptr, 0};
-  if (kind != NONE || dot) {
+  if (kind != NONE || dot || p.act != ACT_NONE) {
     float* rows = w.v.data();
     uint32_t* pairs = w.pairs.data();
     const int np = p.kp / 2;
@@ -463,13 +491,23 @@ void float_linear_team(const FloatWeight& p, const float* x, long ldx, int m, in
         prologue(kind, src, k, norm_w, eps, rows + (long)i * k);
         src = rows + (long)i * k;
       }
+      if (p.act == ACT_FP8_TOKEN) {
+        // scale = max|x| / 448 (a zero row keeps scale 0 and stays zero), x -> e4m3(x / scale) * scale
+        float* dst = rows + (long)i * k;
+        float amax = 0.f;
+        for (int c = 0; c < k; c++) amax = std::max(amax, std::fabs(src[c]));
+        const float scale = amax / 448.f;
+        for (int c = 0; c < k; c++) dst[c] = scale > 0.f ? round_e4m3(src[c] / scale) * scale : 0.f;
+        src = dst;
+      }
       if (dot)
         for (int c = 0; c < np; c++) {
           const uint32_t lo = f32_to_bf16(src[2 * c]), hi = 2 * c + 1 < k ? f32_to_bf16(src[2 * c + 1]) : 0u;
           pairs[(long)i * np + c] = lo | hi << 16;
         }
     }
-    in = Rows{kind != NONE ? rows : x, kind != NONE ? (long)k : ldx, pairs, np};
+    const bool own = kind != NONE || p.act != ACT_NONE;  // rows rewritten into the workspace
+    in = Rows{own ? rows : x, own ? (long)k : ldx, pairs, np};
   }
   const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
   // Contiguous ranges of panel groups, one per thread.
@@ -482,13 +520,18 @@ void float_linear_team(const FloatWeight& p, const float* x, long ldx, int m, in
     g = g1;
   }
 #endif
-  if (m == 1 && (p.type == W_F32 || !BF16_DOT)) {
+  if (m == 1 && (p.type != W_BF16 || !BF16_DOT)) {
     // One row: the thread's full groups three (then two) at a time, from separate parts of its range.
     const int full = std::max(0, std::min(g1, np / GROUP) - g0);
-    g += p.type == W_F32 ? one_row<float>(p, in.f, out, g0, full) : one_row<uint16_t>(p, in.f, out, g0, full);
+    g += p.type == W_F32   ? one_row<float>(p, in.f, out, g0, full)
+         : p.type == W_FP8 ? one_row<uint8_t>(p, in.f, out, g0, full)
+                           : one_row<uint16_t>(p, in.f, out, g0, full);
   }
   for (; g < g1; g++) group_rows(std::min(GROUP, np - g * GROUP), p, in, m, g, g + 1 < g1 ? g + 1 : -1, out);
   const int j0 = std::min(n, g0 * GROUP * LANES_OUT), j1 = std::min(n, g1 * GROUP * LANES_OUT);
+  if (p.channel_scale)  // (before the bias and the residual)
+    for (int i = 0; i < m; i++)
+      for (int j = j0; j < j1; j++) out[(long)i * n + j] *= p.channel_scale[j];
   for (int i = 0; i < m; i++)  // (a scale of 1 leaves every sum as it is)
     epilogue(out + (long)i * n, j0, j1, 1.f, bias, residual ? residual + i * ld_res : nullptr);
 #pragma omp barrier
@@ -512,6 +555,12 @@ extern "C" {
  * layout (a copy); a handle. */
 void* kvflow_float_pack(const void* w, int n, int k, int type) { return kvflow::float_pack(w, n, k, type); }
 
+/* float8 e4m3 weights w [n, k] (bytes) with per-output-channel scales [n], packed; `act` 1 rounds
+ * each input row to e4m3 per token first (ActQuant). A handle. */
+void* kvflow_float_pack_fp8(const uint8_t* w, int n, int k, const float* scale, int act) {
+  return kvflow::float_pack_fp8(w, n, k, scale, act);
+}
+
 void kvflow_float_free(void* handle) { kvflow::float_free(static_cast<kvflow::FloatWeight*>(handle)); }
 
 /* The packed weight back, in its own type, [n, k]. */
@@ -519,6 +568,8 @@ void kvflow_float_unpack(void* handle, void* w) {
   const auto& p = *static_cast<kvflow::FloatWeight*>(handle);
   if (p.type == kvflow::W_BF16)
     kvflow::unpack(p, static_cast<uint16_t*>(w));
+  else if (p.type == kvflow::W_FP8)
+    kvflow::unpack(p, static_cast<uint8_t*>(w));
   else
     kvflow::unpack(p, static_cast<float*>(w));
 }

@@ -1,5 +1,5 @@
 /* The float linear's C++ interface inside the "linear" library (float_linear.cpp, decode_pass.cpp):
- * float32 or bfloat16 weights, float32 sums. */
+ * float32, bfloat16 or float8 e4m3 weights, float32 sums. */
 #ifndef KVFLOW_FLOAT_LINEAR_H
 #define KVFLOW_FLOAT_LINEAR_H
 
@@ -24,7 +24,14 @@ constexpr bool BF16_DOT = true;
 constexpr bool BF16_DOT = false;
 #endif
 
-enum WeightType { W_F32 = 0, W_BF16 = 1 };
+// W_FP8: float8 e4m3 bytes (a quantized checkpoint's FP8 weights) with one scale per output channel,
+// widened in registers (simd.h's widen_e4m3) and scaled after the sum.
+enum WeightType { W_F32 = 0, W_BF16 = 1, W_FP8 = 2 };
+
+// What is done to each input row before the products: nothing, or (ACT_FP8_TOKEN) rounded to float8
+// e4m3 with a scale of max|x| / 448 per row, as an FP8 W8A8 checkpoint's dynamic per-token
+// activations are (the products then run on those values in float32).
+enum ActQuant { ACT_NONE = 0, ACT_FP8_TOKEN = 1 };
 
 /* A weight [n, k] in panels of LANES_OUT output channels (n padded with zero channels), each panel
  * one contiguous run over k: w[(p * kp + c) * LANES_OUT + j] = W[p * LANES_OUT + j, c] (float32, or
@@ -39,9 +46,13 @@ struct FloatWeight {
   int n, k, kp;
   int type;  // WeightType
   size_t bytes;  // of w (weight_memory.h)
+  float* channel_scale = nullptr;  // W_FP8: n scales (times 2^8, see widen_e4m3), else null
+  int act = ACT_NONE;  // ActQuant
 };
 
 FloatWeight* float_pack(const void* w, int n, int k, int type);
+/* float8 e4m3 weights [n, k] with per-output-channel scales [n] (copied), `act` an ActQuant. */
+FloatWeight* float_pack_fp8(const uint8_t* w, int n, int k, const float* scale, int act);
 void float_free(FloatWeight* p);
 
 /* The prologue's rows of a call (float32, kp apart; and as bf16 pairs for the dot product), shared

@@ -7,9 +7,10 @@
 #include <cstring>
 #include <initializer_list>
 
-#if defined(__AVX512F__) || defined(__FMA__)
+#if defined(__AVX512F__) || defined(__FMA__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
+#include <cmath>
 
 namespace kvflow {
 
@@ -35,6 +36,46 @@ inline vfloat widen_bf16(const uint16_t* p) {
   typedef uint32_t vu __attribute__((vector_size(4 * VEC)));
   return (vfloat)(__builtin_convertvector(*(const vh*)p, vu) << 16);
 #endif
+}
+
+/* VEC float8 e4m3 values (OCP FP8, torch.float8_e4m3fn) widened to float32 and multiplied by 2^-8.
+ * The byte's exponent and mantissa shifted into a binary16's (bias 15 against e4m3's 7) are the same
+ * number times 2^-8, subnormals included, so the CPU's half-to-float conversion widens them exactly;
+ * the caller folds the 2^8 into its scale. (The NaN codes 0x7f / 0xff become 1.875 * 2^8: a
+ * checkpoint's weights hold none.) */
+inline float e4m3_to_f32_scaled(uint8_t b) {
+  const int e = (b >> 3) & 15, m = b & 7;
+  const float v = e ? std::ldexp(1.f + m / 8.f, e - 7 - 8) : std::ldexp((float)m, -9 - 8);
+  return b & 0x80 ? -v : v;
+}
+
+inline vfloat widen_e4m3(const uint8_t* p) {
+#if defined(__AVX512F__)
+  const __m256i h = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)p));
+  const __m256i bits = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x7f)), 7),
+                                       _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x80)), 8));
+  return (vfloat)_mm512_cvtph_ps(bits);
+#elif defined(__F16C__) && defined(__AVX2__)
+  const __m128i h = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)p));
+  const __m128i bits = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(h, _mm_set1_epi16(0x7f)), 7),
+                                    _mm_slli_epi16(_mm_and_si128(h, _mm_set1_epi16(0x80)), 8));
+  return (vfloat)_mm256_cvtph_ps(bits);
+#else
+  vfloat v;
+  for (int j = 0; j < VEC; j++) v[j] = e4m3_to_f32_scaled(p[j]);
+  return v;
+#endif
+}
+
+/* v rounded to the nearest float8 e4m3 value (ties to even), |v| <= 448 (the format's largest):
+ * 3 mantissa bits from 2^-6 up, steps of 2^-9 below (subnormals). */
+inline float round_e4m3(float v) {
+  const float a = std::fabs(v);
+  int e;
+  std::frexp(a, &e);  // a = f * 2^e, f in [0.5, 1)
+  const int step = e - 4 < -9 ? -9 : e - 4;  // 2^step apart
+  const float r = std::fmin(448.f, std::ldexp(__builtin_rintf(std::ldexp(a, -step)), step));
+  return v < 0 ? -r : r;
 }
 
 /* acc + a * b with one rounding where the CPU has FMA. Spelled out rather than left to the compiler's
