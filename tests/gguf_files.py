@@ -3,6 +3,9 @@ weights in llama.cpp's layout), shared by the GGUF, GGUF-cache and block-kernel 
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as Q
@@ -234,6 +237,23 @@ def _put(w: gguf.GGUFWriter, name: str, data: np.ndarray, qtype: Q) -> None:
         w.add_tensor(name, gguf.quants.quantize(data.astype(np.float32), qtype), raw_dtype=qtype)
 
 
+def add_folder_tokenizer(w: gguf.GGUFWriter, hf_dir: Path, cfg: dict) -> None:
+    """The HF folder's tokenizer as llama.cpp's converter writes a byte-level BPE one (`gpt2`): its
+    vocabulary padded to the model's with unused tokens, merges, special ids."""
+    tok = json.loads((Path(hf_dir) / "tokenizer.json").read_text())
+    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
+    assert [i for _, i in vocab] == list(range(len(vocab)))
+    specials = {a["content"] for a in tok["added_tokens"] if a.get("special")}
+    tokens = [s for s, _ in vocab] + [f"[PAD{i}]" for i in range(len(vocab), cfg["vocab_size"])]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if s in specials else 5 if s.startswith("[PAD") else 1 for s in tokens])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    w.add_bos_token_id(cfg["bos_token_id"])
+    w.add_eos_token_id(cfg["eos_token_id"])
+
+
 def write_moe_gguf(
     path,
     hf_dir,
@@ -297,19 +317,7 @@ def write_moe_gguf(
         w.add_expert_weights_norm(bool(cfg.get("norm_topk_prob", False)))
     if cfg.get("clip_qkv") is not None:
         w.add_clamp_kqv(float(cfg["clip_qkv"]))
-    # The folder's tokenizer: byte-level BPE, its vocabulary padded to the model's with unused tokens.
-    tok = json.loads((hf_dir / "tokenizer.json").read_text())
-    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
-    assert [i for _, i in vocab] == list(range(len(vocab)))
-    specials = {a["content"] for a in tok["added_tokens"] if a.get("special")}
-    tokens = [s for s, _ in vocab] + [f"[PAD{i}]" for i in range(len(vocab), cfg["vocab_size"])]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types([3 if s in specials else 5 if s.startswith("[PAD") else 1 for s in tokens])
-    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
-    w.add_bos_token_id(cfg["bos_token_id"])
-    w.add_eos_token_id(cfg["eos_token_id"])
+    add_folder_tokenizer(w, hf_dir, cfg)
 
     w.add_tensor("token_embd.weight", t["model.embed_tokens.weight"])
     for i in range(layers):

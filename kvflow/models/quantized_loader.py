@@ -152,7 +152,9 @@ def _fp8_rows(module: str, t: dict[str, torch.Tensor], quant: CheckpointQuant) -
     one repeated over the channels)."""
     q, scale = t["weight"], t["weight_scale"].float().reshape(-1)
     if q.dtype != torch.float8_e4m3fn or q.dim() != 2:
-        raise ValueError(f"quantized projection {module} ({quant.label}): weight must be 2-D float8_e4m3fn, got {q.dtype}")
+        raise ValueError(
+            f"quantized projection {module} ({quant.label}): weight must be 2-D float8_e4m3fn, got {q.dtype}"
+        )
     zp = t.get("weight_zero_point")
     if zp is not None and bool(zp.ne(0).any()):
         raise ValueError(f"quantized projection {module} ({quant.label}): FP8 weights with nonzero zero points")

@@ -233,7 +233,9 @@ def _compressed_tensors_fp8(qc: dict[str, Any], name: str, scheme: dict[str, Any
         raise _fail(where, w, "float-quantized weights of type 'float', 8 bits (e4m3)")
     if w.get("strategy") not in ("channel", "tensor"):
         raise _fail(
-            f"{where}.strategy", w.get("strategy"), "FP8 weights scaled per output channel or per tensor (not block-wise)"
+            f"{where}.strategy",
+            w.get("strategy"),
+            "FP8 weights scaled per output channel or per tensor (not block-wise)",
         )
     if not w.get("symmetric", True) or w.get("dynamic"):
         raise _fail(where, w, "symmetric FP8 weights with static scales")

@@ -17,6 +17,7 @@ from kvflow import LLM, SamplingParams
 from kvflow.models.gguf_loader import load_gguf
 
 from conftest import VOCAB_SIZE, assert_no_leaks, hf_greedy, make_tokenizer
+from gguf_files import add_folder_tokenizer
 
 MAX_TOKENS = 10
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -129,17 +130,7 @@ def write_gemma_gguf(path, hf_dir, family: str, qtype=None, **overrides) -> None
             w.add_float32(f"{family}.{name}", value)
         else:
             w.add_uint32(f"{family}.{name}", int(value))
-    tok = json.loads((hf_dir / "tokenizer.json").read_text())
-    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
-    specials = {a["content"] for a in tok["added_tokens"] if a.get("special")}
-    tokens = [s for s, _ in vocab] + [f"[PAD{i}]" for i in range(len(vocab), cfg["vocab_size"])]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types([3 if s in specials else 5 if s.startswith("[PAD") else 1 for s in tokens])
-    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
-    w.add_bos_token_id(cfg["bos_token_id"])
-    w.add_eos_token_id(cfg["eos_token_id"])
+    add_folder_tokenizer(w, hf_dir, cfg)
 
     def put(name: str, hf_name: str) -> None:
         data = t[hf_name]

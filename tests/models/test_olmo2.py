@@ -20,6 +20,7 @@ from kvflow.models.olmo2 import Olmo2ForCausalLM
 from kvflow.models.registry import causal_lm_class
 
 from conftest import VOCAB_SIZE, assert_no_leaks, hf_greedy, kvflow_prefill_logits, make_tokenizer
+from gguf_files import add_folder_tokenizer
 
 MAX_TOKENS = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -166,17 +167,7 @@ def write_olmo2_gguf(path, hf_dir) -> None:
     w.add_rope_freq_base(float(cfg["rope_parameters"]["rope_theta"]))
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_vocab_size(cfg["vocab_size"])
-    tok = json.loads((hf_dir / "tokenizer.json").read_text())
-    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
-    specials = {a["content"] for a in tok["added_tokens"] if a.get("special")}
-    tokens = [s for s, _ in vocab] + [f"[PAD{i}]" for i in range(len(vocab), cfg["vocab_size"])]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types([3 if s in specials else 5 if s.startswith("[PAD") else 1 for s in tokens])
-    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
-    w.add_bos_token_id(cfg["bos_token_id"])
-    w.add_eos_token_id(cfg["eos_token_id"])
+    add_folder_tokenizer(w, hf_dir, cfg)
     w.add_tensor("token_embd.weight", t["model.embed_tokens.weight"])
     names = {
         "attn_q": "self_attn.q_proj",

@@ -20,6 +20,7 @@ from kvflow.models.phi3 import Phi3ForCausalLM
 from kvflow.models.registry import causal_lm_class
 
 from conftest import VOCAB_SIZE, assert_no_leaks, hf_greedy, kvflow_prefill_logits, make_tokenizer
+from gguf_files import add_folder_tokenizer
 
 MAX_TOKENS = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -222,17 +223,7 @@ def write_phi3_gguf(path, hf_dir, qtype=None) -> None:
         scale = cfg["max_position_embeddings"] / original
         w.add_rope_scaling_orig_ctx_len(original)
         w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
-    tok = json.loads((hf_dir / "tokenizer.json").read_text())
-    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
-    specials = {a["content"] for a in tok["added_tokens"] if a.get("special")}
-    tokens = [s for s, _ in vocab] + [f"[PAD{i}]" for i in range(len(vocab), cfg["vocab_size"])]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types([3 if s in specials else 5 if s.startswith("[PAD") else 1 for s in tokens])
-    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
-    w.add_bos_token_id(cfg["bos_token_id"])
-    w.add_eos_token_id(cfg["eos_token_id"])
+    add_folder_tokenizer(w, hf_dir, cfg)
 
     def put(name: str, data) -> None:
         if qtype is None or data.ndim != 2:

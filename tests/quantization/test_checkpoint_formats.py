@@ -450,7 +450,10 @@ def test_ct_fp8_float_quantized(base, tmp_path, strategy, dynamic_acts):
         tensors.update({f"{module}.{k}": v for k, v in packed.items()})
     tensors.update({k: v for k, v in sd.items() if not k.endswith("_proj.weight")})
     qc = QuantizationConfig(
-        config_groups={"group_0": scheme}, quant_method="compressed-tensors", format="float-quantized", ignore=["lm_head"]
+        config_groups={"group_0": scheme},
+        quant_method="compressed-tensors",
+        format="float-quantized",
+        ignore=["lm_head"],
     ).model_dump(mode="json")
     path = _write(src, tmp_path / "fp8", tensors, qc)
     assert packed_ratio(path) <= 1.15
@@ -475,9 +478,13 @@ def test_ct_fp8_float_quantized(base, tmp_path, strategy, dynamic_acts):
 
     ref_model = reference_model(hf, ref)
     if dynamic_acts:
+
+        def fp8_forward(w: torch.Tensor):
+            return lambda x: torch.nn.functional.linear(_fp8_round(x), w).float()
+
         for name, m in ref_model.named_modules():
             if isinstance(m, torch.nn.Linear) and name.endswith("proj"):
-                m.forward = lambda x, w=m.weight.double(): torch.nn.functional.linear(_fp8_round(x), w).float()
+                m.forward = fp8_forward(m.weight.double())
     with torch.no_grad():
         want = ref_model(torch.tensor([PROMPT])).logits[0].float()
     got = all_logits(llm, PROMPT)
