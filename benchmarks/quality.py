@@ -40,6 +40,10 @@ MODES = {
     "int8 + int8 KV": {"quantization": "int8", "kv_cache_dtype": "int8"},
     "gguf": {"gguf_weights": "native"},  # a GGUF's blocks as stored, through the block kernels
     "int4": {"quantization": "int4"},  # the float weights rounded to Q4_1 blocks at load
+    # float32 weights, the KV cache quantized (prefill rows read their keys from the cache too)
+    "fp8_e4m3 KV": {"gguf_weights": "dequantize", "kv_cache_dtype": "fp8_e4m3"},
+    "fp8_e5m2 KV": {"gguf_weights": "dequantize", "kv_cache_dtype": "fp8_e5m2"},
+    "int4 KV": {"gguf_weights": "dequantize", "kv_cache_dtype": "int4"},
 }
 
 # Fixed order. Only docstrings whose object is defined in the module itself; doctest paragraphs
