@@ -211,6 +211,18 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt_ids) :].tolist()
 
 
+def engine_logits(llm, ids: list[int]) -> torch.Tensor:
+    """The logits at every position of `ids`: one forward pass of an `LLM`'s own model (its
+    kernels, whatever backend it chose) over a fresh block table (nothing else may be running)."""
+    from kvflow.attention.backend import SeqLayout
+
+    runner = llm.engine.runner
+    blocks = list(range(-(-len(ids) // llm.engine.config.block_size)))
+    with torch.inference_mode():
+        meta = runner.attention.build_metadata([SeqLayout(0, len(ids), blocks)])
+        return runner.model.compute_logits(runner.model(torch.tensor(ids), meta.positions, runner.kv_caches, meta))
+
+
 def kvflow_prefill_logits(
     path: str, prompt: list[int], chunk: int, num_blocks: int = 32, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:

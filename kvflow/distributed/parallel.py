@@ -81,7 +81,10 @@ def select_all_reduce(
         return "gloo"
     shm = ShmAllReduce(shm_path, tp.rank, tp.size, slot_bytes, create=False, timeout_s=timeout_s)
     shm.check_peers = check_peers
-    sample = torch.ones(32, hidden_size)
+    # A decode step's size (32 rows), or the most a step can hold (slot_bytes follows
+    # max_num_batched_tokens): the sample must fit the shared-memory slot it is timed through.
+    rows = max(1, min(32, slot_bytes // (4 * hidden_size)))
+    sample = torch.ones(rows, hidden_size)
 
     def timed(fn) -> float:
         torch.distributed.barrier(group=tp.group)
@@ -104,8 +107,9 @@ def select_all_reduce(
         shm.close()
     if tp.is_first:
         logger.info(
-            "tensor parallel all-reduce: %s (measured [32, %d] fp32: gloo %.3f ms, shared memory %.3f ms)",
+            "tensor parallel all-reduce: %s (measured [%d, %d] fp32: gloo %.3f ms, shared memory %.3f ms)",
             name,
+            rows,
             hidden_size,
             1000 * t_gloo / rounds,
             1000 * t_shm / rounds,

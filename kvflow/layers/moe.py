@@ -11,10 +11,11 @@ wherever the order of operations could change a bit of a result or a routing cho
 * combining: each (token, slot) output is scaled by its weight in the weights' dtype, and a token's
   k outputs are summed in slot order before one cast to the model dtype (HF's grouped path).
 
-The experts run as one matmul pair per expert that received tokens: in torch over the stacked
-float weights, or, for a GGUF's quantized experts kept as stored, through each expert's own block
-kernels (kvflow.kernels.cpu.block_linear); a native grouped kernel is for later (see
-docs/features/moe.md).
+The experts run as one matmul pair per expert that received tokens, each on that expert's own
+kernels: on the CPU, the linear kernels a dense projection of the same shape gets (the native
+GEMV / oneDNN paths the autotune chose per row count, int4 blocks, or, for a GGUF's quantized
+experts kept as stored, the block kernels of kvflow.kernels.cpu.block_linear); elsewhere in torch
+over the stacked float weights (see docs/features/moe.md).
 
 Under tensor parallelism each rank holds a share of every expert, or (expert parallelism) a range
 of whole experts, routes every token itself and returns a partial sum that one all-reduce
@@ -37,8 +38,11 @@ import torch.nn.functional as F
 from kvflow.config import MoeConfig
 from kvflow.distributed.parallel import TPGroup, expert_range
 from kvflow.layers.linear import Linear
-from kvflow.layers.linear_kernels import LinearKernel, make_linear_kernel
+from kvflow.layers.linear_kernels import FUSED_PROLOGUE, KernelPlan, LinearKernel, make_linear_kernel
 from kvflow.quantization.gguf_blocks import BlockQuantized
+
+# Backends whose per-expert kernels float experts take (kernels taking `silu_mul=`, on the CPU).
+EXPERT_KERNEL_BACKENDS = FUSED_PROLOGUE
 
 
 class Routing(NamedTuple):
@@ -217,6 +221,9 @@ class SparseMoeBlock(torch.nn.Module):
         # A GGUF's quantized experts: per expert (gate, up, down) blocks until `prepare`, then kernels.
         self.expert_blocks: list[tuple[BlockQuantized, BlockQuantized, BlockQuantized]] | None = None
         self.expert_kernels: tuple[list[LinearKernel], list[LinearKernel]] | None = None  # (gate | up, down)
+        # What runs the experts: "torch" (the stacked tensors, F.linear), "blocks" (a GGUF's
+        # quantized experts on block kernels) or "kernels" (float experts on the linear kernels).
+        self.path = "torch"
         # Set by the model: what records this layer's routing (None: nothing is recorded), and
         # which of the model's MoE layers this is.
         self.recorder: RoutingRecorder | None = None
@@ -233,17 +240,37 @@ class SparseMoeBlock(torch.nn.Module):
         if down.shape != (e * hidden, inter):
             raise ValueError(f"block-quantized expert down weights of {down.shape}, expected {(e * hidden, inter)}")
         self.expert_blocks = list(zip(gate.split_rows(e), up.split_rows(e), down.split_rows(e)))
+        self.path = "blocks"
         for name in ("w13", "w2"):
             setattr(self, name, torch.nn.Parameter(self.w13.new_empty(0), requires_grad=False))
 
-    def prepare(self, backend: str) -> None:
-        """Block-quantized experts onto kernels of `backend` (the block kernels: ``gguf``), one
-        gate | up and one down kernel per expert; the blocks are then the kernels' only copy."""
-        if self.expert_blocks is None:
+    def prepare(self, backend: str, plan: KernelPlan | None = None) -> None:
+        """The experts onto kernels of `backend`, one gate | up and one down kernel per expert.
+        Block-quantized experts: the block kernels (``gguf``), the blocks then the kernels' only
+        copy. Float experts, on the CPU backends whose kernels take `silu_mul=`
+        (`EXPERT_KERNEL_BACKENDS`): each expert's weights become its own kernels (``auto``: the
+        path `plan` chose for the expert's shape and row count, as for a dense projection;
+        ``int4``: its Q4_1 blocks), and the stacked tensors are dropped. Otherwise (``dense``, a
+        GPU) the stacked experts stay, run by `F.linear`."""
+        if self.expert_blocks is not None:
+            gate_up = [make_linear_kernel(backend, [g, u]) for g, u, _ in self.expert_blocks]
+            down = [make_linear_kernel(backend, [d]) for _, _, d in self.expert_blocks]
+            self.expert_kernels, self.expert_blocks = (gate_up, down), None
             return
-        gate_up = [make_linear_kernel(backend, [g, u]) for g, u, _ in self.expert_blocks]
-        down = [make_linear_kernel(backend, [d]) for _, _, d in self.expert_blocks]
-        self.expert_kernels, self.expert_blocks = (gate_up, down), None
+        if backend not in EXPERT_KERNEL_BACKENDS or self.w13.device.type != "cpu" or not self.w13.numel():
+            return
+        # .clone(): each kernel may keep a reference to its weight (the dense path does), and a
+        # view would keep the whole stacked tensor alive
+        gate_up = [make_linear_kernel(backend, w.clone(), plan=plan) for w in self.w13]
+        down = [make_linear_kernel(backend, w.clone(), plan=plan) for w in self.w2]
+        self.expert_kernels, self.path = (gate_up, down), "kernels"
+        for name in ("w13", "w2"):
+            setattr(self, name, torch.nn.Parameter(self.w13.new_empty(0), requires_grad=False))
+
+    def expert_shapes(self) -> list[tuple[int, int]]:
+        """The (out, in) shapes of an expert's two kernels (gate | up, down), for the autotune."""
+        hidden = self.router.shape[1]
+        return [(2 * self.inter, hidden), (hidden, self.inter)]
 
     def route(self, h: torch.Tensor) -> Routing:
         """The experts each row of h [tokens, hidden] goes to, and their weights."""

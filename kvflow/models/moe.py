@@ -7,7 +7,8 @@ These families are the Llama decoder (kvflow.models.llama) with a routed feed-fo
 
 A GGUF's experts (kvflow.models.gguf_loader) arrive stacked, `experts.{gate,up,down}_proj`
 [E, out, in]: float ones are copied into the stacked weights, quantized ones (kept as stored) become
-each expert's block-quantized weights, run by the block kernels.
+each expert's block-quantized weights, run by the block kernels. On the CPU `prepare` gives every
+expert its own linear kernels (kvflow.layers.moe.SparseMoeBlock.prepare).
 
 The model records its routing when asked (`set_routing_stats`, `start_routing_capture`): tokens
 per layer and expert and the load imbalance for the metrics, the experts of a step's rows for
@@ -20,8 +21,8 @@ rank keeps the whole router, and the experts are split inside as the dense MLP (
 whole over the ranks: each loads and keeps only its range. OLMoE's q/k norms over the whole
 projections sum their squares over the ranks (one all-reduce per layer).
 
-Not there yet, refused where they would be asked for: int8 / int4 weights (`check_options`), and
-the native decode pass (kvflow.models.decode_pass: MoE models take the per-layer path).
+Not there yet, refused where they would be asked for: int8 weights (`check_options`), and the
+native decode pass (kvflow.models.decode_pass: MoE models take the per-layer path).
 """
 
 from __future__ import annotations
@@ -58,11 +59,13 @@ _WHOLE_QK_NORM_KEY = re.compile(r"layers\.(\d+)\.self_attn\.([qk])_norm\.weight"
 
 
 def check_options(cfg: ModelConfig, quantization: str | None) -> None:
-    """Refuse the engine options a MoE model cannot run with yet (before any weight is read)."""
-    if cfg.moe is not None and quantization is not None:
+    """Refuse the engine options a MoE model cannot run with yet (before any weight is read).
+    int4 quantizes each expert like a dense projection (its own Q4_1 block kernels); int8's
+    SmoothQuant would have to fold its scales into the router and every expert of a layer."""
+    if cfg.moe is not None and quantization == "int8":
         raise ValueError(
-            f"quantization={quantization!r} does not reach Mixture-of-Experts models ({cfg.architecture}) "
-            f"yet: unset quantization to run it in float (dtype float32 or bfloat16)"
+            f"quantization='int8' does not reach Mixture-of-Experts models ({cfg.architecture}) yet: "
+            "use quantization='int4', or unset quantization to run it in float (dtype float32 or bfloat16)"
         )
 
 
@@ -151,24 +154,25 @@ class MoeForCausalLM(LlamaForCausalLM):
         layer = self.layers[0]
         per_layer = [tuple(lin.weight.shape) for lin in (layer.qkv_proj, layer.o_proj)]
         linears = [tuple(m.weight.shape) for m in self.modules() if isinstance(m, Linear) and m is not self.lm_head]
-        return list(dict.fromkeys([*per_layer, *linears, self._logits_shape()])), per_layer
+        experts = [shape for b in self.moe_blocks if b.expert_blocks is None for shape in b.expert_shapes()]
+        return list(dict.fromkeys([*per_layer, *linears, *experts, self._logits_shape()])), per_layer
 
     def weight_bytes(self) -> int:
         return super().weight_bytes() + sum(m.expert_bytes() for m in self.moe_blocks)
 
     def prepare(self, backend: str, plan: KernelPlan | None = None) -> None:
         super().prepare(backend, plan)
-        for block in self.moe_blocks:  # block-quantized experts onto their kernels
-            block.prepare(backend)
+        for block in self.moe_blocks:  # experts onto their kernels (see SparseMoeBlock.prepare)
+            block.prepare(backend, plan)
 
     @property
     def has_block_weights(self) -> bool:
         return super().has_block_weights or any(b.expert_blocks is not None for b in self.moe_blocks)
 
     @property
-    def experts_on_blocks(self) -> bool:
-        """Whether (some layer's) experts run on block kernels (a GGUF's quantized experts)."""
-        return any(b.expert_kernels is not None or b.expert_blocks is not None for b in self.moe_blocks)
+    def experts_paths(self) -> list[str]:
+        """What runs the layers' experts (`SparseMoeBlock.path`), each path once, in layer order."""
+        return list(dict.fromkeys(b.path for b in self.moe_blocks))
 
     # ---- routing telemetry ---------------------------------------------------------------------
     def set_routing_stats(self, mode: str) -> None:

@@ -33,9 +33,12 @@ from kvflow.kv_events.events import (
 from kvflow.router.pd import CHAT_PATH, COMPLETIONS_PATH
 from kvflow.utils.validation import is_int
 
-# A block routed to a replica counts as held there for this long unless an event names it first
-# (the request waited in the replica's queue, or was refused or aborted before its prefill).
-PENDING_TTL_S = 30.0
+# A block routed to a replica counts as held there for this long unless an event names it first.
+# Long enough to outlast a queue: under a burst a request can wait tens of seconds for its prefill
+# on a small replica, and its blocks must not look absent meanwhile (the next request sharing them
+# would be computed on a second replica). A stale entry (a request refused or aborted before its
+# prefill) costs little: the next request sharing the prefix goes there and computes it.
+PENDING_TTL_S = 120.0
 
 
 class ReplicaKVView:

@@ -287,6 +287,9 @@ class CacheAwarePolicy(ReplicaPolicy):
       the prompt's full blocks hashed as the engine hashes them, the longest run held in r's pool
       (or routed there and not reported yet), then in its offload tiers, in tokens, as the engine's
       own lookup counts them (at least one token is left to compute);
+      When no candidate holds any of it, the text estimate below decides instead, so a prefix
+      nobody holds (evicted everywhere, or still queued where it was sent before the first events
+      arrived) stays with the replica that computed it before rather than spreading to a second;
     - else from r's `PrefixTree` of the prompt text the router sent it (bounded to `max_chars`,
       least recently used leaves evicted): the characters matched, / 4 for text (about four
       characters per token), / 1 for token-id prompts (one character per id); less than a block
@@ -373,13 +376,25 @@ class CacheAwarePolicy(ReplicaPolicy):
                 lookup = h[: (len(ids) - 1) // bs]  # the engine leaves one token to compute
                 for b in candidates:
                     saved[b] += self.views[b].matched_blocks(lookup, now) * bs
-            return saved, float(sum(len(ids) for ids in request.prompt_token_ids)), hashes
+            if any(saved.values()):
+                return saved, float(sum(len(ids) for ids in request.prompt_token_ids)), hashes
+            # No replica holds any of it (never computed, evicted everywhere, or routed before the
+            # replicas' first events and still queued): keep the prefix where the router sent it
+            # before, as without events, rather than compute it on a second replica as well.
+            return self.text_hits(candidates, texts, bs), float(sum(map(len, request.prompt_token_ids))), hashes
+        return self.text_hits(candidates, texts, bs), sum(len(t) / cpt for t, cpt in texts), None
+
+    def text_hits(
+        self, candidates: list[Backend], texts: list[tuple[str, float]], block_size: int | None
+    ) -> dict[Backend, float]:
+        """saved(r) in tokens estimated from r's `PrefixTree` of the prompt text sent there."""
+        saved = {}
         for b in candidates:
             tree = self.trees[b]
             saved[b] = sum(tree.match(t) / chars_per_token for t, chars_per_token in texts)
-            if saved[b] < (bs or TEXT_MIN_HIT_TOKENS):
+            if saved[b] < (block_size or TEXT_MIN_HIT_TOKENS):
                 saved[b] = 0.0  # less than a block: the engine reuses whole blocks only
-        return saved, sum(len(t) / cpt for t, cpt in texts), None
+        return saved
 
     def choose(self, request: RouteRequest, candidates: list[Backend]) -> Route:
         texts = prompt_texts_scaled(request.path, request.body)

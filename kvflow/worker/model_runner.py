@@ -40,13 +40,14 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kvflow")
 
-# What the kernel summary says of a Mixture-of-Experts model's path: float experts, or a GGUF's
-# quantized experts on their block kernels.
-MOE_PATH = "experts: torch, grouped by expert (Mixture-of-Experts layers take the per-layer path, not the decode pass)"
-MOE_BLOCKS_PATH = (
-    "experts: GGUF blocks as stored, one block kernel pair per expert, grouped by expert "
-    "(Mixture-of-Experts layers take the per-layer path, not the decode pass)"
-)
+# What the kernel summary says of a Mixture-of-Experts model's experts (kvflow.layers.moe's
+# SparseMoeBlock.path): stacked float experts in torch, a GGUF's quantized experts on their block
+# kernels, or float experts on the linear kernels of the backend.
+MOE_PATH = "experts: torch, grouped by expert"
+MOE_BLOCKS_PATH = "experts: GGUF blocks as stored, one block kernel pair per expert, grouped by expert"
+MOE_KERNELS_PATH = "experts: one linear kernel pair per expert (the backend's paths), grouped by expert"
+MOE_PATHS = {"torch": MOE_PATH, "blocks": MOE_BLOCKS_PATH, "kernels": MOE_KERNELS_PATH}
+MOE_NO_PASS = "Mixture-of-Experts layers take the per-layer path, not the decode pass"
 PASS_PROBE_CONTEXT = 64  # tokens of context per row in the decode steps that time the decode pass
 # prefill chunks (sequences, tokens each) that time the attention paths for prefill rows
 PREFILL_PROBE = (2, 256)
@@ -320,7 +321,7 @@ class ModelRunner:
         else:
             summary = f"linear kernels: {self.linear_backend}"
         if self.model.cfg.is_moe:  # (the plan's "decode pass: off" says no more than that)
-            summary += f"; {MOE_BLOCKS_PATH if self.model.experts_on_blocks else MOE_PATH}"
+            summary += "; " + "; ".join(MOE_PATHS[p] for p in self.model.experts_paths) + f" ({MOE_NO_PASS})"
         return summary
 
     def moe_stats(self):

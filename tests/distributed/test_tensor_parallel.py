@@ -48,13 +48,16 @@ def _faster_all_reduce(caplog) -> set[str]:
     return {"gloo", "shm"} if gloo == shm else {"shm" if shm < gloo else "gloo"}
 
 
-@pytest.mark.parametrize("arch,all_reduce", [("llama", "shm"), ("llama", "gloo"), ("qwen2", "auto")])
-def test_tp2_equals_tp1(model_factory, monkeypatch, caplog, arch, all_reduce):
+@pytest.mark.parametrize(
+    "arch,all_reduce,budget,blocks", [("llama", "shm", 8, 16), ("llama", "gloo", 16, 24), ("qwen2", "auto", 16, 24)]
+)
+def test_tp2_equals_tp1(model_factory, monkeypatch, caplog, arch, all_reduce, budget, blocks):
     monkeypatch.setenv("KVFLOW_TP_ALL_REDUCE", all_reduce)  # the workers inherit it
     caplog.set_level(logging.INFO, logger="kvflow")
     path = model_factory(arch)[0]
-    # A small batch budget (chunked prefill) and a small pool (preemption), prefix caching on.
-    opts = dict(max_num_batched_tokens=16, num_kv_blocks=24)
+    # A small batch budget (chunked prefill; 8 tokens: shared-memory slots smaller than the
+    # all-reduce's 32-row timing sample) and a small pool (preemption), prefix caching on.
+    opts = dict(max_num_batched_tokens=budget, num_kv_blocks=blocks)
     ref, _, _ = _run(path, 1, **opts)
     got, stats, used = _run(path, 2, **opts)
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0

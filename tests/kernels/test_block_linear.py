@@ -166,14 +166,9 @@ def test_round_to_nearest_matches_gguf(name):
 
 
 def _perplexity(llm, ids: list[int]) -> float:
-    from kvflow.attention.backend import SeqLayout
+    from conftest import engine_logits
 
-    runner = llm.engine.runner
-    blocks = list(range(-(-len(ids) // llm.engine.config.block_size)))
-    with torch.inference_mode():
-        meta = runner.attention.build_metadata([SeqLayout(0, len(ids), blocks)])
-        logits = runner.model.compute_logits(runner.model(torch.tensor(ids), meta.positions, runner.kv_caches, meta))
-    lp = torch.log_softmax(logits[:-1].double(), -1)
+    lp = torch.log_softmax(engine_logits(llm, ids)[:-1].double(), -1)
     return math.exp(-lp.gather(1, torch.tensor(ids[1:])[:, None]).mean().item())
 
 

@@ -18,12 +18,13 @@ import torch.nn.functional as F
 from kvflow import LLM, SamplingParams
 from kvflow.attention.backends.cpu import CpuPagedAttention, native_unsupported
 from kvflow.config import ModelConfig
-from kvflow.layers.linear_kernels import native_available
+from kvflow.layers.linear_kernels import INT4_FORMAT, make_linear_kernel, native_available
 from kvflow.layers.moe import Routing, SparseMoeBlock, grouped_experts
 from kvflow.models.decode_pass import native_decode_unsupported
-from kvflow.worker.model_runner import MOE_PATH
+from kvflow.quantization.gguf_blocks import quantize
+from kvflow.worker.model_runner import MOE_KERNELS_PATH, MOE_PATH
 
-from conftest import assert_no_leaks, assert_same_completions, hf_greedy, kvflow_prefill_logits
+from conftest import assert_no_leaks, assert_same_completions, engine_logits, hf_greedy, kvflow_prefill_logits
 
 MAX_TOKENS = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -90,6 +91,25 @@ def test_greedy_matches_hf(model_factory, variant):
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
     assert first[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
     for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == hf_greedy(hf, p, MAX_TOKENS)
+    assert_no_leaks(llm.engine)
+
+
+@pytest.mark.parametrize("backend", ["dense", "native"])
+def test_expert_paths_match_hf(model_factory, monkeypatch, backend):
+    """The stacked experts in torch (the `dense` backend, what a GPU runs) and the experts on
+    native kernels (forced): HF's greedy tokens, with the kernel summary naming the path."""
+    if backend == "native" and not native_available(torch.float32):
+        pytest.skip("the native float kernels cannot be built here")
+    path, hf = model_factory("qwen2_moe")
+    monkeypatch.setenv("KVFLOW_LINEAR_BACKEND", backend)
+    llm = LLM(path, num_kv_blocks=32, max_model_len=64, block_size=4)
+    expected = MOE_PATH if backend == "dense" else MOE_KERNELS_PATH
+    assert expected in llm.get_stats().linear_kernels
+    blocks = llm.engine.runner.model.moe_blocks
+    assert all((b.expert_kernels is None) == (backend == "dense") for b in blocks)
+    prompts = _workload()
+    for p, o in zip(prompts, llm.generate(prompts, GREEDY, use_tqdm=False)):
         assert o.outputs[0].token_ids == hf_greedy(hf, p, MAX_TOKENS)
     assert_no_leaks(llm.engine)
 
@@ -175,6 +195,44 @@ def test_grouped_experts_against_float64_loop(dtype, weights_dtype, tol):
     torch.testing.assert_close(got.double(), ref, atol=tol * ref.abs().max().item(), rtol=0)
 
 
+@pytest.mark.parametrize(
+    "backend,dtype,tol",
+    [
+        ("native", torch.float32, 1e-5),
+        ("auto", torch.float32, 1e-5),
+        ("native", torch.bfloat16, 3e-2),
+        ("int4", torch.float32, 2e-2),
+    ],
+)
+def test_grouped_experts_on_linear_kernels_against_float64_loop(backend, dtype, tol):
+    """Each expert on its own linear kernels (what `SparseMoeBlock.prepare` builds on the CPU):
+    the float64 loop's result, within the kernel's rounding (int4: the loop over the Q4_1 weights
+    dequantized, within the 8-bit activations' rounding), and, on the native GEMV, a row's result
+    the same bits whatever else is in the batch."""
+    if backend == "native" and not native_available(dtype):
+        pytest.skip("the native float kernels cannot be built here")
+    g = torch.Generator().manual_seed(5)
+    tokens, hidden, inter, experts, top_k = 13, 64, 32, 6, 2
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=g) * 0.3).to(dtype)
+    w2 = (torch.randn(experts, hidden, inter, generator=g) * 0.3).to(dtype)
+    chosen = torch.stack([torch.randperm(5, generator=g)[:top_k] for _ in range(tokens)])
+    routing = Routing(torch.rand(tokens, top_k, generator=g), chosen)  # expert 5: chosen by none
+    gate_up = [make_linear_kernel(backend, w.clone()) for w in w13]
+    down = [make_linear_kernel(backend, w.clone()) for w in w2]
+    if backend == "int4":  # the weights the kernels hold
+        w13 = torch.stack([quantize(w, INT4_FORMAT).dequantize() for w in w13])
+        w2 = torch.stack([quantize(w, INT4_FORMAT).dequantize() for w in w2])
+    ref = _loop_reference(x, routing, w13, w2)
+    got = grouped_experts(x, routing, gate_up, down)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.double(), ref, atol=tol * ref.abs().max().item(), rtol=0)
+    if backend == "native":
+        for t in range(tokens):
+            one = Routing(routing.weights[t : t + 1], routing.experts[t : t + 1])
+            assert torch.equal(grouped_experts(x[t : t + 1], one, gate_up, down), got[t : t + 1]), t
+
+
 def test_grouped_experts_single_token_and_top1():
     g = torch.Generator().manual_seed(4)
     x = torch.randn(1, 8, generator=g)
@@ -233,11 +291,35 @@ def test_routing_ties_as_hf(family, norm, dtype):
 
 
 # ---- what is not there yet ------------------------------------------------------------------------
-@pytest.mark.parametrize("quantization", ["int8", "int4"])
-def test_quantization_refused(model_factory, quantization):
+def test_int8_quantization_refused(model_factory):
     path, _ = model_factory("mixtral")
-    with pytest.raises(ValueError, match=f"quantization='{quantization}'.*Mixture-of-Experts.*unset quantization"):
-        LLM(path, quantization=quantization, num_kv_blocks=16, max_model_len=32)
+    with pytest.raises(ValueError, match="quantization='int8'.*Mixture-of-Experts.*quantization='int4'"):
+        LLM(path, quantization="int8", num_kv_blocks=16, max_model_len=32)
+
+
+def test_int4_experts_on_block_kernels(model_factory):
+    """quantization='int4': every expert on its own Q4_1 block kernels; the prefill logits follow
+    float32's within 4-bit weights' error (teacher-forced top-1 agreement, relative RMS error),
+    and the engine serves it without leaking blocks."""
+    from kvflow.kernels.cpu.block_linear import BlockQuantKernel, block_kernels_unavailable
+
+    if block_kernels_unavailable() is not None:
+        pytest.skip(block_kernels_unavailable())
+    path, _ = model_factory("qwen3_moe")
+    prompt = [random.Random(6).randrange(2, 500) for _ in range(40)]
+    fp32, llm = (
+        LLM(path, quantization=q, num_kv_blocks=32, max_model_len=64, block_size=4, enable_prefix_caching=False)
+        for q in (None, "int4")
+    )
+    assert llm.engine.runner.model.experts_paths == ["kernels"]
+    for block in llm.engine.runner.model.moe_blocks:
+        assert all(isinstance(k, BlockQuantKernel) for kernels in block.expert_kernels for k in kernels)
+    fp32, int4 = engine_logits(fp32, prompt), engine_logits(llm, prompt)
+    rel = ((int4 - fp32).pow(2).mean() / fp32.pow(2).mean()).sqrt().item()
+    agree = (int4.argmax(-1) == fp32.argmax(-1)).float().mean().item()
+    assert 0 < rel < 0.25 and agree >= 0.75, (rel, agree)
+    llm.generate([prompt], GREEDY, use_tqdm=False)
+    assert_no_leaks(llm.engine)
 
 
 # ---- tensor and expert parallelism ----------------------------------------------------------------
@@ -295,7 +377,11 @@ def test_tensor_parallel_matches_hf_and_tp1(model_factory, variant, mode, overri
     block = model.moe_blocks[0]
     held = range((experts + 1) // 2) if mode == "ep" else range(experts)  # rank 0 holds the extra one
     assert block.experts == held
-    assert tuple(block.w13.shape) == (len(held), 2 * width // (1 if mode == "ep" else 2), hf.config.hidden_size)
+    gate_up, down = block.expert_kernels  # (the experts on the CPU's linear kernels)
+    assert len(gate_up) == len(down) == len(held)
+    share = width // (1 if mode == "ep" else 2)
+    assert all((k.out_features, k.in_features) == (2 * share, hf.config.hidden_size) for k in gate_up)
+    assert all((k.out_features, k.in_features) == (hf.config.hidden_size, share) for k in down)
 
 
 def test_expert_parallel_partial_sums_add_up():
@@ -354,7 +440,7 @@ def test_native_attention_and_no_decode_pass(model_factory, monkeypatch):
     model = llm.engine.runner.model
     assert model.native_decode is None
     assert native_decode_unsupported(model) == "Mixture-of-Experts layers run on the per-layer path"
-    assert MOE_PATH in llm.get_stats().linear_kernels
+    assert MOE_KERNELS_PATH in llm.get_stats().linear_kernels
     prompts = _workload()[:3]
     for p, o in zip(prompts, llm.generate(prompts, GREEDY, use_tqdm=False)):
         assert o.outputs[0].token_ids == hf_greedy(hf, p, MAX_TOKENS)

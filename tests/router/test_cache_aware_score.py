@@ -168,6 +168,27 @@ def test_a_burst_follows_blocks_routed_but_not_reported_yet():
     assert hashes[0] not in view.pending and view.matched_blocks(hashes, now=1e12) == 20
 
 
+def test_a_prefix_nobody_holds_stays_where_it_was_sent_before():
+    policy = _events_policy()
+    a, b = policy.backends()
+    text = "You are a terse assistant who answers in French. " * 8  # ~100 tokens of text
+    doc = _tokens(3, 12 * BS)
+    # sent before any event told the block size: routed by its text (the first candidate wins the tie)
+    first = send(policy, RouteRequest(COMPLETIONS, {"prompt": text + "Q1", "max_tokens": 8}), finish=True)
+    other = b if first.target is a else a
+    _apply(policy.views[other], _stored(_tokens(9, 2 * BS)))  # now the block size is known
+    # the events show the prompt nowhere (still queued where it went): its text's home decides
+    again = send(policy, RouteRequest(COMPLETIONS, {"prompt": text + "Q2", "max_tokens": 8}, [doc]), finish=True)
+    assert again.target is first.target and again.cache_hit
+    assert policy.last_scores[other.url][0] == 0
+    # a prompt of the same text held by the other replica (as its events say): the events decide,
+    # whatever the text says
+    held = _tokens(4, 12 * BS)
+    _apply(policy.views[other], _stored(held))
+    third = send(policy, RouteRequest(COMPLETIONS, {"prompt": text + "Q3", "max_tokens": 8}, [held]), finish=True)
+    assert third.target is other and policy.last_scores[first.target.url][0] == 0
+
+
 def test_lookup_is_the_engines_pool_run_then_tier_run_leaving_one_token():
     view = ReplicaKVView()
     ids = _tokens(4, 8 * BS)
