@@ -86,6 +86,8 @@ def grouped_experts(
     len(w13) - 1` (this rank's range): the pairs routed to other experts add nothing here (their
     ranks add them, in the all-reduce after the block)."""
     tokens, top_k = routing.experts.shape
+    if tokens == 1:
+        return _one_token(x, routing, w13, w2, first_expert)
     flat = routing.experts.reshape(-1)
     # Pairs grouped by expert; stable, so each group keeps token order (a deterministic layout).
     order = torch.argsort(flat, stable=True)
@@ -112,6 +114,31 @@ def grouped_experts(
     combined = weighted.new_empty(flat.numel(), x.shape[1]) if whole else weighted.new_zeros(flat.numel(), x.shape[1])
     combined.index_copy_(0, pairs, weighted)
     return combined.view(tokens, top_k, -1).sum(dim=1).to(x.dtype)
+
+
+def _one_token(
+    x: torch.Tensor,
+    routing: Routing,
+    w13: torch.Tensor | Sequence[LinearKernel],
+    w2: torch.Tensor | Sequence[LinearKernel],
+    first_expert: int,
+) -> torch.Tensor:
+    """`grouped_experts` for one token (a batch-1 decode step), without the sorting and scattering
+    that group many: the same expert calls on the same row, scaled and summed in the same order
+    and dtypes, so the result is the same bits."""
+    last = first_expert + len(w13)
+    stacked = isinstance(w13, torch.Tensor)
+    outs = []
+    for e in routing.experts[0].tolist():
+        if not first_expert <= e < last:  # held by another rank: adds nothing here
+            outs.append(x.new_zeros(1, x.shape[1]))
+        elif stacked:
+            gate, up = F.linear(x, w13[e - first_expert]).chunk(2, dim=-1)
+            outs.append(torch.mm(F.silu(gate) * up, w2[e - first_expert].t()))
+        else:
+            outs.append(w2[e - first_expert](w13[e - first_expert](x), silu_mul=True))
+    weighted = torch.cat(outs) * routing.weights.reshape(-1, 1)
+    return weighted.view(1, len(outs), -1).sum(dim=1).to(x.dtype)
 
 
 @dataclass
@@ -226,6 +253,7 @@ class SparseMoeBlock(torch.nn.Module):
         self.path = "torch"
         # Set by the model: what records this layer's routing (None: nothing is recorded), and
         # which of the model's MoE layers this is.
+        self.router_f32: torch.Tensor | None = None  # (see prepare)
         self.recorder: RoutingRecorder | None = None
         self.slot = 0
 
@@ -252,6 +280,12 @@ class SparseMoeBlock(torch.nn.Module):
         path `plan` chose for the expert's shape and row count, as for a dense projection;
         ``int4``: its Q4_1 blocks), and the stacked tensors are dropped. Otherwise (``dense``, a
         GPU) the stacked experts stay, run by `F.linear`."""
+        if self.router.dtype == torch.bfloat16 and self.router.device.type == "cpu":
+            # The router's logits in bfloat16, as HF's F.linear gives them (float32 sums rounded
+            # once), but through a float32 copy of its few rows: torch's bfloat16 matmul of a few
+            # rows by E columns is slow on the CPU (in a profile of batch-1 decode it was most of
+            # a MoE layer's own overhead).
+            self.router_f32 = self.router.float()
         if self.expert_blocks is not None:
             gate_up = [make_linear_kernel(backend, [g, u]) for g, u, _ in self.expert_blocks]
             down = [make_linear_kernel(backend, [d]) for _, _, d in self.expert_blocks]
@@ -274,12 +308,18 @@ class SparseMoeBlock(torch.nn.Module):
 
     def route(self, h: torch.Tensor) -> Routing:
         """The experts each row of h [tokens, hidden] goes to, and their weights."""
-        return route(F.linear(h, self.router), self.top_k, self.renormalize, self.weights_dtype)
+        if self.router_f32 is not None:
+            logits = F.linear(h.float(), self.router_f32).to(h.dtype)
+        else:
+            logits = F.linear(h, self.router)
+        return route(logits, self.top_k, self.renormalize, self.weights_dtype)
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """residual + the block's output for h [tokens, hidden] (the post-attention norm's output)."""
         routing = self.route(h)
-        counts = torch.bincount(routing.experts.reshape(-1), minlength=self.num_experts)
+        counts = None  # (grouping one token needs none)
+        if self.recorder is not None or h.shape[0] > 1:
+            counts = torch.bincount(routing.experts.reshape(-1), minlength=self.num_experts)
         if self.recorder is not None:
             self.recorder.record(self.slot, routing.experts, counts)
         experts = self.expert_kernels if self.expert_kernels is not None else (self.w13, self.w2)
