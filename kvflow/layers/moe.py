@@ -12,8 +12,8 @@ wherever the order of operations could change a bit of a result or a routing cho
   k outputs are summed in slot order before one cast to the model dtype (HF's grouped path).
 
 The experts run as one matmul pair per expert that received tokens, each on that expert's own
-kernels: on the CPU, the linear kernels a dense projection of the same shape gets (the native
-GEMV / oneDNN paths the autotune chose per row count, int4 blocks, or, for a GGUF's quantized
+kernels: on the CPU, the linear kernels of the backend (under ``auto`` the one path the autotune
+chose for the expert's shape at one row, `expert_kernel`; int4 blocks; or, for a GGUF's quantized
 experts kept as stored, the block kernels of kvflow.kernels.cpu.block_linear); elsewhere in torch
 over the stacked float weights (see docs/features/moe.md).
 
@@ -38,7 +38,15 @@ import torch.nn.functional as F
 from kvflow.config import MoeConfig
 from kvflow.distributed.parallel import TPGroup, expert_range
 from kvflow.layers.linear import Linear
-from kvflow.layers.linear_kernels import FUSED_PROLOGUE, KernelPlan, LinearKernel, make_linear_kernel
+from kvflow.layers.linear_kernels import (
+    FUSED_PROLOGUE,
+    KernelPlan,
+    LinearKernel,
+    TunedKernel,
+    default_choice,
+    dtype_name,
+    make_linear_kernel,
+)
 from kvflow.quantization.gguf_blocks import BlockQuantized
 
 # Backends whose per-expert kernels float experts take (kernels taking `silu_mul=`, on the CPU).
@@ -139,6 +147,18 @@ def _one_token(
             outs.append(w2[e - first_expert](w13[e - first_expert](x), silu_mul=True))
     weighted = torch.cat(outs) * routing.weights.reshape(-1, 1)
     return weighted.view(1, len(outs), -1).sum(dim=1).to(x.dtype)
+
+
+def expert_kernel(backend: str, weight: torch.Tensor, plan: KernelPlan | None) -> LinearKernel:
+    """One expert projection's kernel. Under ``auto`` one path only, the one `plan` chose for a
+    single row (batch-1 decode, where a MoE step is bound by the bytes of the experts it reads),
+    at every row count: a dense projection may keep a copy of its weight per path it uses, but the
+    experts are most of a MoE model's weights (measured with the other path's copy dropped: no
+    loss in prefill or batch-32 decode, docs/benchmarks/results/2026-12-06-epyc-avx512.md)."""
+    if backend != "auto":
+        return make_linear_kernel(backend, weight, plan=plan)
+    choice = plan.choice(tuple(weight.shape)) if plan is not None else default_choice(dtype_name(weight.dtype))
+    return TunedKernel(weight, None, dict.fromkeys(choice, choice[min(choice)]))
 
 
 @dataclass
@@ -276,9 +296,8 @@ class SparseMoeBlock(torch.nn.Module):
         """The experts onto kernels of `backend`, one gate | up and one down kernel per expert.
         Block-quantized experts: the block kernels (``gguf``), the blocks then the kernels' only
         copy. Float experts, on the CPU backends whose kernels take `silu_mul=`
-        (`EXPERT_KERNEL_BACKENDS`): each expert's weights become its own kernels (``auto``: the
-        path `plan` chose for the expert's shape and row count, as for a dense projection;
-        ``int4``: its Q4_1 blocks), and the stacked tensors are dropped. Otherwise (``dense``, a
+        (`EXPERT_KERNEL_BACKENDS`): each expert's weights become its own kernels (``auto``: one
+        path, `expert_kernel`; ``int4``: its Q4_1 blocks), and the stacked tensors are dropped. Otherwise (``dense``, a
         GPU) the stacked experts stay, run by `F.linear`."""
         if self.router.dtype == torch.bfloat16 and self.router.device.type == "cpu":
             # The router's logits in bfloat16, as HF's F.linear gives them (float32 sums rounded
@@ -295,8 +314,8 @@ class SparseMoeBlock(torch.nn.Module):
             return
         # .clone(): each kernel may keep a reference to its weight (the dense path does), and a
         # view would keep the whole stacked tensor alive
-        gate_up = [make_linear_kernel(backend, w.clone(), plan=plan) for w in self.w13]
-        down = [make_linear_kernel(backend, w.clone(), plan=plan) for w in self.w2]
+        gate_up = [expert_kernel(backend, w.clone(), plan) for w in self.w13]
+        down = [expert_kernel(backend, w.clone(), plan) for w in self.w2]
         self.expert_kernels, self.path = (gate_up, down), "kernels"
         for name in ("w13", "w2"):
             setattr(self, name, torch.nn.Parameter(self.w13.new_empty(0), requires_grad=False))

@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from kvflow import LLM, SamplingParams
 from kvflow.attention.backends.cpu import CpuPagedAttention, native_unsupported
 from kvflow.config import ModelConfig
-from kvflow.layers.linear_kernels import INT4_FORMAT, make_linear_kernel, native_available
-from kvflow.layers.moe import Routing, SparseMoeBlock, grouped_experts
+from kvflow.layers.linear_kernels import INT4_FORMAT, native_available
+from kvflow.layers.moe import Routing, SparseMoeBlock, expert_kernel, grouped_experts
 from kvflow.models.decode_pass import native_decode_unsupported
 from kvflow.quantization.gguf_blocks import quantize
 from kvflow.worker.model_runner import MOE_KERNELS_PATH, MOE_PATH
@@ -218,8 +218,8 @@ def test_grouped_experts_on_linear_kernels_against_float64_loop(backend, dtype, 
     w2 = (torch.randn(experts, hidden, inter, generator=g) * 0.3).to(dtype)
     chosen = torch.stack([torch.randperm(5, generator=g)[:top_k] for _ in range(tokens)])
     routing = Routing(torch.rand(tokens, top_k, generator=g), chosen)  # expert 5: chosen by none
-    gate_up = [make_linear_kernel(backend, w.clone()) for w in w13]
-    down = [make_linear_kernel(backend, w.clone()) for w in w2]
+    gate_up = [expert_kernel(backend, w.clone(), None) for w in w13]
+    down = [expert_kernel(backend, w.clone(), None) for w in w2]
     if backend == "int4":  # the weights the kernels hold
         w13 = torch.stack([quantize(w, INT4_FORMAT).dequantize() for w in w13])
         w2 = torch.stack([quantize(w, INT4_FORMAT).dequantize() for w in w2])
