@@ -15,7 +15,9 @@ The experts run as one matmul pair per expert that received tokens, each on that
 kernels: on the CPU, the linear kernels of the backend (under ``auto`` the one path the autotune
 chose for the expert's shape at one row, `expert_kernel`; int4 blocks; or, for a GGUF's quantized
 experts kept as stored, the block kernels of kvflow.kernels.cpu.block_linear); elsewhere in torch
-over the stacked float weights (see docs/features/moe.md).
+over the stacked float weights (see docs/features/moe.md). Where every expert of a layer is on
+a native float kernel, the layer's experts run in one native call instead
+(kvflow.kernels.cpu.moe_experts: the same grouping, one parallel region).
 
 Under tensor parallelism each rank holds a share of every expert, or (expert parallelism) a range
 of whole experts, routes every token itself and returns a partial sum that one all-reduce
@@ -37,6 +39,8 @@ import torch.nn.functional as F
 
 from kvflow.config import MoeConfig
 from kvflow.distributed.parallel import TPGroup, expert_range
+from kvflow.kernels.cpu.float_linear import NativeFloatKernel
+from kvflow.kernels.cpu.moe_experts import NativeExperts, experts_library
 from kvflow.layers.linear import Linear
 from kvflow.layers.linear_kernels import (
     FUSED_PROLOGUE,
@@ -147,6 +151,16 @@ def _one_token(
             outs.append(w2[e - first_expert](w13[e - first_expert](x), silu_mul=True))
     weighted = torch.cat(outs) * routing.weights.reshape(-1, 1)
     return weighted.view(1, len(outs), -1).sum(dim=1).to(x.dtype)
+
+
+def _native_float(kernel: LinearKernel) -> NativeFloatKernel | None:
+    """The native float kernel an expert projection runs at every row count, if it has one (a
+    float8 one, with its scales, is not among those `NativeExperts` takes)."""
+    if isinstance(kernel, TunedKernel) and len(kernel.paths) == 1:
+        kernel = kernel.native
+    if isinstance(kernel, NativeFloatKernel) and kernel.scale is None:
+        return kernel
+    return None
 
 
 def expert_kernel(backend: str, weight: torch.Tensor, plan: KernelPlan | None) -> LinearKernel:
@@ -269,11 +283,14 @@ class SparseMoeBlock(torch.nn.Module):
         self.expert_blocks: list[tuple[BlockQuantized, BlockQuantized, BlockQuantized]] | None = None
         self.expert_kernels: tuple[list[LinearKernel], list[LinearKernel]] | None = None  # (gate | up, down)
         # What runs the experts: "torch" (the stacked tensors, F.linear), "blocks" (a GGUF's
-        # quantized experts on block kernels) or "kernels" (float experts on the linear kernels).
+        # quantized experts on block kernels), "kernels" (float experts on the linear kernels) or
+        # "native" (float experts on native kernels, all of a layer's in one call).
         self.path = "torch"
         # Set by the model: what records this layer's routing (None: nothing is recorded), and
         # which of the model's MoE layers this is.
         self.router_f32: torch.Tensor | None = None  # (see prepare)
+        # Float experts all on native kernels: run by one native call per layer (see prepare).
+        self.native_experts: NativeExperts | None = None
         self.recorder: RoutingRecorder | None = None
         self.slot = 0
 
@@ -319,6 +336,10 @@ class SparseMoeBlock(torch.nn.Module):
         self.expert_kernels, self.path = (gate_up, down), "kernels"
         for name in ("w13", "w2"):
             setattr(self, name, torch.nn.Parameter(self.w13.new_empty(0), requires_grad=False))
+        natives = [_native_float(k) for k in (*gate_up, *down)]
+        if all(natives) and experts_library() is not None:  # every expert of the layer in one call
+            self.native_experts = NativeExperts(natives[: len(gate_up)], natives[len(gate_up) :])
+            self.path = "native"
 
     def expert_shapes(self) -> list[tuple[int, int]]:
         """The (out, in) shapes of an expert's two kernels (gate | up, down), for the autotune."""
@@ -337,12 +358,15 @@ class SparseMoeBlock(torch.nn.Module):
         """residual + the block's output for h [tokens, hidden] (the post-attention norm's output)."""
         routing = self.route(h)
         counts = None  # (grouping one token needs none)
-        if self.recorder is not None or h.shape[0] > 1:
+        if self.recorder is not None or (h.shape[0] > 1 and self.native_experts is None):
             counts = torch.bincount(routing.experts.reshape(-1), minlength=self.num_experts)
         if self.recorder is not None:
             self.recorder.record(self.slot, routing.experts, counts)
-        experts = self.expert_kernels if self.expert_kernels is not None else (self.w13, self.w2)
-        out = grouped_experts(h, routing, *experts, counts=counts, first_expert=self.experts.start)
+        if self.native_experts is not None:
+            out = self.native_experts(h, routing.experts, routing.weights, self.experts.start).to(h.dtype)
+        else:
+            experts = self.expert_kernels if self.expert_kernels is not None else (self.w13, self.w2)
+            out = grouped_experts(h, routing, *experts, counts=counts, first_expert=self.experts.start)
         if self.shared_down is not None:
             gate, up = self.shared_gate_up.kernel(h).chunk(2, dim=-1)
             shared = self.shared_down.kernel(F.silu(gate) * up)

@@ -42,11 +42,13 @@ logger = logging.getLogger("kvflow")
 
 # What the kernel summary says of a Mixture-of-Experts model's experts (kvflow.layers.moe's
 # SparseMoeBlock.path): stacked float experts in torch, a GGUF's quantized experts on their block
-# kernels, or float experts on the linear kernels of the backend.
+# kernels, float experts on the linear kernels of the backend, or all on native float kernels run
+# by one call per layer.
 MOE_PATH = "experts: torch, grouped by expert"
 MOE_BLOCKS_PATH = "experts: GGUF blocks as stored, one block kernel pair per expert, grouped by expert"
 MOE_KERNELS_PATH = "experts: one linear kernel pair per expert (the backend's paths), grouped by expert"
-MOE_PATHS = {"torch": MOE_PATH, "blocks": MOE_BLOCKS_PATH, "kernels": MOE_KERNELS_PATH}
+MOE_NATIVE_PATH = "experts: native float kernels, grouped by expert, a layer's experts in one native call"
+MOE_PATHS = {"torch": MOE_PATH, "blocks": MOE_BLOCKS_PATH, "kernels": MOE_KERNELS_PATH, "native": MOE_NATIVE_PATH}
 MOE_NO_PASS = "Mixture-of-Experts layers take the per-layer path, not the decode pass"
 PASS_PROBE_CONTEXT = 64  # tokens of context per row in the decode steps that time the decode pass
 # prefill chunks (sequences, tokens each) that time the attention paths for prefill rows

@@ -18,11 +18,12 @@ import torch.nn.functional as F
 from kvflow import LLM, SamplingParams
 from kvflow.attention.backends.cpu import CpuPagedAttention, native_unsupported
 from kvflow.config import ModelConfig
+from kvflow.kernels.cpu.moe_experts import NativeExperts
 from kvflow.layers.linear_kernels import INT4_FORMAT, native_available
 from kvflow.layers.moe import Routing, SparseMoeBlock, expert_kernel, grouped_experts
 from kvflow.models.decode_pass import native_decode_unsupported
 from kvflow.quantization.gguf_blocks import quantize
-from kvflow.worker.model_runner import MOE_KERNELS_PATH, MOE_PATH
+from kvflow.worker.model_runner import MOE_NATIVE_PATH, MOE_PATH
 
 from conftest import assert_no_leaks, assert_same_completions, engine_logits, hf_greedy, kvflow_prefill_logits
 
@@ -104,7 +105,7 @@ def test_expert_paths_match_hf(model_factory, monkeypatch, backend):
     path, hf = model_factory("qwen2_moe")
     monkeypatch.setenv("KVFLOW_LINEAR_BACKEND", backend)
     llm = LLM(path, num_kv_blocks=32, max_model_len=64, block_size=4)
-    expected = MOE_PATH if backend == "dense" else MOE_KERNELS_PATH
+    expected = MOE_PATH if backend == "dense" else MOE_NATIVE_PATH
     assert expected in llm.get_stats().linear_kernels
     blocks = llm.engine.runner.model.moe_blocks
     assert all((b.expert_kernels is None) == (backend == "dense") for b in blocks)
@@ -231,6 +232,18 @@ def test_grouped_experts_on_linear_kernels_against_float64_loop(backend, dtype, 
         for t in range(tokens):
             one = Routing(routing.weights[t : t + 1], routing.experts[t : t + 1])
             assert torch.equal(grouped_experts(x[t : t + 1], one, gate_up, down), got[t : t + 1]), t
+        # the layer's experts in one native call: the per-expert calls' result (the same bits in
+        # float32, where both keep float32 activations), and split over ranks (expert parallelism)
+        # partial sums that add up to it
+        native = NativeExperts(gate_up, down)
+        whole = native(x, routing.experts, routing.weights)
+        assert whole.dtype == torch.float32
+        if dtype == torch.float32:
+            assert torch.equal(whole, got)
+        torch.testing.assert_close(whole.double(), ref, atol=tol * ref.abs().max().item(), rtol=0)
+        halves = [NativeExperts(gate_up[sl], down[sl]) for sl in (slice(0, 4), slice(4, 6))]
+        parts = halves[0](x, routing.experts, routing.weights, 0) + halves[1](x, routing.experts, routing.weights, 4)
+        torch.testing.assert_close(parts.double(), whole.double(), atol=1e-6 * ref.abs().max().item(), rtol=0)
 
 
 def test_grouped_experts_single_token_and_top1():
@@ -441,7 +454,7 @@ def test_native_attention_and_no_decode_pass(model_factory, monkeypatch):
     model = llm.engine.runner.model
     assert model.native_decode is None
     assert native_decode_unsupported(model) == "Mixture-of-Experts layers run on the per-layer path"
-    assert MOE_KERNELS_PATH in llm.get_stats().linear_kernels
+    assert MOE_NATIVE_PATH in llm.get_stats().linear_kernels
     prompts = _workload()[:3]
     for p, o in zip(prompts, llm.generate(prompts, GREEDY, use_tqdm=False)):
         assert o.outputs[0].token_ids == hf_greedy(hf, p, MAX_TOKENS)

@@ -31,7 +31,7 @@ from kvflow.layers.moe import Routing, grouped_experts
 from kvflow.models import gguf_cache, gguf_loader
 from kvflow.models.gguf_loader import load_gguf
 from kvflow.quantization.gguf_blocks import BlockQuantized
-from kvflow.worker.model_runner import MOE_BLOCKS_PATH, MOE_KERNELS_PATH
+from kvflow.worker.model_runner import MOE_BLOCKS_PATH, MOE_KERNELS_PATH, MOE_NATIVE_PATH
 
 from conftest import assert_no_leaks, hf_greedy, kvflow_prefill_logits
 from gguf_files import write_moe_gguf
@@ -113,7 +113,8 @@ def test_dequantized_matches_hf(model_factory, tmp_path, variant):
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     for p, o in zip(PROMPTS, llm.generate(PROMPTS, params, use_tqdm=False)):
         assert o.outputs[0].token_ids == hf_greedy(hf, p, 12)
-    assert MOE_KERNELS_PATH in llm.get_stats().linear_kernels
+    summary = llm.get_stats().linear_kernels
+    assert MOE_KERNELS_PATH in summary or MOE_NATIVE_PATH in summary  # (as the autotune chose for one row)
     assert_no_leaks(llm.engine)
 
 
@@ -261,7 +262,7 @@ def test_mixed_expert_types_run_in_float(model_factory, tmp_path):
     path, _, _ = _gguf(model_factory, tmp_path, "qwen3_moe", expert_types={"gate": Q.Q8_0, "up": Q.F16, "down": Q.Q8_0})
     native, deq = (LLM(path, gguf_weights=mode, **ENGINE) for mode in ("native", "dequantize"))
     model = native.engine.runner.model
-    assert model.experts_paths == ["kernels"] and not model.has_block_weights
+    assert model.experts_paths in (["kernels"], ["native"]) and not model.has_block_weights
     torch.testing.assert_close(_logits(native, PROMPTS[2]), _logits(deq, PROMPTS[2]), atol=1e-5, rtol=0)
 
 

@@ -78,17 +78,26 @@ def cpu_id() -> str:
 # Sources that need flags of their own: the block and float kernels' sums must not be reassociated
 # or contracted differently from one tile shape to the next (a token's result would depend on its
 # batch: gcc fused one float tile shape's multiply-adds and not another's on an AVX2 EPYC); the
-# float kernel's FMAs are written out (simd.h fmadd).
+# float kernel's FMAs are written out (simd.h fmadd); the MoE experts' weighted sum must be the per-layer
+# path's multiply then add.
 SOURCE_FLAGS = {
     "block_linear.cpp": ("-fno-associative-math", "-ffp-contract=off"),
     "float_linear.cpp": ("-fno-associative-math", "-ffp-contract=off"),
     "lora.cpp": ("-fno-associative-math", "-ffp-contract=off"),
+    "moe_experts.cpp": ("-fno-associative-math", "-ffp-contract=off"),
 }
 
 # Library -> its sources (one language per library). Headers (csrc/*.h) are shared.
 LIBRARIES = {
     "paged_attention": ("paged_attention.cpp",),
-    "linear": ("int8_linear.cpp", "float_linear.cpp", "block_linear.cpp", "lora.cpp", "decode_pass.cpp"),
+    "linear": (
+        "int8_linear.cpp",
+        "float_linear.cpp",
+        "block_linear.cpp",
+        "lora.cpp",
+        "decode_pass.cpp",
+        "moe_experts.cpp",
+    ),
 }
 
 
