@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import tiny_gemmas
 
 from kvflow import LLM, SamplingParams
 from kvflow.attention.backend import SeqLayout
@@ -32,7 +33,6 @@ from conftest import (
     assert_no_leaks,
     hf_greedy,
     kvflow_prefill_logits,
-    make_tokenizer,
     paged_attention_reference,
     random_kv_cache,
 )
@@ -71,35 +71,9 @@ VARIANTS = {
 }
 
 
-def _make(path: Path, family: str):
-    from transformers import Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
-
-    config_cls, model_cls = {
-        "gemma2": (Gemma2Config, Gemma2ForCausalLM),
-        "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
-    }[family]
-    torch.manual_seed(1234)
-    model = model_cls(config_cls(**_COMMON, **VARIANTS[family]))
-    with torch.no_grad():  # norms start at w = 0 (x * 1): random ones, so a missing (1 + w) shows
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(0, 0.3)
-    model.save_pretrained(path)
-    make_tokenizer().save_pretrained(path)
-    return model.eval()
-
-
 @pytest.fixture(scope="module")
 def gemma(tmp_path_factory):
-    cache: dict = {}
-
-    def get(family: str):
-        if family not in cache:
-            path = tmp_path_factory.mktemp(family)
-            cache[family] = (str(path), _make(path, family))
-        return cache[family]
-
-    return get
+    return tiny_gemmas(tmp_path_factory, lambda family: {**_COMMON, **VARIANTS[family]}, seed=1234)
 
 
 def _prompts() -> list[list[int]]:

@@ -12,11 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import tiny_gemmas
 
 from kvflow import LLM, SamplingParams
 from kvflow.models.gguf_loader import load_gguf
 
-from conftest import VOCAB_SIZE, assert_no_leaks, hf_greedy, make_tokenizer
+from conftest import VOCAB_SIZE, assert_no_leaks, hf_greedy
 from gguf_files import add_folder_tokenizer
 
 MAX_TOKENS = 10
@@ -54,35 +55,9 @@ VARIANTS = {
 }
 
 
-def _make(path: Path, family: str):
-    from transformers import Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
-
-    config_cls, model_cls = {
-        "gemma2": (Gemma2Config, Gemma2ForCausalLM),
-        "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
-    }[family]
-    torch.manual_seed(4321)
-    model = model_cls(config_cls(**_COMMON, **VARIANTS[family]))
-    with torch.no_grad():  # random norms: a (1 + w) applied twice, or not undone, would show
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(0, 0.3)
-    model.save_pretrained(path)
-    make_tokenizer().save_pretrained(path)
-    return model.eval()
-
-
 @pytest.fixture(scope="module")
 def gemma(tmp_path_factory):
-    cache: dict = {}
-
-    def get(family: str):
-        if family not in cache:
-            path = tmp_path_factory.mktemp(family)
-            cache[family] = (str(path), _make(path, family))
-        return cache[family]
-
-    return get
+    return tiny_gemmas(tmp_path_factory, lambda family: {**_COMMON, **VARIANTS[family]}, seed=4321)
 
 
 def write_gemma_gguf(path, hf_dir, family: str, qtype=None, **overrides) -> None:

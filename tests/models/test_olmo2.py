@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import save_tiny_model
 
 from kvflow import LLM, SamplingParams
 from kvflow.attention.backends.cpu import native_unsupported
@@ -19,7 +20,7 @@ from kvflow.layers.linear_kernels import int8_available
 from kvflow.models.olmo2 import Olmo2ForCausalLM
 from kvflow.models.registry import causal_lm_class
 
-from conftest import VOCAB_SIZE, assert_no_leaks, hf_greedy, kvflow_prefill_logits, make_tokenizer
+from conftest import VOCAB_SIZE, assert_no_leaks, hf_greedy, kvflow_prefill_logits
 from gguf_files import add_folder_tokenizer
 
 MAX_TOKENS = 16
@@ -47,15 +48,7 @@ def make_olmo2(path, **overrides):
         tie_word_embeddings=False,
     )
     cfg.update(overrides)
-    torch.manual_seed(4321)
-    model = HFOlmo2(Olmo2Config(**cfg))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(1, 0.2)
-    model.save_pretrained(path)
-    make_tokenizer().save_pretrained(path)
-    return model.eval()
+    return save_tiny_model(path, HFOlmo2, Olmo2Config(**cfg), seed=4321)
 
 
 @pytest.fixture(scope="module")

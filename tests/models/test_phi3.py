@@ -13,13 +13,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from tiny_models import save_tiny_model
 
 from kvflow import LLM, SamplingParams
 from kvflow.config import ModelConfig
 from kvflow.models.phi3 import Phi3ForCausalLM
 from kvflow.models.registry import causal_lm_class
 
-from conftest import VOCAB_SIZE, assert_no_leaks, hf_greedy, kvflow_prefill_logits, make_tokenizer
+from conftest import VOCAB_SIZE, assert_no_leaks, hf_greedy, kvflow_prefill_logits
 from gguf_files import add_folder_tokenizer
 
 MAX_TOKENS = 16
@@ -60,15 +61,7 @@ def make_phi3(path, **overrides):
         tie_word_embeddings=False,
     )
     cfg.update(overrides)
-    torch.manual_seed(1234)
-    model = HFPhi3(Phi3Config(**cfg))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(1, 0.2)
-    model.save_pretrained(path)
-    make_tokenizer().save_pretrained(path)
-    return model.eval()
+    return save_tiny_model(path, HFPhi3, Phi3Config(**cfg), seed=1234)
 
 
 @pytest.fixture(scope="module")
