@@ -286,11 +286,11 @@ class SparseMoeBlock(torch.nn.Module):
         # quantized experts on block kernels), "kernels" (float experts on the linear kernels) or
         # "native" (float experts on native kernels, all of a layer's in one call).
         self.path = "torch"
-        # Set by the model: what records this layer's routing (None: nothing is recorded), and
-        # which of the model's MoE layers this is.
         self.router_f32: torch.Tensor | None = None  # (see prepare)
         # Float experts all on native kernels: run by one native call per layer (see prepare).
         self.native_experts: NativeExperts | None = None
+        # Set by the model: what records this layer's routing (None: nothing is recorded), and
+        # which of the model's MoE layers this is.
         self.recorder: RoutingRecorder | None = None
         self.slot = 0
 
@@ -314,8 +314,9 @@ class SparseMoeBlock(torch.nn.Module):
         Block-quantized experts: the block kernels (``gguf``), the blocks then the kernels' only
         copy. Float experts, on the CPU backends whose kernels take `silu_mul=`
         (`EXPERT_KERNEL_BACKENDS`): each expert's weights become its own kernels (``auto``: one
-        path, `expert_kernel`; ``int4``: its Q4_1 blocks), and the stacked tensors are dropped. Otherwise (``dense``, a
-        GPU) the stacked experts stay, run by `F.linear`."""
+        path, `expert_kernel`; ``int4``: its Q4_1 blocks), and the stacked tensors are dropped;
+        where all are native float kernels, `NativeExperts` runs the layer's in one call.
+        Otherwise (``dense``, a GPU) the stacked experts stay, run by `F.linear`."""
         if self.router.dtype == torch.bfloat16 and self.router.device.type == "cpu":
             # The router's logits in bfloat16, as HF's F.linear gives them (float32 sums rounded
             # once), but through a float32 copy of its few rows: torch's bfloat16 matmul of a few

@@ -376,12 +376,12 @@ class CacheAwarePolicy(ReplicaPolicy):
                 lookup = h[: (len(ids) - 1) // bs]  # the engine leaves one token to compute
                 for b in candidates:
                     saved[b] += self.views[b].matched_blocks(lookup, now) * bs
-            if any(saved.values()):
-                return saved, float(sum(len(ids) for ids in request.prompt_token_ids)), hashes
-            # No replica holds any of it (never computed, evicted everywhere, or routed before the
-            # replicas' first events and still queued): keep the prefix where the router sent it
-            # before, as without events, rather than compute it on a second replica as well.
-            return self.text_hits(candidates, texts, bs), float(sum(map(len, request.prompt_token_ids))), hashes
+            if not any(saved.values()):
+                # No replica holds any of it (never computed, evicted everywhere, or routed before
+                # the replicas' first events and still queued): keep the prefix where the router
+                # sent it before, as without events, rather than compute it on a second replica.
+                saved = self.text_hits(candidates, texts, bs)
+            return saved, float(sum(map(len, request.prompt_token_ids))), hashes
         return self.text_hits(candidates, texts, bs), sum(len(t) / cpt for t, cpt in texts), None
 
     def text_hits(
