@@ -270,19 +270,21 @@ class LlamaForCausalLM(torch.nn.Module):
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         for i, layer in enumerate(self.layers):
             p = f"layers.{i}."
-            # qkv and gate_up read RMSNorm outputs: divide the norm weight.
-            for norm, proj in (
-                (layer.input_layernorm, layer.qkv_proj),
-                (layer.post_attention_layernorm, layer.gate_up_proj),
-            ):
+            # qkv and gate_up read RMSNorm outputs: divide the norm weight. (A layer without a dense
+            # MLP, a Mixture-of-Experts layer, keeps its post-attention norm: the router reads that
+            # norm's output too, and its experts are quantized without smoothing.)
+            pairs = [(layer.input_layernorm, layer.qkv_proj)]
+            if layer.gate_up_proj is not None:
+                pairs.append((layer.post_attention_layernorm, layer.gate_up_proj))
+            for norm, proj in pairs:
                 sc = smoothing_scales(act_amax[p + _name(layer, proj)], proj.weight, alpha).to(proj.weight.dtype)
                 norm.weight.div_(sc)
                 proj.weight.mul_(sc)
-            # down reads silu(gate) * up: divide the up rows.
-            down = layer.down_proj
-            sc = smoothing_scales(act_amax[p + "down_proj"], down.weight, alpha).to(down.weight.dtype)
-            layer.gate_up_proj.weight[cfg.intermediate_size :].div_(sc[:, None])
-            down.weight.mul_(sc)
+            if layer.down_proj is not None:  # down reads silu(gate) * up: divide the up rows.
+                down = layer.down_proj
+                sc = smoothing_scales(act_amax[p + "down_proj"], down.weight, alpha).to(down.weight.dtype)
+                layer.gate_up_proj.weight[cfg.intermediate_size :].div_(sc[:, None])
+                down.weight.mul_(sc)
             # o reads the attention output, linear in v: divide the v rows, one scale per
             # (kv head, dim), shared by the query heads of a group.
             o = layer.o_proj

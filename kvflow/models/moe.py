@@ -21,8 +21,8 @@ rank keeps the whole router, and the experts are split inside as the dense MLP (
 whole over the ranks: each loads and keeps only its range. OLMoE's q/k norms over the whole
 projections sum their squares over the ranks (one all-reduce per layer).
 
-Not there yet, refused where they would be asked for: int8 weights (`check_options`), and the
-native decode pass (kvflow.models.decode_pass: MoE models take the per-layer path).
+Not there yet: the native decode pass (kvflow.models.decode_pass: MoE models take the per-layer
+path).
 """
 
 from __future__ import annotations
@@ -56,17 +56,6 @@ _EXPERT_PART = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", 
 _STACKED_KEY = re.compile(r"experts\.(gate_proj|up_proj|down_proj)")
 # OLMoE's q/k norms over the whole projections: under tensor parallelism each rank's slice.
 _WHOLE_QK_NORM_KEY = re.compile(r"layers\.(\d+)\.self_attn\.([qk])_norm\.weight")
-
-
-def check_options(cfg: ModelConfig, quantization: str | None) -> None:
-    """Refuse the engine options a MoE model cannot run with yet (before any weight is read).
-    int4 quantizes each expert like a dense projection (its own Q4_1 block kernels); int8's
-    SmoothQuant would have to fold its scales into the router and every expert of a layer."""
-    if cfg.moe is not None and quantization == "int8":
-        raise ValueError(
-            f"quantization='int8' does not reach Mixture-of-Experts models ({cfg.architecture}) yet: "
-            "use quantization='int4', or unset quantization to run it in float (dtype float32 or bfloat16)"
-        )
 
 
 class MoeDecoderLayer(DecoderLayer):

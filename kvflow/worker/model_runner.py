@@ -25,7 +25,6 @@ from kvflow.core.kv_groups import kv_layout
 from kvflow.core.scheduler import ScheduledSeq, SchedulerOutput
 from kvflow.distributed.parallel import local_config
 from kvflow.layers.linear_kernels import select_linear_backend
-from kvflow.models.moe import check_options
 from kvflow.models.registry import causal_lm_class
 from kvflow.quantization.smoothquant import CALIBRATION_TEXT
 from kvflow.sample.rejection_sampler import RejectionSampler
@@ -126,7 +125,6 @@ class ModelRunner:
         """`model_config`: this rank's share of the model under tensor parallelism (`tp`).
         `calibration`: the token ids int8 smoothing is calibrated on (`calibration_ids`; every
         rank of a tensor-parallel group gets the same, as the calibration pass is collective)."""
-        check_options(model_config, config.quantization)  # (before anything is allocated or read)
         self.device = torch.device(config.device)
         if self.device.type == "cpu":
             from kvflow.kernels.cpu.allocator import keep_freed_memory

@@ -304,33 +304,39 @@ def test_routing_ties_as_hf(family, norm, dtype):
 
 
 # ---- what is not there yet ------------------------------------------------------------------------
-def test_int8_quantization_refused(model_factory):
-    path, _ = model_factory("mixtral")
-    with pytest.raises(ValueError, match="quantization='int8'.*Mixture-of-Experts.*quantization='int4'"):
-        LLM(path, quantization="int8", num_kv_blocks=16, max_model_len=32)
-
-
-def test_int4_experts_on_block_kernels(model_factory):
-    """quantization='int4': every expert on its own Q4_1 block kernels; the prefill logits follow
-    float32's within 4-bit weights' error (teacher-forced top-1 agreement, relative RMS error),
-    and the engine serves it without leaking blocks."""
+# (int4 on Qwen3-MoE: the tiny Qwen2-MoE's shared expert is 48 wide, and 4-bit blocks take 32 inputs)
+@pytest.mark.parametrize(
+    "quantization,variant,max_rel,min_agree",
+    [("int4", "qwen3_moe-norm_topk", 0.25, 0.75), ("int8", "qwen2_moe-mlp_only", 0.05, 0.9)],
+)
+def test_quantized_experts(model_factory, quantization, variant, max_rel, min_agree):
+    """quantization='int4' / 'int8': every expert on its own Q4_1 block kernels / int8 kernels
+    (per-channel weights, per-token activations; SmoothQuant on the attention and the dense MLP
+    layers only: the shared expert of Qwen2-MoE and the routed ones unsmoothed); the prefill logits follow
+    float32's within the quantization's error (teacher-forced top-1 agreement, relative RMS
+    error), and the engine serves it without leaking blocks."""
     from kvflow.kernels.cpu.block_linear import BlockQuantKernel, block_kernels_unavailable
+    from kvflow.kernels.cpu.int8_linear import Int8Kernel
+    from kvflow.layers.linear_kernels import int8_available
 
-    if block_kernels_unavailable() is not None:
+    if quantization == "int4" and block_kernels_unavailable() is not None:
         pytest.skip(block_kernels_unavailable())
-    path, _ = model_factory("qwen3_moe")
+    if quantization == "int8" and not int8_available():
+        pytest.skip("int8 needs a torch build with FBGEMM")
+    path, _ = _model(model_factory, variant)
     prompt = [random.Random(6).randrange(2, 500) for _ in range(40)]
     fp32, llm = (
         LLM(path, quantization=q, num_kv_blocks=32, max_model_len=64, block_size=4, enable_prefix_caching=False)
-        for q in (None, "int4")
+        for q in (None, quantization)
     )
     assert llm.engine.runner.model.experts_paths == ["kernels"]
+    kernel_cls = BlockQuantKernel if quantization == "int4" else Int8Kernel
     for block in llm.engine.runner.model.moe_blocks:
-        assert all(isinstance(k, BlockQuantKernel) for kernels in block.expert_kernels for k in kernels)
-    fp32, int4 = engine_logits(fp32, prompt), engine_logits(llm, prompt)
-    rel = ((int4 - fp32).pow(2).mean() / fp32.pow(2).mean()).sqrt().item()
-    agree = (int4.argmax(-1) == fp32.argmax(-1)).float().mean().item()
-    assert 0 < rel < 0.25 and agree >= 0.75, (rel, agree)
+        assert all(isinstance(k, kernel_cls) for kernels in block.expert_kernels for k in kernels)
+    fp32, quantized = engine_logits(fp32, prompt), engine_logits(llm, prompt)
+    rel = ((quantized - fp32).pow(2).mean() / fp32.pow(2).mean()).sqrt().item()
+    agree = (quantized.argmax(-1) == fp32.argmax(-1)).float().mean().item()
+    assert 0 < rel < max_rel and agree >= min_agree, (rel, agree)
     llm.generate([prompt], GREEDY, use_tqdm=False)
     assert_no_leaks(llm.engine)
 
