@@ -358,10 +358,9 @@ class SparseMoeBlock(torch.nn.Module):
     def forward(self, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """residual + the block's output for h [tokens, hidden] (the post-attention norm's output)."""
         routing = self.route(h)
-        counts = None  # (grouping one token needs none)
-        if self.recorder is not None or (h.shape[0] > 1 and self.native_experts is None):
-            counts = torch.bincount(routing.experts.reshape(-1), minlength=self.num_experts)
+        counts = None  # (grouped_experts counts the pairs itself where it needs them)
         if self.recorder is not None:
+            counts = torch.bincount(routing.experts.reshape(-1), minlength=self.num_experts)
             self.recorder.record(self.slot, routing.experts, counts)
         if self.native_experts is not None:
             out = self.native_experts(h, routing.experts, routing.weights, self.experts.start).to(h.dtype)
