@@ -222,6 +222,21 @@ class RoutingRecorder:
         if self.capture is not None:
             self.capture[slot] = experts
 
+    def record_layers(self, experts: torch.Tensor) -> None:
+        """Every MoE layer's routing of one step at once (the native decode pass's): `experts` int64
+        [layers, rows, k]; the same counts as `record` per layer."""
+        if self.counting:
+            flat = experts.reshape(len(self.layers), -1)
+            counts = torch.zeros(len(self.layers), self.num_experts, dtype=torch.int64, device=flat.device)
+            counts.scatter_add_(1, flat, torch.ones_like(flat))
+            self.steps += 1
+            self.tokens.add_(counts)
+            top = counts.max(dim=1).values
+            self.busiest.add_(top)
+            self.imbalance.add_(top.double() * (self.num_experts / flat.shape[1]))
+        if self.capture is not None:
+            self.capture = list(experts.unbind(0))
+
     def snapshot(self, per_expert: bool) -> MoeRoutingStats:
         """The totals as Python numbers (one host copy each)."""
         return MoeRoutingStats(

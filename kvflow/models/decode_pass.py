@@ -19,10 +19,22 @@ float32 maths, the pass the closer one. Only float32 promises bit-identical path
 LoRA adapters (`use_lora`, kvflow.lora) ride along: rows under adapters and rows of the base model
 share the pass, each projection adding its adapter rows' scaling * B (A x) with the function the
 per-layer path's wrapped kernels call.
+
+Mixture-of-Experts layers (kvflow.layers.moe.SparseMoeBlock) ride along where every layer's experts
+are on native float kernels (`NativeExperts`) and the model is not sharded: the router runs on a
+native float32 kernel, the softmax and top-k in C++, the experts through the same native call as
+the per-layer path's. The router's logits are then float32 sums in the kernel's order, not torch's
+`F.linear`: a token's hidden state stays within float32 rounding of the per-layer path's, not bit
+for bit, and a routing choice could differ from HF's only where two experts' probabilities lie
+within that rounding. An exact tie (the same probability twice among a row's top-k, or at its
+edge: which one torch.topk keeps is torch's choice) stops the pass, and the step runs on the
+per-layer path instead, from a copy of its input. The experts each row chose come back from the
+pass (`on_routed`: the model's routing telemetry).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -30,7 +42,7 @@ import torch
 from kvflow.attention.backend import LayerKVCache, PagedRows
 from kvflow.attention.backends.cpu import CpuPagedAttention
 from kvflow.kernels.cpu.block_linear import BlockQuantKernel
-from kvflow.kernels.cpu.decode_pass import DecodePassKernel, LayerWeights, LoRAStep, NativeLinear
+from kvflow.kernels.cpu.decode_pass import DecodePassKernel, LayerWeights, LoRAStep, MoeWeights, NativeLinear
 from kvflow.kernels.cpu.float_linear import NativeFloatKernel
 from kvflow.kernels.cpu.int8_linear import Int8Kernel
 from kvflow.kernels.cpu.paged_attention import MAX_HEAD_DIM
@@ -41,7 +53,8 @@ UNLIMITED = 1 << 30
 class DecodePass(Protocol):
     """All decoder layers of a decode-only step in one call: runs on x [rows, hidden] in place, row r
     being the step's token r, with the rows the attention backend's `decode_group` returned for the
-    step, for steps of up to `max_rows` rows."""
+    step, for steps of up to `max_rows` rows. Returns False, x as it came, where the step must run
+    on the per-layer path instead (a routing tie: see the module)."""
 
     max_rows: int
 
@@ -53,7 +66,7 @@ class DecodePass(Protocol):
         kv_caches: list[LayerKVCache],
         slot_mapping: torch.Tensor,
         group: PagedRows,
-    ) -> None: ...
+    ) -> bool: ...
 
 
 def _native_kernel(kernel) -> NativeLinear | None:
@@ -77,8 +90,10 @@ def max_rows(model: torch.nn.Module) -> int:
 def native_decode_unsupported(model: torch.nn.Module) -> str | None:
     """Why `model` (a prepared LlamaForCausalLM) cannot use the native decode pass, or None."""
     cfg = model.cfg
-    if cfg.is_moe:  # (the pass has no routed feed-forward: no native grouped-expert kernel yet)
-        return "Mixture-of-Experts layers run on the per-layer path"
+    if cfg.is_moe:
+        why = _moe_unsupported(model)
+        if why is not None:
+            return why
     if cfg.gemma is not None:  # (the pass runs the Llama layer: no post-norms, GeGLU or soft-cap)
         return "Gemma layers run on the per-layer path"
     if len({layer.window for layer in model.layers}) > 1:
@@ -94,19 +109,51 @@ def native_decode_unsupported(model: torch.nn.Module) -> str | None:
     kernels = [
         _native_kernel(lin.kernel)
         for layer in model.layers
-        for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+        for lin in (layer.qkv_proj, layer.o_proj, *_dense_mlp(layer))
     ]
     if not all(kernels):
         return "a projection has no native kernel (the library could not be built, or the plan uses none)"
     if len({type(k) for k in kernels}) != 1:
         return "the projections mix kernel families (a GGUF with float tensors among its block ones)"
-    if any(
-        k.bias is not None
-        for layer in model.layers
-        for k in (layer.o_proj.kernel, layer.gate_up_proj.kernel, layer.down_proj.kernel)
-    ):
+    if any(lin.kernel.bias is not None for layer in model.layers for lin in (layer.o_proj, *_dense_mlp(layer))):
         return "o / gate_up / down projections with a bias"
     return None
+
+
+def _dense_mlp(layer: torch.nn.Module) -> tuple:
+    """A layer's gate_up and down projections, or () for a routed layer."""
+    return () if layer.gate_up_proj is None else (layer.gate_up_proj, layer.down_proj)
+
+
+def _moe_unsupported(model: torch.nn.Module) -> str | None:
+    """Why the routed layers of `model` cannot ride in the pass, or None."""
+    if model.tp.size > 1:
+        return "Mixture-of-Experts layers under tensor or expert parallelism run on the per-layer path"
+    for block in model.moe_blocks:
+        if block.native_experts is None:
+            return f"Mixture-of-Experts layers whose experts are not on native float kernels ({block.path}) run on the per-layer path"
+        if block.shared_down is not None and not all(
+            isinstance(_native_kernel(lin.kernel), NativeFloatKernel)
+            for lin in (block.shared_gate_up, block.shared_down)
+        ):
+            return "a shared expert not on native float kernels runs on the per-layer path"
+    return None
+
+
+def _moe_weights(block) -> MoeWeights:
+    """A `SparseMoeBlock`'s routed feed-forward as the pass reads it (its router and shared gate in
+    float32 on native kernels of their own: a few rows by hidden each)."""
+    router = block.router_f32 if block.router_f32 is not None else block.router.detach().float()
+    shared = block.shared_down is not None
+    return MoeWeights(
+        router=NativeFloatKernel(router.contiguous(), None),
+        experts=block.native_experts,
+        top_k=block.top_k,
+        renormalize=block.renormalize,
+        shared_gate_up=_native_kernel(block.shared_gate_up.kernel) if shared else None,
+        shared_down=_native_kernel(block.shared_down.kernel) if shared else None,
+        shared_gate=NativeFloatKernel(block.shared_expert_gate.detach().float().contiguous(), None) if shared else None,
+    )
 
 
 class NativeDecode:
@@ -118,15 +165,17 @@ class NativeDecode:
         layers = []
         for layer in model.layers:
             qkv = _native_kernel(layer.qkv_proj.kernel)
+            dense = bool(_dense_mlp(layer))
             layers.append(
                 LayerWeights(
                     qkv=qkv,
                     o=_native_kernel(layer.o_proj.kernel),
-                    gate_up=_native_kernel(layer.gate_up_proj.kernel),
-                    down=_native_kernel(layer.down_proj.kernel),
+                    gate_up=_native_kernel(layer.gate_up_proj.kernel) if dense else None,
+                    down=_native_kernel(layer.down_proj.kernel) if dense else None,
                     qkv_bias=qkv.bias,
                     input_norm=layer.input_layernorm.float_weight(),
                     post_norm=layer.post_attention_layernorm.float_weight(),
+                    moe=None if dense else _moe_weights(layer.moe),
                 )
             )
         self.kernel = DecodePassKernel(
@@ -144,6 +193,10 @@ class NativeDecode:
         self.max_rows = max_rows(model)
         self._bound: list[LayerKVCache] | None = None
         self._lora = None  # (the LoRABatch the wrapped projections read, and its slots as the pass reads them)
+        # Routed layers: called after each step with its rows' chosen experts, int64 [routed layers,
+        # rows, top_k] (the model's routing telemetry), or None.
+        self.on_routed: Callable[[torch.Tensor], None] | None = None
+        self.ties = 0  # steps that left the pass for the per-layer path on a routing tie
 
     def use_lora(self, batch) -> None:
         """Run `batch`'s adapters (a kvflow.lora.layers.LoRABatch: resident slots per layer, and
@@ -168,14 +221,25 @@ class NativeDecode:
         kv_caches: list[LayerKVCache],
         slot_mapping: torch.Tensor,
         group: PagedRows,
-    ) -> None:
+    ) -> bool:
         if kv_caches is not self._bound:
             self.kernel.bind_kv([kv.data for kv in kv_caches], [kv.scale for kv in kv_caches])
             self._bound = kv_caches
         lora = None
         if self._lora is not None and self._lora[0].rows is not None:
             lora = (self._lora[1], self._lora[0].rows)
-        self.kernel(x, cos, sin_signed, slot_mapping, group.tables, group.context_lens, group.tokens, lora)
+        k = self.kernel
+        if not k.num_routed:
+            return k(x, cos, sin_signed, slot_mapping, group.tables, group.context_lens, group.tokens, lora)
+        routed = torch.empty(k.num_routed, x.shape[0], k.top_k, dtype=torch.int64)
+        before = x.clone()  # (a tie stops the pass part way: the per-layer path starts again from here)
+        if not k(x, cos, sin_signed, slot_mapping, group.tables, group.context_lens, group.tokens, lora, routed):
+            x.copy_(before)
+            self.ties += 1
+            return False
+        if self.on_routed is not None:
+            self.on_routed(routed)
+        return True
 
 
 def decode_pass(model: torch.nn.Module) -> DecodePass | None:

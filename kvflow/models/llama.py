@@ -325,9 +325,7 @@ class LlamaForCausalLM(torch.nn.Module):
             if fused is not None and layer_meta is None and x.shape[0] <= fused.max_rows
             else None
         )
-        if group is not None:
-            fused(x, cos, sin_signed, kv_caches, meta.slot_mapping, group)
-        else:
+        if group is None or not fused(x, cos, sin_signed, kv_caches, meta.slot_mapping, group):
             for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
                 x = layer(x, cos, sin_signed, kv, meta if layer_meta is None else layer_meta[i])
         return self.norm(x)

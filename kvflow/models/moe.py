@@ -21,8 +21,9 @@ rank keeps the whole router, and the experts are split inside as the dense MLP (
 whole over the ranks: each loads and keeps only its range. OLMoE's q/k norms over the whole
 projections sum their squares over the ranks (one all-reduce per layer).
 
-Not there yet: the native decode pass (kvflow.models.decode_pass: MoE models take the per-layer
-path).
+Decode-only steps run in the native decode pass (kvflow.models.decode_pass) where every routed
+layer's experts are on native float kernels and the model is not sharded; the pass hands back the
+experts each row chose, for the same telemetry (`_pass_routed`).
 """
 
 from __future__ import annotations
@@ -138,21 +139,25 @@ class MoeForCausalLM(LlamaForCausalLM):
 
     def projection_shapes(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """Every projection on the linear kernels (attention, dense layers' MLPs, shared experts,
-        the logits) and, as one layer's, only the attention's qkv and o: a routed layer has no
-        fixed gate_up / down, and the decode pass does not take MoE models."""
+        experts, the logits) and, as one layer's, the attention's qkv and o and one expert's gate |
+        up and down (what a routed layer's row runs in the decode pass; a GGUF's quantized experts
+        are not timed: block kernels)."""
         layer = self.layers[0]
         per_layer = [tuple(lin.weight.shape) for lin in (layer.qkv_proj, layer.o_proj)]
         linears = [tuple(m.weight.shape) for m in self.modules() if isinstance(m, Linear) and m is not self.lm_head]
         experts = [shape for b in self.moe_blocks if b.expert_blocks is None for shape in b.expert_shapes()]
+        per_layer += experts[:2]
         return list(dict.fromkeys([*per_layer, *linears, *experts, self._logits_shape()])), per_layer
 
     def weight_bytes(self) -> int:
         return super().weight_bytes() + sum(m.expert_bytes() for m in self.moe_blocks)
 
     def prepare(self, backend: str, plan: KernelPlan | None = None) -> None:
-        super().prepare(backend, plan)
         for block in self.moe_blocks:  # experts onto their kernels (see SparseMoeBlock.prepare)
             block.prepare(backend, plan)
+        super().prepare(backend, plan)  # (last: it builds the decode pass, which reads the experts' kernels)
+        if self.native_decode is not None:
+            self.native_decode.on_routed = self._pass_routed
 
     @property
     def has_block_weights(self) -> bool:
@@ -193,6 +198,12 @@ class MoeForCausalLM(LlamaForCausalLM):
         if captured is None or any(c is None for c in captured):
             return None
         return torch.stack(captured)
+
+    def _pass_routed(self, experts: torch.Tensor) -> None:
+        """A decode pass's routing, int64 [MoE layers, rows, k], to the recorder if it records."""
+        rec = self._recorder
+        if rec.counting or rec.capture is not None:
+            rec.record_layers(experts)
 
     def _attach_recorder(self) -> None:
         """The layers see the recorder only while it records something (counting or a capture)."""

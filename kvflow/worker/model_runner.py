@@ -25,6 +25,7 @@ from kvflow.core.kv_groups import kv_layout
 from kvflow.core.scheduler import ScheduledSeq, SchedulerOutput
 from kvflow.distributed.parallel import local_config
 from kvflow.layers.linear_kernels import select_linear_backend
+from kvflow.models.decode_pass import native_decode_unsupported
 from kvflow.models.registry import causal_lm_class
 from kvflow.quantization.smoothquant import CALIBRATION_TEXT
 from kvflow.sample.rejection_sampler import RejectionSampler
@@ -48,7 +49,6 @@ MOE_BLOCKS_PATH = "experts: GGUF blocks as stored, one block kernel pair per exp
 MOE_KERNELS_PATH = "experts: one linear kernel pair per expert (the backend's paths), grouped by expert"
 MOE_NATIVE_PATH = "experts: native float kernels, grouped by expert, a layer's experts in one native call"
 MOE_PATHS = {"torch": MOE_PATH, "blocks": MOE_BLOCKS_PATH, "kernels": MOE_KERNELS_PATH, "native": MOE_NATIVE_PATH}
-MOE_NO_PASS = "Mixture-of-Experts layers take the per-layer path, not the decode pass"
 PASS_PROBE_CONTEXT = 64  # tokens of context per row in the decode steps that time the decode pass
 # prefill chunks (sequences, tokens each) that time the attention paths for prefill rows
 PREFILL_PROBE = (2, 256)
@@ -320,8 +320,11 @@ class ModelRunner:
             summary = self.kernel_plan.describe() + (f"; prefill attention: {prefill}" if prefill else "")
         else:
             summary = f"linear kernels: {self.linear_backend}"
-        if self.model.cfg.is_moe:  # (the plan's "decode pass: off" says no more than that)
-            summary += "; " + "; ".join(MOE_PATHS[p] for p in self.model.experts_paths) + f" ({MOE_NO_PASS})"
+        if self.model.cfg.is_moe:
+            summary += "; " + "; ".join(MOE_PATHS[p] for p in self.model.experts_paths)
+            why = native_decode_unsupported(self.model)
+            if why is not None:  # (the plan's "decode pass: off" would not say why)
+                summary += f"; decode steps on the per-layer path: {why}"
         return summary
 
     def moe_stats(self):

@@ -446,24 +446,73 @@ def test_parallel_config_errors(model_factory):
     assert local.moe.moe_intermediate_size == 33 and local.moe.expert_parallel_size == 2
 
 
-def test_native_attention_and_no_decode_pass(model_factory, monkeypatch):
-    """The native attention backend serves the attention of a MoE model; the native decode pass
-    does not take it (the per-layer path runs), even with the native linears forced, and the
-    kernel summary says so."""
-    path, hf = model_factory("qwen2_moe")
+def _native_pass_llm(path: str, monkeypatch, **kwargs) -> LLM:
     why = native_unsupported(torch.device("cpu"), torch.float32, 4, 2, 16)
     if why is not None or not native_available(torch.float32):
         pytest.skip(f"the native kernels cannot be built here: {why}")
     monkeypatch.setenv("KVFLOW_LINEAR_BACKEND", "native")
-    llm = LLM(path, attention_backend="native", num_kv_blocks=32, max_model_len=64, block_size=4)
+    return LLM(path, attention_backend="native", num_kv_blocks=32, max_model_len=64, block_size=4, **kwargs)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_decode_pass_takes_routed_layers(model_factory, monkeypatch, family):
+    """Mixtral and Qwen2-MoE (shared expert, qkv bias) on native kernels: decode steps run in the
+    native decode pass with their routed layers; HF's greedy tokens; the same routing counts, and
+    logprobs within float32 rounding, as the per-layer path on the same requests."""
+    path, hf = model_factory(family)
+    llm = _native_pass_llm(path, monkeypatch)
     assert isinstance(llm.engine.runner.attention, CpuPagedAttention)
     model = llm.engine.runner.model
-    assert model.native_decode is None
-    assert native_decode_unsupported(model) == "Mixture-of-Experts layers run on the per-layer path"
+    assert native_decode_unsupported(model) is None and model.native_decode is not None
     assert MOE_NATIVE_PATH in llm.get_stats().linear_kernels
-    prompts = _workload()[:3]
-    for p, o in zip(prompts, llm.generate(prompts, GREEDY, use_tqdm=False)):
+    prompts = _workload()
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=3)
+    calls: list[bool] = []
+    real = type(model.native_decode).__call__
+
+    def counted(self, *args):
+        calls.append(real(self, *args))
+        return calls[-1]
+
+    monkeypatch.setattr(type(model.native_decode), "__call__", counted)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    with_pass = model.routing_stats()
+    assert len(calls) >= MAX_TOKENS - 1 and all(calls)  # (decode steps, none of them left the pass)
+    for p, o in zip(prompts, outs):
         assert o.outputs[0].token_ids == hf_greedy(hf, p, MAX_TOKENS)
+    assert_no_leaks(llm.engine)
+
+    reference = _native_pass_llm(path, monkeypatch)
+    reference.engine.runner.model.native_decode.max_rows = 0  # every step on the per-layer path
+    ref = reference.generate(prompts, params, use_tqdm=False)
+    assert_same_completions([o.outputs[0] for o in outs], [o.outputs[0] for o in ref], abs_tol=1e-4)
+    assert with_pass == reference.engine.runner.model.routing_stats()
+    assert with_pass.num_steps > MAX_TOKENS
+
+
+def test_decode_pass_routing_tie_runs_per_layer_path(model_factory, monkeypatch, tmp_path):
+    """Two experts with the same router row tie on every token that picks either: which one a
+    top-k keeps is torch.topk's choice, so those steps leave the pass for the per-layer path (the
+    count says so), and the tokens stay HF's."""
+    import copy
+
+    _, hf = model_factory("mixtral")
+    tied = copy.deepcopy(hf)
+    with torch.no_grad():
+        for layer in tied.model.layers:
+            gate = layer.mlp.gate.weight
+            gate[1] = gate[0]
+    tied.save_pretrained(tmp_path)
+    from conftest import make_tokenizer
+
+    make_tokenizer().save_pretrained(tmp_path)
+    llm = _native_pass_llm(str(tmp_path), monkeypatch)
+    fused = llm.engine.runner.model.native_decode
+    assert fused is not None
+    prompts = _workload()
+    for p, o in zip(prompts, llm.generate(prompts, GREEDY, use_tqdm=False)):
+        assert o.outputs[0].token_ids == hf_greedy(tied, p, MAX_TOKENS)
+    assert fused.ties > 0
     assert_no_leaks(llm.engine)
 
 

@@ -22,6 +22,7 @@ from kvflow.kernels.cpu.block_linear import BlockQuantKernel
 from kvflow.kernels.cpu.float_linear import NativeFloatKernel
 from kvflow.kernels.cpu.int8_linear import Int8Kernel, int8_library
 from kvflow.kernels.cpu.lora import LoRAProjection, LoRARows, NativeProj, NativeRows
+from kvflow.kernels.cpu.moe_experts import NativeExperts
 from kvflow.kernels.cpu.paged_attention import KV_FORMATS
 
 _I, _F, _P = ctypes.c_int, ctypes.c_float, ctypes.c_void_p
@@ -44,10 +45,16 @@ class _Shape(ctypes.Structure):  # DecoderShape in csrc/decode_pass.cpp
     ] + [("eps", _F), ("scale", _F)]
 
 
+class _MoeLayer(ctypes.Structure):  # kvflow::MoeLayer in csrc/moe_experts.h
+    _fields_ = [(n, _P) for n in ("router", "gate_up", "down", "shared_gate_up", "shared_down", "shared_gate")] + [
+        (n, _I) for n in ("num_experts", "top_k", "renormalize", "slot")
+    ]
+
+
 class _Layer(ctypes.Structure):  # DecoderLayer in csrc/decode_pass.cpp
     _fields_ = [
         (n, _P) for n in ("qkv", "o", "gate_up", "down", "qkv_bias", "input_norm", "post_norm", "kv_cache", "kv_scales")
-    ]
+    ] + [("moe", ctypes.POINTER(_MoeLayer))]
 
 
 class _LoraStep(ctypes.Structure):  # LoraStep in csrc/decode_pass.cpp
@@ -69,6 +76,7 @@ _ARGS = [
     _P,
     _I,
     ctypes.POINTER(_LoraStep),
+    _P,
 ]
 _SIGNATURES = {
     "kvflow_int8_decode": (_ARGS, _I),
@@ -86,8 +94,9 @@ PHASES = (
     "rotary + cache write + attention",
     "o projection (+ residual)",
     "gate_up projection (+ RMSNorm)",
-    "down projection (+ silu*mul, residual)",
+    "down projection (+ silu*mul, residual); a routed layer's whole feed-forward",
 )
+TIE = 1  # what a call returns when a routed layer's top-k ties (see DecodePassKernel.__call__)
 
 NativeLinear = Int8Kernel | NativeFloatKernel | BlockQuantKernel
 LORA_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # a layer's, in the pass's order
@@ -116,17 +125,35 @@ class LoRAStep:
 
 
 @dataclass
+class MoeWeights:
+    """A routed feed-forward as the pass reads it: the router (float32 [experts, hidden], on a
+    native float kernel), every expert (`NativeExperts`: native float kernels), how many experts
+    a token takes and whether their weights are renormalised, and Qwen2-MoE's shared expert (its
+    gate | up and down kernels and its gate, float32 [1, hidden]) or Nones."""
+
+    router: NativeFloatKernel
+    experts: NativeExperts
+    top_k: int
+    renormalize: bool
+    shared_gate_up: NativeFloatKernel | None = None
+    shared_down: NativeFloatKernel | None = None
+    shared_gate: NativeFloatKernel | None = None
+
+
+@dataclass
 class LayerWeights:
     """One decoder layer as the pass reads it: its four projections' native kernels (one family),
-    the qkv bias and the two RMSNorm weights in float32 (o, gate_up and down take no bias)."""
+    the qkv bias and the two RMSNorm weights in float32 (o, gate_up and down take no bias). A
+    routed layer has `moe` (native float kernels) instead of gate_up and down."""
 
     qkv: NativeLinear
     o: NativeLinear
-    gate_up: NativeLinear
-    down: NativeLinear
+    gate_up: NativeLinear | None
+    down: NativeLinear | None
     qkv_bias: torch.Tensor | None
     input_norm: torch.Tensor
     post_norm: torch.Tensor
+    moe: MoeWeights | None = None
 
 
 class DecodePassKernel:
@@ -162,16 +189,20 @@ class DecodePassKernel:
             scale=scale,
         )
         self.layers = (_Layer * len(layers))()
+        self._moe = []  # (the routed layers' structs, which the layers point to)
         for dst, w in zip(self.layers, layers):
-            dst.qkv, dst.o, dst.gate_up, dst.down = (
-                w.qkv.native_handle,
-                w.o.native_handle,
-                w.gate_up.native_handle,
-                w.down.native_handle,
-            )
+            dst.qkv, dst.o = w.qkv.native_handle, w.o.native_handle
+            if w.moe is None:
+                dst.gate_up, dst.down = w.gate_up.native_handle, w.down.native_handle
+            else:
+                self._moe.append(_moe_layer(w.moe, len(self._moe)))
+                dst.moe = ctypes.pointer(self._moe[-1])
             dst.qkv_bias = None if w.qkv_bias is None else w.qkv_bias.data_ptr()
             dst.input_norm, dst.post_norm = w.input_norm.data_ptr(), w.post_norm.data_ptr()
         self._weights = layers  # (what the pointers above point into)
+        # Routed layers: how many, and the experts a token takes in each (the `routed` buffer's shape).
+        self.num_routed = len(self._moe)
+        self.top_k = self._moe[0].top_k if self._moe else 0
         # Set to a float64 tensor of len(PHASES) to have each call add the seconds spent per phase.
         self.phase_seconds: torch.Tensor | None = None
 
@@ -193,11 +224,17 @@ class DecodePassKernel:
         context_lens: torch.Tensor,
         tokens: torch.Tensor,
         lora: tuple[LoRAStep, LoRARows] | None = None,
-    ) -> None:
+        routed: torch.Tensor | None = None,
+    ) -> bool:
         """Runs every decoder layer on x [rows, hidden] (contiguous; float32, or bfloat16: widened
         for the pass and rounded back) in place; row r is the step's token r, one per sequence,
         attending to the first context_lens[r] keys of block table tables[r] (int32). `lora`: the
-        resident adapters and the step's rows under them, or None."""
+        resident adapters and the step's rows under them, or None. `routed`: with routed layers,
+        int64 [num_routed, rows, top_k] that receives each routed layer's chosen experts per row.
+
+        Returns False where a routed layer's top-k probabilities tied: the call stopped there, x
+        and the KV cache partly written; the caller runs the step again another way (whose torch.topk
+        breaks the tie as HF's routers do), from its own copy of x."""
         h = x if x.dtype == torch.float32 else x.float()
         if cos.dtype != torch.float32:
             cos, sin_signed = cos.float(), sin_signed.float()
@@ -216,8 +253,27 @@ class DecodePassKernel:
             None if self.phase_seconds is None else self.phase_seconds.data_ptr(),
             torch.get_num_threads(),
             None if lora is None else ctypes.byref(lora[0].for_rows(lora[1])),
+            None if routed is None else routed.data_ptr(),
         )
+        if rc == TIE:
+            return False
         if rc != 0:
             raise RuntimeError("native decode refused the attention shape")
         if h is not x:
             x.copy_(h)
+        return True
+
+
+def _moe_layer(w: MoeWeights, slot: int) -> _MoeLayer:
+    experts = w.experts
+    shared = [None if k is None else k.native_handle for k in (w.shared_gate_up, w.shared_down, w.shared_gate)]
+    return _MoeLayer(
+        w.router.native_handle,
+        ctypes.cast(experts.gate_up_handles, _P),
+        ctypes.cast(experts.down_handles, _P),
+        *shared,
+        len(experts),
+        w.top_k,
+        int(w.renormalize),
+        slot,
+    )

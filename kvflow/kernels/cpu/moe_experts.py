@@ -39,8 +39,9 @@ class NativeExperts:
         self._fn = lib.kvflow_float_experts
         self._kernels = (list(gate_up), list(down))  # (what the handles point into)
         n = len(gate_up)
-        self._gate_up = (ctypes.c_void_p * n)(*[k.native_handle for k in gate_up])
-        self._down = (ctypes.c_void_p * n)(*[k.native_handle for k in down])
+        # (the native decode pass reads them too: kvflow.kernels.cpu.decode_pass)
+        self.gate_up_handles = (ctypes.c_void_p * n)(*[k.native_handle for k in gate_up])
+        self.down_handles = (ctypes.c_void_p * n)(*[k.native_handle for k in down])
         self.hidden = gate_up[0].in_features
 
     def __len__(self) -> int:
@@ -57,8 +58,8 @@ class NativeExperts:
         w = weights.to(torch.float32).contiguous()
         out = torch.empty(tokens, self.hidden, dtype=torch.float32)
         self._fn(
-            self._gate_up,
-            self._down,
+            self.gate_up_handles,
+            self.down_handles,
             len(self),
             first_expert,
             h.data_ptr(),

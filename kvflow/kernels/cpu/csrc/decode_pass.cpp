@@ -6,10 +6,14 @@
  *   attn = attention(rotary(q), cache <- rotary(k), v)   decode_attention (attention.h)
  *   x' = x + W_o . attn                   linear, residual
  *   x = x' + W_down . silu_mul(W_gate_up . rmsnorm(x'))
+ *     or, for a routed layer, x = x' + moe(rmsnorm(x'))   moe_layer_team (moe_experts.cpp)
  *
  * The same functions as the per-layer path (Int8Kernel / NativeFloatKernel, CpuPagedAttention) in the
  * same order, so a token's result is bit for bit the one that path gives; what goes is the ~10
- * Python-level calls per layer, most of a small-batch step's time after the matmuls.
+ * Python-level calls per layer, most of a small-batch step's time after the matmuls. (A routed
+ * layer's router runs here on the float kernel, where the per-layer path routes in torch as HF
+ * does: float32 sums in another order, so close to that path, not bit for bit; a tie in a top-k
+ * ends the call with 1, for the caller to run the step through torch.)
  *
  * With LoRA adapters (a LoraStep), each projection's output then gets its adapter rows' scaling * B (A x)
  * from lora_team (lora.cpp), the same function the per-layer path calls: rows of adapters and of the
@@ -26,6 +30,7 @@
 #include "float_linear.h"
 #include "int8_linear.h"
 #include "lora.h"
+#include "moe_experts.h"
 
 namespace {
 
@@ -43,6 +48,7 @@ struct DecoderLayer {
   const float *qkv_bias, *input_norm, *post_norm;
   void* kv_cache;
   float* kv_scales;
+  const kvflow::MoeLayer* moe;  // a routed layer's feed-forward (gate_up, down unused), or null
 };
 
 /* A step's adapters (kvflow/kernels/cpu/decode_pass.py mirrors it): per layer its qkv, o, gate_up and
@@ -56,6 +62,7 @@ struct LoraStep {
 
 thread_local kvflow::LoraWorkspace t_lora;
 thread_local std::vector<float> t_qkv, t_attn, t_mid, t_gate_up;
+thread_local kvflow::MoeWorkspace t_moe;
 
 /* The int8, float and block linears, each with its workspace sized for every projection of a layer. */
 struct Int8 {
@@ -111,7 +118,7 @@ template <class Linear>
 int decode(Linear& linear, const DecoderShape* s, const DecoderLayer* layers, float* x, int rows, const float* cos_t,
            const float* sin_t, const int64_t* slots, const int32_t* tables, long table_stride,
            const int32_t* context_lens, const int32_t* tokens, double* phase_seconds, int num_threads,
-           const LoraStep* lora) {
+           const LoraStep* lora, int64_t* routed) {
   using kvflow::NONE;
   using kvflow::RMSNORM;
   using kvflow::SILU_MUL;
@@ -134,6 +141,8 @@ int decode(Linear& linear, const DecoderShape* s, const DecoderLayer* layers, fl
     kvflow::lora_team(lora->projs[4 * l + i], lora->rows, in, ld_in, kind, norm_w, s->eps, out, ld_out, lora_work);
   };
   float *qkv = t_qkv.data(), *attn = t_attn.data(), *mid = t_mid.data(), *gate_up = t_gate_up.data();
+  kvflow::MoeWorkspace& moe_work = t_moe;
+  int status = 0;
   // phase_seconds (or null): wall time added per phase -- qkv, attention, o, gate_up, down -- by
   // the first thread, after the barrier that ends each phase.
   double t = phase_seconds ? omp_get_wtime() : 0.0;
@@ -157,6 +166,15 @@ int decode(Linear& linear, const DecoderShape* s, const DecoderLayer* layers, fl
     linear(L.o, attn, q_cols, rows, NONE, nullptr, 0.f, nullptr, x, s->hidden, mid);
     adapt(l, 1, attn, q_cols, NONE, nullptr, mid, s->hidden);
     phase(2);
+    if (L.moe) {
+      if (kvflow::moe_layer_team(*L.moe, L.post_norm, s->eps, mid, rows, x,
+                                 routed + (long)L.moe->slot * rows * L.moe->top_k, moe_work)) {
+        if (omp_get_thread_num() == 0) status = 1;
+        break;  // (every thread saw the tie after the same barrier)
+      }
+      phase(4);
+      continue;
+    }
     linear(L.gate_up, mid, s->hidden, rows, RMSNORM, L.post_norm, s->eps, nullptr, nullptr, 0, gate_up);
     adapt(l, 2, mid, s->hidden, RMSNORM, L.post_norm, gate_up, 2L * s->intermediate);
     phase(3);
@@ -164,7 +182,7 @@ int decode(Linear& linear, const DecoderShape* s, const DecoderLayer* layers, fl
     adapt(l, 3, gate_up, 2L * s->intermediate, SILU_MUL, nullptr, x, s->hidden);
     phase(4);
   }
-  return 0;
+  return status;
 }
 
 }  // namespace
@@ -175,14 +193,16 @@ extern "C" {
  * Row r is sequence r's new token at cache slot slots[r]; it attends to the first context_lens[r]
  * keys of its block table (tables + r * table_stride). cos, sin: [rows, head_dim] (sin with its
  * first half negated). phase_seconds: null, or 5 doubles that collect the time spent in each phase
- * (benchmarks). lora: null, or the step's adapters and the rows that run under them. Returns 0, or -1
- * for attention shapes beyond the kernel's limits. */
+ * (benchmarks). lora: null, or the step's adapters and the rows that run under them. routed: where
+ * routed layers put each row's chosen experts ([routed layers, rows, top_k] int64), or null for a
+ * model without any. Returns 0; -1 for attention shapes beyond the kernel's limits; 1 for a tie in
+ * a routed layer's top-k (the layers before it have run: x and the cache hold their work). */
 int kvflow_int8_decode(const DecoderShape* s, const DecoderLayer* layers, float* x, int rows, const float* cos_t,
                        const float* sin_t, const int64_t* slots, const int32_t* tables, long table_stride,
                        const int32_t* context_lens, const int32_t* tokens, double* phase_seconds,
-                       int num_threads, const LoraStep* lora) {
+                       int num_threads, const LoraStep* lora, int64_t* routed) {
   return decode(t_int8, s, layers, x, rows, cos_t, sin_t, slots, tables, table_stride, context_lens, tokens,
-                phase_seconds, num_threads, lora);
+                phase_seconds, num_threads, lora, routed);
 }
 
 /* The same over float32 or bfloat16 weights (layers hold kvflow::FloatWeight handles); activations in
@@ -190,18 +210,18 @@ int kvflow_int8_decode(const DecoderShape* s, const DecoderLayer* layers, float*
 int kvflow_float_decode(const DecoderShape* s, const DecoderLayer* layers, float* x, int rows, const float* cos_t,
                       const float* sin_t, const int64_t* slots, const int32_t* tables, long table_stride,
                       const int32_t* context_lens, const int32_t* tokens, double* phase_seconds, int num_threads,
-                      const LoraStep* lora) {
+                      const LoraStep* lora, int64_t* routed) {
   return decode(t_float, s, layers, x, rows, cos_t, sin_t, slots, tables, table_stride, context_lens, tokens,
-                phase_seconds, num_threads, lora);
+                phase_seconds, num_threads, lora, routed);
 }
 
 /* The same over block-quantized weights (layers hold kvflow::BlockWeight handles). */
 int kvflow_block_decode(const DecoderShape* s, const DecoderLayer* layers, float* x, int rows, const float* cos_t,
                         const float* sin_t, const int64_t* slots, const int32_t* tables, long table_stride,
                         const int32_t* context_lens, const int32_t* tokens, double* phase_seconds,
-                        int num_threads, const LoraStep* lora) {
+                        int num_threads, const LoraStep* lora, int64_t* routed) {
   return decode(t_block, s, layers, x, rows, cos_t, sin_t, slots, tables, table_stride, context_lens, tokens,
-                phase_seconds, num_threads, lora);
+                phase_seconds, num_threads, lora, routed);
 }
 
 }  // extern "C"
