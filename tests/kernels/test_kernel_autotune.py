@@ -44,7 +44,7 @@ def _close(got, expect, k):
 
 
 @pytest.mark.parametrize("n,k", SHAPES)
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 17, 64])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 11, 17, 64])
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
 def test_native_gemv_matches_float64(n, k, rows, wdtype):
     """bf16 weights: products of the bf16 values with float32 inputs (widened), or with the inputs
@@ -107,6 +107,7 @@ def test_native_gemv_is_batch_invariant(wdtype, n, k):
     for r in range(21):
         assert torch.equal(kern(x[r : r + 1]), together[r : r + 1])
     assert torch.equal(kern(x[2:5]), together[2:5])
+    assert torch.equal(kern(x[2:12]), together[2:12])  # (8-12 rows: one pass, half a group at a time)
     assert torch.equal(kern(x[3:20]), together[3:20])
 
 

@@ -61,6 +61,11 @@ constexpr bool PAIRED_BF16 = false;
 // under AVX2's 16, 3 rows ran faster than 2 or 4 at 8-64 rows (docs/benchmarks/results/).
 constexpr int TILE_ROWS = LANES_OUT == 16 ? 7 : 3;
 constexpr int GROUP = 4;  // panels per tile (J), stored interleaved
+// A call of TILE_ROWS + 1 .. WIDE_ROWS rows (a MoE expert's share of a batch) takes each group in one
+// pass of all its rows over half the group's panels at a time (R x 2 accumulators), instead of two
+// passes over the whole group: the second pass re-read the group and cost as much as the first
+// (docs/benchmarks/results/2026-12-06-epyc-avx512.md).
+constexpr int WIDE_ROWS = LANES_OUT == 16 ? 12 : TILE_ROWS;
 
 inline vfloat load(const float* p) { return *(const vfloat*)p; }
 inline vfloat load(const uint16_t* p) { return widen_bf16(p); }
@@ -120,18 +125,19 @@ struct Prefetch {
   }
 };
 
-/* float32 (or widened bf16) weights: J panels of a group, interleaved (`kstride` elements from one
- * input feature to the next, panel j at j * LANES_OUT); v: R input rows ldv apart. */
+/* float32 (or widened bf16) weights: J panels of a group of `width` interleaved panels (width x
+ * LANES_OUT elements from one input feature to the next, panel j at j * LANES_OUT); v: R input rows
+ * ldv apart. */
 template <int R, int J, class T>
 inline void tile(const T* __restrict w, int k, const float* __restrict v, long ldv, float* y, long ldy, int valid,
-                 Prefetch pf) {
+                 Prefetch pf, int width) {
   vfloat acc[R][J];
   for (int r = 0; r < R; r++)
     for (int j = 0; j < J; j++) acc[r][j] = vfloat{};
   for (int c = 0; c < k; c++) {
     pf.step(c);
     vfloat wv[J];
-    load_panels<J>(w + (long)c * J * LANES_OUT, wv);
+    load_panels<J>(w + (long)c * width * LANES_OUT, wv);
     for (int r = 0; r < R; r++) {
       const vfloat xs = vfloat{} + v[r * ldv + c];
       for (int j = 0; j < J; j++) acc[r][j] = fmadd(wv[j], xs, acc[r][j]);
@@ -188,14 +194,14 @@ inline int one_row(const FloatWeight& p, const float* v, float* out, int g0, int
 /* bf16 pairs through vdpbf16ps: v holds each row's inputs as bf16 pairs (one uint32 per pair). */
 template <int R, int J>
 inline void tile_dot(const uint16_t* __restrict w, int pairs, const uint32_t* __restrict v, long ldv, float* y,
-                     long ldy, int valid, Prefetch pf) {
+                     long ldy, int valid, Prefetch pf, int width) {
   __m512 acc[R][J];
   for (int r = 0; r < R; r++)
     for (int j = 0; j < J; j++) acc[r][j] = _mm512_setzero_ps();
   for (int c = 0; c < pairs; c++) {
     pf.step(c);
     __m512bh wv[J];
-    for (int j = 0; j < J; j++) wv[j] = (__m512bh)_mm512_loadu_si512(w + ((long)c * J + j) * 2 * LANES_OUT);
+    for (int j = 0; j < J; j++) wv[j] = (__m512bh)_mm512_loadu_si512(w + ((long)c * width + j) * 2 * LANES_OUT);
     for (int r = 0; r < R; r++) {
       const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)v[r * ldv + c]);
       for (int j = 0; j < J; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], wv[j], xb);
@@ -234,35 +240,41 @@ inline long packed_index(const FloatWeight& p, int row, int c) {
   return base + ((long)c * width + j) * LANES_OUT + lane;
 }
 
-/* Rows [r, r + R) x the J panels of group g, the weight's type chosen here. */
+/* Rows [r, r + R) x panels j0 .. j0 + J - 1 of group g (`width` panels: J, or GROUP when a tile
+ * takes part of a group), the weight's type chosen here. */
 template <int R, int J>
-inline void run(const FloatWeight& p, const Rows& in, int r, int g, float* out, Prefetch pf) {
-  const long n = p.n, first = (long)g * GROUP * LANES_OUT, at = first * p.kp;
+inline void run(const FloatWeight& p, const Rows& in, int r, int g, float* out, Prefetch pf, int j0 = 0,
+                int width = J) {
+  const long n = p.n, first = (long)g * GROUP * LANES_OUT + j0 * LANES_OUT, at = (first - j0 * LANES_OUT) * p.kp;
   const int valid = (int)std::min<long>(J * LANES_OUT, n - first);
   float* y = out + r * n + first;
   if (p.type == W_F32) {
-    tile<R, J>(static_cast<const float*>(p.w) + at, p.k, in.f + r * in.ldf, in.ldf, y, n, valid, pf);
+    tile<R, J>(static_cast<const float*>(p.w) + at + j0 * LANES_OUT, p.k, in.f + r * in.ldf, in.ldf, y, n, valid,
+               pf, width);
     return;
   }
   if (p.type == W_FP8) {
-    tile<R, J>(static_cast<const uint8_t*>(p.w) + at, p.k, in.f + r * in.ldf, in.ldf, y, n, valid, pf);
+    tile<R, J>(static_cast<const uint8_t*>(p.w) + at + j0 * LANES_OUT, p.k, in.f + r * in.ldf, in.ldf, y, n, valid,
+               pf, width);
     return;
   }
   const uint16_t* w = static_cast<const uint16_t*>(p.w) + at;
 #ifdef __AVX512BF16__
-  tile_dot<R, J>(w, p.kp / 2, in.pairs + r * in.ldp, in.ldp, y, n, valid, pf);
+  tile_dot<R, J>(w + j0 * 2 * LANES_OUT, p.kp / 2, in.pairs + r * in.ldp, in.ldp, y, n, valid, pf, width);
 #else
-  tile<R, J>(w, p.k, in.f + r * in.ldf, in.ldf, y, n, valid, pf);
+  // (under AVX2 the paired layout keeps panels j, j + 1 together: j0 is 0 here, WIDE_ROWS being TILE_ROWS)
+  tile<R, J>(w + j0 * LANES_OUT, p.k, in.f + r * in.ldf, in.ldf, y, n, valid, pf, width);
 #endif
 }
 
-/* `rows` (1..TILE_ROWS) rows from r: the tile of that many rows. */
+/* `rows` (1..R) rows from r: the tile of that many rows. */
 template <int J, int R = TILE_ROWS>
-inline void run_rows(int rows, const FloatWeight& p, const Rows& in, int r, int g, float* out, Prefetch pf) {
+inline void run_rows(int rows, const FloatWeight& p, const Rows& in, int r, int g, float* out, Prefetch pf,
+                     int j0 = 0, int width = J) {
   if (rows == R)
-    run<R, J>(p, in, r, g, out, pf);
+    run<R, J>(p, in, r, g, out, pf, j0, width);
   else if constexpr (R > 1)
-    run_rows<J, R - 1>(rows, p, in, r, g, out, pf);
+    run_rows<J, R - 1>(rows, p, in, r, g, out, pf, j0, width);
 }
 
 /* Bytes of group g's packed weight, and where it starts. */
@@ -292,6 +304,14 @@ template <int J = GROUP>
 inline void group_rows(int width, const FloatWeight& p, const Rows& in, int m, int g, int next, float* out) {
   if (width == J) {
     const int passes = (m + TILE_ROWS - 1) / TILE_ROWS, steps = p.type == W_BF16 && BF16_DOT ? p.kp / 2 : p.k;
+    if constexpr (J == GROUP && WIDE_ROWS > TILE_ROWS) {
+      if (m > TILE_ROWS && m <= WIDE_ROWS) {  // one pass of all rows, two panels at a time
+        // (each half fetches half of the thread's next group into L2)
+        run_rows<2, WIDE_ROWS>(m, p, in, 0, g, out, next_group_share(p, next, 3, 1, steps), 0, GROUP);
+        run_rows<2, WIDE_ROWS>(m, p, in, 0, g, out, next_group_share(p, next, 3, 2, steps), 2, GROUP);
+        return;
+      }
+    }
     // The passes split the rows evenly (8 rows: 4 + 4, not 7 + 1, whose second pass would read the
     // group again for one row).
     for (int r = 0, t = 0, rows = 0; r < m; r += rows, t++) {
