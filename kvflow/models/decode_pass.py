@@ -16,6 +16,11 @@ hidden state widened on the way in, rounded on the way out; the KV cache written
 the per-layer path rounds each op's output to bf16: both are bf16 models' approximations of the
 float32 maths, the pass the closer one. Only float32 promises bit-identical paths.
 
+Models with q/k norms (Qwen3's per head, OLMoE's over the whole projection) run them in the pass
+with the native function the per-layer path calls on float32 models (kvflow.kernels.cpu.qk_norm),
+then the native rotary: float32 stays bit for bit; a bfloat16 model's per-layer path norms in
+torch, so there as elsewhere the pass is the float32 approximation.
+
 LoRA adapters (`use_lora`, kvflow.lora) ride along: rows under adapters and rows of the base model
 share the pass, each projection adding its adapter rows' scaling * B (A x) with the function the
 per-layer path's wrapped kernels call.
@@ -46,6 +51,8 @@ from kvflow.kernels.cpu.decode_pass import DecodePassKernel, LayerWeights, LoRAS
 from kvflow.kernels.cpu.float_linear import NativeFloatKernel
 from kvflow.kernels.cpu.int8_linear import Int8Kernel
 from kvflow.kernels.cpu.paged_attention import MAX_HEAD_DIM
+from kvflow.kernels.cpu.qk_norm import PER_HEAD, WHOLE
+from kvflow.kernels.cpu.qk_norm import available as qk_norm_available
 
 UNLIMITED = 1 << 30
 
@@ -102,8 +109,14 @@ def native_decode_unsupported(model: torch.nn.Module) -> str | None:
         return "it serves the int8, native float and block-quantized linear backends only"
     if not isinstance(model.attention, CpuPagedAttention):
         return "it needs the native attention backend"
-    if cfg.qk_norm or cfg.head_dim > MAX_HEAD_DIM or cfg.head_dim % 2:
-        return "q/k norms, or a head_dim the native rotary cannot take"
+    from kvflow.models.llama import DecoderLayer  # (here: llama imports this module)
+
+    if any(type(layer).attend is not DecoderLayer.attend for layer in model.layers):
+        return "its layers' attention is not the Llama layer's (the pass runs that one)"
+    if cfg.qk_norm and (cfg.clip_qkv is not None or not qk_norm_available()):
+        return "q/k norms with clip_qkv (an OLMoE option) run on the per-layer path"
+    if cfg.head_dim > MAX_HEAD_DIM or cfg.head_dim % 2:
+        return "a head_dim the native rotary cannot take"
     if max_rows(model) == 0:
         return "the autotune found the native GEMV slower at one row"
     kernels = [
@@ -176,6 +189,8 @@ class NativeDecode:
                     input_norm=layer.input_layernorm.float_weight(),
                     post_norm=layer.post_attention_layernorm.float_weight(),
                     moe=None if dense else _moe_weights(layer.moe),
+                    q_norm=layer.q_norm.float_weight() if cfg.qk_norm else None,
+                    k_norm=layer.k_norm.float_weight() if cfg.qk_norm else None,
                 )
             )
         self.kernel = DecodePassKernel(
@@ -189,6 +204,7 @@ class NativeDecode:
             window=model.layers[0].window or 0,  # (every layer's: see native_decode_unsupported)
             eps=cfg.rms_norm_eps,
             scale=cfg.head_dim**-0.5,
+            qk_norm=0 if not cfg.qk_norm else PER_HEAD if cfg.qk_norm_per_head else WHOLE,
         )
         self.max_rows = max_rows(model)
         self._bound: list[LayerKVCache] | None = None

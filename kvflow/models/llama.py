@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from kvflow.attention.backend import AttentionBackend, AttentionMetadata, LayerKVCache
 from kvflow.config import ModelConfig
 from kvflow.distributed.parallel import TPGroup, shard_weight
+from kvflow.kernels.cpu.qk_norm import available as qk_norm_available
+from kvflow.kernels.cpu.qk_norm import qk_norm_
 from kvflow.layers.linear import Linear, RowParallelKernel, StoredWeight
 from kvflow.layers.linear_kernels import FUSED_PROLOGUE, KernelPlan, LinearKernel, make_linear_kernel
 from kvflow.layers.norm import RMSNorm
@@ -64,6 +66,9 @@ class DecoderLayer(torch.nn.Module):
         # (int8, native fp32); rotary runs natively where it can (the same code as the decode pass).
         self.fused_prologue = False
         self.apply_rotary: RotaryFn = apply_rotary_
+        # Set by LlamaForCausalLM.prepare: q/k norms by the native function the decode pass runs
+        # (kvflow.kernels.cpu.qk_norm; float32 on the CPU's native backends), then the native rotary.
+        self.native_qk_norm = False
 
     def forward(
         self,
@@ -99,7 +104,19 @@ class DecoderLayer(torch.nn.Module):
             qkv = self.qkv_proj.kernel(self.input_layernorm.forward(x))  # [T, q | k | v]
         heads = self.num_heads + self.num_kv_heads
         qk = qkv[:, : self.q_size + self.kv_size].view(t, heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.native_qk_norm:
+            qk_norm_(
+                qkv,
+                self.num_heads,
+                self.num_kv_heads,
+                self.head_dim,
+                self.qk_norm_per_head,
+                self.q_norm.float_weight(),
+                self.k_norm.float_weight(),
+                self.q_norm.eps,
+            )
+            self.apply_rotary(qk, cos, sin_signed)
+        elif self.q_norm is not None:
             if self.qk_norm_per_head:
                 normed = torch.cat(
                     (self.q_norm.forward(qk[:, : self.num_heads]), self.k_norm.forward(qk[:, self.num_heads :])), dim=1
@@ -188,16 +205,29 @@ class LlamaForCausalLM(torch.nn.Module):
         for m in self.modules():
             if isinstance(m, Linear):
                 m.prepare(backend, plan, logits=m is self.lm_head)
-        # (q/k-normed layers rotate the norms' output with apply_rotary_ instead: see forward.)
+        # q/k-normed layers: the native norms and rotary where they can run (the decode pass's), else
+        # the norms in torch and apply_rotary_ on their output (see attend).
+        native_qk = (
+            self.cfg.qk_norm
+            and backend in FUSED_PROLOGUE
+            and self.cfg.clip_qkv is None
+            and self.rotary.cos.device.type == "cpu"
+            and self.rotary.cos.dtype == torch.float32
+            and (self.cfg.qk_norm_per_head or self.tp.size == 1)  # (a whole-projection norm spans the ranks)
+            and qk_norm_available()
+        )
         rotary = select_rotary(
             self.rotary.cos.device,
             self.rotary.cos.dtype,
             self.cfg.head_dim,
-            native=backend in FUSED_PROLOGUE and not self.cfg.qk_norm,
+            native=backend in FUSED_PROLOGUE and (not self.cfg.qk_norm or native_qk),
         )
         for layer in self.layers:
             layer.fused_prologue = backend in FUSED_PROLOGUE
             layer.apply_rotary = rotary
+            layer.native_qk_norm = (
+                native_qk and rotary is not apply_rotary_ and type(layer).attend is DecoderLayer.attend
+            )
         if self.embed_blocks is not None:
             # A block-quantized embedding lives in a block kernel (repacked, or read in place);
             # the lookup dequantizes the rows it needs from it, and a tied model's logits use it.

@@ -1,6 +1,6 @@
 """The decode pass in one native call (kvflow.models.decode_pass), over int8 weights, fp32 ones
-(the native GEMV) and int4 blocks (the block kernel), against the per-layer path it replaces: same hidden states and same
-cache contents, bit for bit, on decode rows of different context lengths; and the engine uses it
+(the native GEMV) and int4 blocks (the block kernel), against the per-layer path it replaces (Qwen3's
+q/k norms included): same hidden states and same cache contents, bit for bit, on decode rows of different context lengths; and the engine uses it
 without changing outputs or leaking blocks."""
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def _clone(caches: list[LayerKVCache]) -> list[LayerKVCache]:
 
 @pytest.mark.parametrize("weights", ["int8", "fp32", "int4"])
 @pytest.mark.parametrize(
-    "arch,kv_dtype", [("llama", "auto"), ("llama", "int8"), ("qwen2", "auto"), ("mistral", "int8")]
+    "arch,kv_dtype", [("llama", "auto"), ("llama", "int8"), ("qwen2", "auto"), ("mistral", "int8"), ("qwen3", "auto")]
 )
 def test_native_decode_equals_per_layer_path(model_factory, arch, kv_dtype, weights, monkeypatch):
     path, _ = model_factory(arch, **({"sliding_window": 6} if arch == "mistral" else {}))

@@ -454,12 +454,13 @@ def _native_pass_llm(path: str, monkeypatch, **kwargs) -> LLM:
     return LLM(path, attention_backend="native", num_kv_blocks=32, max_model_len=64, block_size=4, **kwargs)
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
-def test_decode_pass_takes_routed_layers(model_factory, monkeypatch, family):
-    """Mixtral and Qwen2-MoE (shared expert, qkv bias) on native kernels: decode steps run in the
-    native decode pass with their routed layers; HF's greedy tokens; the same routing counts, and
+@pytest.mark.parametrize("variant", ["mixtral", "qwen2_moe-mlp_only", "qwen3_moe-norm_topk", "olmoe"])
+def test_decode_pass_takes_routed_layers(model_factory, monkeypatch, variant):
+    """Every family on native kernels (Qwen2-MoE: shared expert, qkv bias and a dense layer;
+    Qwen3-MoE: per-head q/k norms; OLMoE: whole-projection ones): decode steps run in the native
+    decode pass with their routed layers; HF's greedy tokens; the same routing counts, and
     logprobs within float32 rounding, as the per-layer path on the same requests."""
-    path, hf = model_factory(family)
+    path, hf = _model(model_factory, variant)
     llm = _native_pass_llm(path, monkeypatch)
     assert isinstance(llm.engine.runner.attention, CpuPagedAttention)
     model = llm.engine.runner.model

@@ -42,7 +42,7 @@ class _Shape(ctypes.Structure):  # DecoderShape in csrc/decode_pass.cpp
             "window",
             "kv_format",
         )
-    ] + [("eps", _F), ("scale", _F)]
+    ] + [("eps", _F), ("scale", _F), ("qk_norm", _I)]
 
 
 class _MoeLayer(ctypes.Structure):  # kvflow::MoeLayer in csrc/moe_experts.h
@@ -54,7 +54,7 @@ class _MoeLayer(ctypes.Structure):  # kvflow::MoeLayer in csrc/moe_experts.h
 class _Layer(ctypes.Structure):  # DecoderLayer in csrc/decode_pass.cpp
     _fields_ = [
         (n, _P) for n in ("qkv", "o", "gate_up", "down", "qkv_bias", "input_norm", "post_norm", "kv_cache", "kv_scales")
-    ] + [("moe", ctypes.POINTER(_MoeLayer))]
+    ] + [("moe", ctypes.POINTER(_MoeLayer)), ("q_norm", _P), ("k_norm", _P)]
 
 
 class _LoraStep(ctypes.Structure):  # LoraStep in csrc/decode_pass.cpp
@@ -154,6 +154,8 @@ class LayerWeights:
     input_norm: torch.Tensor
     post_norm: torch.Tensor
     moe: MoeWeights | None = None
+    q_norm: torch.Tensor | None = None  # q/k norms' float32 weights (the pass's `qk_norm`), or None
+    k_norm: torch.Tensor | None = None
 
 
 class DecodePassKernel:
@@ -173,7 +175,10 @@ class DecodePassKernel:
         window: int,
         eps: float,
         scale: float,
+        qk_norm: int = 0,
     ) -> None:
+        """`qk_norm`: 0, or q/k norms after the qkv projection with the layers' `q_norm` / `k_norm`
+        weights, per head (1) or over the whole projection (2): kvflow.kernels.cpu.qk_norm."""
         self._fn = getattr(int8_library(_SIGNATURES), ENTRY[type(layers[0].qkv)])
         self.shape = _Shape(
             num_layers=len(layers),
@@ -187,6 +192,7 @@ class DecodePassKernel:
             kv_format=0,
             eps=eps,
             scale=scale,
+            qk_norm=qk_norm,
         )
         self.layers = (_Layer * len(layers))()
         self._moe = []  # (the routed layers' structs, which the layers point to)
@@ -199,6 +205,8 @@ class DecodePassKernel:
                 dst.moe = ctypes.pointer(self._moe[-1])
             dst.qkv_bias = None if w.qkv_bias is None else w.qkv_bias.data_ptr()
             dst.input_norm, dst.post_norm = w.input_norm.data_ptr(), w.post_norm.data_ptr()
+            if qk_norm:
+                dst.q_norm, dst.k_norm = w.q_norm.data_ptr(), w.k_norm.data_ptr()
         self._weights = layers  # (what the pointers above point into)
         # Routed layers: how many, and the experts a token takes in each (the `routed` buffer's shape).
         self.num_routed = len(self._moe)

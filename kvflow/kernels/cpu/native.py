@@ -79,12 +79,13 @@ def cpu_id() -> str:
 # or contracted differently from one tile shape to the next (a token's result would depend on its
 # batch: gcc fused one float tile shape's multiply-adds and not another's on an AVX2 EPYC); the
 # float kernel's FMAs are written out (simd.h fmadd); the MoE experts' weighted sum must be the per-layer
-# path's multiply then add.
+# path's multiply then add; the q/k norms' sums must not depend on where they are inlined.
 SOURCE_FLAGS = {
     "block_linear.cpp": ("-fno-associative-math", "-ffp-contract=off"),
     "float_linear.cpp": ("-fno-associative-math", "-ffp-contract=off"),
     "lora.cpp": ("-fno-associative-math", "-ffp-contract=off"),
     "moe_experts.cpp": ("-fno-associative-math", "-ffp-contract=off"),
+    "qk_norm.cpp": ("-fno-associative-math", "-ffp-contract=off"),
 }
 
 # Library -> its sources (one language per library). Headers (csrc/*.h) are shared.
@@ -97,6 +98,7 @@ LIBRARIES = {
         "lora.cpp",
         "decode_pass.cpp",
         "moe_experts.cpp",
+        "qk_norm.cpp",
     ),
 }
 

@@ -2,7 +2,7 @@
  * (kvflow/kernels/cpu/decode_pass.py), over int8 (int8_linear.cpp), float32 or bfloat16 (float_linear.cpp) or
  * block-quantized (block_linear.cpp: GGUF formats) weights. Per layer:
  *
- *   qkv = W_qkv . rmsnorm(x) + b          linear, RMSNORM prologue
+ *   qkv = W_qkv . rmsnorm(x) + b          linear, RMSNORM prologue (then, Qwen3 / OLMoE, q/k norms: qk_norm.cpp)
  *   attn = attention(rotary(q), cache <- rotary(k), v)   decode_attention (attention.h)
  *   x' = x + W_o . attn                   linear, residual
  *   x = x' + W_down . silu_mul(W_gate_up . rmsnorm(x'))
@@ -31,6 +31,7 @@
 #include "int8_linear.h"
 #include "lora.h"
 #include "moe_experts.h"
+#include "qk_norm.h"
 
 namespace {
 
@@ -39,6 +40,7 @@ struct DecoderShape {
   int num_layers, hidden, intermediate, num_heads, num_kv_heads, head_dim, block_size, window;
   int kv_format;  // KV_F32, KV_INT8, KV_BF16, KV_FP8_E4M3, KV_FP8_E5M2 or KV_INT4 (attention.h)
   float eps, scale;
+  int qk_norm;  // kvflow::QkNorm: q/k RMSNorms after the qkv projection (layers' q_norm, k_norm)
 };
 
 /* Weights: kvflow::PackedWeight* (int8), kvflow::FloatWeight* (float32 / bf16) or kvflow::BlockWeight*, per
@@ -49,6 +51,7 @@ struct DecoderLayer {
   void* kv_cache;
   float* kv_scales;
   const kvflow::MoeLayer* moe;  // a routed layer's feed-forward (gate_up, down unused), or null
+  const float *q_norm, *k_norm;  // with DecoderShape::qk_norm: the norms' float32 weights
 };
 
 /* A step's adapters (kvflow/kernels/cpu/decode_pass.py mirrors it): per layer its qkv, o, gate_up and
@@ -157,6 +160,9 @@ int decode(Linear& linear, const DecoderShape* s, const DecoderLayer* layers, fl
     const DecoderLayer& L = layers[l];
     linear(L.qkv, x, s->hidden, rows, RMSNORM, L.input_norm, s->eps, L.qkv_bias, nullptr, 0, qkv);
     adapt(l, 0, x, s->hidden, RMSNORM, L.input_norm, qkv, qkv_cols);
+    if (s->qk_norm)
+      kvflow::qk_norm_team(qkv, qkv_cols, rows, s->num_heads, s->num_kv_heads, s->head_dim, s->qk_norm, L.q_norm,
+                           L.k_norm, s->eps);
     phase(0);
     decode_attention(qkv, qkv_cols, cos_t, sin_t, L.kv_cache, L.kv_scales, s->kv_format, slots, tables,
                      table_stride, context_lens, tokens, rows, s->num_heads, s->num_kv_heads, s->head_dim,
