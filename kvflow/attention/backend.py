@@ -92,17 +92,25 @@ class AttentionGroup:
     window_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
 
 
+# The most new tokens of one sequence in a step that the fused decode pass still takes: a decode
+# verifying up to 7 drafts (speculative decoding); longer ones are prefill chunks.
+DECODE_LIKE_ROWS = 8
+
+
 @dataclass
 class PagedRows:
     """Query rows that a kernel reads the paged cache for in place: row r is the query at token
     `tokens[r]` of the step, attending to the first `context_lens[r]` keys of block table
     `tables[r]` (causal by construction: a row's context ends at its own position). decode_only:
-    one row per sequence, each its one new token (what a fused decode pass takes)."""
+    one row per sequence, each its one new token. decode_like: no sequence has more than
+    `DECODE_LIKE_ROWS` new tokens (decodes, and decodes verifying their drafts): what a fused decode
+    pass takes."""
 
     tables: torch.Tensor  # int32 [R, max_blocks]
     context_lens: torch.Tensor  # int32 [R]
     tokens: torch.Tensor  # int32 [R]
     decode_only: bool = True
+    decode_like: bool = True
 
 
 @dataclass
@@ -261,6 +269,7 @@ class AttentionBackend(Protocol):
         ...
 
     def decode_group(self, meta: AttentionMetadata) -> PagedRows | None:
-        """The step's rows as one `PagedRows` when every row is a decode and this backend reads
-        the cache as a fused decode pass does (kvflow.models.decode_pass), else None."""
+        """The step's rows as one `PagedRows` when every sequence's are a decode or a decode with
+        its drafts (`PagedRows.decode_like`) and this backend reads the cache as a fused decode pass
+        does (kvflow.models.decode_pass), else None."""
         ...

@@ -1,4 +1,4 @@
-"""A decode-only step's decoder layers in one native call: which models can take it, and the pass
+"""A decode step's decoder layers in one native call: which models can take it, and the pass
 built from one (`decode_pass`), over the kernel binding kvflow.kernels.cpu.decode_pass.
 
 At small batch the matmuls take about half of a step; most of the rest was the Python around them:
@@ -8,7 +8,10 @@ per-layer path (the linear with its fused norm / activation, the native rotary, 
 paged attention), so a token's hidden state is bit for bit the same whichever path ran it. It
 serves int8 weights, float32 / bfloat16 ones through the native GEMV (``native``, or ``auto``
 where the autotune keeps it) and block-quantized ones (GGUF formats, int4), with the native CPU
-attention backend. Steps with prefill chunks take the per-layer path; so do float steps with more
+attention backend. A decode step here: every sequence's new tokens a decode, or a decode with the
+drafts it verifies (speculative decoding: up to DECODE_LIKE_ROWS rows of one sequence, which attend
+to each other's keys as the per-layer path's rows do; the attention backend's `decode_group`).
+Steps with prefill chunks take the per-layer path; so do float steps with more
 rows than the autotune found the pass worth running (`max_rows`, from `KernelPlan.decode_pass_rows`).
 
 A bfloat16 model's pass keeps its activations in float32 from the first layer to the last (its
@@ -58,7 +61,7 @@ UNLIMITED = 1 << 30
 
 
 class DecodePass(Protocol):
-    """All decoder layers of a decode-only step in one call: runs on x [rows, hidden] in place, row r
+    """All decoder layers of a decode step in one call: runs on x [rows, hidden] in place, row r
     being the step's token r, with the rows the attention backend's `decode_group` returned for the
     step, for steps of up to `max_rows` rows. Returns False, x as it came, where the step must run
     on the per-layer path instead (a routing tie: see the module)."""
@@ -86,7 +89,7 @@ def _native_kernel(kernel) -> NativeLinear | None:
 
 
 def max_rows(model: torch.nn.Module) -> int:
-    """Up to how many rows a decode-only step runs as the pass: any for int8, block weights and a
+    """Up to how many rows a decode step runs as the pass: any for int8, block weights and a
     forced native backend, the autotune's `decode_pass_rows` under ``auto``."""
     if model.linear_backend == "auto":
         plan = model.kernel_plan
@@ -109,9 +112,7 @@ def native_decode_unsupported(model: torch.nn.Module) -> str | None:
         return "it serves the int8, native float and block-quantized linear backends only"
     if not isinstance(model.attention, CpuPagedAttention):
         return "it needs the native attention backend"
-    from kvflow.models.llama import DecoderLayer  # (here: llama imports this module)
-
-    if any(type(layer).attend is not DecoderLayer.attend for layer in model.layers):
+    if not all(layer.llama_attention for layer in model.layers):
         return "its layers' attention is not the Llama layer's (the pass runs that one)"
     if cfg.qk_norm and (cfg.clip_qkv is not None or not qk_norm_available()):
         return "q/k norms with clip_qkv (an OLMoE option) run on the per-layer path"
@@ -259,5 +260,5 @@ class NativeDecode:
 
 
 def decode_pass(model: torch.nn.Module) -> DecodePass | None:
-    """The native pass for `model`'s decode-only steps, or None when it cannot take them."""
+    """The native pass for `model`'s decode steps, or None when it cannot take them."""
     return NativeDecode(model) if native_decode_unsupported(model) is None else None

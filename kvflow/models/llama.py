@@ -69,6 +69,9 @@ class DecoderLayer(torch.nn.Module):
         # Set by LlamaForCausalLM.prepare: q/k norms by the native function the decode pass runs
         # (kvflow.kernels.cpu.qk_norm; float32 on the CPU's native backends), then the native rotary.
         self.native_qk_norm = False
+        # Set by LlamaForCausalLM.prepare: whether this layer's attention is this class's `attend`
+        # (the one the native decode pass runs; a subclass may bring its own).
+        self.llama_attention = False
 
     def forward(
         self,
@@ -225,9 +228,8 @@ class LlamaForCausalLM(torch.nn.Module):
         for layer in self.layers:
             layer.fused_prologue = backend in FUSED_PROLOGUE
             layer.apply_rotary = rotary
-            layer.native_qk_norm = (
-                native_qk and rotary is not apply_rotary_ and type(layer).attend is DecoderLayer.attend
-            )
+            layer.llama_attention = type(layer).attend is DecoderLayer.attend
+            layer.native_qk_norm = native_qk and rotary is not apply_rotary_ and layer.llama_attention
         if self.embed_blocks is not None:
             # A block-quantized embedding lives in a block kernel (repacked, or read in place);
             # the lookup dequantizes the rows it needs from it, and a tied model's logits use it.

@@ -58,18 +58,20 @@ def test_native_decode_equals_per_layer_path(model_factory, arch, kv_dtype, weig
             ids = torch.randint(3, 200, (n,), generator=g)
             meta = attn.build_metadata([SeqLayout(0, n, table)])
             model(ids, meta.positions, runner.kv_caches, meta)
-        meta = attn.build_metadata([SeqLayout(n, 1, t) for n, t in zip(contexts, tables)])
-        assert attn.decode_group(meta) is not None
-        ids = torch.randint(3, 200, (3,), generator=g)
-        per_layer_caches = _clone(runner.kv_caches)
-        native, model.native_decode = model.native_decode, None
-        expect = model(ids, meta.positions, per_layer_caches, meta)
-        model.native_decode = native
-        got = model(ids, meta.positions, runner.kv_caches, meta)
-    assert torch.equal(got, expect)
-    for a, b in zip(runner.kv_caches, per_layer_caches):
-        assert torch.equal(a.data, b.data)
-        assert a.scale is None or torch.equal(a.scale, b.scale)
+        # One new token per sequence, then (decodes verifying their drafts) 3, 1 and 4 new tokens.
+        for new in ([1, 1, 1], [3, 1, 4]):
+            meta = attn.build_metadata([SeqLayout(n, k, t) for n, k, t in zip(contexts, new, tables)])
+            assert attn.decode_group(meta) is not None
+            ids = torch.randint(3, 200, (sum(new),), generator=g)
+            per_layer_caches = _clone(runner.kv_caches)
+            native, model.native_decode = model.native_decode, None
+            expect = model(ids, meta.positions, per_layer_caches, meta)
+            model.native_decode = native
+            got = model(ids, meta.positions, runner.kv_caches, meta)
+            assert torch.equal(got, expect)
+            for a, b in zip(runner.kv_caches, per_layer_caches):
+                assert torch.equal(a.data, b.data)
+                assert a.scale is None or torch.equal(a.scale, b.scale)
 
 
 @pytest.mark.parametrize("weights", ["int8", "fp32", "int4"])

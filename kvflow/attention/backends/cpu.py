@@ -26,6 +26,7 @@ import torch
 
 from kvflow.attention.backend import (
     BACKEND_WINDOW,
+    DECODE_LIKE_ROWS,
     AttentionGroup,
     AttentionMetadata,
     LayerKVCache,
@@ -74,7 +75,9 @@ class CpuPagedAttention(TorchPagedAttention):
         t = TokenLayout.of(seqs, self.block_size)
         total = t.positions.shape[0]
         decode_only = total == len(seqs)
-        if not decode_only and self.prefill_path == "torch":
+        # (drafts to verify are a decode's few rows, not a prefill chunk: native rows on any path)
+        decode_like = decode_only or max(s.num_new for s in seqs) <= DECODE_LIKE_ROWS
+        if not decode_like and self.prefill_path == "torch":
             return self._split_metadata(seqs, t)
         tables = t.tables if decode_only else t.tables[torch.repeat_interleave(torch.arange(len(seqs)), t.lens)]
         group = PagedRows(
@@ -82,6 +85,7 @@ class CpuPagedAttention(TorchPagedAttention):
             context_lens=(t.positions + 1).to(torch.int32),
             tokens=torch.arange(total, dtype=torch.int32),
             decode_only=decode_only,
+            decode_like=decode_like,
         )
         return AttentionMetadata(positions=t.positions, slot_mapping=t.slot_mapping, groups=[group])
 
@@ -111,10 +115,10 @@ class CpuPagedAttention(TorchPagedAttention):
         kernel.write_kv(kv, meta.slot_mapping, kv_cache.data, kv_cache.scale)
 
     def decode_group(self, meta: AttentionMetadata) -> PagedRows | None:
-        """The step's rows as one PagedRows when every row is a decode (one new token per
-        sequence, row r = sequence r's token), else None."""
+        """The step's rows as one PagedRows when every sequence's are a decode or a decode with its
+        drafts (at most DECODE_LIKE_ROWS rows: `decode_like`), else None."""
         g = meta.groups[0]
-        return g if len(meta.groups) == 1 and isinstance(g, PagedRows) and g.decode_only else None
+        return g if len(meta.groups) == 1 and isinstance(g, PagedRows) and g.decode_like else None
 
     def _attend(
         self,

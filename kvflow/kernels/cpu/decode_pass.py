@@ -1,4 +1,4 @@
-"""Binding of csrc/decode_pass.cpp: a decode-only step's decoder layers in one native call, over
+"""Binding of csrc/decode_pass.cpp: a decode step's decoder layers in one native call, over
 int8 weights (`Int8Kernel`), float32 or bfloat16 ones (`NativeFloatKernel`) or block-quantized
 ones (`BlockQuantKernel`: GGUF formats, int4).
 
@@ -235,8 +235,9 @@ class DecodePassKernel:
         routed: torch.Tensor | None = None,
     ) -> bool:
         """Runs every decoder layer on x [rows, hidden] (contiguous; float32, or bfloat16: widened
-        for the pass and rounded back) in place; row r is the step's token r, one per sequence,
-        attending to the first context_lens[r] keys of block table tables[r] (int32). `lora`: the
+        for the pass and rounded back) in place; row r is the step's token r (a sequence's rows, a
+        decode and the drafts it verifies, next to each other), attending to the first
+        context_lens[r] keys of block table tables[r] (int32). `lora`: the
         resident adapters and the step's rows under them, or None. `routed`: with routed layers,
         int64 [num_routed, rows, top_k] that receives each routed layer's chosen experts per row.
 

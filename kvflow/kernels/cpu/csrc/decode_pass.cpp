@@ -1,4 +1,5 @@
-/* The decoder layers of a Llama-family model for a decode-only step, in one call
+/* The decoder layers of a Llama-family model for a decode step (one new token per sequence, or a few:
+ * a decode and the drafts it verifies), in one call
  * (kvflow/kernels/cpu/decode_pass.py), over int8 (int8_linear.cpp), float32 or bfloat16 (float_linear.cpp) or
  * block-quantized (block_linear.cpp: GGUF formats) weights. Per layer:
  *
@@ -196,7 +197,7 @@ int decode(Linear& linear, const DecoderShape* s, const DecoderLayer* layers, fl
 extern "C" {
 
 /* x: [rows, hidden] hidden states in, the last layer's output out (the final norm is the caller's).
- * Row r is sequence r's new token at cache slot slots[r]; it attends to the first context_lens[r]
+ * Row r is a new token at cache slot slots[r]; it attends to the first context_lens[r]
  * keys of its block table (tables + r * table_stride). cos, sin: [rows, head_dim] (sin with its
  * first half negated). phase_seconds: null, or 5 doubles that collect the time spent in each phase
  * (benchmarks). lora: null, or the step's adapters and the rows that run under them. routed: where
