@@ -93,7 +93,8 @@ class AttentionGroup:
 
 
 # The most new tokens of one sequence in a step that the fused decode pass still takes: a decode
-# verifying up to 7 drafts (speculative decoding); longer ones are prefill chunks.
+# verifying up to 7 drafts (speculative decoding), or a prompt's chunk that short; longer chunks
+# take the per-layer path (its batched matmuls and head-major attention).
 DECODE_LIKE_ROWS = 8
 
 

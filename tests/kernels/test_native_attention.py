@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvflow import LLM, SamplingParams
-from kvflow.attention.backend import LayerKVCache, SeqLayout, partition_groups
+from kvflow.attention.backend import DECODE_LIKE_ROWS, LayerKVCache, SeqLayout, partition_groups
 from kvflow.attention.backends.cpu import CpuPagedAttention, native_unsupported
 from kvflow.attention.backends.torch import TorchPagedAttention
 from kvflow.attention.selector import make_attention_backend
@@ -80,18 +80,25 @@ def test_decode_row_same_bits_alone_or_in_a_batch(dtype):
     assert (together.double() - ref).abs().max() < 2e-5
 
 
-def test_native_metadata_is_one_group_and_the_decode_pass_only_takes_decodes():
-    """Every row of a step is one native group; a step carrying any prefill row (even a lone chunk, one
-    group alone) is not handed to the decode pass."""
+def test_native_metadata_is_one_group_and_the_decode_pass_takes_decode_like_steps():
+    """Every row of a step is one native group; the decode pass is handed steps whose sequences
+    each have at most DECODE_LIKE_ROWS new tokens (decodes, and decodes verifying drafts), not a
+    step carrying a longer chunk, even alone; with the torch prefill path, such a chunk's step
+    splits into groups while a decode-like step stays one native group."""
     attn = CpuPagedAttention(4, None, CPU)
     mixed = attn.build_metadata([SeqLayout(5, 1, [3, 1]), SeqLayout(0, 3, [6])])
     (g,) = mixed.groups
     assert g.tokens.tolist() == [0, 1, 2, 3] and g.context_lens.tolist() == [6, 1, 2, 3]
     assert g.tables[:, 0].tolist() == [3, 6, 6, 6]
-    assert attn.decode_group(mixed) is None
-    assert attn.decode_group(attn.build_metadata([SeqLayout(2, 4, [1, 2])])) is None
+    assert attn.decode_group(mixed) is g and not g.decode_only
+    long_chunk = [SeqLayout(2, DECODE_LIKE_ROWS + 1, [1, 2, 3, 4])]
+    assert attn.decode_group(attn.build_metadata(long_chunk)) is None
+    assert attn.decode_group(attn.build_metadata([SeqLayout(2, DECODE_LIKE_ROWS, [1, 2, 3])])) is not None
     decodes = attn.build_metadata([SeqLayout(5, 1, [3, 1]), SeqLayout(2, 1, [6])])
-    assert attn.decode_group(decodes) is decodes.groups[0]
+    assert attn.decode_group(decodes) is decodes.groups[0] and decodes.groups[0].decode_only
+    attn.prefill_path = "torch"
+    assert len(attn.build_metadata([SeqLayout(5, 1, [3, 1]), *long_chunk]).groups) == 2
+    assert attn.decode_group(attn.build_metadata([SeqLayout(5, 1, [3, 1]), SeqLayout(0, 3, [6])])) is not None
 
 
 def test_kernel_reads_q_with_a_row_stride():
