@@ -214,11 +214,7 @@ class RoutingRecorder:
         if self.counting:
             if slot == 0:
                 self.steps += 1
-            self.tokens[slot].add_(counts)
-            top = counts.max()
-            self.busiest[slot].add_(top)
-            # max / mean, the mean being rows * k / experts
-            self.imbalance[slot].add_(top.double() * (self.num_experts / experts.numel()))
+            self._count(slot, counts, experts.numel())
         if self.capture is not None:
             self.capture[slot] = experts
 
@@ -230,12 +226,17 @@ class RoutingRecorder:
             counts = torch.zeros(len(self.layers), self.num_experts, dtype=torch.int64, device=flat.device)
             counts.scatter_add_(1, flat, torch.ones_like(flat))
             self.steps += 1
-            self.tokens.add_(counts)
-            top = counts.max(dim=1).values
-            self.busiest.add_(top)
-            self.imbalance.add_(top.double() * (self.num_experts / flat.shape[1]))
+            self._count(slice(None), counts, flat.shape[1])
         if self.capture is not None:
             self.capture = list(experts.unbind(0))
+
+    def _count(self, slots: int | slice, counts: torch.Tensor, pairs: int) -> None:
+        """Add a step's `counts` (per expert, of the layer slot or slots `slots`; `pairs`: rows x k
+        of each) to the totals, its busiest expert and its max / mean load (the mean: pairs / experts)."""
+        self.tokens[slots].add_(counts)
+        top = counts.max(dim=-1).values
+        self.busiest[slots].add_(top)
+        self.imbalance[slots].add_(top.double() * (self.num_experts / pairs))
 
     def snapshot(self, per_expert: bool) -> MoeRoutingStats:
         """The totals as Python numbers (one host copy each)."""

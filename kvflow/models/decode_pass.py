@@ -9,11 +9,11 @@ paged attention), so a token's hidden state is bit for bit the same whichever pa
 serves int8 weights, float32 / bfloat16 ones through the native GEMV (``native``, or ``auto``
 where the autotune keeps it) and block-quantized ones (GGUF formats, int4), with the native CPU
 attention backend. A decode step here: every sequence's new tokens a decode, or a decode with the
-drafts it verifies (speculative decoding), or as short a prompt chunk: up to DECODE_LIKE_ROWS rows of
-one sequence, which attend to each other's keys as the per-layer path's rows do (the attention
-backend's `decode_group`).
-Steps with prefill chunks take the per-layer path; so do float steps with more
-rows than the autotune found the pass worth running (`max_rows`, from `KernelPlan.decode_pass_rows`).
+drafts it verifies (speculative decoding), or as short a prompt chunk: up to DECODE_LIKE_ROWS rows
+of one sequence, which attend to each other's keys as the per-layer path's rows do (the attention
+backend's `decode_group`). Steps with longer prefill chunks take the per-layer path; so do float
+steps with more rows than the autotune found the pass worth running (`max_rows`, from
+`KernelPlan.decode_pass_rows`).
 
 A bfloat16 model's pass keeps its activations in float32 from the first layer to the last (its
 hidden state widened on the way in, rounded on the way out; the KV cache written in bf16), where

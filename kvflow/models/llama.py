@@ -69,9 +69,6 @@ class DecoderLayer(torch.nn.Module):
         # Set by LlamaForCausalLM.prepare: q/k norms by the native function the decode pass runs
         # (kvflow.kernels.cpu.qk_norm; float32 on the CPU's native backends), then the native rotary.
         self.native_qk_norm = False
-        # Set by LlamaForCausalLM.prepare: whether this layer's attention is this class's `attend`
-        # (the one the native decode pass runs; a subclass may bring its own).
-        self.llama_attention = False
 
     def forward(
         self,
@@ -88,6 +85,12 @@ class DecoderLayer(torch.nn.Module):
         gate_up = self.gate_up_proj.kernel(self.post_attention_layernorm.forward(x))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj.kernel(F.silu(gate) * up, x)  # x + down_proj(...)
+
+    @property
+    def llama_attention(self) -> bool:
+        """Whether this layer's attention is this class's `attend` (the one the native decode pass
+        runs; a subclass may bring its own)."""
+        return type(self).attend is DecoderLayer.attend
 
     def attend(
         self,
@@ -228,7 +231,6 @@ class LlamaForCausalLM(torch.nn.Module):
         for layer in self.layers:
             layer.fused_prologue = backend in FUSED_PROLOGUE
             layer.apply_rotary = rotary
-            layer.llama_attention = type(layer).attend is DecoderLayer.attend
             layer.native_qk_norm = native_qk and rotary is not apply_rotary_ and layer.llama_attention
         if self.embed_blocks is not None:
             # A block-quantized embedding lives in a block kernel (repacked, or read in place);

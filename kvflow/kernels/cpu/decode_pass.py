@@ -237,13 +237,13 @@ class DecodePassKernel:
         """Runs every decoder layer on x [rows, hidden] (contiguous; float32, or bfloat16: widened
         for the pass and rounded back) in place; row r is the step's token r (a sequence's rows, a
         decode and the drafts it verifies, next to each other), attending to the first
-        context_lens[r] keys of block table tables[r] (int32). `lora`: the
-        resident adapters and the step's rows under them, or None. `routed`: with routed layers,
-        int64 [num_routed, rows, top_k] that receives each routed layer's chosen experts per row.
+        context_lens[r] keys of block table tables[r] (int32). `lora`: the resident adapters and
+        the step's rows under them, or None. `routed`: with routed layers, int64 [num_routed, rows,
+        top_k] that receives each routed layer's chosen experts per row.
 
         Returns False where a routed layer's top-k probabilities tied: the call stopped there, x
-        and the KV cache partly written; the caller runs the step again another way (whose torch.topk
-        breaks the tie as HF's routers do), from its own copy of x."""
+        and the KV cache partly written; the caller runs the step again another way (whose
+        torch.topk breaks the tie as HF's routers do), from its own copy of x."""
         h = x if x.dtype == torch.float32 else x.float()
         if cos.dtype != torch.float32:
             cos, sin_signed = cos.float(), sin_signed.float()

@@ -245,25 +245,27 @@ inline long packed_index(const FloatWeight& p, int row, int c) {
 template <int R, int J>
 inline void run(const FloatWeight& p, const Rows& in, int r, int g, float* out, Prefetch pf, int j0 = 0,
                 int width = J) {
-  const long n = p.n, first = (long)g * GROUP * LANES_OUT + j0 * LANES_OUT, at = (first - j0 * LANES_OUT) * p.kp;
+  const long n = p.n, group = (long)g * GROUP * LANES_OUT, first = group + j0 * LANES_OUT;
+  // The group's packed weight, then panel j0 within each input feature's run (or pair's, for the
+  // bf16 dot product).
+  const long at = group * p.kp, panel = (long)j0 * LANES_OUT;
   const int valid = (int)std::min<long>(J * LANES_OUT, n - first);
   float* y = out + r * n + first;
   if (p.type == W_F32) {
-    tile<R, J>(static_cast<const float*>(p.w) + at + j0 * LANES_OUT, p.k, in.f + r * in.ldf, in.ldf, y, n, valid,
-               pf, width);
+    tile<R, J>(static_cast<const float*>(p.w) + at + panel, p.k, in.f + r * in.ldf, in.ldf, y, n, valid, pf, width);
     return;
   }
   if (p.type == W_FP8) {
-    tile<R, J>(static_cast<const uint8_t*>(p.w) + at + j0 * LANES_OUT, p.k, in.f + r * in.ldf, in.ldf, y, n, valid,
-               pf, width);
+    tile<R, J>(static_cast<const uint8_t*>(p.w) + at + panel, p.k, in.f + r * in.ldf, in.ldf, y, n, valid, pf,
+               width);
     return;
   }
   const uint16_t* w = static_cast<const uint16_t*>(p.w) + at;
 #ifdef __AVX512BF16__
-  tile_dot<R, J>(w + j0 * 2 * LANES_OUT, p.kp / 2, in.pairs + r * in.ldp, in.ldp, y, n, valid, pf, width);
+  tile_dot<R, J>(w + 2 * panel, p.kp / 2, in.pairs + r * in.ldp, in.ldp, y, n, valid, pf, width);
 #else
   // (under AVX2 the paired layout keeps panels j, j + 1 together: j0 is 0 here, WIDE_ROWS being TILE_ROWS)
-  tile<R, J>(w + j0 * LANES_OUT, p.k, in.f + r * in.ldf, in.ldf, y, n, valid, pf, width);
+  tile<R, J>(w + panel, p.k, in.f + r * in.ldf, in.ldf, y, n, valid, pf, width);
 #endif
 }
 
