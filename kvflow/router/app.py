@@ -249,7 +249,7 @@ class Router:
             if outcome is not None:
                 content = decode_body(body, outcome)
         attempt = await self._relay(
-            request, route.target, path, content, _call(trace, "decode", route.target, headers), started
+            request, route.target, path, content, _call(trace, "decode", route.target, headers), started, route.work
         )
         if attempt.retryable:
             retry = self.policy.reroute(route_request, route.target)
@@ -262,7 +262,13 @@ class Router:
                     retry.target.url,
                 )
                 attempt = await self._relay(
-                    request, retry.target, path, content, _call(trace, "decode", retry.target, headers), started
+                    request,
+                    retry.target,
+                    path,
+                    content,
+                    _call(trace, "decode", retry.target, headers),
+                    started,
+                    retry.work,
                 )
         return attempt.response
 
@@ -332,7 +338,7 @@ class Router:
         except httpx.TransportError as e:
             return self._fallback(backend, _reason(e), f"{type(e).__name__}: {e}")
         finally:
-            backend.inflight -= 1
+            backend.end()
         if 400 <= resp.status_code < 500:
             return _copy(resp)  # the request itself is wrong; the decode engine would say the same
         if resp.status_code >= 500:
@@ -355,21 +361,29 @@ class Router:
         return None
 
     async def _relay(
-        self, request: Request, backend: Backend, path: str, content: bytes, headers: dict[str, str], started: float
+        self,
+        request: Request,
+        backend: Backend,
+        path: str,
+        content: bytes,
+        headers: dict[str, str],
+        started: float,
+        work: float = 0.0,
     ) -> _Attempt:
         """Send `content` to `backend`; its answer, as the client's response. A stream is answered
-        once its first chunk arrived: a failure before it is still an HTTP error (retryable)."""
+        once its first chunk arrived: a failure before it is still an HTTP error (retryable).
+        `work`: the request's tokens of work there (`Route.work`), in flight until the answer ends."""
         upstream = self.client.build_request(
             "POST", backend.url + path, content=content, headers={**headers, "content-type": "application/json"}
         )
-        self._sent(backend)
+        self._sent(backend, work)
         try:
             resp = await run_until_disconnect(request, self.client.send(upstream, stream=True))
         except ClientDisconnected:
-            backend.inflight -= 1
+            backend.end(work)
             return _Attempt(Response(status_code=499))
         except httpx.TransportError as e:
-            backend.inflight -= 1
+            backend.end(work)
             if isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)) and self.policy.health_checked:
                 self._set_health(backend, False, f"{type(e).__name__}: {e}")  # no need to wait for a probe
             return self._failed(backend, e)
@@ -381,14 +395,14 @@ class Router:
                 first = await run_until_disconnect(request, _first_chunk(chunks))
             except ClientDisconnected:
                 await resp.aclose()
-                backend.inflight -= 1
+                backend.end(work)
                 return _Attempt(Response(status_code=499))
             except httpx.TransportError as e:
                 await resp.aclose()
-                backend.inflight -= 1
+                backend.end(work)
                 return self._failed(backend, e)
             self.metrics.ttfb.observe(time.monotonic() - started)
-            return _Attempt(_RelayedStream(_Upstream(resp, backend, self.metrics, chunks, first)))
+            return _Attempt(_RelayedStream(_Upstream(resp, backend, self.metrics, chunks, first, work)))
         try:
             data = await run_until_disconnect(request, resp.aread())
         except ClientDisconnected:
@@ -397,7 +411,7 @@ class Router:
             return self._failed(backend, e)
         finally:
             await resp.aclose()
-            backend.inflight -= 1
+            backend.end(work)
         if resp.status_code == 200:
             self.metrics.ttfb.observe(time.monotonic() - started)
         return _Attempt(
@@ -424,9 +438,9 @@ class Router:
             )
         return error_response(502, f"{_who(backend)} is unreachable: {type(e).__name__}: {e}", "backend_unreachable")
 
-    def _sent(self, backend: Backend) -> None:
+    def _sent(self, backend: Backend, work: float = 0.0) -> None:
         self.metrics.requests.labels(backend.url, backend.role).inc()
-        backend.inflight += 1
+        backend.begin(work)
 
     # ---- health and load (data-parallel policies) ---------------------------------------------------
     def _set_health(self, backend: Backend, healthy: bool, detail: str) -> None:
@@ -581,9 +595,11 @@ class _Upstream:
         metrics: RouterMetrics,
         chunks: AsyncIterator[bytes] | None = None,
         first: bytes = b"",
+        work: float = 0.0,
     ) -> None:
         self.resp = resp
         self.backend = backend
+        self.work = work  # its `Backend.inflight_work`, released with it
         self.metrics = metrics
         self._chunks = chunks if chunks is not None else resp.aiter_bytes()
         self._first = first
@@ -616,7 +632,7 @@ class _Upstream:
     async def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self.backend.inflight -= 1
+            self.backend.end(self.work)
             await self.resp.aclose()  # closes the connection mid-stream: the engine aborts the request
             for done in self.on_close:
                 done()

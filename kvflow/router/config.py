@@ -44,13 +44,15 @@ class RouterConfig:
     balance_abs_threshold: int = 32
     balance_rel_threshold: float = 1.5
     cache_max_chars: int = 1_000_000  # per replica, for its prefix tree (LRU leaves evicted beyond)
-    # cache_aware's score: expected prefix hit (tokens) - load_cost_tokens x (load + kv_usage_weight x KV use)
+    # cache_aware's score: expected prefix hit (tokens) - the work queued there (tokens): requests
+    # counted at load_cost_tokens each, or with KV events sized (see CacheAwarePolicy)
     load_cost_tokens: float = option(
         128.0,
         "cache_aware: the prefix-cache hit, in prompt tokens, that one more request on a replica costs: "
         "each replica scores the tokens it would not compute minus this many per request it runs or "
-        "queues; the best score gets the request, so a shared prefix shorter than this never "
-        "outweighs a replica with one request less",
+        "queues, so a shared prefix shorter than this never outweighs a replica with one request "
+        "less. With --router-kv-events the router sizes the requests it sent (their prompt blocks "
+        "still to compute, their tails and outputs) and counts only the others this way",
     )
     kv_usage_weight: float = option(
         4.0,

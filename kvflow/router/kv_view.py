@@ -122,6 +122,11 @@ class ReplicaKVView:
                     break
         return n
 
+    def pending_blocks(self, exclude: set[BlockHash] = frozenset(), now: float | None = None) -> int:
+        """Blocks routed here and not reported yet (their prefill is queued here), less `exclude`."""
+        now = time.monotonic() if now is None else now
+        return sum(1 for h, until in self.pending.items() if until > now and h not in exclude)
+
     def num_blocks(self, medium: str) -> int:
         return len(self.media.get(medium, ()))
 

@@ -23,8 +23,16 @@ from typing import Any, ClassVar, Literal
 
 from kvflow.core.block_hash import prompt_block_hashes
 from kvflow.router.kv_view import ReplicaKVView
-from kvflow.router.pd import takes_prefill_step
+from kvflow.router.pd import (
+    CHAT_PATH,
+    COMPLETIONS_PATH,
+    EMBEDDINGS_PATH,
+    MESSAGES_PATH,
+    RESPONSES_PATH,
+    takes_prefill_step,
+)
 from kvflow.router.prefix_tree import PrefixTree, prompt_texts_scaled
+from kvflow.utils.validation import is_int
 
 Role = Literal["prefill", "decode", "backend"]
 # pd: how a request that could take the prefill step was served (kvflow_router:pd_decisions_total).
@@ -66,6 +74,9 @@ class Backend:
     url: str
     role: Role
     inflight: int = 0
+    # The work of those requests, in tokens, as the policy sized them (`Route.work`): cache_aware
+    # weighs a replica's queue by it rather than by its length.
+    inflight_work: float = 0.0
     healthy: bool = True
     engine_load: int | None = None  # kvflow:num_requests_running + _waiting at the last scrape; None: none
     kv_usage: float = 0.0  # kvflow:kv_cache_usage_perc at the last scrape (0..1)
@@ -75,6 +86,17 @@ class Backend:
         self.engine_load = int(running + waiting)
         self.kv_usage = float(kv_usage)
         self.inflight_at_scrape = self.inflight
+
+    def begin(self, work: float = 0.0) -> None:
+        """A request was sent here, `work` tokens of it (`Route.work`)."""
+        self.inflight += 1
+        self.inflight_work += work
+
+    def end(self, work: float = 0.0) -> None:
+        """A request sent here was answered, failed or abandoned: the same `work` as its `begin`."""
+        self.inflight -= 1
+        # (exactly zero when nothing is in flight: no float residue from the sums)
+        self.inflight_work = self.inflight_work - work if self.inflight > 0 else 0.0
 
     def forget_scrape(self) -> None:
         """No (fresh) metrics: the load is the router's in-flight count alone."""
@@ -92,6 +114,12 @@ class Backend:
         if self.engine_load is None:
             return self.inflight
         return max(self.inflight, self.engine_load + self.inflight - self.inflight_at_scrape)
+
+    @property
+    def other_load(self) -> int:
+        """Requests its engine runs or queues beyond the router's in flight there (sent by another
+        client, or sequences of one request's n choices): `load` - `inflight`."""
+        return self.load - self.inflight
 
 
 @dataclass(frozen=True)
@@ -117,6 +145,10 @@ class Route:
     # engine was expected to compute (the estimate the choice was made on; None without a threshold).
     pd_decision: PDDecision | None = None
     local_prefill_tokens: float | None = None
+    # cache_aware only (0 otherwise): the tokens the target takes on, its prompt tokens less the
+    # expected hit plus the output asked for; the app holds them in `Backend.inflight_work` until
+    # the answer ends.
+    work: float = 0.0
 
 
 class RoundRobin:
@@ -267,20 +299,74 @@ class LeastLoadedPolicy(ReplicaPolicy):
         return Route(self.least_loaded(candidates, key=lambda b: (b.load, b.kv_usage)))
 
 
+# cache_aware's estimate of a request's output tokens: what it asks for (max_tokens and the like),
+# at most OUTPUT_TOKENS_CAP (a limit set far above what a reply uses is a limit, not a length), and
+# DEFAULT_OUTPUT_TOKENS where it asks for none (the engine then stops at the context's end or EOS).
+DEFAULT_OUTPUT_TOKENS = 256
+OUTPUT_TOKENS_CAP = 1024
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions, and the server's
+_MAX_TOKENS_FIELDS = {
+    CHAT_PATH: ("max_completion_tokens", "max_tokens"),  # the first wins, as the server reads them
+    COMPLETIONS_PATH: ("max_tokens",),
+    MESSAGES_PATH: ("max_tokens",),
+    RESPONSES_PATH: ("max_output_tokens",),
+}
+
+
+def expected_output_tokens(path: str, body: dict[str, Any], prompts: int = 1) -> float:
+    """The output tokens a request will make, as cache_aware counts them: per prompt and choice
+    (`n`), its max_tokens (or max_completion_tokens, max_output_tokens) at most
+    `OUTPUT_TOKENS_CAP`, else `DEFAULT_OUTPUT_TOKENS`; none for embeddings. Completions without
+    max_tokens get OpenAI's default, 16."""
+    if path == EMBEDDINGS_PATH:
+        return 0.0
+    per = (
+        COMPLETIONS_DEFAULT_MAX_TOKENS
+        if path == COMPLETIONS_PATH and "max_tokens" not in body
+        else DEFAULT_OUTPUT_TOKENS
+    )
+    for name in _MAX_TOKENS_FIELDS.get(path, ()):
+        value = body.get(name)
+        if is_int(value) and value >= 0:
+            per = min(int(value), OUTPUT_TOKENS_CAP)
+            break
+    n = body.get("n")
+    choices = int(n) if is_int(n) and n >= 1 else 1
+    return float(per * choices * max(1, prompts))
+
+
 class CacheAwarePolicy(ReplicaPolicy):
     """Prefix affinity weighed against load: a short shared prefix never outweighs an idle replica.
 
     For each candidate replica r the policy estimates `saved(r)`, the prompt tokens r would not
-    compute (its expected prefix-cache hit), and scores
+    compute (its expected prefix-cache hit), and `queued(r)`, the work queued there, both in tokens,
+    and scores
 
-        score(r) = saved(r) - load_cost_tokens x (load(r) + kv_usage_weight x kv_usage(r))
+        score(r) = saved(r) - queued(r)
 
-    where load(r) is `Backend.load` (running + waiting requests, the router's in-flight corrections
-    included) and kv_usage(r) the share of r's KV pool in use at the last scrape (0..1). So one
-    more request queued on a replica costs `load_cost_tokens` (128) tokens of prefix hit, and a
-    full KV pool `kv_usage_weight` (4) requests more. The request goes to the best score (ties:
-    the lower load, then turns), unless the loads are imbalanced (max - min > `balance_abs` AND
-    max > `balance_rel` x min, sglang-router's guard): then to the least loaded, whatever it holds.
+    Without KV events the queue is counted: queued(r) = load_cost_tokens x (load(r) + kv_usage_weight
+    x kv_usage(r)), where load(r) is `Backend.load` (running + waiting requests, the router's
+    in-flight corrections included) and kv_usage(r) the share of r's KV pool in use at the last
+    scrape (0..1). So one more request queued on a replica costs `load_cost_tokens` (128) tokens of
+    prefix hit, and a full KV pool `kv_usage_weight` (4) requests more.
+
+    With KV events (and the prompts' token ids) the queue is sized: queued(r) = the prompt blocks
+    routed to r and not reported computed yet (its pending blocks, less those this request shares:
+    their computation is its hit, not its wait) x block size + the rest of the work of the requests
+    the router sent r and has not seen answered (`Backend.inflight_work`: the output tokens each
+    asked for, `expected_output_tokens`, and its prompt's tokens after its last full block) +
+    load_cost_tokens x (other(r) + kv_usage_weight x kv_usage(r)), other(r) being the requests r's
+    engine runs beyond those (`Backend.other_load`, which the router cannot size). So a replica busy
+    with requests that hit its cache (a few tokens each, and their outputs) keeps the prefix it
+    holds, where a queue of uncached prompts or long outputs sends the request on, to compute the
+    prefix again elsewhere (new prefill blocks weighed against active work, as Dynamo's KV router
+    weighs them); a burst sharing a new prefix follows the first one, whose prefill it shares; and
+    a short shared prefix never outweighs a replica with one request less whose own uncached prompt
+    and output are longer than the prefix.
+
+    The request goes to the best score (ties: the lower load, then turns), unless the loads are
+    imbalanced (max - min > `balance_abs` AND max > `balance_rel` x min requests, sglang-router's
+    guard): then to the least loaded, whatever it holds.
 
     saved(r), per prompt of the request:
     - with KV events (`kv_events`, and the token ids of the prompt, `RouteRequest.prompt_token_ids`):
@@ -396,18 +482,28 @@ class CacheAwarePolicy(ReplicaPolicy):
                 saved[b] = 0.0  # less than a block: the engine reuses whole blocks only
         return saved
 
+    def queued(self, b: Backend, blocks: set[bytes] | None) -> float:
+        """queued(r) of the score, in tokens (see the class). `blocks`: the request's own block
+        hashes, with events (their pending computation is the request's hit, not its wait)."""
+        kv = self.kv_usage_weight * b.kv_usage
+        if blocks is None:
+            return self.load_cost_tokens * (b.load + kv)
+        pending = self.views[b].pending_blocks(exclude=blocks) * (self.block_size() or 0)
+        return pending + b.inflight_work + self.load_cost_tokens * (b.other_load + kv)
+
     def choose(self, request: RouteRequest, candidates: list[Backend]) -> Route:
         texts = prompt_texts_scaled(request.path, request.body)
         saved, total, hashes = self.expected_hits(request, candidates, texts)
         ratio = max(saved.values()) / total if total else None
         if self.threshold > 0 and total:
             saved = {b: (s if s >= self.threshold * total else 0.0) for b, s in saved.items()}
-        load = {b: self.effective_load(b) for b in candidates}
-        score = {b: saved[b] - self.load_cost_tokens * load[b] for b in candidates}
+        # With events the queue is sized (pending blocks and the work in flight), else counted.
+        blocks = None if self.block_size() is None else {x for h in hashes or () for x in h}
+        score = {b: saved[b] - self.queued(b, blocks) for b in candidates}
         if self.imbalanced(candidates):
             target = self.least_loaded(candidates)
         else:
-            target = self.least_loaded(candidates, key=lambda b: (-score[b], load[b]))
+            target = self.least_loaded(candidates, key=lambda b: (-score[b], self.effective_load(b)))
         self.last_scores = {b.url: (saved[b], score[b]) for b in candidates}
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(
@@ -419,10 +515,15 @@ class CacheAwarePolicy(ReplicaPolicy):
         tree = self.trees[target]
         for t, _ in texts:
             tree.insert(t)
+        work = expected_output_tokens(request.path, request.body, len(texts))
         if hashes is not None:
             for h in hashes:
                 self.views[target].note_routed(h)
-        return Route(target, cache_hit=saved[target] > 0, match_ratio=ratio)
+            # its full blocks are pending there now: the work beyond them is each prompt's tail
+            work += total - self.block_size() * sum(map(len, hashes))
+        else:
+            work += max(0.0, total - saved[target])
+        return Route(target, cache_hit=saved[target] > 0, match_ratio=ratio, work=work)
 
     def set_healthy(self, backend: Backend, healthy: bool) -> None:
         super().set_healthy(backend, healthy)

@@ -14,7 +14,7 @@ from kvflow.core.block_hash import hash_block, prompt_block_hashes
 from kvflow.kv_events.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from kvflow.router.config import RouterConfig
 from kvflow.router.kv_view import PENDING_TTL_S, ReplicaKVView, tokenize_requests
-from kvflow.router.policies import CacheAwarePolicy, RouteRequest, make_policy
+from kvflow.router.policies import Backend, CacheAwarePolicy, RouteRequest, make_policy
 
 URLS = ["http://127.0.0.1:8101", "http://127.0.0.1:8102"]
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -38,9 +38,9 @@ def with_ids(ids: list[int]) -> RouteRequest:
 
 def send(policy, request: RouteRequest, *, finish: bool = False):
     route = policy.route(request)
-    route.target.inflight += 1
+    route.target.begin(route.work)
     if finish:
-        route.target.inflight -= 1
+        route.target.end(route.work)
     return route
 
 
@@ -166,6 +166,88 @@ def test_a_burst_follows_blocks_routed_but_not_reported_yet():
     assert PENDING_TTL_S > 0
     _apply(view, _stored(doc))  # reported: held, no longer pending
     assert hashes[0] not in view.pending and view.matched_blocks(hashes, now=1e12) == 20
+
+
+def _sized_policy(**kw) -> tuple[CacheAwarePolicy, Backend, Backend]:
+    """An events policy whose replicas both told the block size (so queues are sized)."""
+    policy = CacheAwarePolicy(URLS, kv_events=True, **kw)
+    a, b = policy.backends()
+    for r, seed in ((a, 90), (b, 91)):
+        _apply(policy.views[r], _stored(_tokens(seed, BS)))
+    return policy, a, b
+
+
+def test_with_events_a_queue_of_cache_hits_keeps_the_prefix_where_counting_would_spill():
+    """12 requests in flight on the holder of a 1,024-token prefix, each computing its 20-token
+    question and generating 32 tokens: 12 x 128 counted requests would outweigh the prefix (the
+    count-based score sends the 13th elsewhere, to compute the prefix again); sized, the queue is
+    12 x (one pending question block + 4 tail tokens + 32 output) = 12 x 52 tokens, and it stays."""
+    policy, holder, other = _sized_policy()
+    doc = _tokens(10, 64 * BS)
+    _apply(policy.views[holder], _stored(doc))
+    for i in range(13):
+        question = _tokens(100 + i, 20)
+        route = send(policy, RouteRequest(COMPLETIONS, {"prompt": "(text)", "max_tokens": 32}, [doc + question]))
+        assert route.target is holder and route.cache_hit
+        assert route.work == 4 + 32  # the tail after its 65 full blocks, and its output
+    assert holder.inflight == 13 and holder.inflight_work == 13 * 36
+    assert policy.views[holder].pending_blocks() == 13  # each question's one full block
+    counted = CacheAwarePolicy(URLS)  # the same state without events: 12 requests x 128 > 1,024
+    c_holder, c_other = counted.backends()
+    c_holder.inflight = 12
+    assert counted.queued(c_holder, None) - counted.queued(c_other, None) == 12 * 128 > len(doc)
+    # a queue of uncached prompts is real work: two unrelated 600-token prompts pending on the holder
+    # (2 x 37 blocks) outweigh what the prefix saves
+    for seed in (200, 201):
+        policy.views[holder].note_routed(prompt_block_hashes(_tokens(seed, 600), BS))
+    route = send(policy, RouteRequest(COMPLETIONS, {"prompt": "(text)", "max_tokens": 32}, [doc + _tokens(99, 20)]))
+    assert route.target is other and not route.cache_hit
+
+
+def test_with_events_the_score_is_the_documented_formula():
+    """Random replica states (held and pending blocks, in-flight work, scraped loads, KV use) against
+    the class's formula, recomputed here from those states."""
+    rng = random.Random(7)
+    checked = 0
+    for trial in range(40):
+        policy, a, b = _sized_policy(load_cost_tokens=rng.choice([64.0, 128.0]), kv_usage_weight=rng.random() * 4)
+        prompt = _tokens(trial, rng.randrange(1, 12) * BS + rng.randrange(BS))
+        hashes = prompt_block_hashes(prompt, BS)
+        pending: dict[Backend, set] = {}
+        for r in (a, b):
+            held = rng.randrange(len(hashes) + 1)
+            if held:
+                _apply(policy.views[r], _stored(prompt, last=held))
+            others = [prompt_block_hashes(_tokens(1000 * trial + k, rng.randrange(BS, 8 * BS)), BS) for k in range(3)]
+            mine = hashes[held : held + rng.randrange(3)]  # some of the request's own blocks pending too
+            for h in [*others[: rng.randrange(4)], mine]:
+                policy.views[r].note_routed(h)
+            pending[r] = {h for o in others for h in o if h in policy.views[r].pending} | set(mine)
+            r.record_scrape(rng.randrange(0, 6), rng.randrange(0, 3), rng.random())
+            r.inflight = r.inflight_at_scrape = rng.randrange(0, 4)
+            r.inflight_work = rng.random() * 500
+        want = {}
+        for r in (a, b):
+            run = 0  # the engine's lookup: the run held or pending, the last token left to compute
+            for h in hashes[: (len(prompt) - 1) // BS]:
+                if h in policy.views[r].media["GPU"] or h in pending[r]:
+                    run += 1
+                else:
+                    break
+            other = max(r.inflight, r.engine_load) - r.inflight
+            queued = (
+                len(pending[r] - set(hashes)) * BS
+                + r.inflight_work
+                + policy.load_cost_tokens * (other + policy.kv_usage_weight * r.kv_usage)
+            )
+            want[r.url] = (run * BS, run * BS - queued)
+        saved_any = any(v[0] for v in want.values())
+        policy.route(RouteRequest(COMPLETIONS, {"prompt": "(text)", "max_tokens": 8}, [prompt]))
+        checked += saved_any
+        if saved_any:  # (nothing held anywhere: the text estimate decides saved, as documented)
+            for url, (saved, score) in want.items():
+                assert policy.last_scores[url] == pytest.approx((saved, score)), (trial, url)
+    assert checked >= 20
 
 
 def test_a_prefix_nobody_holds_stays_where_it_was_sent_before():

@@ -719,5 +719,8 @@ def test_cache_aware_over_http_counts_hits_misses_and_ttfb(replicas):
         assert m["kvflow_router:prefix_match_ratio_count"] == 4
         assert m['kvflow_router:prefix_match_ratio_bucket{le="0.5"}'] == 2
         assert m["kvflow_router:time_to_first_byte_seconds_count"] == 4
+        # every request answered: nothing left in flight, in requests or in their sized work
+        backends = r.router.policy.backends()
+        assert all(b.inflight == 0 and b.inflight_work == 0.0 for b in backends), backends
     finally:
         r.server.stop()

@@ -54,9 +54,9 @@ def chat(system: str, question: str) -> RouteRequest:
 def send(policy, request: RouteRequest, *, finish: bool = True):
     """Route as the app does: the target's in-flight count rises while it serves the request."""
     route = policy.route(request)
-    route.target.inflight += 1
+    route.target.begin(route.work)
     if finish:
-        route.target.inflight -= 1
+        route.target.end(route.work)
     return route
 
 
@@ -438,3 +438,18 @@ def test_cli_flag_errors(argv, fragment, capsys):
     assert kvflow_main(["router", "--policy", "cache_aware", "--backend", *URLS[:2], *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kvflow: error: ") and fragment in err, err
+
+
+def test_expected_output_tokens():
+    from kvflow.router.policies import COMPLETIONS_DEFAULT_MAX_TOKENS, DEFAULT_OUTPUT_TOKENS, OUTPUT_TOKENS_CAP
+    from kvflow.router.policies import expected_output_tokens as out
+
+    assert out(COMPLETIONS, {"prompt": "a"}) == COMPLETIONS_DEFAULT_MAX_TOKENS == 16  # OpenAI's default
+    assert out(COMPLETIONS, {"prompt": "a", "max_tokens": None}) == DEFAULT_OUTPUT_TOKENS  # up to the context
+    assert out(COMPLETIONS, {"prompt": ["a", "b"], "max_tokens": 10, "n": 3}, prompts=2) == 60
+    assert out(CHAT, {"max_tokens": 50, "max_completion_tokens": 20}) == 20  # the one the server reads
+    assert out(CHAT, {"max_tokens": 10**6}) == OUTPUT_TOKENS_CAP
+    assert out(CHAT, {"max_tokens": "many", "n": 0}) == DEFAULT_OUTPUT_TOKENS  # bad values: the defaults
+    assert out("/v1/responses", {"max_output_tokens": 7}) == 7
+    assert out("/v1/messages", {"max_tokens": 9}) == 9
+    assert out("/v1/embeddings", {"input": "a"}) == 0
