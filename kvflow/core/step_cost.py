@@ -13,6 +13,11 @@ decode kernel), `m` what a step pays once for having any (the mixed path), `d` t
 attention, which grows with their contexts, and `p` the chunks' attention. That is what makes verifying drafts cheap at batch 1 and not
 at batch 32, and what the `slo` scheduling policy predicts TTFT and TPOT with.
 
+A step that rides the model's one-call decode pass (`DecodePass`: every sequence with at most
+`rows_per_seq` new tokens, at most `max_rows` in all; decodes, and decodes verifying a few drafts)
+counts no chunk, whatever its sequences' token counts: there a verification row costs what one
+more decode row does. `chunks` is then what the caller gets from `chunks()`.
+
 Refitted by least squares over a window of recent steps, pulled gently toward prior ratios (b, c
 m, d and p as fractions of a step) so that a coefficient the steps have not varied enough to show stays
 sensible. No tensors here: the scheduler side uses it (one model per engine, shared by the
@@ -22,10 +27,23 @@ speculator and the scheduling policy).
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
 import numpy as np
 
 REFIT_EVERY = 8
+
+
+@dataclass(frozen=True)
+class DecodePass:
+    """Which steps the model runner computes as one fused decode pass (the runner says; the cost
+    model only counts them). The default: none."""
+
+    rows_per_seq: int = 1  # a sequence with at most this many new tokens rides in it ...
+    max_rows: int = 0  # ... in a step of at most this many rows (0: the runner has no pass)
+
+    def takes(self, rows: int, longest: int) -> bool:
+        return 0 < rows <= self.max_rows and longest <= self.rows_per_seq
 
 
 class StepCostModel:
@@ -42,9 +60,15 @@ class StepCostModel:
         self.prior = np.array(
             [1.0, prior_token_ratio, prior_chunk_ratio, prior_mixed_ratio, prior_context_ratio, prior_pairs_ratio]
         )  # / a
+        self.decode_pass = DecodePass()  # the runner's (the engine sets it once the model is loaded)
         self._fit: tuple[float, ...] | None = None
         self._unfitted = 0  # samples observed since the last fit
         self.errors: deque[float] = deque(maxlen=window)
+
+    def chunks(self, rows: int, longest: int, multi: int) -> int:
+        """The chunks a step of `rows` tokens counts, whose longest sequence has `longest` new tokens
+        and `multi` sequences more than one: none where it rides the decode pass, else `multi`."""
+        return 0 if self.decode_pass.takes(rows, longest) else multi
 
     def observe(self, tokens: int, seconds: float, chunks: int = 0, context: int = 0, pairs: int = 0) -> None:
         if tokens > 0 and seconds > 0:

@@ -135,6 +135,7 @@ class LLMEngine:
         )
         # One model of step times, learned from every step: the speculator and the slo policy predict with it.
         self.step_cost = StepCostModel()
+        self.step_cost.decode_pass = self.executor.decode_pass()
         policy = make_policy(
             config.scheduling_policy,
             self.step_cost,
@@ -678,15 +679,17 @@ class LLMEngine:
         return self._fail_requests(errors)
 
     def _observe_step_time(self, sched: SchedulerOutput, seconds: float) -> None:
+        cost = self.step_cost
         multi = [s for s in sched.seqs if len(s.token_ids) > 1]
+        longest = max((len(s.token_ids) for s in sched.seqs), default=0)
+        chunks = cost.chunks(sched.num_tokens, longest, len(multi))  # none where the step rode the decode pass
         context = sum(s.start_pos + len(s.token_ids) for s in sched.seqs)
-        pairs = sum(chunk_pairs(s.start_pos, len(s.token_ids)) for s in multi)
+        pairs = sum(chunk_pairs(s.start_pos, len(s.token_ids)) for s in multi) if chunks else 0
         if self.step_records.enabled:  # the prediction made before the step was seen, as observe() judges it
-            cost = self.step_cost
-            predicted = cost.predict(sched.num_tokens, len(multi), context, pairs) if len(cost.samples) >= 8 else None
+            predicted = cost.predict(sched.num_tokens, chunks, context, pairs) if len(cost.samples) >= 8 else None
             waiting_kv = tuple(self.scheduler.waiting_for_kv) if self.scheduler.waiting_for_kv else ()
             self.step_records.record(sched, time.time() - seconds, seconds, predicted, waiting_kv)
-        self.step_cost.observe(sched.num_tokens, seconds, len(multi), context, pairs)
+        cost.observe(sched.num_tokens, seconds, chunks, context, pairs)
 
     def _advance_grammars(self, advanced: list[tuple[Request, list[int]]], broken: dict[str, str]) -> list[Request]:
         """Move each constrained sequence's matcher past its new tokens; end those whose grammar

@@ -141,8 +141,8 @@ class StepRecords:
 
 def _own_cost(cost: StepCostModel, n: int, start: int) -> float:
     """The predicted time of a step computing only this sequence's tokens."""
-    multi = n > 1
-    return cost.predict(n, int(multi), start + n, chunk_pairs(start, n) if multi else 0)
+    multi = cost.chunks(n, n, int(n > 1))
+    return cost.predict(n, multi, start + n, chunk_pairs(start, n) if multi else 0)
 
 
 def _step_view(rec: StepRecord, own: tuple | None, cost: StepCostModel | None) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from kvflow.executor.tp_block_io import TPBlockIO
 if TYPE_CHECKING:
     from kvflow.config import EngineConfig, ModelConfig
     from kvflow.core.scheduler import SchedulerOutput
+    from kvflow.core.step_cost import DecodePass
     from kvflow.executor.mp import TPWorkers
     from kvflow.executor.ray_executor import RayTPWorkers
     from kvflow.kv_transfer.base import KVConnectorWorker
@@ -93,6 +94,10 @@ class Executor:
     def kernel_summary(self) -> str:
         """Rank 0's linear kernel choice (the other ranks tune their own shapes alike)."""
         return self.runner.kernel_summary()
+
+    def decode_pass(self) -> DecodePass:
+        """Which steps rank 0's model computes as its one-call decode pass (the step-cost model's)."""
+        return self.runner.decode_pass()
 
     def moe_stats(self):
         """Rank 0's Mixture-of-Experts routing counts (kvflow.layers.moe.MoeRoutingStats), or None."""

@@ -8,9 +8,11 @@ what was accepted and how long the step took.
 How many drafts (the goodput rule of SmartSpec, arXiv 2406.14066): each request keeps a moving
 average alpha of how often its drafts are accepted, and a draft at depth j (1-based) then adds
 alpha^j expected tokens. The step's time comes from `StepCostModel` (a + b * tokens + c * multi-token
-sequences + m if there are any). Drafts are handed out one at a time, highest expected gain first,
-while a draft's gain per second it costs (alpha^j / (b, + c and maybe m for a request's first))
-beats the step's tokens per second without it (E / T): at batch 1 a pass costs about
+sequences + m if there are any; none counted where the step still rides the model's one-call
+decode pass: a draft there is one more row). Drafts are handed out one at a time, highest expected
+gain first, while a draft's gain per second it costs (alpha^j / what it adds to the predicted step:
+b, and where it makes its request a chunk off the decode pass, c and maybe m) beats the step's
+tokens per second without it (E / T): at batch 1 a pass costs about
 the same for 1 or 5 tokens, so drafts are almost free; at a large batch E / T approaches 1 / b and
 no draft (alpha^j < 1) can beat it, so speculation switches itself off; so does a request whose
 drafts keep failing (alpha^j below `_MIN_GAIN`). `adaptive: false` always proposes
@@ -35,7 +37,7 @@ from typing import Protocol
 from kvflow.config import SpeculativeConfig
 from kvflow.core.request import Request
 from kvflow.core.scheduler import SchedulerOutput
-from kvflow.core.step_cost import StepCostModel
+from kvflow.core.step_cost import StepCostModel, chunk_pairs
 from kvflow.spec_decode.ngram_proposer import NgramBatchProposer, NgramProposer
 
 
@@ -79,6 +81,39 @@ class SpecDecodeStats:
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
+class _StepShape:
+    """The next step as the cost model sees it (rows, chunks, contexts, chunk pairs), from the running
+    requests' remaining tokens; drafts are added one at a time (`add_draft`)."""
+
+    def __init__(self, cost: StepCostModel, running: list[Request]) -> None:
+        self.cost = cost
+        self.new = {r.request_id: max(1, r.num_tokens - r.num_computed_tokens) for r in running}
+        self.start = {r.request_id: r.num_computed_tokens for r in running}
+        self.shape = (
+            sum(self.new.values()),  # rows
+            max(self.new.values(), default=0),  # the longest sequence's new tokens
+            sum(1 for n in self.new.values() if n > 1),  # multi-token sequences
+            sum(self.start[rid] + n for rid, n in self.new.items()),  # context
+            sum(chunk_pairs(self.start[rid], n) for rid, n in self.new.items() if n > 1),  # chunk pairs
+        )
+
+    def seconds(self, shape: tuple[int, int, int, int, int] | None = None) -> float:
+        rows, longest, multi, context, pairs = shape or self.shape
+        chunks = self.cost.chunks(rows, longest, multi)
+        return self.cost.predict(rows, chunks, context, pairs if chunks else 0)
+
+    def with_draft(self, rid: str) -> tuple[int, int, int, int, int]:
+        """The shape with one more draft for `rid`."""
+        rows, longest, multi, context, pairs = self.shape
+        n, start = self.new[rid], self.start[rid]
+        pairs += chunk_pairs(start, n + 1) - (chunk_pairs(start, n) if n > 1 else 0)
+        return rows + 1, max(longest, n + 1), multi + (n == 1), context + 1, pairs
+
+    def add_draft(self, rid: str, shape: tuple[int, int, int, int, int]) -> None:
+        self.new[rid] += 1
+        self.shape = shape
+
+
 class Speculator:
     def __init__(
         self, config: SpeculativeConfig, proposer: Proposer | None = None, cost: StepCostModel | None = None
@@ -111,16 +146,15 @@ class Speculator:
         return max(0, min(self.k, r.max_tokens - r.num_output_tokens - 1))
 
     def _plan(self, running: list[Request], limits: dict[str, int]) -> dict[str, int]:
-        a, b, c, m = self.cost.coefficients[:4]
-        # A request's first draft makes it a multi-token sequence (c). A draft model adds a pass
-        # per draft depth (a_d, paid by the first draft at that depth) and a row in it (b_d);
-        # prompt lookup costs nothing measurable.
+        # What a draft costs is what it adds to the predicted step: one more row, and where it makes
+        # its request a multi-token sequence off the decode pass, the chunk (c, and m for the
+        # step's first). A draft model adds a pass per draft depth (a_d, paid by the first draft at
+        # that depth) and a row in it (b_d); prompt lookup costs nothing measurable.
         draft_cost = self.proposer.cost
         a_d, b_d = draft_cost.coefficients[:2] if draft_cost is not None and draft_cost.samples else (0.0, 0.0)
-        remaining = [max(1, r.num_tokens - r.num_computed_tokens) for r in running]
+        step = _StepShape(self.cost, running)
+        seconds = step.seconds()
         expected = float(len(running))  # every running request emits about one token per step
-        chunks = sum(1 for n in remaining if n > 1)
-        seconds = a + b * sum(remaining) + c * chunks + m * (chunks > 0)
         gamma = dict.fromkeys(limits, 0)
         depth = 0  # deepest draft handed out so far
         heap = [(-self._alpha(rid), rid) for rid, lim in limits.items() if lim > 0]
@@ -128,13 +162,11 @@ class Speculator:
         while heap:
             neg_gain, rid = heapq.heappop(heap)
             gain = -neg_gain
-            first = gamma[rid] == 0  # its first draft makes it a multi-token sequence (maybe the step mixed)
-            cost = b + b_d + (a_d if gamma[rid] + 1 > depth else 0.0)
-            if first:
-                cost += c + (m if chunks == 0 else 0.0)
+            trial = step.with_draft(rid)
+            cost = step.seconds(trial) - step.seconds() + b_d + (a_d if gamma[rid] + 1 > depth else 0.0)
             if gain < _MIN_GAIN or gain * seconds <= cost * expected:  # gain / cost <= E / T: goodput drops
                 break
-            chunks += first
+            step.add_draft(rid, trial)
             gamma[rid] += 1
             depth = max(depth, gamma[rid])
             expected += gain

@@ -17,12 +17,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvflow.attention.backend import SeqLayout, kv_cache_bytes_per_token
+from kvflow.attention.backend import DECODE_LIKE_ROWS, SeqLayout, kv_cache_bytes_per_token
 from kvflow.attention.kv_formats import kv_format
 from kvflow.attention.selector import make_attention_backend
 from kvflow.config import EngineConfig, ModelConfig
 from kvflow.core.kv_groups import kv_layout
 from kvflow.core.scheduler import ScheduledSeq, SchedulerOutput
+from kvflow.core.step_cost import DecodePass
 from kvflow.distributed.parallel import local_config
 from kvflow.layers.linear_kernels import select_linear_backend
 from kvflow.models.decode_pass import native_decode_unsupported
@@ -326,6 +327,15 @@ class ModelRunner:
             if why is not None:  # (the plan's "decode pass: off" would not say why)
                 summary += f"; decode steps on the per-layer path: {why}"
         return summary
+
+    def decode_pass(self) -> DecodePass:
+        """Which steps the model computes as its one-call decode pass (kvflow.models.decode_pass):
+        every sequence with at most DECODE_LIKE_ROWS new tokens, in steps of at most its
+        `max_rows`; none without a pass."""
+        fused = getattr(self.model, "native_decode", None)
+        if fused is None or fused.max_rows <= 0:
+            return DecodePass()
+        return DecodePass(rows_per_seq=DECODE_LIKE_ROWS, max_rows=fused.max_rows)
 
     def moe_stats(self):
         """A Mixture-of-Experts model's routing counts so far (kvflow.layers.moe.MoeRoutingStats),

@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 
 from kvflow import LLM, SamplingParams
+from kvflow.attention.backend import DECODE_LIKE_ROWS
 from kvflow.config import SpeculativeConfig
 from kvflow.core.request import Request
-from kvflow.core.step_cost import StepCostModel
+from kvflow.core.step_cost import DecodePass, StepCostModel
 from kvflow.spec_decode.ngram_proposer import NgramBatchProposer
 from kvflow.spec_decode.speculator import Speculator
 
@@ -211,6 +212,67 @@ def test_plan_switches_off_at_large_batch():
     assert sum(plan.values()) == 0  # batch 64: no draft beats the step's own tokens per second
     spec.alpha["x"] = 0.01
     assert spec._plan(one, {"x": 5})["x"] <= 1  # hopeless drafts get (almost) nothing
+
+
+def _costly_chunks() -> StepCostModel:
+    """A fitted cost model: a pass 10 ms, a token 0.5 ms, a multi-token sequence off the decode
+    pass 4 ms more (the per-layer path)."""
+    cost = StepCostModel()
+    for tokens, chunks in ((1, 0), (2, 1), (8, 2), (16, 0), (32, 4), (64, 1), (4, 3), (40, 0), (20, 2), (9, 1)):
+        cost.observe(tokens, 0.010 + 0.0005 * tokens + 0.004 * chunks, chunks)
+    return cost
+
+
+def test_plan_counts_drafts_on_the_decode_pass_as_rows():
+    """At batch 8 a first draft that makes its request a chunk (b + c + m) does not pay; on the
+    decode pass, where a verification row is one more row (b), drafts pay until the step would
+    leave the pass (max_rows), where the chunks' cost comes back."""
+    cost = _costly_chunks()
+    a, b, c, m, *_ = cost.coefficients
+    assert a == pytest.approx(0.010, rel=0.05)
+    assert b == pytest.approx(0.0005, rel=0.05) and c + m == pytest.approx(0.004, rel=0.2)
+    spec = Speculator(SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 4}), cost=cost)
+    batch = [_request(f"r{i}") for i in range(8)]
+    for r in batch:
+        spec.alpha[r.request_id] = 0.8
+    limits = {r.request_id: 4 for r in batch}
+    # off the pass: gain x T = 0.8 x (a + 8b) = 11.2 ms < (b + c + m) x E = 4.5 ms x 8
+    assert sum(spec._plan(batch, limits).values()) == 0
+    cost.decode_pass = DecodePass(rows_per_seq=8, max_rows=64)
+    # on it a draft costs b: depth 1 (0.8 x 14 ms > 0.5 ms x 8, and on), depth 2 (0.64 x 18 > 0.5 x
+    # 14.4), depth 3 (0.512 x 22 > 0.5 x 19.5) pay; depth 4 does not (0.41 x 26 < 0.5 x 23.6)
+    assert spec._plan(batch, limits) == dict.fromkeys(limits, 3)
+    cost.decode_pass = DecodePass(rows_per_seq=8, max_rows=10)  # two drafts, then the per-layer path
+    assert sum(spec._plan(batch, limits).values()) == 2
+    cost.decode_pass = DecodePass(rows_per_seq=2, max_rows=64)  # a second draft would leave the pass
+    assert spec._plan(batch, limits) == dict.fromkeys(limits, 1)
+
+
+def test_step_cost_chunks_on_and_off_the_decode_pass():
+    cost = StepCostModel()
+    assert cost.chunks(rows=9, longest=5, multi=2) == 2  # no pass: every multi-token sequence
+    cost.decode_pass = DecodePass(rows_per_seq=8, max_rows=16)
+    assert cost.chunks(rows=9, longest=5, multi=2) == 0  # verification rows in the pass
+    assert cost.chunks(rows=17, longest=5, multi=2) == 2  # too many rows for it
+    assert cost.chunks(rows=12, longest=9, multi=1) == 1  # a prefill chunk of 9: the per-layer path
+
+
+def test_engine_counts_verifying_steps_in_the_pass_as_rows(tiny_llama):
+    """The engine takes the runner's decode pass, and the steps that verified drafts in it are
+    observed without chunks (the int8 backend always runs its steps through the pass)."""
+    path, _ = tiny_llama
+    llm = spec_llm(path, num_kv_blocks=256, quantization="int8")
+    engine = llm.engine
+    fused = engine.runner.model.native_decode
+    assert fused is not None and engine.step_cost.decode_pass == DecodePass(DECODE_LIKE_ROWS, fused.max_rows)
+    generate(llm, PROMPTS, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    assert engine.speculator.stats.num_draft_tokens > 20
+    samples = list(engine.step_cost.samples)  # (tokens, chunks, context, pairs, seconds)
+    verifying = [s for s in samples if 1 < s[0] <= len(PROMPTS) * (1 + NGRAM["num_speculative_tokens"])]
+    assert verifying and all(s[1] == 0 for s in verifying if s[0] > len(PROMPTS))
+    assert any(s[1] > 0 for s in samples)  # the prompts' prefill chunks still count
+    plain = LLM(model=path, num_kv_blocks=64, attention_backend="torch").engine
+    assert plain.runner.model.native_decode is None and plain.step_cost.decode_pass == DecodePass()
 
 
 def test_config_errors():

@@ -80,7 +80,8 @@ class SLOPolicy(SchedulingPolicy):
         """Seconds of a step computing these decode rows and prefill chunks (start, tokens)."""
         context = sum(r.num_tokens for r in decodes) + sum(s + n for s, n in chunks)
         tokens = len(decodes) + sum(n for _, n in chunks)
-        return self.cost.predict(tokens, len(chunks), context, sum(chunk_pairs(s, n) for s, n in chunks))
+        multi = self.cost.chunks(tokens, max((n for _, n in chunks), default=1), len(chunks))
+        return self.cost.predict(tokens, multi, context, sum(chunk_pairs(s, n) for s, n in chunks) if multi else 0)
 
     def prefill_time(self, req: Request, decodes: Sequence[Request] | None = None, chunk: int | None = None) -> float:
         """Seconds to compute req's remaining prompt in chunks of `chunk` tokens beside `decodes`

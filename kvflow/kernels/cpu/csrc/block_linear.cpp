@@ -68,6 +68,18 @@ inline __m256i dot_u8(__m256i u, __m256i x) {  // 8 int32 sums of 4 products eac
 
 inline __m256i dot_s8(__m256i w, __m256i x) { return dot_u8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)); }
 
+// acc + dot_u8(u, x): with VNNI one vpdpbusd into the accumulator (its int32 sums do not saturate,
+// so the result is the same integers).
+inline __m256i dot_u8_acc(__m256i acc, __m256i u, __m256i x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, u, x);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(acc, u, x);
+#else
+  return _mm256_add_epi32(acc, dot_u8(u, x));
+#endif
+}
+
 inline __m256i nibbles16(const uint8_t* p) {  // 16 bytes -> 32 values: low nibbles, then high ones
   const __m128i raw = _mm_loadu_si128((const __m128i*)p);
   return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));
@@ -247,8 +259,7 @@ inline void x8_tile(const uint8_t* __restrict grp, const Act& a, int r0, float* 
       for (int t = 0; t < 8; t++) {
         const __m256i w = _mm256_loadu_si256((const __m256i*)(qs + 32 * t));
         const __m256i aw = _mm256_sign_epi8(w, w);
-        for (int r = 0; r < R; r++)
-          isum[r] = _mm256_add_epi32(isum[r], dot_u8(aw, _mm256_sign_epi8(bcast4(xb[r] + 4 * t), w)));
+        for (int r = 0; r < R; r++) isum[r] = dot_u8_acc(isum[r], aw, _mm256_sign_epi8(bcast4(xb[r] + 4 * t), w));
       }
     } else {
       const uint8_t* qs = p + (T == Q4_1 ? 32 : 16);
@@ -257,8 +268,8 @@ inline void x8_tile(const uint8_t* __restrict grp, const Act& a, int r0, float* 
         const __m256i lo = _mm256_and_si256(raw, m4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
         for (int r = 0; r < R; r++) {
 #if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
-          isum[r] = _mm256_add_epi32(isum[r], dot_u8(lo, bcast4(xb[r] + 4 * c)));
-          isum[r] = _mm256_add_epi32(isum[r], dot_u8(hi, bcast4(xb[r] + 16 + 4 * c)));
+          isum[r] = dot_u8_acc(isum[r], lo, bcast4(xb[r] + 4 * c));
+          isum[r] = dot_u8_acc(isum[r], hi, bcast4(xb[r] + 16 + 4 * c));
 #else
           // int16 sums of products: 8 per lane of at most 2 * 15 * 127 each, < 2^15
           isum[r] = _mm256_add_epi16(isum[r], _mm256_maddubs_epi16(lo, bcast4(xb[r] + 4 * c)));
@@ -282,13 +293,22 @@ inline void x8_tile(const uint8_t* __restrict grp, const Act& a, int r0, float* 
   for (int r = 0; r < R; r++) _mm256_storeu_ps(y + r * ldy, acc[r]);
 }
 
+// Rows per x8_tile: with AVX-512's 32 vector registers 8 rows' int and float sums stay in registers,
+// so a group's unpacked weights serve twice the rows; AVX2's 16 hold 4.
+#if defined(__AVX512VL__)
+constexpr int X8_ROWS = 8;
+#else
+constexpr int X8_ROWS = 4;
+#endif
+
 template <int T>
 void x8_segment(const BlockSegment& seg, const Act& a, int c0, int c1, int r0, int r1, float* y, long ldy) {
   const long group_bytes = (long)a.nb * x8_block_bytes(T);
   for (int c = c0; c < c1; c += X8) {
     const uint8_t* g = seg.data + (long)(c / X8) * group_bytes;
     int r = r0;
-    for (; r + 4 <= r1; r += 4) x8_tile<T, 4>(g, a, r, y + r * ldy + c, ldy);
+    for (; r + X8_ROWS <= r1; r += X8_ROWS) x8_tile<T, X8_ROWS>(g, a, r, y + r * ldy + c, ldy);
+    if (X8_ROWS > 4 && r + 4 <= r1) x8_tile<T, 4>(g, a, r, y + r * ldy + c, ldy), r += 4;
     switch (r1 - r) {
       case 3: x8_tile<T, 3>(g, a, r, y + r * ldy + c, ldy); break;
       case 2: x8_tile<T, 2>(g, a, r, y + r * ldy + c, ldy); break;
