@@ -14,9 +14,11 @@
  *   sum_i w_i x_i ~= d_w * dx * sum_i q_i qx_i  +  m_w * dx * sum_i qx_i
  * On AVX2 the integer products are vpmaddubsw (u8 x s8 -> s16 pairs, which cannot saturate with
  * these ranges: 15 * 127 * 2 or 127 * 127 * 2 < 2^15) and vpmaddwd; with AVX-VNNI / AVX512-VNNI
- * one vpdpbusd. The library is built with -march=native on the machine that runs it
- * (kvflow/kernels/cpu/native.py), so the path is the CPU's own. Without AVX2 `kvflow_block_pack`
- * returns null and the caller dequantizes instead.
+ * one vpdpbusd into the accumulator, and Q8_0's repacked tile multiplies the activations as
+ * unsigned bytes (x + 128) by the signed weights, less 128 x the block's weight sum. The library
+ * is built with -march=native on the machine that runs it (kvflow/kernels/cpu/native.py), so the
+ * path is the CPU's own. Without AVX2 `kvflow_block_pack` returns null and the caller dequantizes
+ * instead.
  *
  * Q4_0, Q4_1 and Q8_0 are repacked once at load (same bits, same size) with X8 = 8 output channels
  * interleaved, 4 bytes of each in turn: per block of 32 inputs, the 8 channels' fp16 scales (and
@@ -41,11 +43,15 @@
 #define KVFLOW_BLOCK_SIMD 1
 #include <immintrin.h>
 #endif
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+#define KVFLOW_VNNI 1  // vpdpbusd: u8 x s8 sums of 4 into int32, no saturation
+#endif
 
 namespace kvflow {
 
 void BlockWorkspace::reserve(int m, int k, int num_threads) {
   q.resize(std::max(q.size(), (size_t)m * k));
+  qu.resize(std::max(qu.size(), (size_t)m * k));
   d.resize(std::max(d.size(), (size_t)m * k / QA));
   s.resize(std::max(s.size(), (size_t)m * k / QA));
   v.resize(std::max(v.size(), (size_t)num_threads * k));
@@ -56,29 +62,26 @@ namespace {
 
 inline float f16(const uint8_t* p) { return _cvtsh_ss(*(const uint16_t*)p); }
 
-inline __m256i dot_u8(__m256i u, __m256i x) {  // 8 int32 sums of 4 products each: lanes 0-3 = values 0-15
+#ifdef KVFLOW_VNNI
+// acc + the 8 int32 sums of 4 products u x x each: one vpdpbusd into the accumulator.
+inline __m256i dot_u8_acc(__m256i acc, __m256i u, __m256i x) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, x);
-#elif defined(__AVXVNNI__)
-  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, x);
+  return _mm256_dpbusd_epi32(acc, u, x);
+#else
+  return _mm256_dpbusd_avx_epi32(acc, u, x);
+#endif
+}
+#endif
+
+inline __m256i dot_u8(__m256i u, __m256i x) {  // 8 int32 sums of 4 products each: lanes 0-3 = values 0-15
+#ifdef KVFLOW_VNNI
+  return dot_u8_acc(_mm256_setzero_si256(), u, x);
 #else
   return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1));
 #endif
 }
 
 inline __m256i dot_s8(__m256i w, __m256i x) { return dot_u8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)); }
-
-// acc + dot_u8(u, x): with VNNI one vpdpbusd into the accumulator (its int32 sums do not saturate,
-// so the result is the same integers).
-inline __m256i dot_u8_acc(__m256i acc, __m256i u, __m256i x) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(acc, u, x);
-#elif defined(__AVXVNNI__)
-  return _mm256_dpbusd_avx_epi32(acc, u, x);
-#else
-  return _mm256_add_epi32(acc, dot_u8(u, x));
-#endif
-}
 
 inline __m256i nibbles16(const uint8_t* p) {  // 16 bytes -> 32 values: low nibbles, then high ones
   const __m128i raw = _mm_loadu_si128((const __m128i*)p);
@@ -188,6 +191,7 @@ inline float hsum(__m256 a) {
 
 struct Act {  // the quantized activations of a call
   const int8_t* q;
+  const uint8_t* qu;  // q + 128
   const float *d, *s;
   int k, nb;  // values and 32-blocks per row
 };
@@ -256,18 +260,34 @@ inline void x8_tile(const uint8_t* __restrict grp, const Act& a, int r0, float* 
     for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
     if constexpr (T == Q8_0) {
       const uint8_t* qs = p + 16;
+#ifdef KVFLOW_VNNI
+      // The activations as u8 (x + 128) against the signed weights: sum (x + 128) w - 128 sum w,
+      // the same integers as sum x w without a sign fix-up per row.
+      const uint8_t* xu[R];
+      for (int r = 0; r < R; r++) xu[r] = a.qu + (long)(r0 + r) * a.k + b * QA;
+      __m256i wsum = _mm256_setzero_si256();
+      for (int t = 0; t < 8; t++) {
+        const __m256i w = _mm256_loadu_si256((const __m256i*)(qs + 32 * t));
+        wsum = dot_u8_acc(wsum, _mm256_set1_epi8(1), w);
+        for (int r = 0; r < R; r++) isum[r] = dot_u8_acc(isum[r], bcast4((const int8_t*)xu[r] + 4 * t), w);
+      }
+      const __m256i offset = _mm256_slli_epi32(wsum, 7);
+      for (int r = 0; r < R; r++) isum[r] = _mm256_sub_epi32(isum[r], offset);
+#else
       for (int t = 0; t < 8; t++) {
         const __m256i w = _mm256_loadu_si256((const __m256i*)(qs + 32 * t));
         const __m256i aw = _mm256_sign_epi8(w, w);
-        for (int r = 0; r < R; r++) isum[r] = dot_u8_acc(isum[r], aw, _mm256_sign_epi8(bcast4(xb[r] + 4 * t), w));
+        for (int r = 0; r < R; r++)
+          isum[r] = _mm256_add_epi32(isum[r], dot_u8(aw, _mm256_sign_epi8(bcast4(xb[r] + 4 * t), w)));
       }
+#endif
     } else {
       const uint8_t* qs = p + (T == Q4_1 ? 32 : 16);
       for (int c = 0; c < 4; c++) {
         const __m256i raw = _mm256_loadu_si256((const __m256i*)(qs + 32 * c));
         const __m256i lo = _mm256_and_si256(raw, m4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
         for (int r = 0; r < R; r++) {
-#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+#ifdef KVFLOW_VNNI
           isum[r] = dot_u8_acc(isum[r], lo, bcast4(xb[r] + 4 * c));
           isum[r] = dot_u8_acc(isum[r], hi, bcast4(xb[r] + 16 + 4 * c));
 #else
@@ -277,7 +297,7 @@ inline void x8_tile(const uint8_t* __restrict grp, const Act& a, int r0, float* 
 #endif
         }
       }
-#if !((defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__))
+#ifndef KVFLOW_VNNI
       for (int r = 0; r < R; r++) isum[r] = _mm256_madd_epi16(isum[r], _mm256_set1_epi16(1));
 #endif
     }
@@ -415,8 +435,8 @@ void segment_any(const BlockSegment& seg, const Act& a, int c0, int c1, int r0, 
 }
 
 /* One row to int8 blocks of QA: dx = max|v| / 127, q = round(v / dx), s = dx * sum(q). */
-inline void quantize_row(const float* __restrict v, int k, int8_t* __restrict q, float* __restrict d,
-                         float* __restrict s) {
+inline void quantize_row(const float* __restrict v, int k, int8_t* __restrict q, uint8_t* __restrict qu,
+                         float* __restrict d, float* __restrict s) {
   for (int b = 0; b < k / QA; b++) {
     const float* x = v + b * QA;
     float amax = 0.f;
@@ -426,6 +446,7 @@ inline void quantize_row(const float* __restrict v, int k, int8_t* __restrict q,
     for (int i = 0; i < QA; i++) {
       const int qi = (int)std::nearbyint(x[i] * inv);
       q[b * QA + i] = (int8_t)qi;
+      qu[b * QA + i] = (uint8_t)(qi + 128);
       sum += qi;
     }
     d[b] = dx;
@@ -446,9 +467,10 @@ void block_linear_team(const BlockWeight& p, const float* x, long ldx, int m, in
   for (int i = 0; i < m; i++) {
     float* v = w.v.data() + (long)tid * k;
     prologue(kind, x + i * ldx, k, norm_w, eps, v);
-    quantize_row(v, k, w.q.data() + (long)i * k, w.d.data() + (long)i * nb, w.s.data() + (long)i * nb);
+    quantize_row(v, k, w.q.data() + (long)i * k, w.qu.data() + (long)i * k, w.d.data() + (long)i * nb,
+                 w.s.data() + (long)i * nb);
   }
-  const Act a{w.q.data(), w.d.data(), w.s.data(), k, nb};
+  const Act a{w.q.data(), w.qu.data(), w.d.data(), w.s.data(), k, nb};
   // Each thread takes a contiguous run of output channels, in groups of X8 (the repacked layout's).
   const int groups = (n + X8 - 1) / X8, per = (groups + nth - 1) / nth;
   const int j0 = std::min(n, tid * per * X8), j1 = std::min(n, j0 + per * X8);

@@ -41,6 +41,7 @@ struct BlockWeight {
  * thread's float row. `reserve` before the parallel region. */
 struct BlockWorkspace {
   std::vector<int8_t> q;
+  std::vector<uint8_t> qu;  // q + 128, unsigned: the Q8_0 tile's operand with VNNI
   std::vector<float> d, s, v;
   void reserve(int m, int k, int num_threads);
 };
