@@ -1,6 +1,7 @@
 """Speculative decoding on the default model: decode tok/s with and without it, in one process.
 
     python benchmarks/spec_decode.py [--batches 1,8,32] [--max-tokens 128] [--k 4] [--rounds 3]
+        [--gguf-weights native|dequantize]   # dequantize: the float32 path
 
 Workloads: `chat` (open-ended questions) and `grounded` (repeat / lightly edit a given passage,
 where prompt lookup finds the continuation in the prompt); greedy, each answer ending at EOS or
@@ -95,13 +96,21 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--quantization", default=None)
+    ap.add_argument(
+        "--gguf-weights",
+        choices=("native", "dequantize"),
+        default="native",
+        help="the default GGUF's blocks as stored (native) or float32 (dequantize: the float32 path)",
+    )
     ap.add_argument("--rounds", type=int, default=1, help="interleaved rounds; medians are printed")
     ap.add_argument("--lookup", default="2,4", help="ngram prompt_lookup_min,prompt_lookup_max")
     ap.add_argument("--workloads", default="grounded,chat")
     ap.add_argument("--methods", default="ngram,int8", help="besides none: ngram, int8 (self-draft)")
     args = ap.parse_args()
-    print(cpu_line(args.quantization))
-    common = dict(quantization=args.quantization, max_model_len=2048, num_kv_blocks=1024)
+    print(cpu_line(args.quantization) + f"; gguf weights: {args.gguf_weights}")
+    common = dict(
+        quantization=args.quantization, gguf_weights=args.gguf_weights, max_model_len=2048, num_kv_blocks=1024
+    )
     lo, hi = (int(x) for x in args.lookup.split(","))
     ngram = {"method": "ngram", "prompt_lookup_min": lo, "prompt_lookup_max": hi}
     methods = {
