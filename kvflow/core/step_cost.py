@@ -27,6 +27,7 @@ speculator and the scheduling policy).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -69,6 +70,16 @@ class StepCostModel:
         """The chunks a step of `rows` tokens counts, whose longest sequence has `longest` new tokens
         and `multi` sequences more than one: none where it rides the decode pass, else `multi`."""
         return 0 if self.decode_pass.takes(rows, longest) else multi
+
+    def features(self, seqs: Iterable[tuple[int, int]]) -> tuple[int, int, int, int]:
+        """(tokens, chunks, context, pairs) of a step computing `seqs`, each (cached tokens, new
+        tokens): what `observe` and `predict` take."""
+        seqs = list(seqs)
+        tokens = sum(n for _, n in seqs)
+        multi = [(s, n) for s, n in seqs if n > 1]
+        chunks = self.chunks(tokens, max((n for _, n in seqs), default=0), len(multi))
+        context = sum(s + n for s, n in seqs)
+        return tokens, chunks, context, sum(chunk_pairs(s, n) for s, n in multi) if chunks else 0
 
     def observe(self, tokens: int, seconds: float, chunks: int = 0, context: int = 0, pairs: int = 0) -> None:
         if tokens > 0 and seconds > 0:

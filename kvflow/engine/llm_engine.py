@@ -17,7 +17,7 @@ from kvflow.core.kv_groups import kv_layout, refusal, requests_that_fit
 from kvflow.core.request import Request, RequestStatus
 from kvflow.core.sched import VirtualTokenCounter, make_policy
 from kvflow.core.scheduler import KVMemoryStats, Scheduler, SchedulerOutput
-from kvflow.core.step_cost import StepCostModel, chunk_pairs
+from kvflow.core.step_cost import StepCostModel
 from kvflow.engine.output_processor import OutputProcessor
 from kvflow.engine.slo_tracker import SLOStats, SLOTracker
 from kvflow.engine.step_records import StepRecords
@@ -680,16 +680,12 @@ class LLMEngine:
 
     def _observe_step_time(self, sched: SchedulerOutput, seconds: float) -> None:
         cost = self.step_cost
-        multi = [s for s in sched.seqs if len(s.token_ids) > 1]
-        longest = max((len(s.token_ids) for s in sched.seqs), default=0)
-        chunks = cost.chunks(sched.num_tokens, longest, len(multi))  # none where the step rode the decode pass
-        context = sum(s.start_pos + len(s.token_ids) for s in sched.seqs)
-        pairs = sum(chunk_pairs(s.start_pos, len(s.token_ids)) for s in multi) if chunks else 0
+        tokens, chunks, context, pairs = cost.features((s.start_pos, len(s.token_ids)) for s in sched.seqs)
         if self.step_records.enabled:  # the prediction made before the step was seen, as observe() judges it
-            predicted = cost.predict(sched.num_tokens, chunks, context, pairs) if len(cost.samples) >= 8 else None
+            predicted = cost.predict(tokens, chunks, context, pairs) if len(cost.samples) >= 8 else None
             waiting_kv = tuple(self.scheduler.waiting_for_kv) if self.scheduler.waiting_for_kv else ()
             self.step_records.record(sched, time.time() - seconds, seconds, predicted, waiting_kv)
-        cost.observe(sched.num_tokens, seconds, chunks, context, pairs)
+        cost.observe(tokens, seconds, chunks, context, pairs)
 
     def _advance_grammars(self, advanced: list[tuple[Request, list[int]]], broken: dict[str, str]) -> list[Request]:
         """Move each constrained sequence's matcher past its new tokens; end those whose grammar

@@ -18,8 +18,6 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvflow.core.step_cost import chunk_pairs
-
 if TYPE_CHECKING:
     from kvflow.core.scheduler import SchedulerOutput
     from kvflow.core.step_cost import StepCostModel
@@ -141,8 +139,7 @@ class StepRecords:
 
 def _own_cost(cost: StepCostModel, n: int, start: int) -> float:
     """The predicted time of a step computing only this sequence's tokens."""
-    multi = cost.chunks(n, n, int(n > 1))
-    return cost.predict(n, multi, start + n, chunk_pairs(start, n) if multi else 0)
+    return cost.predict(*cost.features([(start, n)]))
 
 
 def _step_view(rec: StepRecord, own: tuple | None, cost: StepCostModel | None) -> dict[str, Any]:

@@ -153,7 +153,7 @@ class Speculator:
         draft_cost = self.proposer.cost
         a_d, b_d = draft_cost.coefficients[:2] if draft_cost is not None and draft_cost.samples else (0.0, 0.0)
         step = _StepShape(self.cost, running)
-        seconds = step.seconds()
+        target = seconds = step.seconds()  # the target pass alone; seconds: with the draft passes
         expected = float(len(running))  # every running request emits about one token per step
         gamma = dict.fromkeys(limits, 0)
         depth = 0  # deepest draft handed out so far
@@ -163,10 +163,12 @@ class Speculator:
             neg_gain, rid = heapq.heappop(heap)
             gain = -neg_gain
             trial = step.with_draft(rid)
-            cost = step.seconds(trial) - step.seconds() + b_d + (a_d if gamma[rid] + 1 > depth else 0.0)
+            after = step.seconds(trial)
+            cost = after - target + b_d + (a_d if gamma[rid] + 1 > depth else 0.0)
             if gain < _MIN_GAIN or gain * seconds <= cost * expected:  # gain / cost <= E / T: goodput drops
                 break
             step.add_draft(rid, trial)
+            target = after
             gamma[rid] += 1
             depth = max(depth, gamma[rid])
             expected += gain

@@ -78,10 +78,7 @@ class SLOPolicy(SchedulingPolicy):
 
     def step_time(self, decodes: Sequence[Request], chunks: Sequence[tuple[int, int]]) -> float:
         """Seconds of a step computing these decode rows and prefill chunks (start, tokens)."""
-        context = sum(r.num_tokens for r in decodes) + sum(s + n for s, n in chunks)
-        tokens = len(decodes) + sum(n for _, n in chunks)
-        multi = self.cost.chunks(tokens, max((n for _, n in chunks), default=1), len(chunks))
-        return self.cost.predict(tokens, multi, context, sum(chunk_pairs(s, n) for s, n in chunks) if multi else 0)
+        return self.cost.predict(*self.cost.features([(r.num_tokens - 1, 1) for r in decodes] + list(chunks)))
 
     def prefill_time(self, req: Request, decodes: Sequence[Request] | None = None, chunk: int | None = None) -> float:
         """Seconds to compute req's remaining prompt in chunks of `chunk` tokens beside `decodes`
