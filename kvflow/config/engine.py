@@ -15,7 +15,9 @@ from kvflow.config.speculative import SpeculativeConfig
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZATIONS = (None, "int8", "int4")
 GGUF_WEIGHTS = ("native", "dequantize")
-KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2", "int4")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8", "fp8", "fp8_e4m3", "fp8_e5m2", "int4")
+# The KV dtypes stored as plain floats (no scales), whatever the model's dtype.
+FLOAT_KV_CACHE_DTYPES = ("float32", "bfloat16")
 # vLLM's spelling: "fp8" is fp8_e4m3 (normalized at start-up, so the rest of kvflow sees one name).
 KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}
 # The KV dtypes stored as 1-byte codes with a float32 scale per token, K/V and kv head.
@@ -67,8 +69,9 @@ class EngineConfig:
     )
     kv_cache_dtype: str = option(
         "auto",
-        "KV cache dtype: auto (= --dtype), int8, fp8 (= fp8_e4m3), fp8_e4m3, fp8_e5m2 or int4 (two values "
-        "a byte); the quantized ones keep one float32 scale per token, K/V and kv head (no calibration)",
+        "KV cache dtype: auto (= --dtype; bfloat16 where a GGUF's blocks run as stored, as llama.cpp keeps "
+        "its cache in 16 bits), float32, bfloat16, int8, fp8 (= fp8_e4m3), fp8_e4m3, fp8_e5m2 or int4 (two "
+        "values a byte); the quantized ones keep one float32 scale per token, K/V and kv head (no calibration)",
         choices=KV_CACHE_DTYPES,
     )
     attention_sinks: int = option(

@@ -7,7 +7,7 @@ import itertools
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from kvflow.config import QUANTIZED_KV_CACHE_DTYPES, EngineConfig
@@ -84,9 +84,15 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         from kvflow.models.loader import gguf_block_weights, load_checkpoint
 
-        self.config = config
         self.block_weights = gguf_block_weights(config)
         ckpt = load_checkpoint(config.model, config.tokenizer, keep_blocks=self.block_weights)
+        if ckpt.block_quantized and config.kv_cache_dtype == "auto":
+            # A GGUF's blocks run as stored keep K/V in 16 bits, as llama.cpp does with the same
+            # file: half of float32's KV bytes per token (twice the tokens in the same pool) and half
+            # the bytes a decode step's attention reads. --kv-cache-dtype float32 keeps float32.
+            config = replace(config, kv_cache_dtype="bfloat16")
+            logger.info("KV cache in bfloat16 (GGUF blocks run as stored; --kv-cache-dtype float32 for float32)")
+        self.config = config
         self.model_name = ckpt.name
         self.model_path = ckpt.path
         self.model_config = ckpt.model_config

@@ -26,6 +26,7 @@ class Checkpoint:
     weights: Iterator[tuple[str, torch.Tensor]]
     tokenizer: Any | None  # a transformers tokenizer, or None when the folder has none
     generation_config: dict[str, Any]
+    block_quantized: bool = False  # some tensors stay in GGUF block formats (`keep_blocks`)
 
 
 def resolve_model_path(model: str | None) -> str:
@@ -50,6 +51,7 @@ def load_checkpoint(
     path = resolve_model_path(model)
     if path.endswith(".gguf"):
         from kvflow.models.gguf_loader import load_gguf
+        from kvflow.quantization.gguf_blocks import BlockQuantized
 
         g = load_gguf(path, with_tokenizer, keep_blocks)
         # The file's own name ("SmolLM2-135M-Instruct.Q4_1"), not general.name: it is what users
@@ -62,6 +64,7 @@ def load_checkpoint(
             weights=iter(g.tensors.items()),
             tokenizer=g.tokenizer,
             generation_config={},
+            block_quantized=any(isinstance(t, BlockQuantized) for t in g.tensors.values()),
         )
     return _load_hf_folder(Path(path), tokenizer, with_tokenizer)
 

@@ -81,7 +81,7 @@ class KVCacheSpec:
     num_layers: int
     num_kv_heads: int  # this rank's
     head_dim: int
-    kv_cache_dtype: str  # "auto" (the model dtype) | "int8" | "fp8_e4m3" | "fp8_e5m2" | "int4"
+    kv_cache_dtype: str  # "auto" (the model dtype) | "float32" | "bfloat16" | "int8" | "fp8_e4m3" | "fp8_e5m2" | "int4"
     bytes_per_token: int  # K and V of every layer, the quantized dtypes' scales included
 
     @property
@@ -191,7 +191,7 @@ class ModelRunner:
             self.kv_block_dtype = torch.uint8
         else:
             self.kv_block_shape = (model_config.num_layers, *self.kv_caches[0].data.shape[1:])
-            self.kv_block_dtype = self.dtype
+            self.kv_block_dtype = self.kv_caches[0].data.dtype
         # CUDA: decode-only steps replay graphs captured now (kvflow.worker.cuda_graphs). Not for
         # Mixture-of-Experts models: which experts run depends on the data, which a graph cannot.
         self.decode_graphs = None
@@ -580,7 +580,7 @@ class ModelRunner:
     def read_blocks(self, blocks: list[int]) -> torch.Tensor:
         """KV of whole blocks, [n, *kv_block_shape] of kv_block_dtype (a copy).
 
-        Default KV dtype: [n, layers, block_size, 2 (K, V), kv_heads, head_dim] in the model dtype.
+        Float KV dtypes: [n, layers, block_size, 2 (K, V), kv_heads, head_dim] in the cache's dtype.
         Quantized KV (int8, fp8, int4): [n, layers, bytes] uint8, each layer's codes followed by
         its float32 scales.
         """

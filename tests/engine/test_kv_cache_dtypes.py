@@ -1,4 +1,4 @@
-"""The fp8 and int4 KV cache dtypes in the engine: greedy generation runs end to end and is exact
+"""The fp8, int4 and bfloat16 KV cache dtypes in the engine: greedy generation runs end to end and is exact
 within the dtype (each prompt alone == batched with chunked prefill, prefix caching and preemption),
 on the native CPU attention (with the fused decode pass) and the torch reference; the pool holds as
 many blocks as the dtype's bytes per token allow."""
@@ -25,7 +25,7 @@ def _prompts() -> list[list[int]]:
 
 
 @pytest.mark.parametrize("backend", ["auto", "torch"])
-@pytest.mark.parametrize("kv_dtype", NEW_DTYPES)
+@pytest.mark.parametrize("kv_dtype", [*NEW_DTYPES, "bfloat16"])  # (bfloat16 K/V under the float32 model)
 def test_generation_exact_within_the_dtype(tiny_llama, kv_dtype, backend):
     prompts = _prompts()
     common = dict(
@@ -37,7 +37,11 @@ def test_generation_exact_within_the_dtype(tiny_llama, kv_dtype, backend):
     # chunked prefill (7 tokens a step), prefix caching, and a pool small enough to preempt
     llm = LLM(tiny_llama[0], num_kv_blocks=22, max_num_batched_tokens=7, **common)
     runner = llm.engine.runner
-    assert runner.kv_caches[0].quantized and runner.kv_cache_dtype == kv_dtype
+    assert runner.kv_caches[0].quantized == (kv_dtype != "bfloat16") and runner.kv_cache_dtype == kv_dtype
+    if kv_dtype == "bfloat16":  # stored in bf16 under float32 activations: half float32's bytes per token
+        assert runner.dtype == torch.float32 and runner.kv_caches[0].data.dtype == torch.bfloat16
+        mc = llm.engine.model_config
+        assert llm.engine.kv_bytes_per_token == 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * 2
     if backend == "auto":  # the native attention, and decode-only steps through the fused pass
         assert type(runner.attention).__name__ == "CpuPagedAttention"
         assert runner.model.native_decode is not None
@@ -87,3 +91,29 @@ def test_blocks_in_the_same_memory(model_factory):
     }
     assert 1.85 < blocks["fp8_e4m3"] / blocks["auto"] < 1.9
     assert 3.5 < blocks["int4"] / blocks["auto"] < 3.6
+
+
+def test_gguf_blocks_keep_a_bfloat16_cache(tmp_path):
+    """A GGUF whose blocks run as stored keeps K/V in bfloat16 under `auto` (as llama.cpp keeps its
+    cache in 16 bits); `float32` keeps float32; the dequantized (exact) path keeps the model's."""
+    from gguf_files import write_tiny
+
+    path = str(tmp_path / "tiny.gguf")
+    write_tiny(path, tied=True)
+    common = dict(max_model_len=64, num_kv_blocks=16, kernel_autotune="off")
+    seen = {}
+    for name, options in {
+        "native": {},
+        "native float32": {"kv_cache_dtype": "float32"},
+        "dequantize": {"gguf_weights": "dequantize"},
+    }.items():
+        llm = LLM(path, **common, **options)
+        e = llm.engine
+        seen[name] = (e.config.kv_cache_dtype, e.runner.kv_caches[0].data.dtype, e.kv_bytes_per_token)
+        llm.shutdown()
+    per_token = seen["dequantize"][2]
+    assert seen == {
+        "native": ("bfloat16", torch.bfloat16, per_token // 2),
+        "native float32": ("float32", torch.float32, per_token),
+        "dequantize": ("auto", torch.float32, per_token),
+    }

@@ -48,7 +48,16 @@ VARIANTS = {
     "olmoe": ("olmoe", {"clip_qkv": 1.0}),
 }
 PROMPTS = [[5, 9, 33, 2, 71, 100, 12, 8, 40, 41, 42], [300, 7, 7, 19], [44, 45, 46, 47, 48, 49, 50, 51, 52]]
-ENGINE = dict(max_model_len=64, num_kv_blocks=32, block_size=4, kernel_autotune="off", enable_prefix_caching=False)
+# (K/V in float32 on both paths: the block path's bfloat16 default would add its rounding to what
+# the comparisons below bound, the block kernels' own noise)
+ENGINE = dict(
+    max_model_len=64,
+    num_kv_blocks=32,
+    block_size=4,
+    kernel_autotune="off",
+    enable_prefix_caching=False,
+    kv_cache_dtype="float32",
+)
 EPS32 = 2.0**-23
 
 needs_block_kernels = pytest.mark.skipif(

@@ -275,8 +275,10 @@ def test_gguf_blocks_match_float_load(phi3, tmp_path):
     write_phi3_gguf(gguf_path, path, qtype=gguf.GGMLQuantizationType.Q8_0)
     prompts = _prompts(2, ORIGINAL + 1, ORIGINAL + 8, seed=14)
     outs = {}
+    # (float32 K/V on both: the block path's bfloat16 default is not what is compared here)
+    opts = dict(num_kv_blocks=64, max_model_len=64, block_size=4, kv_cache_dtype="float32")
     for weights in ("native", "dequantize"):
-        llm = LLM(str(gguf_path), num_kv_blocks=64, max_model_len=64, block_size=4, gguf_weights=weights)
+        llm = LLM(str(gguf_path), gguf_weights=weights, **opts)
         assert llm.engine.model_config.rope.scaling_type == "longrope"
         outs[weights] = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
     assert outs["native"] == outs["dequantize"]

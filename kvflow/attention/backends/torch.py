@@ -26,7 +26,7 @@ from kvflow.attention.backend import (
     layer_window,
     partition_groups,
 )
-from kvflow.attention.kv_formats import check_head_dim, dequantize, format_of, kv_format, quantize
+from kvflow.attention.kv_formats import check_head_dim, dequantize, format_of, kv_float_dtype, kv_format, quantize
 from kvflow.quantization.int8 import quantize_kv
 
 
@@ -51,7 +51,8 @@ class TorchPagedAttention:
         shape = (num_blocks, self.block_size, 2, num_kv_heads, head_dim)
         fmt = kv_format(kv_cache_dtype)
         if fmt is None:
-            return [LayerKVCache(kv_zeros(shape, dtype, self.device)) for _ in range(num_layers)]
+            stored = kv_float_dtype(kv_cache_dtype, dtype)
+            return [LayerKVCache(kv_zeros(shape, stored, self.device)) for _ in range(num_layers)]
         check_head_dim(fmt, head_dim)
         packed = (*shape[:-1], head_dim // fmt.values_per_element)
         return [
@@ -146,8 +147,8 @@ class TorchPagedAttention:
 
     def _write_kv(self, kv: torch.Tensor, kv_cache: LayerKVCache, meta: AttentionMetadata) -> None:
         slots, slot_scales = kv_cache.slots, kv_cache.slot_scales
-        if slot_scales is None:
-            slots.index_copy_(0, meta.slot_mapping, kv)
+        if slot_scales is None:  # (a float cache of another dtype than the model's: rounded here)
+            slots.index_copy_(0, meta.slot_mapping, kv.to(slots.dtype))
         else:
             kv_q, kv_s = quantize_kv(kv) if slots.dtype == torch.int8 else quantize(kv, format_of(slots))
             # (as bytes: torch has no index_copy for float8; every quantized format's codes are bytes)
@@ -193,6 +194,8 @@ class TorchPagedAttention:
             kv_g = kv_g * slot_scales.index_select(0, g.slots).unsqueeze(-1).to(q.dtype)
         elif slot_scales is not None:  # fp8 / int4 codes, widened (and unpacked) here
             kv_g = dequantize(kv_g, slot_scales.index_select(0, g.slots), q.dtype)
+        elif kv_g.dtype != q.dtype:  # a float cache of another dtype than the model's
+            kv_g = kv_g.to(q.dtype)
         kg, vg = kv_g.view(b, g.kv_len, 2, num_kv, head_dim).permute(2, 0, 3, 1, 4)  # 2 x [B, KV, L, D]
         qg = q if g.rows is None else q.index_select(0, g.rows)
         if softcap is not None:
