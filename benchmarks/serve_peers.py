@@ -1,5 +1,5 @@
-"""kvflow and vLLM's CPU build served side by side: the same model, the same client, one server at a
-time on the same CPUs.
+"""kvflow, vLLM's CPU build and llama.cpp's server side by side: the same model, the same client, one
+server at a time on the same CPUs.
 
     python benchmarks/serve_peers.py --vllm-python /path/to/venv/bin/python [--dtypes float32,bfloat16]
     python benchmarks/serve_peers.py --servers kvflow --dtypes default,bfloat16 --rounds 3
@@ -14,7 +14,9 @@ bandwidth drifts within minutes) and sets the servers' medians side by side. vLL
 in its own virtualenv, torchvision / torchaudio / torchcodec removed there) starts with
 `VLLM_CPU_KVCACHE_SPACE` GiB of KV (`--vllm-kv-gib`) and kvflow with the same `--kv-cache-memory-gb`.
 The dtype `default` runs kvflow as `kvflow serve` starts without flags: the embedded GGUF, its blocks
-as stored (the client's tokenizer is the same).
+as stored (the client's tokenizer is the same), and llama.cpp's `llama-server` (`--llama-server`,
+built from the llama-cpp-python 0.3.36 sdist's sources) on the same file: `-np` = the number of
+requests, one unified KV cache (`-kvu`, `--llama-ctx` tokens).
 """
 
 from __future__ import annotations
@@ -76,6 +78,15 @@ def server_argv(which: str, args: argparse.Namespace, dtype: str, port: int) -> 
             ],
             env,
         )
+    if which == "llamacpp":
+        # llama.cpp's server on the same GGUF (its only path: the file's blocks), as many parallel
+        # slots as requests, each able to hold --max-model-len tokens of one unified KV cache of
+        # --llama-ctx tokens (f16 K/V, its default), the same threads as the others.
+        from kvflow.models.default_model import default_model_path
+
+        argv = [args.llama_server, "-m", default_model_path(), "--port", str(port), "-t", str(args.threads)]
+        argv += ["-tb", str(args.threads), "-np", str(args.num_prompts), "-c", str(args.llama_ctx), "-kvu"]
+        return argv + ["--no-webui", *args.llama_args.split()], env
     env["VLLM_CPU_KVCACHE_SPACE"] = str(args.vllm_kv_gib)
     return (
         [
@@ -125,13 +136,17 @@ def main() -> int:
     from kvflow.utils.processes import ManagedProcess, free_port
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--vllm-python", help="python of a virtualenv with vllm-cpu (omit: kvflow only)")
+    ap.add_argument("--vllm-python", help="python of a virtualenv with vllm-cpu (omit: no vLLM)")
+    ap.add_argument("--llama-server", help="llama.cpp's llama-server binary (omit: no llama.cpp); runs the GGUF")
+    ap.add_argument("--llama-ctx", type=int, default=131072, help="llama-server's unified KV cache, tokens")
+    ap.add_argument("--llama-args", default="", help="more llama-server flags, e.g. '--no-repack'")
+    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="llama-server's threads")
     ap.add_argument(
         "--dtypes",
         default="float32,bfloat16",
         help=f"comma-separated; {DEFAULT!r}: kvflow as `kvflow serve` runs without flags (the embedded GGUF)",
     )
-    ap.add_argument("--servers", default="kvflow,vllm")
+    ap.add_argument("--servers", default="kvflow,vllm,llamacpp")
     ap.add_argument("--hf-dir", type=Path, default=Path.home() / ".cache" / "kvflow" / "hf-default-model")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
@@ -148,7 +163,11 @@ def main() -> int:
     args = ap.parse_args()
     if args.rounds < 1:
         ap.error(f"--rounds must be at least 1, got {args.rounds}")
-    servers = [s for s in args.servers.split(",") if s != "vllm" or args.vllm_python]
+    servers = [
+        s
+        for s in args.servers.split(",")
+        if (s != "vllm" or args.vllm_python) and (s != "llamacpp" or args.llama_server)
+    ]
     if not (args.hf_dir / "config.json").exists():
         write_hf_copy(args.hf_dir)
     with open("/proc/cpuinfo") as f:
@@ -160,8 +179,9 @@ def main() -> int:
         for rnd in range(1, args.rounds + 1):
             for dtype in args.dtypes.split(","):
                 for which in servers:
-                    if which == "vllm" and dtype == DEFAULT:
-                        continue  # (vLLM has no such path: its figures are per dtype)
+                    # vLLM runs per dtype; llama.cpp only the file as stored ("default")
+                    if not {"kvflow": True, "vllm": dtype != DEFAULT, "llamacpp": dtype == DEFAULT}[which]:
+                        continue
                     port = free_port()
                     argv, env = server_argv(which, args, dtype, port)
                     t0 = time.monotonic()
@@ -194,6 +214,12 @@ def main() -> int:
         (w, d): statistics.median(m["output_throughput"] for _, w2, d2, _, m in rows if (w2, d2) == (w, d))
         for _, w, d, _, _ in rows
     }
+    for (which, dtype), figure in sorted(med.items()):
+        if which != "kvflow" and ("kvflow", DEFAULT) in med:
+            print(
+                f"kvflow default / {which} {dtype} = {med['kvflow', DEFAULT]:.1f} / {figure:.1f} = "
+                f"{med['kvflow', DEFAULT] / figure:.2f}x (medians over {args.rounds} round(s))"
+            )
     for dtype in args.dtypes.split(","):
         if ("kvflow", dtype) in med and ("vllm", dtype) in med:
             print(

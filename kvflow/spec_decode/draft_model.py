@@ -98,7 +98,31 @@ class DraftModelProposer:
             spec.quantization or cfg.dtype,
             num_blocks,
         )
-        return cls(runner, num_blocks, target.block_size)
+        proposer = cls(runner, num_blocks, target.block_size)
+        proposer.calibrate()
+        return proposer
+
+    def calibrate(self, passes: int = 3) -> None:
+        """Time a draft pass before any request: the speculator weighs a draft's pass against the
+        target's step from the first step on, so a draft model slower than the target (an int8
+        copy of a model whose target runs 4-bit blocks) is never run, instead of being found out
+        by the catch-up prefills of the first requests. A one-token sequence, its blocks
+        returned after; the first pass (one-time set-up) is not counted."""
+        probe = _DraftSeq("__draft-calibration__", 0, 1)
+        if not self.kv.allocate_slots(probe, 1):
+            return
+        out = SchedulerOutput(
+            seqs=[ScheduledSeq(probe.request_id, [0], 0, self.kv.block_table(probe), True, _GREEDY, 1)]
+        )
+        try:
+            for i in range(passes):
+                t0 = time.perf_counter()
+                self.runner.execute(out)
+                if i > 0:
+                    self.cost.observe(1, time.perf_counter() - t0)
+        finally:
+            self.kv.free(probe)
+            self.runner.release([probe.request_id])
 
     def propose(self, requests: list[Request], plan: dict[str, int]) -> dict[str, list[int]]:
         wanted = [r for r in requests if plan.get(r.request_id, 0) > 0]

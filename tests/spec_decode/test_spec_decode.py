@@ -185,6 +185,34 @@ def test_adaptive_turns_rejected_drafts_off(tiny_llama):
     assert spec.stats.num_accepted_tokens == 0
 
 
+def test_draft_pass_timed_before_the_first_request(tiny_llama):
+    """A draft model's pass is timed at start-up (its probe's blocks returned), so the first plan
+    already weighs it: a draft pass dearer than the gain (here: faked 20x the target's step) gets no
+    draft from the very first decode step, not after the first requests' catch-up prefills."""
+    path, _ = tiny_llama
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    plain = generate(LLM(model=path, num_kv_blocks=64), PROMPTS[:2], sp)
+    llm = LLM(model=path, num_kv_blocks=64, speculative_config={**SELF_DRAFT, "adaptive": True})
+    spec = llm.engine.speculator
+    proposer = spec.proposer
+    assert len(proposer.cost.samples) == 2 and all(t > 0 for *_, t in proposer.cost.samples)
+    assert proposer.kv.pool.num_free_blocks == proposer.kv.pool.num_blocks and not proposer.seqs
+    # the same pass as measured, but 20x the target's step as the engine measures it
+    target = StepCostModel()
+    for tokens in (1, 2, 4, 8, 16):
+        target.observe(tokens, 0.001 + 0.0001 * tokens)
+    spec.cost = target
+    proposer.cost = StepCostModel()
+    for _ in range(2):
+        proposer.cost.observe(1, 0.020)
+    ran = []
+    orig = proposer.runner.execute
+    proposer.runner.execute = lambda out: ran.append(out) or orig(out)
+    assert generate(llm, PROMPTS[:2], sp) == plain
+    assert not ran and spec.stats.num_drafts == 0
+    assert_no_leaks(llm.engine)
+
+
 def _request(rid: str, n_out: int = 5) -> Request:
     r = Request(rid, rid, 0, [1, 2, 3, 1, 2, 3], SamplingParams(max_tokens=100), 100, 0.0)
     r.output_token_ids = [1] * n_out
