@@ -51,6 +51,11 @@ def cluster(tiny_llama):
         connect_timeout_s=2,
         health_timeout_s=2,
         timeout_s=20,
+        # An in-flight request counts 16 tokens of queue, not 128: eight at once (16 x 8 = 128) stay
+        # below what a ~175-token cached system prompt saves, so the affinity the test checks does
+        # not hinge on how fast the replicas drain (on a busy host two queued requests at 128 each
+        # would rightly send the next one to the idle replica).
+        load_cost_tokens=16,
     )
     router = ThreadServer(build_router_app(config))
     stopped: set[int] = set()
@@ -108,7 +113,8 @@ def test_shared_prefixes_stick_to_one_replica_each(cluster):
         assert _finished(s) - b == 4
         assert s.metrics()["kvflow:prefix_cache_hits_total"] > 0
 
-    # concurrent traffic keeps the affinity (loads stay far below --balance-abs-threshold)
+    # concurrent traffic keeps the affinity (loads stay far below --balance-abs-threshold, and their
+    # queue below the cached prefix's worth)
     before = [_finished(s) for s in servers]
     threads = [
         threading.Thread(
