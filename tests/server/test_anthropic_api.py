@@ -503,7 +503,10 @@ def test_client_disconnect_aborts(server):
     async def non_stream_timeout(c: httpx.AsyncClient):
         with pytest.raises(httpx.ReadTimeout):
             await c.post(
-                server.url + "/v1/messages", json={**body, "stream": False}, headers={"x-api-key": KEY}, timeout=0.5
+                server.url + "/v1/messages",
+                json={**body, "stream": False},
+                headers={"x-api-key": KEY},
+                timeout=httpx.Timeout(0.5, connect=10),  # (the read gives up, not a slow connect)
             )
 
     async def run():

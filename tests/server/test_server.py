@@ -499,7 +499,11 @@ def test_disconnects_free_everything(server):
 
     async def non_stream_timeout(aclient: httpx.AsyncClient):
         with pytest.raises(httpx.ReadTimeout):
-            await aclient.post(server.url + "/v1/completions", json={**body, "stream": False}, timeout=0.5)
+            await aclient.post(
+                server.url + "/v1/completions",
+                json={**body, "stream": False},
+                timeout=httpx.Timeout(0.5, connect=10),  # (the read gives up, not a slow connect)
+            )
 
     async def run():
         limits = httpx.Limits(max_keepalive_connections=0)
