@@ -80,8 +80,8 @@ def server_argv(which: str, args: argparse.Namespace, dtype: str, port: int) -> 
         )
     if which == "llamacpp":
         # llama.cpp's server on the same GGUF (its only path: the file's blocks), as many parallel
-        # slots as requests, each able to hold --max-model-len tokens of one unified KV cache of
-        # --llama-ctx tokens (f16 K/V, its default), the same threads as the others.
+        # slots as requests, all drawing on one unified KV cache of --llama-ctx tokens (f16 K/V, its
+        # default), the same threads as the others.
         from kvflow.models.default_model import default_model_path
 
         argv = [args.llama_server, "-m", default_model_path(), "--port", str(port), "-t", str(args.threads)]
