@@ -238,6 +238,15 @@ def store_pass_rows(plan: KernelPlan, rows: int) -> None:
 PREFILL_PATHS = ("native", "torch")  # kvflow.attention.backends.cpu.CpuPagedAttention.prefill_path
 
 
+def prefill_attention_key(heads: int, kv_heads: int, head_dim: int, cache_dtype: torch.dtype) -> str:
+    """The stored prefill choice's key: the attention shape, the cache dtype and the native attention
+    sources (a choice measured against other code, such as the per-row kernel before tiles, is not
+    reused)."""
+    sources = b"\0".join(p.read_bytes() for p in sorted(native.CSRC.glob("*attention*")))
+    digest = hashlib.sha256(sources).hexdigest()[:8]
+    return f"{heads}x{kv_heads}x{head_dim}:{str(cache_dtype).removeprefix('torch.')}:{digest}"
+
+
 def stored_prefill_attention(plan: KernelPlan, key: str) -> str | None:
     """The path stored for prefill rows of attention shape `key` on this CPU, or None."""
     return _read(cache_path(plan.dtype, plan.weights_cold))["prefill_attention"].get(key)
@@ -246,8 +255,8 @@ def stored_prefill_attention(plan: KernelPlan, key: str) -> str | None:
 def measure_prefill_attention(run: Callable[[str], None]) -> tuple[str, float]:
     """Which path runs a prefill chunk's attention faster here: `run(path)` runs one probe through
     it; ROUNDS times each, interleaved, best of each. With the most CPU other processes used
-    meanwhile. (The native kernel won on the AVX-512 EPYC; gather + SDPA, through oneDNN's bf16
-    kernels, on the AMX Xeon in bf16.)"""
+    meanwhile. (Before the tiled kernel, the native per-row kernel won on the AVX-512 EPYC and gather
+    + SDPA, through oneDNN's bf16 kernels, on the AMX Xeon in bf16.)"""
     with machine_load.ForeignLoad() as load:
         best = _best_times(run, PREFILL_PATHS)
     return min(best, key=best.get), load.value

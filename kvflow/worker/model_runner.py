@@ -277,13 +277,14 @@ class ModelRunner:
         from kvflow.worker.autotune import (
             LOAD_LIMIT,
             measure_prefill_attention,
+            prefill_attention_key,
             store_prefill_attention,
             stored_prefill_attention,
         )
 
         heads, kv_heads, head_dim = model_config.num_heads, model_config.num_kv_heads, model_config.head_dim
         cache = self.kv_caches[0]
-        key = f"{heads}x{kv_heads}x{head_dim}:{str(cache.data.dtype).removeprefix('torch.')}"
+        key = prefill_attention_key(heads, kv_heads, head_dim, cache.data.dtype)
         path = stored_prefill_attention(self.kernel_plan, key)
         if path is None:
             seqs_n, length = PREFILL_PROBE

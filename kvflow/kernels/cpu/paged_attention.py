@@ -101,12 +101,15 @@ def paged_attention(
     out: torch.Tensor,
     head_major: bool,
     softcap: float | None = None,
+    tiled: bool = True,
 ) -> None:
     """Attention of the query rows `tokens` (int32 [R]) of q [T, H, D] (float32, heads contiguous),
     row r over the first context_lens[r] keys (window: the last `window` of them) of block table
     tables[r] (int32 [R, max_blocks]) in the cache `data` (`scales`: a quantized cache's), into rows
     `tokens` of out [T, H * D] float32. head_major: the rows share sequences (prefill chunks), so
-    the kernel walks heads in the outer loop (csrc/attention.h's attend_rows). softcap: scores
+    the kernel walks heads in the outer loop (csrc/attention.h's attend_rows) and, with `tiled`,
+    computes runs of rows that read the same block table a tile at a time where the shape allows
+    (csrc/tiled_attention.h; False: every row on its own, for benchmarks and tests). softcap: scores
     (scale * q.k) become tanh(score / softcap) * softcap before the softmax (None: as they are)."""
     _, num_heads, head_dim = q.shape
     rc = _lib().kvflow_paged_attention(
@@ -128,7 +131,7 @@ def paged_attention(
         scale,
         out.data_ptr(),
         torch.get_num_threads(),
-        int(head_major),
+        2 if head_major and tiled else int(head_major),
         softcap or 0.0,
     )
     if rc != 0:

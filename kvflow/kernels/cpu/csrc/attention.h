@@ -16,6 +16,7 @@
 #include <utility>
 
 #include "simd.h"
+#include "tiled_attention.h"
 
 using kvflow::bf16_to_f32;
 using kvflow::f32_to_bf16;
@@ -549,49 +550,37 @@ static inline int check_shape(int num_heads, int kv_heads, int head_dim) {
     return head_dim > MAX_HEAD_DIM || group > MAX_GROUP || group * kv_heads != num_heads ? -1 : 0;
 }
 
-static inline void attend_rows(const float *q, long q_row_stride, const void *kv, const float *scales, int fmt,
-                        const int32_t *tables, long table_stride, const int32_t *context_lens,
-                        const int32_t *tokens, int rows, int num_heads, int kv_heads, int head_dim,
-                        int block_size, int window, float scale, float *out, int head_major = 0,
-                        float softcap = 0.f) {
+/* Row r's attention for kv heads [h0, h0 + heads) (attend_rows' per-row path). */
+static inline void attend_row(const float *q, long q_row_stride, const void *kv, const float *scales, int fmt,
+                              const int32_t *tables, long table_stride, const int32_t *context_lens,
+                              const int32_t *tokens, int r, int h0, int heads, int num_heads, int kv_heads,
+                              int head_dim, int block_size, int window, float scale, float *out, float softcap) {
     const int group = num_heads / kv_heads;
-    /* A task per row (its kv heads one after another on one thread, over the same block table and
-     * the same pages of cache) where the rows alone keep every thread busy; else a task per (row, kv
-     * head). head_major (rows that share their sequences: prefill chunks): a task per (row, kv head),
-     * all rows of head 0 first, so a thread's next rows sweep the same head's keys and values while
-     * they are still in L2 (a row sweeping all its heads outgrew L2 on long float32 contexts). Each
-     * head's result is the same either way. */
-    const int per_task = !head_major && rows >= 4 * omp_get_num_threads() ? kv_heads : 1;
-    const long tasks = (long)rows * kv_heads;
-#pragma omp for schedule(dynamic, 1)
-    for (long first = 0; first < tasks; first += per_task) {
-        const int r = head_major ? (int)(first % rows) : (int)(first / kv_heads);
-        const int h0 = head_major ? (int)(first / rows) : (int)(first % kv_heads);
-        const int end = context_lens[r];
-        int begin = window > 0 ? end - window : 0;
-        if (begin < 0) begin = 0;
-        const long tok = tokens[r];
-        const float *qr = q + tok * q_row_stride + (long)h0 * group * head_dim;
-        const int32_t *table = tables + r * table_stride;
-        float *o = out + (tok * num_heads + (long)h0 * group) * head_dim;
-        /* The fixed-shape path where it takes the shape: a row task's heads in one sweep over its
-         * slots, else a head at a time. */
-        const auto fast = [&](int h, int heads, const float *qh, float *oh) {
-            return fmt == KV_F32 ? attend_fast<KV_F32>(head_dim, group, qh, kv, table, begin, end, kv_heads,
-                                                       block_size, h, heads, scale, oh)
-                 : fmt == KV_BF16 ? attend_fast<KV_BF16>(head_dim, group, qh, kv, table, begin, end, kv_heads,
-                                                         block_size, h, heads, scale, oh)
-                                  : false;
-        };
-        /* (soft-capped scores take the generic path: the fixed-shape one has no cap) */
-        if (softcap <= 0.f && per_task > 1 && fast(h0, per_task, qr, o)) continue;
-        for (int h = h0; h < h0 + per_task; h++) {
-            const float *qh = qr + (long)(h - h0) * group * head_dim;
-            float *oh = o + (long)(h - h0) * group * head_dim;
-            if (softcap <= 0.f && fast(h, 1, qh, oh)) continue;
-            /* The same code with the cache format and the common head sizes as constants, so gcc can
-             * unroll and vectorize the fixed-length loops (benchmarks/decode_attention.py: clearly
-             * faster with an int8 cache). */
+    const int end = context_lens[r];
+    int begin = window > 0 ? end - window : 0;
+    if (begin < 0) begin = 0;
+    const long tok = tokens[r];
+    const float *qr = q + tok * q_row_stride + (long)h0 * group * head_dim;
+    const int32_t *table = tables + r * table_stride;
+    float *o = out + (tok * num_heads + (long)h0 * group) * head_dim;
+    /* The fixed-shape path where it takes the shape: a row task's heads in one sweep over its
+     * slots, else a head at a time. */
+    const auto fast = [&](int h, int n, const float *qh, float *oh) {
+        return fmt == KV_F32 ? attend_fast<KV_F32>(head_dim, group, qh, kv, table, begin, end, kv_heads,
+                                                   block_size, h, n, scale, oh)
+             : fmt == KV_BF16 ? attend_fast<KV_BF16>(head_dim, group, qh, kv, table, begin, end, kv_heads,
+                                                     block_size, h, n, scale, oh)
+                              : false;
+    };
+    /* (soft-capped scores take the generic path: the fixed-shape one has no cap) */
+    if (softcap <= 0.f && heads > 1 && fast(h0, heads, qr, o)) return;
+    for (int h = h0; h < h0 + heads; h++) {
+        const float *qh = qr + (long)(h - h0) * group * head_dim;
+        float *oh = o + (long)(h - h0) * group * head_dim;
+        if (softcap <= 0.f && fast(h, 1, qh, oh)) continue;
+        /* The same code with the cache format and the common head sizes as constants, so gcc can
+         * unroll and vectorize the fixed-length loops (benchmarks/decode_attention.py: clearly
+         * faster with an int8 cache). */
 #define ATTEND_DIMS(F)                                                                                   \
     do {                                                                                                 \
         if (head_dim == 64)                                                                              \
@@ -601,20 +590,79 @@ static inline void attend_rows(const float *q, long q_row_stride, const void *kv
         else                                                                                             \
             attend(qh, kv, scales, F, table, begin, end, kv_heads, head_dim, block_size, group, h, scale, oh, softcap); \
     } while (0)
-            if (fmt == KV_F32)
-                ATTEND_DIMS(KV_F32);
-            else if (fmt == KV_BF16)
-                ATTEND_DIMS(KV_BF16);
-            else if (fmt == KV_FP8_E4M3)
-                ATTEND_DIMS(KV_FP8_E4M3);
-            else if (fmt == KV_FP8_E5M2)
-                ATTEND_DIMS(KV_FP8_E5M2);
-            else if (fmt == KV_INT4)
-                ATTEND_DIMS(KV_INT4);
-            else
-                ATTEND_DIMS(KV_INT8);  // (its dot of int8 codes, scaled once, beats dequantizing each row first)
+        if (fmt == KV_F32)
+            ATTEND_DIMS(KV_F32);
+        else if (fmt == KV_BF16)
+            ATTEND_DIMS(KV_BF16);
+        else if (fmt == KV_FP8_E4M3)
+            ATTEND_DIMS(KV_FP8_E4M3);
+        else if (fmt == KV_FP8_E5M2)
+            ATTEND_DIMS(KV_FP8_E5M2);
+        else if (fmt == KV_INT4)
+            ATTEND_DIMS(KV_INT4);
+        else
+            ATTEND_DIMS(KV_INT8);  // (its dot of int8 codes, scaled once, beats dequantizing each row first)
 #undef ATTEND_DIMS
+    }
+}
+
+/* Rows that share sequences (prefill chunks), in tiles (tiled_attention.h): a task per (tile, kv
+ * head), all of head 0's first, so the tasks running together read one head's keys and values while
+ * they are in L2. Rows in runs too short for a tile take the per-row path. */
+static inline void attend_tiled(const float *q, long q_row_stride, const void *kv, const float *scales, int fmt,
+                                const int32_t *tables, long table_stride, const int32_t *context_lens,
+                                const int32_t *tokens, int rows, int num_heads, int kv_heads, int head_dim,
+                                int block_size, int window, float scale, float *out) {
+    const int group = num_heads / kv_heads;
+    const std::vector<AttentionTile> tiles =
+        plan_tiles(tables, table_stride, context_lens, rows, group, block_size, window);
+    const long n = (long)tiles.size();
+#pragma omp for schedule(dynamic, 1)
+    for (long task = 0; task < n * kv_heads; task++) {
+        const AttentionTile &tile = tiles[task % n];
+        const int h = (int)(task / n);
+        if (tile.rows == 0) {
+            attend_row(q, q_row_stride, kv, scales, fmt, tables, table_stride, context_lens, tokens, tile.r0, h, 1,
+                       num_heads, kv_heads, head_dim, block_size, window, scale, out, 0.f);
+            continue;
         }
+        const int32_t *table = tables + tile.table_row * table_stride;
+#define KVFLOW_TILE(D, F)                                                                                   \
+    attend_tile<D, F>(tile, group, q, q_row_stride, tokens, context_lens, window, kv, table, kv_heads, num_heads, \
+                      block_size, h, scale, out)
+        if (head_dim == 64)
+            fmt == KV_F32 ? KVFLOW_TILE(64, KV_F32) : KVFLOW_TILE(64, KV_BF16);
+        else
+            fmt == KV_F32 ? KVFLOW_TILE(128, KV_F32) : KVFLOW_TILE(128, KV_BF16);
+#undef KVFLOW_TILE
+    }
+}
+
+static inline void attend_rows(const float *q, long q_row_stride, const void *kv, const float *scales, int fmt,
+                        const int32_t *tables, long table_stride, const int32_t *context_lens,
+                        const int32_t *tokens, int rows, int num_heads, int kv_heads, int head_dim,
+                        int block_size, int window, float scale, float *out, int head_major = 0,
+                        float softcap = 0.f) {
+    const int group = num_heads / kv_heads;
+    if (head_major == 2 && softcap <= 0.f && tiled_shape(fmt, head_dim, group)) {
+        attend_tiled(q, q_row_stride, kv, scales, fmt, tables, table_stride, context_lens, tokens, rows, num_heads,
+                     kv_heads, head_dim, block_size, window, scale, out);
+        return;
+    }
+    /* A task per row (its kv heads one after another on one thread, over the same block table and
+     * the same pages of cache) where the rows alone keep every thread busy; else a task per (row, kv
+     * head). head_major (rows that share their sequences: prefill chunks; 2: in tiles where
+     * tiled_shape takes them, see attend_tiled): a task per (row, kv head), all rows of head 0 first, so a thread's next rows sweep the
+     * same head's keys and values while they are still in L2 (a row sweeping all its heads outgrew
+     * L2 on long float32 contexts). Each head's result is the same either way. */
+    const int per_task = !head_major && rows >= 4 * omp_get_num_threads() ? kv_heads : 1;
+    const long tasks = (long)rows * kv_heads;
+#pragma omp for schedule(dynamic, 1)
+    for (long first = 0; first < tasks; first += per_task) {
+        const int r = head_major ? (int)(first % rows) : (int)(first / kv_heads);
+        const int h0 = head_major ? (int)(first / rows) : (int)(first % kv_heads);
+        attend_row(q, q_row_stride, kv, scales, fmt, tables, table_stride, context_lens, tokens, r, h0, per_task,
+                   num_heads, kv_heads, head_dim, block_size, window, scale, out, softcap);
     }
 }
 

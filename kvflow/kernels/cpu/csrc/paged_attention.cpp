@@ -27,7 +27,8 @@ extern "C" {
  *   tables[r * table_stride + i]                                 its sequence's block table
  *   keys at positions [max(0, context_lens[r] - window), context_lens[r])  (window <= 0: all)
  *   out[tokens[r] * num_heads * head_dim + head * head_dim + d]  its output (float32)
- * head_major: rows share sequences (prefill chunks): see attend_rows.
+ * head_major: rows share sequences (prefill chunks): 1 a task per (row, kv head), 2 in tiles where the
+ * shape allows (tiled_attention.h); see attend_rows.
  * softcap > 0: scores (scale * q.k) become tanh(score / softcap) * softcap before the softmax.
  * Returns 0, or -1 when head_dim / group exceed the kernel's limits (checked by the caller too). */
 int kvflow_paged_attention(const float *q, long q_row_stride, const void *kv, const float *scales,

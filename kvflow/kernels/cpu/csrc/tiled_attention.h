@@ -1,0 +1,241 @@
+/* Attention of a prefill chunk's rows, a tile of rows at a time (included by attention.h).
+ *
+ * attend_rows gives each query row its own pass over its keys: every key is loaded, and each product
+ * summed across vector lanes, once per row -- about 80 GFLOP/s on two AVX-512 cores, where the
+ * same multiply-adds as a GEMM reach ~180 (benchmarks/prefill_attention.py). The rows of one
+ * prefill chunk read the same keys through the same block table, so here a tile of them is computed
+ * together, flash-attention style: the tile's (row, query head) pairs are the vector lanes
+ * (TILE_LANES of them), its queries transposed once into qt[d][lane], and for each chunk of
+ * TILE_KEYS keys
+ *   scores   s[j][lane] = sum_d k[j][d] * qt[d][lane]     (a key element broadcast, a lane vector)
+ *   softmax  online, per lane, over the chunk (masked outside each row's [begin, end))
+ *   values   ot[d][lane] += sum_j v[j][d] * s[j][lane]
+ * so each loaded key and value element feeds TILE_LANES lanes, and nothing is summed across lanes.
+ * The accumulators live in registers for TILE_REGS keys (or head dims) at a time.
+ *
+ * A row's result does not depend on the tile it is in: every lane runs the same operations in the
+ * same order (d ascending in a score, keys ascending in the values), the chunks start at multiples
+ * of TILE_KEYS of the position whatever the tile, and masked keys add exact zeros. The sums run in
+ * another order than attend_rows' (which keeps decode rows bit for bit the same alone or batched),
+ * so a position attended here and as a decode row can differ in the last bits.
+ *
+ * Float32 and bfloat16 caches (widened as a chunk is copied in), head_dim 64 and 128; other shapes
+ * and formats, soft-capped scores, and rows in runs too short to fill half a tile take attend_rows'
+ * per-row path. */
+#ifndef KVFLOW_TILED_ATTENTION_H
+#define KVFLOW_TILED_ATTENTION_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "simd.h"
+
+#ifndef restrict
+#define restrict __restrict__
+#endif
+
+/* Three lane vectors (16 rows of 3 query heads, SmolLM2's group) and half a vector of keys in
+ * registers: 3 x VEC / 2 accumulators and 3 query vectors, within the 32 (AVX-512) or 16 (AVX2)
+ * vector registers. Measured against 2 and 4 lane vectors and 6 / 12 registers' keys:
+ * benchmarks/prefill_attention.py, docs/benchmarks/results/. */
+constexpr int TILE_LANES = 3 * kvflow::VEC;  /* (row, query head) pairs of a tile */
+constexpr int TILE_KEYS = 2 * kvflow::VEC;   /* keys per online-softmax step */
+constexpr int TILE_REGS = kvflow::VEC / 2;   /* keys / head dims whose lane vectors stay in registers */
+static_assert(TILE_KEYS % TILE_REGS == 0 && 64 % TILE_REGS == 0, "register passes must divide the chunk and D");
+
+/* Rows [r0, r0 + rows) of a call, their keys within [begin, end), read through row table_row's
+ * block table (its run's first: checked equal to each row's over that row's keys). */
+struct AttentionTile {
+    int r0, rows, begin, end, table_row;
+};
+
+/* One key's (or value's) head vector of a float32 or bf16 cache into dst as float32. */
+template <int D, int FMT>
+static inline void widen_head(const void *kv, long base, float *restrict dst) {
+    if constexpr (FMT == 0 /* KV_F32 */) {
+        memcpy(dst, (const float *)kv + base, D * sizeof(float));
+    } else {
+        const uint16_t *p = (const uint16_t *)kv + base;
+        for (int i = 0; i < D / kvflow::VEC; i++) *(kvflow::vfloat *)(dst + i * kvflow::VEC) = kvflow::widen_bf16(p + i * kvflow::VEC);
+    }
+}
+
+/* s[j][lane] = sum_d kp[j][d] * qt[d][lane] for keys j < n (n rounded up to TILE_REGS: kp's rows
+ * past n are zeros). */
+template <int D>
+static inline void tile_scores(const float (&qt)[D][TILE_LANES], const float (&kp)[TILE_KEYS][D], int n,
+                               float (&s)[TILE_KEYS][TILE_LANES]) {
+    using kvflow::vfloat;
+    constexpr int NL = TILE_LANES / kvflow::VEC;
+    for (int j0 = 0; j0 < n; j0 += TILE_REGS) {
+        vfloat acc[TILE_REGS][NL] = {};
+        for (int d = 0; d < D; d++) {
+            vfloat qv[NL];
+            for (int v = 0; v < NL; v++) qv[v] = *(const vfloat *)&qt[d][v * kvflow::VEC];
+            for (int jj = 0; jj < TILE_REGS; jj++) {
+                const float k = kp[j0 + jj][d];
+                for (int v = 0; v < NL; v++) acc[jj][v] += k * qv[v];
+            }
+        }
+        for (int jj = 0; jj < TILE_REGS; jj++)
+            for (int v = 0; v < NL; v++) *(vfloat *)&s[j0 + jj][v * kvflow::VEC] = acc[jj][v];
+    }
+}
+
+/* ot[d][lane] += sum_{j < n} vp[j][d] * p[j][lane]. */
+template <int D>
+static inline void tile_values(const float (&p)[TILE_KEYS][TILE_LANES], const float (&vp)[TILE_KEYS][D], int n,
+                               float (&ot)[D][TILE_LANES]) {
+    using kvflow::vfloat;
+    constexpr int NL = TILE_LANES / kvflow::VEC;
+    for (int d0 = 0; d0 < D; d0 += TILE_REGS) {
+        vfloat acc[TILE_REGS][NL];
+        for (int dd = 0; dd < TILE_REGS; dd++)
+            for (int v = 0; v < NL; v++) acc[dd][v] = *(const vfloat *)&ot[d0 + dd][v * kvflow::VEC];
+        for (int j = 0; j < n; j++) {
+            vfloat pv[NL];
+            for (int v = 0; v < NL; v++) pv[v] = *(const vfloat *)&p[j][v * kvflow::VEC];
+            for (int dd = 0; dd < TILE_REGS; dd++) {
+                const float x = vp[j][d0 + dd];
+                for (int v = 0; v < NL; v++) acc[dd][v] += x * pv[v];
+            }
+        }
+        for (int dd = 0; dd < TILE_REGS; dd++)
+            for (int v = 0; v < NL; v++) *(vfloat *)&ot[d0 + dd][v * kvflow::VEC] = acc[dd][v];
+    }
+}
+
+/* One tile's attention for kv head h: lanes (i, g) = row r0 + i, query head h * G + g. */
+template <int D, int FMT>
+static void attend_tile(const AttentionTile &tile, int G, const float *q, long q_row_stride, const int32_t *tokens,
+                        const int32_t *context_lens, int window, const void *kv, const int32_t *table,
+                        int kv_heads, int num_heads, int block_size, int h, float scale, float *out) {
+    constexpr int L = TILE_LANES;
+    alignas(64) float qt[D][L], ot[D][L], kp[TILE_KEYS][D], vp[TILE_KEYS][D], s[TILE_KEYS][L];
+    alignas(64) float m[L], l[L], corr[L];
+    alignas(64) int lo[L], hi[L];
+    for (int lane = 0; lane < L; lane++) {
+        m[lane] = -1e30f;
+        l[lane] = 0.f;
+        lo[lane] = hi[lane] = 0;  /* lanes past the tile's rows attend to nothing */
+        for (int d = 0; d < D; d++) qt[d][lane] = ot[d][lane] = 0.f;
+    }
+    for (int i = 0; i < tile.rows; i++) {
+        const int r = tile.r0 + i, end = context_lens[r];
+        const float *qr = q + (long)tokens[r] * q_row_stride + (long)h * G * D;
+        for (int g = 0; g < G; g++) {
+            const int lane = i * G + g;
+            hi[lane] = end;
+            lo[lane] = window > 0 ? std::max(0, end - window) : 0;
+            for (int d = 0; d < D; d++) qt[d][lane] = qr[g * D + d] * scale;
+        }
+    }
+    const long tok_stride = 2L * kv_heads * D, v_off = (long)kv_heads * D + (long)h * D, k_off = (long)h * D;
+    for (int c0 = tile.begin / TILE_KEYS * TILE_KEYS; c0 < tile.end; c0 += TILE_KEYS) {
+        const int n = std::min(TILE_KEYS, tile.end - c0);
+        const int padded = (n + TILE_REGS - 1) / TILE_REGS * TILE_REGS;
+        for (int j = 0; j < n; j++) {
+            const int pos = c0 + j;
+            const long slot = (long)table[pos / block_size] * block_size + pos % block_size;
+            widen_head<D, FMT>(kv, slot * tok_stride + k_off, kp[j]);
+            widen_head<D, FMT>(kv, slot * tok_stride + v_off, vp[j]);
+        }
+        for (int j = n; j < padded; j++) memset(kp[j], 0, sizeof(kp[j]));
+        tile_scores<D>(qt, kp, n, s);
+        /* The online softmax, a lane per (row, head): keys outside a row's [lo, hi) get p = 0 and
+         * leave its max alone (a lane with no key yet keeps m = -1e30, corr 1, l 0). */
+        float mx[L];
+#pragma omp simd
+        for (int lane = 0; lane < L; lane++) mx[lane] = m[lane];
+        for (int j = 0; j < n; j++) {
+            const int pos = c0 + j;
+#pragma omp simd
+            for (int lane = 0; lane < L; lane++) {
+                const bool in = pos >= lo[lane] && pos < hi[lane];
+                mx[lane] = in && s[j][lane] > mx[lane] ? s[j][lane] : mx[lane];
+            }
+        }
+        float sum[L];
+#pragma omp simd
+        for (int lane = 0; lane < L; lane++) {
+            corr[lane] = expf(m[lane] - mx[lane]);
+            m[lane] = mx[lane];
+            sum[lane] = 0.f;
+        }
+        for (int j = 0; j < n; j++) {
+            const int pos = c0 + j;
+#pragma omp simd
+            for (int lane = 0; lane < L; lane++) {
+                const bool in = pos >= lo[lane] && pos < hi[lane];
+                const float e = expf(std::min(s[j][lane] - mx[lane], 0.f));
+                s[j][lane] = in ? e : 0.f;
+                sum[lane] += s[j][lane];
+            }
+        }
+#pragma omp simd
+        for (int lane = 0; lane < L; lane++) l[lane] = l[lane] * corr[lane] + sum[lane];
+        for (int d = 0; d < D; d++)
+#pragma omp simd
+            for (int lane = 0; lane < L; lane++) ot[d][lane] *= corr[lane];
+        tile_values<D>(s, vp, n, ot);
+    }
+    for (int i = 0; i < tile.rows; i++) {
+        float *o = out + ((long)tokens[tile.r0 + i] * num_heads + (long)h * G) * D;
+        for (int g = 0; g < G; g++) {
+            const int lane = i * G + g;
+            const float inv = l[lane] > 0.f ? 1.f / l[lane] : 0.f;
+            for (int d = 0; d < D; d++) o[g * D + d] = ot[d][lane] * inv;
+        }
+    }
+}
+
+/* Whether the tiled path takes this shape and cache format (float32 0, bf16 2). */
+static inline bool tiled_shape(int fmt, int head_dim, int group) {
+    return (fmt == 0 || fmt == 2) && (head_dim == 64 || head_dim == 128) && 2 * group <= TILE_LANES;
+}
+
+/* The call's rows as tiles: runs of consecutive rows that read the same block table (a prefill
+ * chunk's), each cut into near-equal tiles of at most TILE_LANES / group rows; a run too short to
+ * fill half a tile's lanes becomes single-row entries (rows = 0: attend_rows' path). Longest work
+ * first, so the dynamic schedule ends with the short tasks. The same list on every thread. */
+static inline std::vector<AttentionTile> plan_tiles(const int32_t *tables, long table_stride,
+                                                    const int32_t *context_lens, int rows, int group,
+                                                    int block_size, int window) {
+    std::vector<AttentionTile> tiles;
+    const int per_tile = TILE_LANES / group;
+    const auto begin_of = [&](int r) { return window > 0 ? std::max(0, context_lens[r] - window) : 0; };
+    for (int r0 = 0; r0 < rows;) {
+        int r1 = r0 + 1;
+        while (r1 < rows) {
+            const long entries = (context_lens[r1] + block_size - 1) / block_size;
+            if (memcmp(tables + r1 * table_stride, tables + r0 * table_stride, entries * sizeof(int32_t)) != 0) break;
+            r1++;
+        }
+        const int run = r1 - r0;
+        if (2 * run * group < TILE_LANES) {
+            for (int r = r0; r < r1; r++) tiles.push_back({r, 0, begin_of(r), context_lens[r], r});
+        } else {
+            const int n = (run + per_tile - 1) / per_tile;
+            for (int t = 0; t < n; t++) {
+                const int a = r0 + (int)((long)run * t / n), b = r0 + (int)((long)run * (t + 1) / n);
+                AttentionTile tile{a, b - a, 1 << 30, 0, r0};
+                for (int r = a; r < b; r++) {
+                    tile.begin = std::min(tile.begin, begin_of(r));
+                    tile.end = std::max(tile.end, context_lens[r]);
+                }
+                tiles.push_back(tile);
+            }
+        }
+        r0 = r1;
+    }
+    std::stable_sort(tiles.begin(), tiles.end(), [](const AttentionTile &a, const AttentionTile &b) {
+        return (long)(a.end - a.begin) * std::max(a.rows, 1) > (long)(b.end - b.begin) * std::max(b.rows, 1);
+    });
+    return tiles;
+}
+
+#endif
