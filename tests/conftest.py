@@ -283,6 +283,28 @@ def random_kv_cache(
     return cache
 
 
+def bf16_product_rows(cache, seqs: list, heads: int, head_dim: int, native: bool) -> list[bool]:
+    """Per new token: whether the native CPU kernel computes it in a prefill tile that multiplies in
+    bf16 (a bfloat16 cache on a CPU with AVX512_BF16, head_dim 64 / 128, a chunk long enough to fill
+    half a tile of 48 lanes: csrc/tiled_attention.h), so its scaled query and its probabilities are
+    rounded to bf16. Sequences here have distinct block tables (each chunk its own run)."""
+    from kvflow.kernels.cpu import paged_attention as kernel
+
+    kv_heads = cache.data.shape[3]
+    group = heads // kv_heads
+    on = native and cache.data.dtype == torch.bfloat16 and head_dim in (64, 128) and kernel.bf16_products()
+    return [on and 2 * s.num_new * group >= 48 for s in seqs for _ in range(s.num_new)]
+
+
+def bf16_query_reference(q, cache, seqs, block_size, scale, window, rows: list[bool]) -> torch.Tensor:
+    """paged_attention_reference with the rows flagged in `rows` given the query a bf16-product tile
+    multiplies: q * scale rounded to bf16. Their remaining error is the probabilities' rounding to
+    bf16 (relative 2^-9 each), at most 2^-9 * max|v|."""
+    qs = (q.float() * scale).bfloat16().double() / scale
+    q_used = torch.where(torch.tensor(rows).view(-1, 1, 1), qs, q.double())
+    return paged_attention_reference(q_used, cache, seqs, block_size, scale, window)
+
+
 def paged_attention_reference(
     q: torch.Tensor, cache, seqs: list, block_size: int, scale: float, window: int | None, softcap: float | None = None
 ) -> torch.Tensor:

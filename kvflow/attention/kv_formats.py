@@ -68,7 +68,8 @@ def kv_format(kv_cache_dtype: str) -> KVFormat | None:
 def kv_float_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     """The element type of a float KV cache: the named one, or the model's for "auto". (A float32
     model's K/V can be kept in bfloat16: half the bytes, each value rounded once as it is written;
-    attention reads them widened to float32.)"""
+    attention reads them widened to float32; the native CPU prefill tiles multiply them in bf16 where
+    the CPU has AVX512_BF16, kvflow/kernels/cpu/csrc/tiled_attention.h.)"""
     return getattr(torch, kv_cache_dtype) if kv_cache_dtype in FLOAT_KV_CACHE_DTYPES else model_dtype
 
 

@@ -6,7 +6,9 @@ keys of its sequence up to its own position (causal by construction, a sliding w
 start), walked through the block table where they lie. Nothing is gathered, nothing is padded to
 the longest context, and blocks that several sequences share (prefix caching) are read from cache,
 not copied. Float32 and bfloat16 models, with a cache in the model's dtype or quantized (int8,
-fp8 e4m3 / e5m2, int4: widened as they are read); the maths is float32 (a bf16 model's queries are widened at the call, its outputs rounded back).
+fp8 e4m3 / e5m2, int4: widened as they are read); the maths is float32 (a bf16 model's queries are
+widened at the call, its outputs rounded back), except prefill tiles over a bf16 cache on CPUs with
+AVX512_BF16, which multiply in bf16 (csrc/tiled_attention.h).
 Each call takes its layer's window and attention-logit soft-cap (Gemma 2), so one backend serves
 models whose layers differ in both.
 

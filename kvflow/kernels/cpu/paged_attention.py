@@ -35,6 +35,7 @@ _SIGNATURES = {
     "kvflow_paged_attention": ([_P, _L, _P, _P, _I, _P, _L, _P, _P, _I, _I, _I, _I, _I, _I, _F, _P, _I, _I, _F], _I),
     "kvflow_rotary": ([_P, _L, _I, _I, _I, _P, _P, _I], None),
     "kvflow_write_kv": ([_P, _L, _P, _I, _P, _P, _I, _I, _I, _I], None),
+    "kvflow_tile_bf16_products": ([], _I),
 }
 
 
@@ -46,6 +47,12 @@ def _lib() -> ctypes.CDLL | None:
 def available() -> bool:
     """Whether the library builds and loads here (a C++ compiler, see kvflow.kernels.cpu.native)."""
     return _lib() is not None
+
+
+def bf16_products() -> bool:
+    """Whether prefill tiles over a bfloat16 cache multiply in bf16 here (AVX512_BF16: queries and
+    probabilities rounded to bf16, sums in float32; csrc/tiled_attention.h), rather than in float32."""
+    return available() and bool(_lib().kvflow_tile_bf16_products())
 
 
 def rotary_available(dtype: torch.dtype, head_dim: int) -> bool:

@@ -43,6 +43,9 @@ int kvflow_paged_attention(const float *q, long q_row_stride, const void *kv, co
     return 0;
 }
 
+/* 1 where prefill tiles over a bf16 cache multiply in bf16 (AVX512_BF16; tiled_attention.h), else 0. */
+int kvflow_tile_bf16_products(void) { return KVFLOW_TILE_BF16_PRODUCTS; }
+
 /* Rotary in place on x: rows of `heads` contiguous head vectors, rows x_row_stride apart; cos, sin:
  * [rows, head_dim]. */
 void kvflow_rotary(float *x, long x_row_stride, int rows, int heads, int head_dim, const float *cos_t,

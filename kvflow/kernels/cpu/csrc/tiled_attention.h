@@ -109,12 +109,76 @@ static inline void tile_values(const float (&p)[TILE_KEYS][TILE_LANES], const fl
     }
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+/* A bf16 cache's tiles multiply in bf16 (vdpbf16ps: two bf16 products summed into a float32 lane
+ * per instruction, twice the float32 FMA's rate): queries and probabilities rounded to bf16 (to
+ * nearest even), keys and values as stored, every sum in float32. */
+#define KVFLOW_TILE_BF16_PRODUCTS 1
+
+static inline __m512bh as_bh(__m512i x) { return (__m512bh)x; }
+
+/* Two bf16 values as one 32-bit lane, `lo` the even element (vdpbf16ps' pairing). */
+static inline uint32_t bf16_pair(uint16_t lo, uint16_t hi) { return (uint32_t)lo | ((uint32_t)hi << 16); }
+
+/* s[j][lane] = sum_d kb[j][d] * q[d][lane], d in pairs: qp[d / 2][lane] holds lane's (d, d + 1). */
+template <int D>
+static inline void tile_scores_bf16(const uint32_t (&qp)[D / 2][TILE_LANES], const uint16_t (&kb)[TILE_KEYS][D],
+                                    int n, float (&s)[TILE_KEYS][TILE_LANES]) {
+    constexpr int NL = TILE_LANES / 16;
+    for (int j0 = 0; j0 < n; j0 += TILE_REGS) {
+        __m512 acc[TILE_REGS][NL];
+        for (int jj = 0; jj < TILE_REGS; jj++)
+            for (int v = 0; v < NL; v++) acc[jj][v] = _mm512_setzero_ps();
+        for (int dp = 0; dp < D / 2; dp++) {
+            __m512bh qv[NL];
+            for (int v = 0; v < NL; v++) qv[v] = as_bh(_mm512_load_si512((const void *)&qp[dp][v * 16]));
+            for (int jj = 0; jj < TILE_REGS; jj++) {
+                uint32_t pair;
+                memcpy(&pair, &kb[j0 + jj][2 * dp], sizeof(pair));
+                const __m512bh k = as_bh(_mm512_set1_epi32((int)pair));
+                for (int v = 0; v < NL; v++) acc[jj][v] = _mm512_dpbf16_ps(acc[jj][v], k, qv[v]);
+            }
+        }
+        for (int jj = 0; jj < TILE_REGS; jj++)
+            for (int v = 0; v < NL; v++) _mm512_store_ps(&s[j0 + jj][v * 16], acc[jj][v]);
+    }
+}
+
+/* ot[d][lane] += sum_j v[j][d] * p[j][lane], j in pairs: vpair[j / 2][d] and pp[j / 2][lane]. */
+template <int D>
+static inline void tile_values_bf16(const uint32_t (&pp)[TILE_KEYS / 2][TILE_LANES],
+                                    const uint32_t (&vpair)[TILE_KEYS / 2][D], int pairs, float (&ot)[D][TILE_LANES]) {
+    constexpr int NL = TILE_LANES / 16;
+    for (int d0 = 0; d0 < D; d0 += TILE_REGS) {
+        __m512 acc[TILE_REGS][NL];
+        for (int dd = 0; dd < TILE_REGS; dd++)
+            for (int v = 0; v < NL; v++) acc[dd][v] = _mm512_load_ps(&ot[d0 + dd][v * 16]);
+        for (int jp = 0; jp < pairs; jp++) {
+            __m512bh pv[NL];
+            for (int v = 0; v < NL; v++) pv[v] = as_bh(_mm512_load_si512((const void *)&pp[jp][v * 16]));
+            for (int dd = 0; dd < TILE_REGS; dd++) {
+                const __m512bh x = as_bh(_mm512_set1_epi32((int)vpair[jp][d0 + dd]));
+                for (int v = 0; v < NL; v++) acc[dd][v] = _mm512_dpbf16_ps(acc[dd][v], x, pv[v]);
+            }
+        }
+        for (int dd = 0; dd < TILE_REGS; dd++)
+            for (int v = 0; v < NL; v++) _mm512_store_ps(&ot[d0 + dd][v * 16], acc[dd][v]);
+    }
+}
+#else
+#define KVFLOW_TILE_BF16_PRODUCTS 0
+#endif
+
 /* One tile's attention for kv head h: lanes (i, g) = row r0 + i, query head h * G + g. */
 template <int D, int FMT>
 static void attend_tile(const AttentionTile &tile, int G, const float *q, long q_row_stride, const int32_t *tokens,
                         const int32_t *context_lens, int window, const void *kv, const int32_t *table,
                         int kv_heads, int num_heads, int block_size, int h, float scale, float *out) {
+    using kvflow::VEC;
+    using kvflow::vfloat;
+    using kvflow::vint;
     constexpr int L = TILE_LANES;
+    constexpr bool BF = FMT == 2 /* KV_BF16 */ && KVFLOW_TILE_BF16_PRODUCTS;
     alignas(64) float qt[D][L], ot[D][L], kp[TILE_KEYS][D], vp[TILE_KEYS][D], s[TILE_KEYS][L];
     alignas(64) float m[L], l[L], corr[L];
     alignas(64) int lo[L], hi[L];
@@ -134,54 +198,92 @@ static void attend_tile(const AttentionTile &tile, int G, const float *q, long q
             for (int d = 0; d < D; d++) qt[d][lane] = qr[g * D + d] * scale;
         }
     }
+#if KVFLOW_TILE_BF16_PRODUCTS
+    alignas(64) uint32_t qpair[BF ? D / 2 : 1][L], ppair[BF ? TILE_KEYS / 2 : 1][L];
+    if constexpr (BF)
+        for (int dp = 0; dp < D / 2; dp++)
+#pragma omp simd
+            for (int lane = 0; lane < L; lane++)
+                qpair[dp][lane] = bf16_pair(kvflow::f32_to_bf16(qt[2 * dp][lane]), kvflow::f32_to_bf16(qt[2 * dp + 1][lane]));
+#endif
     const long tok_stride = 2L * kv_heads * D, v_off = (long)kv_heads * D + (long)h * D, k_off = (long)h * D;
     for (int c0 = tile.begin / TILE_KEYS * TILE_KEYS; c0 < tile.end; c0 += TILE_KEYS) {
         const int n = std::min(TILE_KEYS, tile.end - c0);
         const int padded = (n + TILE_REGS - 1) / TILE_REGS * TILE_REGS;
-        for (int j = 0; j < n; j++) {
+        const auto slot_of = [&](int j) {
             const int pos = c0 + j;
-            const long slot = (long)table[pos / block_size] * block_size + pos % block_size;
-            widen_head<D, FMT>(kv, slot * tok_stride + k_off, kp[j]);
-            widen_head<D, FMT>(kv, slot * tok_stride + v_off, vp[j]);
+            return (long)table[pos / block_size] * block_size + pos % block_size;
+        };
+#if KVFLOW_TILE_BF16_PRODUCTS
+        if constexpr (BF) {
+            /* keys as stored (rows past n zero); values interleaved in pairs of keys */
+            uint16_t(&kb)[TILE_KEYS][D] = *reinterpret_cast<uint16_t(*)[TILE_KEYS][D]>(&kp);
+            uint32_t(&vpair)[TILE_KEYS / 2][D] = *reinterpret_cast<uint32_t(*)[TILE_KEYS / 2][D]>(&vp);
+            for (int j = 0; j < n; j++)
+                memcpy(kb[j], (const uint16_t *)kv + slot_of(j) * tok_stride + k_off, D * sizeof(uint16_t));
+            for (int j = n; j < padded; j++) memset(kb[j], 0, sizeof(kb[j]));
+            for (int jp = 0; 2 * jp < n; jp++) {
+                const uint16_t *v0 = (const uint16_t *)kv + slot_of(2 * jp) * tok_stride + v_off;
+                if (2 * jp + 1 < n) {
+                    const uint16_t *v1 = (const uint16_t *)kv + slot_of(2 * jp + 1) * tok_stride + v_off;
+#pragma omp simd
+                    for (int d = 0; d < D; d++) vpair[jp][d] = bf16_pair(v0[d], v1[d]);
+                } else {
+#pragma omp simd
+                    for (int d = 0; d < D; d++) vpair[jp][d] = v0[d];
+                }
+            }
+            tile_scores_bf16<D>(qpair, kb, n, s);
+        } else
+#endif
+        {
+            for (int j = 0; j < n; j++) {
+                widen_head<D, FMT>(kv, slot_of(j) * tok_stride + k_off, kp[j]);
+                widen_head<D, FMT>(kv, slot_of(j) * tok_stride + v_off, vp[j]);
+            }
+            for (int j = n; j < padded; j++) memset(kp[j], 0, sizeof(kp[j]));
+            tile_scores<D>(qt, kp, n, s);
         }
-        for (int j = n; j < padded; j++) memset(kp[j], 0, sizeof(kp[j]));
-        tile_scores<D>(qt, kp, n, s);
         /* The online softmax, a lane per (row, head): keys outside a row's [lo, hi) get p = 0 and
-         * leave its max alone (a lane with no key yet keeps m = -1e30, corr 1, l 0). */
-        float mx[L];
-#pragma omp simd
-        for (int lane = 0; lane < L; lane++) mx[lane] = m[lane];
-        for (int j = 0; j < n; j++) {
-            const int pos = c0 + j;
-#pragma omp simd
-            for (int lane = 0; lane < L; lane++) {
-                const bool in = pos >= lo[lane] && pos < hi[lane];
-                mx[lane] = in && s[j][lane] > mx[lane] ? s[j][lane] : mx[lane];
+         * leave its max alone (a lane with no key yet keeps m = -1e30, corr 1, l 0). In vector
+         * registers with simd.h's exp_clamped (glibc's vector expf is a call per vector). */
+        for (int v = 0; v < L / VEC; v++) {
+            const vint lov = *(const vint *)&lo[v * VEC], hiv = *(const vint *)&hi[v * VEC];
+            const vfloat m_old = *(const vfloat *)&m[v * VEC];
+            vfloat mx = m_old;
+            for (int j = 0; j < n; j++) {
+                const vint pos = vint{} + (c0 + j);
+                const vfloat sj = *(const vfloat *)&s[j][v * VEC];
+                mx = ((pos >= lov) & (pos < hiv) & (sj > mx)) ? sj : mx;
             }
-        }
-        float sum[L];
-#pragma omp simd
-        for (int lane = 0; lane < L; lane++) {
-            corr[lane] = expf(m[lane] - mx[lane]);
-            m[lane] = mx[lane];
-            sum[lane] = 0.f;
-        }
-        for (int j = 0; j < n; j++) {
-            const int pos = c0 + j;
-#pragma omp simd
-            for (int lane = 0; lane < L; lane++) {
-                const bool in = pos >= lo[lane] && pos < hi[lane];
-                const float e = expf(std::min(s[j][lane] - mx[lane], 0.f));
-                s[j][lane] = in ? e : 0.f;
-                sum[lane] += s[j][lane];
+            const vfloat c = kvflow::exp_clamped(m_old - mx);
+            vfloat sum = vfloat{};
+            for (int j = 0; j < n; j++) {
+                const vint pos = vint{} + (c0 + j);
+                vfloat &sj = *(vfloat *)&s[j][v * VEC];
+                const vfloat x = sj - mx;
+                const vfloat e = kvflow::exp_clamped(x < 0.f ? x : vfloat{});
+                sj = ((pos >= lov) & (pos < hiv)) ? e : vfloat{};
+                sum += sj;
             }
+            *(vfloat *)&m[v * VEC] = mx;
+            *(vfloat *)&l[v * VEC] = *(const vfloat *)&l[v * VEC] * c + sum;
+            *(vfloat *)&corr[v * VEC] = c;
         }
-#pragma omp simd
-        for (int lane = 0; lane < L; lane++) l[lane] = l[lane] * corr[lane] + sum[lane];
         for (int d = 0; d < D; d++)
+            for (int v = 0; v < L / VEC; v++) *(vfloat *)&ot[d][v * VEC] *= *(const vfloat *)&corr[v * VEC];
+#if KVFLOW_TILE_BF16_PRODUCTS
+        if constexpr (BF) {
+            if (n % 2) memset(s[n], 0, sizeof(s[n]));  /* the last pair's missing key */
+            const int pairs = (n + 1) / 2;
+            for (int jp = 0; jp < pairs; jp++)
 #pragma omp simd
-            for (int lane = 0; lane < L; lane++) ot[d][lane] *= corr[lane];
-        tile_values<D>(s, vp, n, ot);
+                for (int lane = 0; lane < L; lane++)
+                    ppair[jp][lane] = bf16_pair(kvflow::f32_to_bf16(s[2 * jp][lane]), kvflow::f32_to_bf16(s[2 * jp + 1][lane]));
+            tile_values_bf16<D>(ppair, *reinterpret_cast<uint32_t(*)[TILE_KEYS / 2][D]>(&vp), pairs, ot);
+        } else
+#endif
+            tile_values<D>(s, vp, n, ot);
     }
     for (int i = 0; i < tile.rows; i++) {
         float *o = out + ((long)tokens[tile.r0 + i] * num_heads + (long)h * G) * D;
