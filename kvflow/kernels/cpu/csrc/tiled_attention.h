@@ -1,8 +1,8 @@
 /* Attention of a prefill chunk's rows, a tile of rows at a time (included by attention.h).
  *
  * attend_rows gives each query row its own pass over its keys: every key is loaded, and each product
- * summed across vector lanes, once per row -- about 80 GFLOP/s on two AVX-512 cores, where the
- * same multiply-adds as a GEMM reach ~180 (benchmarks/prefill_attention.py). The rows of one
+ * summed across vector lanes, once per row -- well below what the same multiply-adds reach as a
+ * GEMM (benchmarks/prefill_attention.py; figures in docs/benchmarks/results/). The rows of one
  * prefill chunk read the same keys through the same block table, so here a tile of them is computed
  * together, flash-attention style: the tile's (row, query head) pairs are the vector lanes
  * (TILE_LANES of them), its queries transposed once into qt[d][lane], and for each chunk of
@@ -17,9 +17,11 @@
  * same order (d ascending in a score, keys ascending in the values), the chunks start at multiples
  * of TILE_KEYS of the position whatever the tile, and masked keys add exact zeros. The sums run in
  * another order than attend_rows' (which keeps decode rows bit for bit the same alone or batched),
- * so a position attended here and as a decode row can differ in the last bits.
+ * so a position attended here and as a decode row can differ in the last bits (more over a bf16
+ * cache with bf16 products, below: the query and probabilities rounded to bf16).
  *
- * Float32 and bfloat16 caches (widened as a chunk is copied in), head_dim 64 and 128; other shapes
+ * Float32 and bfloat16 caches (widened to float32 as a chunk is copied in, or multiplied in bf16
+ * where the CPU has AVX512_BF16), head_dim 64 and 128; other shapes
  * and formats, soft-capped scores, and rows in runs too short to fill half a tile take attend_rows'
  * per-row path. */
 #ifndef KVFLOW_TILED_ATTENTION_H
