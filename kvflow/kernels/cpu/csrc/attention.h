@@ -16,7 +16,6 @@
 #include <utility>
 
 #include "simd.h"
-#include "tiled_attention.h"
 
 using kvflow::bf16_to_f32;
 using kvflow::f32_to_bf16;
@@ -549,6 +548,9 @@ static inline int check_shape(int num_heads, int kv_heads, int head_dim) {
     const int group = num_heads / kv_heads;
     return head_dim > MAX_HEAD_DIM || group > MAX_GROUP || group * kv_heads != num_heads ? -1 : 0;
 }
+
+/* Prefill rows a tile at a time (a part of this header: it uses the formats and load_row above). */
+#include "tiled_attention.h"
 
 /* Row r's attention for kv heads [h0, h0 + heads) (attend_rows' per-row path). */
 static inline void attend_row(const float *q, long q_row_stride, const void *kv, const float *scales, int fmt,

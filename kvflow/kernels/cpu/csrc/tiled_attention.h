@@ -1,4 +1,5 @@
-/* Attention of a prefill chunk's rows, a tile of rows at a time (included by attention.h).
+/* Attention of a prefill chunk's rows, a tile of rows at a time (a part of attention.h, included
+ * there after the cache formats and load_row).
  *
  * attend_rows gives each query row its own pass over its keys: every key is loaded, and each product
  * summed across vector lanes, once per row -- well below what the same multiply-adds reach as a
@@ -27,26 +28,15 @@
 #ifndef KVFLOW_TILED_ATTENTION_H
 #define KVFLOW_TILED_ATTENTION_H
 
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
-
-#include <algorithm>
 #include <vector>
-
-#include "simd.h"
-
-#ifndef restrict
-#define restrict __restrict__
-#endif
 
 /* Three lane vectors (16 rows of 3 query heads, SmolLM2's group) and half a vector of keys in
  * registers: 3 x VEC / 2 accumulators and 3 query vectors, within the 32 (AVX-512) or 16 (AVX2)
- * vector registers. Measured against 2 and 4 lane vectors and 6 / 12 registers' keys:
- * benchmarks/prefill_attention.py, docs/benchmarks/results/. */
-constexpr int TILE_LANES = 3 * kvflow::VEC;  /* (row, query head) pairs of a tile */
-constexpr int TILE_KEYS = 2 * kvflow::VEC;   /* keys per online-softmax step */
-constexpr int TILE_REGS = kvflow::VEC / 2;   /* keys / head dims whose lane vectors stay in registers */
+ * vector registers. Chosen by timing variants on one layer's 2,048-token prompt on the AVX-512
+ * EPYC: 2 lane vectors were slower, 1 or 3 vectors of keys per softmax step no faster. */
+constexpr int TILE_LANES = 3 * VEC;  /* (row, query head) pairs of a tile */
+constexpr int TILE_KEYS = 2 * VEC;   /* keys per online-softmax step */
+constexpr int TILE_REGS = VEC / 2;   /* keys / head dims whose lane vectors stay in registers */
 static_assert(TILE_KEYS % TILE_REGS == 0 && 64 % TILE_REGS == 0, "register passes must divide the chunk and D");
 
 /* Rows [r0, r0 + rows) of a call, their keys within [begin, end), read through row table_row's
@@ -58,12 +48,9 @@ struct AttentionTile {
 /* One key's (or value's) head vector of a float32 or bf16 cache into dst as float32. */
 template <int D, int FMT>
 static inline void widen_head(const void *kv, long base, float *restrict dst) {
-    if constexpr (FMT == 0 /* KV_F32 */) {
-        memcpy(dst, (const float *)kv + base, D * sizeof(float));
-    } else {
-        const uint16_t *p = (const uint16_t *)kv + base;
-        for (int i = 0; i < D / kvflow::VEC; i++) *(kvflow::vfloat *)(dst + i * kvflow::VEC) = kvflow::widen_bf16(p + i * kvflow::VEC);
-    }
+    vfloat row[D / VEC];
+    load_row<D, FMT>(kv, base, row);
+    for (int i = 0; i < D / VEC; i++) *(vfloat *)(dst + i * VEC) = row[i];
 }
 
 /* s[j][lane] = sum_d kp[j][d] * qt[d][lane] for keys j < n (n rounded up to TILE_REGS: kp's rows
@@ -71,20 +58,19 @@ static inline void widen_head(const void *kv, long base, float *restrict dst) {
 template <int D>
 static inline void tile_scores(const float (&qt)[D][TILE_LANES], const float (&kp)[TILE_KEYS][D], int n,
                                float (&s)[TILE_KEYS][TILE_LANES]) {
-    using kvflow::vfloat;
-    constexpr int NL = TILE_LANES / kvflow::VEC;
+    constexpr int NL = TILE_LANES / VEC;
     for (int j0 = 0; j0 < n; j0 += TILE_REGS) {
         vfloat acc[TILE_REGS][NL] = {};
         for (int d = 0; d < D; d++) {
             vfloat qv[NL];
-            for (int v = 0; v < NL; v++) qv[v] = *(const vfloat *)&qt[d][v * kvflow::VEC];
+            for (int v = 0; v < NL; v++) qv[v] = *(const vfloat *)&qt[d][v * VEC];
             for (int jj = 0; jj < TILE_REGS; jj++) {
                 const float k = kp[j0 + jj][d];
                 for (int v = 0; v < NL; v++) acc[jj][v] += k * qv[v];
             }
         }
         for (int jj = 0; jj < TILE_REGS; jj++)
-            for (int v = 0; v < NL; v++) *(vfloat *)&s[j0 + jj][v * kvflow::VEC] = acc[jj][v];
+            for (int v = 0; v < NL; v++) *(vfloat *)&s[j0 + jj][v * VEC] = acc[jj][v];
     }
 }
 
@@ -92,22 +78,21 @@ static inline void tile_scores(const float (&qt)[D][TILE_LANES], const float (&k
 template <int D>
 static inline void tile_values(const float (&p)[TILE_KEYS][TILE_LANES], const float (&vp)[TILE_KEYS][D], int n,
                                float (&ot)[D][TILE_LANES]) {
-    using kvflow::vfloat;
-    constexpr int NL = TILE_LANES / kvflow::VEC;
+    constexpr int NL = TILE_LANES / VEC;
     for (int d0 = 0; d0 < D; d0 += TILE_REGS) {
         vfloat acc[TILE_REGS][NL];
         for (int dd = 0; dd < TILE_REGS; dd++)
-            for (int v = 0; v < NL; v++) acc[dd][v] = *(const vfloat *)&ot[d0 + dd][v * kvflow::VEC];
+            for (int v = 0; v < NL; v++) acc[dd][v] = *(const vfloat *)&ot[d0 + dd][v * VEC];
         for (int j = 0; j < n; j++) {
             vfloat pv[NL];
-            for (int v = 0; v < NL; v++) pv[v] = *(const vfloat *)&p[j][v * kvflow::VEC];
+            for (int v = 0; v < NL; v++) pv[v] = *(const vfloat *)&p[j][v * VEC];
             for (int dd = 0; dd < TILE_REGS; dd++) {
                 const float x = vp[j][d0 + dd];
                 for (int v = 0; v < NL; v++) acc[dd][v] += x * pv[v];
             }
         }
         for (int dd = 0; dd < TILE_REGS; dd++)
-            for (int v = 0; v < NL; v++) *(vfloat *)&ot[d0 + dd][v * kvflow::VEC] = acc[dd][v];
+            for (int v = 0; v < NL; v++) *(vfloat *)&ot[d0 + dd][v * VEC] = acc[dd][v];
     }
 }
 
@@ -176,13 +161,11 @@ template <int D, int FMT>
 static void attend_tile(const AttentionTile &tile, int G, const float *q, long q_row_stride, const int32_t *tokens,
                         const int32_t *context_lens, int window, const void *kv, const int32_t *table,
                         int kv_heads, int num_heads, int block_size, int h, float scale, float *out) {
-    using kvflow::VEC;
-    using kvflow::vfloat;
     using kvflow::vint;
     constexpr int L = TILE_LANES;
-    constexpr bool BF = FMT == 2 /* KV_BF16 */ && KVFLOW_TILE_BF16_PRODUCTS;
-    alignas(64) float qt[D][L], ot[D][L], kp[TILE_KEYS][D], vp[TILE_KEYS][D], s[TILE_KEYS][L];
-    alignas(64) float m[L], l[L], corr[L];
+    constexpr bool BF = FMT == KV_BF16 && KVFLOW_TILE_BF16_PRODUCTS;
+    alignas(64) float qt[D][L], ot[D][L], kp[BF ? 1 : TILE_KEYS][D], vp[BF ? 1 : TILE_KEYS][D], s[TILE_KEYS][L];
+    alignas(64) float m[L], l[L];
     alignas(64) int lo[L], hi[L];
     for (int lane = 0; lane < L; lane++) {
         m[lane] = -1e30f;
@@ -201,7 +184,11 @@ static void attend_tile(const AttentionTile &tile, int G, const float *q, long q
         }
     }
 #if KVFLOW_TILE_BF16_PRODUCTS
+    /* the bf16 path's operands: queries and probabilities in pairs for the lanes, keys as stored,
+     * values in pairs of keys (sized 1 when unused) */
     alignas(64) uint32_t qpair[BF ? D / 2 : 1][L], ppair[BF ? TILE_KEYS / 2 : 1][L];
+    alignas(64) uint16_t kb[BF ? TILE_KEYS : 1][D];
+    alignas(64) uint32_t vpair[BF ? TILE_KEYS / 2 : 1][D];
     if constexpr (BF)
         for (int dp = 0; dp < D / 2; dp++)
 #pragma omp simd
@@ -219,8 +206,6 @@ static void attend_tile(const AttentionTile &tile, int G, const float *q, long q
 #if KVFLOW_TILE_BF16_PRODUCTS
         if constexpr (BF) {
             /* keys as stored (rows past n zero); values interleaved in pairs of keys */
-            uint16_t(&kb)[TILE_KEYS][D] = *reinterpret_cast<uint16_t(*)[TILE_KEYS][D]>(&kp);
-            uint32_t(&vpair)[TILE_KEYS / 2][D] = *reinterpret_cast<uint32_t(*)[TILE_KEYS / 2][D]>(&vp);
             for (int j = 0; j < n; j++)
                 memcpy(kb[j], (const uint16_t *)kv + slot_of(j) * tok_stride + k_off, D * sizeof(uint16_t));
             for (int j = n; j < padded; j++) memset(kb[j], 0, sizeof(kb[j]));
@@ -263,17 +248,14 @@ static void attend_tile(const AttentionTile &tile, int G, const float *q, long q
             for (int j = 0; j < n; j++) {
                 const vint pos = vint{} + (c0 + j);
                 vfloat &sj = *(vfloat *)&s[j][v * VEC];
-                const vfloat x = sj - mx;
-                const vfloat e = kvflow::exp_clamped(x < 0.f ? x : vfloat{});
+                const vfloat e = kvflow::exp_clamped(sj - mx);  /* (masked keys' may exceed 1: dropped) */
                 sj = ((pos >= lov) & (pos < hiv)) ? e : vfloat{};
                 sum += sj;
             }
             *(vfloat *)&m[v * VEC] = mx;
             *(vfloat *)&l[v * VEC] = *(const vfloat *)&l[v * VEC] * c + sum;
-            *(vfloat *)&corr[v * VEC] = c;
+            for (int d = 0; d < D; d++) *(vfloat *)&ot[d][v * VEC] *= c;
         }
-        for (int d = 0; d < D; d++)
-            for (int v = 0; v < L / VEC; v++) *(vfloat *)&ot[d][v * VEC] *= *(const vfloat *)&corr[v * VEC];
 #if KVFLOW_TILE_BF16_PRODUCTS
         if constexpr (BF) {
             if (n % 2) memset(s[n], 0, sizeof(s[n]));  /* the last pair's missing key */
@@ -282,7 +264,7 @@ static void attend_tile(const AttentionTile &tile, int G, const float *q, long q
 #pragma omp simd
                 for (int lane = 0; lane < L; lane++)
                     ppair[jp][lane] = bf16_pair(kvflow::f32_to_bf16(s[2 * jp][lane]), kvflow::f32_to_bf16(s[2 * jp + 1][lane]));
-            tile_values_bf16<D>(ppair, *reinterpret_cast<uint32_t(*)[TILE_KEYS / 2][D]>(&vp), pairs, ot);
+            tile_values_bf16<D>(ppair, vpair, pairs, ot);
         } else
 #endif
             tile_values<D>(s, vp, n, ot);
@@ -297,9 +279,9 @@ static void attend_tile(const AttentionTile &tile, int G, const float *q, long q
     }
 }
 
-/* Whether the tiled path takes this shape and cache format (float32 0, bf16 2). */
+/* Whether the tiled path takes this shape and cache format. */
 static inline bool tiled_shape(int fmt, int head_dim, int group) {
-    return (fmt == 0 || fmt == 2) && (head_dim == 64 || head_dim == 128) && 2 * group <= TILE_LANES;
+    return (fmt == KV_F32 || fmt == KV_BF16) && (head_dim == 64 || head_dim == 128) && 2 * group <= TILE_LANES;
 }
 
 /* The call's rows as tiles: runs of consecutive rows that read the same block table (a prefill
