@@ -321,6 +321,16 @@ constexpr int X8_ROWS = 8;
 constexpr int X8_ROWS = 4;
 #endif
 
+/* The last `rows` (1 .. R) rows in one tile: one pass over the group's weights, which each pass
+ * unpacks anew (5 rows -- a token verifying 4 drafts -- as 4 + 1 cost ~1.4x one tile of 5). */
+template <int T, int R = X8_ROWS - 1>
+inline void x8_rest(int rows, const uint8_t* g, const Act& a, int r, float* y, long ldy) {
+  if (rows == R)
+    x8_tile<T, R>(g, a, r, y, ldy);
+  else if constexpr (R > 1)
+    x8_rest<T, R - 1>(rows, g, a, r, y, ldy);
+}
+
 template <int T>
 void x8_segment(const BlockSegment& seg, const Act& a, int c0, int c1, int r0, int r1, float* y, long ldy) {
   const long group_bytes = (long)a.nb * x8_block_bytes(T);
@@ -328,12 +338,7 @@ void x8_segment(const BlockSegment& seg, const Act& a, int c0, int c1, int r0, i
     const uint8_t* g = seg.data + (long)(c / X8) * group_bytes;
     int r = r0;
     for (; r + X8_ROWS <= r1; r += X8_ROWS) x8_tile<T, X8_ROWS>(g, a, r, y + r * ldy + c, ldy);
-    if (X8_ROWS > 4 && r + 4 <= r1) x8_tile<T, 4>(g, a, r, y + r * ldy + c, ldy), r += 4;
-    switch (r1 - r) {
-      case 3: x8_tile<T, 3>(g, a, r, y + r * ldy + c, ldy); break;
-      case 2: x8_tile<T, 2>(g, a, r, y + r * ldy + c, ldy); break;
-      case 1: x8_tile<T, 1>(g, a, r, y + r * ldy + c, ldy); break;
-    }
+    if (r < r1) x8_rest<T>(r1 - r, g, a, r, y + r * ldy + c, ldy);
   }
 }
 
