@@ -14,7 +14,7 @@ from kvflow.config.speculative import SpeculativeConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZATIONS = (None, "int8", "int4")
-GGUF_WEIGHTS = ("native", "dequantize")
+GGUF_WEIGHTS = ("native", "dequantize", "auto")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8", "fp8", "fp8_e4m3", "fp8_e5m2", "int4")
 # The KV dtypes stored as plain floats (no scales), whatever the model's dtype.
 FLOAT_KV_CACHE_DTYPES = ("float32", "bfloat16")
@@ -63,8 +63,10 @@ class EngineConfig:
     gguf_weights: str = option(
         "native",
         "a GGUF's quantized tensors: native (kept in their block formats and run by the block "
-        "kernels where they can run: CPU, float32, one rank) or dequantize (float32 at load: exact HF "
-        "equivalence)",
+        "kernels where they can run: CPU, float32, one rank), dequantize (float32 at load: exact HF "
+        "equivalence) or auto (measured at the first start on this CPU: the blocks, or float32, or "
+        "bfloat16 where the CPU multiplies bf16 natively, whichever computes a 64-request decode step "
+        "fastest; bfloat16 sets --dtype and rounds the weights; needs --dtype float32, the default)",
         choices=GGUF_WEIGHTS,
     )
     kv_cache_dtype: str = option(
@@ -238,6 +240,11 @@ class EngineConfig:
             self.speculative()  # validate now, with a message naming the key
         if (self.kv_offload_cpu_gb > 0 or self.kv_offload_disk_dir) and not self.enable_prefix_caching:
             raise ValueError("the KV offload tiers hold prefix-cache blocks: they need enable_prefix_caching")
+        if self.gguf_weights == "auto" and self.dtype != "float32":
+            raise ValueError(
+                f"gguf_weights='auto' chooses the dtype itself (float32 or bfloat16), got dtype={self.dtype!r}: "
+                "leave dtype at float32, or choose gguf_weights='dequantize' to run the GGUF in that dtype"
+            )
         self._check_parallel()
         self._check_lora()
         self._check_attention_sinks()

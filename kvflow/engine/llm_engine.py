@@ -83,7 +83,9 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         from kvflow.models.loader import gguf_block_weights, load_checkpoint
+        from kvflow.worker import gguf_weights
 
+        config = gguf_weights.resolve(config)  # (--gguf-weights auto: measured, then native or dequantize)
         self.block_weights = gguf_block_weights(config)
         ckpt = load_checkpoint(config.model, config.tokenizer, keep_blocks=self.block_weights)
         if ckpt.block_quantized and config.kv_cache_dtype == "auto":
