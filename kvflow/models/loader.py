@@ -76,21 +76,24 @@ def gguf_block_weights(config: EngineConfig) -> bool:
     path = resolve_model_path(config.model)
     if not path.endswith(".gguf") or config.gguf_weights != "native":
         return False
-    reason = None
-    if config.device != "cpu" or config.dtype != "float32":
-        reason = f"the block kernels run on the CPU in float32 (device={config.device}, dtype={config.dtype})"
-    elif config.quantization is not None:
-        reason = f"quantization={config.quantization!r} re-quantizes the float weights"
-    elif config.tensor_parallel_size > 1:
-        reason = "tensor parallelism shards float weights"
-    else:
-        from kvflow.kernels.cpu.block_linear import block_kernels_unavailable
-
-        reason = block_kernels_unavailable()
+    reason = why_no_block_kernels(config)
     if reason is not None:
         logger.info("GGUF weights dequantized to float at load: %s", reason)
         return False
     return True
+
+
+def why_no_block_kernels(config: EngineConfig) -> str | None:
+    """Why a GGUF's blocks cannot run as stored under `config` (None: they can)."""
+    if config.device != "cpu" or config.dtype != "float32":
+        return f"the block kernels run on the CPU in float32 (device={config.device}, dtype={config.dtype})"
+    if config.quantization is not None:
+        return f"quantization={config.quantization!r} re-quantizes the float weights"
+    if config.tensor_parallel_size > 1:
+        return "tensor parallelism shards float weights"
+    from kvflow.kernels.cpu.block_linear import block_kernels_unavailable
+
+    return block_kernels_unavailable()
 
 
 def _load_hf_folder(path: Path, tokenizer_path: str | None, with_tokenizer: bool = True) -> Checkpoint:

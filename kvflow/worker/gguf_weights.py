@@ -74,23 +74,14 @@ def resolve(config: EngineConfig) -> EngineConfig:
 
 
 def choose(config: EngineConfig) -> Choice:
-    from kvflow.kernels.cpu.block_linear import block_kernels_unavailable
-    from kvflow.models.loader import resolve_model_path
+    from kvflow.models.loader import resolve_model_path, why_no_block_kernels
 
     path = resolve_model_path(config.model)
     if not path.endswith(".gguf"):
         return Choice("dequantize", config.dtype, {}, "not a GGUF: nothing to choose")
-    blocked = (
-        f"device {config.device}"
-        if config.device != "cpu"
-        else f"quantization={config.quantization!r}"
-        if config.quantization is not None
-        else "tensor parallelism"
-        if config.tensor_parallel_size > 1
-        else block_kernels_unavailable()
-    )
+    blocked = why_no_block_kernels(config)
     if blocked is not None:
-        return Choice("dequantize", config.dtype, {}, f"the block kernels cannot run here: {blocked}")
+        return Choice("dequantize", config.dtype, {}, blocked)
     from kvflow.kernels.cpu.float_linear import bf16_dot
     from kvflow.models.gguf_loader import load_gguf
 
