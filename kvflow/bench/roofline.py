@@ -31,6 +31,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from kvflow.utils.memory import meminfo_bytes
+
 DTYPE_BYTES: dict[str, float] = {
     "fp32": 4,
     "float32": 4,
@@ -509,17 +511,6 @@ def resolve_model(model: str | None = None, config: str | None = None) -> ModelS
 # ----------------------------------------------------------------------------------------------
 
 
-def _meminfo_bytes(field: str = "MemAvailable") -> float | None:
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return float(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
 def measure_local_hardware(copy_mb: int = 512, matmul_n: int = 1536, repeats: int = 3) -> Hardware:
     """This machine: copy bandwidth of a large torch tensor copy (bytes read + written per second,
     best of `repeats`), fp32 matmul FLOP/s (2n³ per n×n matmul, best of `repeats`), memory =
@@ -548,7 +539,7 @@ def measure_local_hardware(copy_mb: int = 512, matmul_n: int = 1536, repeats: in
         a @ b
         best = min(best, time.perf_counter() - t0)
     flops = 2 * matmul_n**3 / best
-    mem = _meminfo_bytes("MemAvailable") or _meminfo_bytes("MemTotal") or 0.0
+    mem = meminfo_bytes("MemAvailable") or meminfo_bytes("MemTotal") or 0.0
     return Hardware(
         "local",
         mem,

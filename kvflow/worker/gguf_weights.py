@@ -36,6 +36,7 @@ import torch
 
 from kvflow.config import EngineConfig
 from kvflow.kernels.cpu import native
+from kvflow.utils.memory import meminfo_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +44,13 @@ ROWS = (1, 64)  # one request decoding, and 64 at once (the batched decode the c
 ROUNDS = 3
 MARGIN = 0.05  # a float path must be this much faster at ROWS[-1] (timing noise must not flip it)
 MEMORY_SHARE = 0.5  # of MemAvailable, for the dequantized weights
-# (the parts of one decoder layer, fused as the model holds them)
-LAYER_PARTS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
+# The projections of one decoder layer, fused as the model holds them: (module, parts).
+LAYER_PARTS = (
+    ("self_attn", ("q_proj", "k_proj", "v_proj")),
+    ("self_attn", ("o_proj",)),
+    ("mlp", ("gate_proj", "up_proj")),
+    ("mlp", ("down_proj",)),
+)
 VERSION = 1
 
 
@@ -86,7 +92,7 @@ def choose(config: EngineConfig) -> Choice:
     from kvflow.models.gguf_loader import load_gguf
 
     g = load_gguf(path, with_tokenizer=False, keep_blocks=True)
-    parts = _projections(g.tensors, g.hf_config)
+    parts = _projections(g.tensors)
     if parts is None:
         return Choice("native", "float32", {}, "the GGUF's first layer has no block-quantized projections to time")
     layers = int(g.hf_config.get("num_hidden_layers") or 1)
@@ -100,7 +106,7 @@ def choose(config: EngineConfig) -> Choice:
         times = measure(parts, layers, dtypes)
         source = f"measured in {time.perf_counter() - t0:.1f} s"
         _write(store, times)
-    return decide(times, _float_params(g.tensors), _available_bytes(), source)
+    return decide(times, _float_params(g.tensors), meminfo_bytes("MemAvailable"), source)
 
 
 def decide(times: dict[str, dict[int, float]], float_params: int, available: float | None, source: str) -> Choice:
@@ -166,17 +172,14 @@ def measure(parts: dict[str, list], layers: int, dtypes: list[str]) -> dict[str,
     return step
 
 
-def _projections(tensors: dict, hf_config: dict) -> dict[str, list] | None:
+def _projections(tensors: dict) -> dict[str, list] | None:
     """The first layer's projections (fused as the model holds them) and the logits, as block-
     quantized parts; None where they are not all block-quantized."""
     from kvflow.quantization.gguf_blocks import BlockQuantized
 
     out: dict[str, list] = {}
-    for group in LAYER_PARTS:
-        names = [
-            f"model.layers.0.{'self_attn' if p.endswith(('q_proj', 'k_proj', 'v_proj', 'o_proj')) else 'mlp'}.{p}.weight"
-            for p in group
-        ]
+    for module, group in LAYER_PARTS:
+        names = [f"model.layers.0.{module}.{p}.weight" for p in group]
         blocks = [tensors.get(n) for n in names]
         if not all(isinstance(b, BlockQuantized) for b in blocks):
             return None
@@ -190,17 +193,6 @@ def _projections(tensors: dict, hf_config: dict) -> dict[str, list] | None:
 def _float_params(tensors: dict) -> int:
     """Elements of every weight in the file: what a float path holds once dequantized."""
     return sum(int(torch.Size(t.shape).numel()) for t in tensors.values())
-
-
-def _available_bytes() -> float | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return float(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def _key(parts: dict[str, list], layers: int, dtypes: list[str]) -> str:
