@@ -405,16 +405,6 @@ inline void x8_rest(int rows, const uint8_t* g, const Act& a, int r, float* y, l
     x8_rest<T, R - 1>(rows, g, a, r, y, ldy);
 }
 
-#ifdef KVFLOW_X16
-template <int T, int R = X8_ROWS - 1>
-inline void x16_rest(int rows, const uint8_t* g0, const uint8_t* g1, const Act& a, int r, float* y, long ldy) {
-  if (rows == R)
-    x16_tile<T, R>(g0, g1, a, r, y, ldy);
-  else if constexpr (R > 1)
-    x16_rest<T, R - 1>(rows, g0, g1, a, r, y, ldy);
-}
-#endif
-
 template <int T>
 void x8_segment(const BlockSegment& seg, const Act& a, int c0, int c1, int r0, int r1, float* y, long ldy) {
   const long group_bytes = (long)a.nb * x8_block_bytes(T);
@@ -422,9 +412,12 @@ void x8_segment(const BlockSegment& seg, const Act& a, int c0, int c1, int r0, i
     const uint8_t* g = seg.data + (long)(c / X8) * group_bytes;
     int r = r0;
 #ifdef KVFLOW_X16
-    if (c + 2 * X8 <= c1) {  // two groups: 16 channels at once
+    if (c + 2 * X8 <= c1 && r1 - r0 >= X8_ROWS) {  // two groups, full tiles of rows: 16 channels at once
       for (; r + X8_ROWS <= r1; r += X8_ROWS) x16_tile<T, X8_ROWS>(g, g + group_bytes, a, r, y + r * ldy + c, ldy);
-      if (r < r1) x16_rest<T>(r1 - r, g, g + group_bytes, a, r, y + r * ldy + c, ldy);
+      if (r < r1) {
+        x8_rest<T>(r1 - r, g, a, r, y + r * ldy + c, ldy);
+        x8_rest<T>(r1 - r, g + group_bytes, a, r, y + r * ldy + c + X8, ldy);
+      }
       c += X8;
       continue;
     }
