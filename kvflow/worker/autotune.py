@@ -201,14 +201,14 @@ def measure_pass_rows(step: Callable[[int, bool], None], bound: int) -> tuple[in
     rows = 0
     with machine_load.ForeignLoad() as load:
         for b in (b for b in ROW_BUCKETS if b <= bound):
-            best = _best_times(lambda fused, b=b: step(b, fused), (True, False))
+            best = best_times(lambda fused, b=b: step(b, fused), (True, False))
             if best[True] > best[False]:
                 break
             rows = b
     return rows, load.value
 
 
-def _best_times(run: Callable, variants: Iterable) -> dict:
+def best_times(run: Callable, variants: Iterable) -> dict:
     """Seconds of `run(v)` for each variant: once each to warm (buffers sized, code paths loaded),
     then ROUNDS times each, interleaved, the best of each."""
     best = dict.fromkeys(variants, float("inf"))
@@ -258,7 +258,7 @@ def measure_prefill_attention(run: Callable[[str], None]) -> tuple[str, float]:
     meanwhile. (Before the tiled kernel, the native per-row kernel won on the AVX-512 EPYC and gather
     + SDPA, through oneDNN's bf16 kernels, on the AMX Xeon in bf16.)"""
     with machine_load.ForeignLoad() as load:
-        best = _best_times(run, PREFILL_PATHS)
+        best = best_times(run, PREFILL_PATHS)
     return min(best, key=best.get), load.value
 
 
@@ -359,11 +359,16 @@ def cache_key(dtype: str, cold: bool = False) -> str:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 
-def cache_path(dtype: str, cold: bool = False) -> Path:
-    """In the kernel cache, or in $KVFLOW_AUTOTUNE_DIR where set (the test suite sets it: timings
-    taken beside its own threads and servers must not become a user's choices)."""
+def store_dir() -> Path:
+    """Where start-up measurements are kept: the kernel cache, or $KVFLOW_AUTOTUNE_DIR where set (the
+    test suite sets it: timings taken beside its own threads and servers must not become a user's
+    choices)."""
     root = os.environ.get("KVFLOW_AUTOTUNE_DIR")
-    return (Path(root) if root else native.cache_dir()) / f"autotune-{cache_key(dtype, cold)}.json"
+    return Path(root) if root else native.cache_dir()
+
+
+def cache_path(dtype: str, cold: bool = False) -> Path:
+    return store_dir() / f"autotune-{cache_key(dtype, cold)}.json"
 
 
 def _read(path: Path) -> dict:
@@ -399,7 +404,12 @@ def _write(path: Path, stored: dict) -> None:
         "prefill_attention": stored["prefill_attention"],
         "shapes": {f"{n}x{k}": {str(b): by for b, by in rows.items()} for (n, k), rows in stored["shapes"].items()},
     }
+    write_json(path, raw)
+
+
+def write_json(path: Path, raw: dict) -> None:
+    """`raw` to `path` as JSON, atomically: concurrent starts (replicas, ranks) never read a torn file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(raw, indent=1))
-    os.replace(tmp, path)  # atomic: concurrent starts (replicas, ranks) never read a torn file
+    os.replace(tmp, path)

@@ -9,7 +9,7 @@ times the model's own projections -- one decoder layer's q|k|v, o, gate|up and d
 model holds them, and the logits -- at `ROWS` rows, the blocks against each float dtype the CPU
 multiplies natively (float32; bfloat16 where it has bf16 products: AVX512-BF16 or AMX), each float
 shape through the fastest of the linear kernels' paths (what the autotune would pick), interleaved,
-best of `ROUNDS`; a step's projections are layers x one layer + the logits. A float path is taken
+best of 3 (the autotune's `best_times`); a step's projections are layers x one layer + the logits. A float path is taken
 when its step at the batched row count (the last of `ROWS`) is faster than the blocks' by `MARGIN`
 and its weights fit in `MEMORY_SHARE` of the memory available now; the log gives every time, the
 one-row times too (where the blocks usually win: a decode of a few requests reads fewer bytes).
@@ -27,7 +27,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -37,11 +36,11 @@ import torch
 from kvflow.config import EngineConfig
 from kvflow.kernels.cpu import native
 from kvflow.utils.memory import meminfo_bytes
+from kvflow.worker.autotune import best_times, store_dir, write_json
 
 logger = logging.getLogger(__name__)
 
 ROWS = (1, 64)  # one request decoding, and 64 at once (the batched decode the choice is for)
-ROUNDS = 3
 MARGIN = 0.05  # a float path must be this much faster at ROWS[-1] (timing noise must not flip it)
 MEMORY_SHARE = 0.5  # of MemAvailable, for the dequantized weights
 # The projections of one decoder layer, fused as the model holds them: (module, parts).
@@ -70,12 +69,8 @@ def resolve(config: EngineConfig) -> EngineConfig:
     if config.gguf_weights != "auto":
         return config
     choice = choose(config)
-    logger.info(
-        "--gguf-weights auto: %s%s (%s)",
-        "blocks as stored" if choice.gguf_weights == "native" else "dequantized to ",
-        "" if choice.gguf_weights == "native" else choice.dtype,
-        choice.why,
-    )
+    chosen = "blocks as stored" if choice.gguf_weights == "native" else f"dequantized to {choice.dtype}"
+    logger.info("--gguf-weights auto: %s (%s)", chosen, choice.why)
     return replace(config, gguf_weights=choice.gguf_weights, dtype=choice.dtype)
 
 
@@ -121,7 +116,7 @@ def decide(times: dict[str, dict[int, float]], float_params: int, available: flo
     best = min((c for c in times if c != "blocks"), key=lambda c: times[c][rows], default=None)
     if best is None or times[best][rows] > blocks * (1 - MARGIN):
         return Choice("native", "float32", times, f"a decode step's projections: {shown}; {source}")
-    need = float_params * torch.empty(0, dtype=getattr(torch, best)).element_size()
+    need = float_params * getattr(torch, best).itemsize
     if available is not None and need > MEMORY_SHARE * available:
         return Choice(
             "native",
@@ -135,8 +130,8 @@ def decide(times: dict[str, dict[int, float]], float_params: int, available: flo
 
 def measure(parts: dict[str, list], layers: int, dtypes: list[str]) -> dict[str, dict[int, float]]:
     """Seconds of a decode step's projections (layers x the first layer's + the logits) at each of
-    ROWS, for the blocks and each float dtype: every kernel timed ROUNDS times, interleaved across
-    candidates, best of each."""
+    ROWS, for the blocks and each float dtype: every kernel timed as the autotune times its choices
+    (once to warm, then its ROUNDS sweeps interleaved across candidates, best of each)."""
     from kvflow.kernels.cpu.block_linear import BlockQuantKernel
     from kvflow.layers.linear_kernels import candidates, make_path_kernel
     from kvflow.quantization.gguf_blocks import dequantize_rows
@@ -150,20 +145,13 @@ def measure(parts: dict[str, list], layers: int, dtypes: list[str]) -> dict[str,
             dt = getattr(torch, d)
             kernels[(d, name)] = [make_path_kernel(p, w.to(dt)) for p in candidates(dt)]
     g = torch.Generator().manual_seed(0)
-    inputs = {
-        (name, r): torch.randn(r, blocks[0].shape[1], generator=g) for name, blocks in parts.items() for r in ROWS
-    }
+    variants = [(c, name, i) for (c, name), ks in kernels.items() for i in range(len(ks))]
     best: dict[tuple[str, str, int, int], float] = {}
-    for sweep in range(ROUNDS + 1):  # (the first sweep warms: buffers sized, pages touched)
-        for r in ROWS:
-            for (c, name), ks in kernels.items():
-                x = inputs[(name, r)].to(torch.float32 if c == "blocks" else getattr(torch, c))
-                for i, kern in enumerate(ks):
-                    t = time.perf_counter()
-                    kern(x)
-                    if sweep:
-                        key = (c, name, r, i)
-                        best[key] = min(best.get(key, float("inf")), time.perf_counter() - t)
+    for r in ROWS:
+        x = {name: torch.randn(r, blocks[0].shape[1], generator=g) for name, blocks in parts.items()}
+        xs = {(c, name): x[name].to(torch.float32 if c == "blocks" else getattr(torch, c)) for c, name in kernels}
+        times = best_times(lambda v, xs=xs: kernels[v[:2]][v[2]](xs[v[:2]]), variants)
+        best.update({(c, name, r, i): t for (c, name, i), t in times.items()})
     # a projection's time: its fastest path's; a step: layers x each layer projection + the logits
     step: dict[str, dict[int, float]] = {c: dict.fromkeys(ROWS, 0.0) for c in ("blocks", *dtypes)}
     for (c, name), ks in kernels.items():
@@ -216,9 +204,7 @@ def _key(parts: dict[str, list], layers: int, dtypes: list[str]) -> str:
 
 
 def _store_path(key: str) -> Path:
-    """Beside the autotune's times ($KVFLOW_AUTOTUNE_DIR where set, as the test suite does)."""
-    root = os.environ.get("KVFLOW_AUTOTUNE_DIR")
-    return (Path(root) if root else native.cache_dir()) / f"gguf-weights-{key}.json"
+    return store_dir() / f"gguf-weights-{key}.json"
 
 
 def _read(path: Path) -> dict[str, dict[int, float]] | None:
@@ -234,7 +220,4 @@ def _read(path: Path) -> dict[str, dict[int, float]] | None:
 
 
 def _write(path: Path, times: dict[str, dict[int, float]]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"cpu": native.cpu_id().split(" | ")[0], "times": times}, indent=1))
-    os.replace(tmp, path)  # atomic: concurrent starts never read a torn file
+    write_json(path, {"cpu": native.cpu_id().split(" | ")[0], "times": times})

@@ -73,7 +73,8 @@ def test_auto_on_the_default_model(tmp_path, monkeypatch):
     monkeypatch.setenv("KVFLOW_AUTOTUNE_DIR", str(tmp_path))
     first = gguf_weights.choose(EngineConfig(gguf_weights="auto"))
     assert set(first.times) >= {"blocks", "float32"}
-    assert (first.gguf_weights, first.dtype) == (lambda c: (c.gguf_weights, c.dtype))(decide(first.times, 1, None, ""))
+    rule = decide(first.times, 1, None, "")  # (the rule on the measured times)
+    assert (first.gguf_weights, first.dtype) == (rule.gguf_weights, rule.dtype)
     assert len(list(tmp_path.glob("gguf-weights-*.json"))) == 1
     monkeypatch.setattr(gguf_weights, "measure", lambda *a: pytest.fail("the stored times are not read"))
     again = gguf_weights.choose(EngineConfig(gguf_weights="auto"))
