@@ -61,6 +61,9 @@ class RejectionSampler:
             return RejectionOutput(token_ids=[], num_accepted=[])
         if n_pos != sum(ks) + len(ks):
             raise ValueError(f"target_logits has {n_pos} rows, expected sum(k_i + 1) = {sum(ks) + len(ks)}")
+        all_greedy = all(p.greedy for p in params)  # on the host: no device sync
+        if all_greedy:
+            return self._greedy(target_logits, draft_token_ids)
         kmax = max(ks)
         k = torch.tensor(ks, dtype=torch.long, device=dev)
         start = torch.cumsum(k + 1, 0) - (k + 1)  # first target position of each row
@@ -70,44 +73,56 @@ class RejectionSampler:
         draft = torch.tensor([d + [0] * (kmax - len(d)) for d in draft_token_ids], dtype=torch.long, device=dev).view(
             len(ks), kmax
         )
-        all_greedy = all(p.greedy for p in params)  # on the host: no device sync
-        greedy = None if all_greedy else torch.tensor([p.greedy for p in params], dtype=torch.bool, device=dev)
+        greedy = torch.tensor([p.greedy for p in params], dtype=torch.bool, device=dev)
 
         target_argmax = greedy_tokens(target_logits)
-        accept = target_argmax[pos] == draft
-        if not all_greedy:
-            probs = transformed_probs(target_logits, [p for p, n in zip(params, ks) for _ in range(n + 1)])
-            u = self._uniforms(generators, ks, kmax + 1, dev)  # [B, K + 1]
-            q_x, q_all, q_first = self._draft_probs_at(draft_probs, draft, ks, probs.dtype)
-            # u < p/q without a division: q(x) = 0 accepts iff p(x) > 0; p(x) = 0 never accepts.
-            accept = torch.where(greedy[:, None], accept, u[:, :kmax] * q_x < probs[pos, draft])
+        probs = transformed_probs(target_logits, [p for p, n in zip(params, ks) for _ in range(n + 1)])
+        u = self._uniforms(generators, ks, kmax + 1, dev)  # [B, K + 1]
+        q_x, q_all, q_first = self._draft_probs_at(draft_probs, draft, ks, probs.dtype)
+        # u < p/q without a division: q(x) = 0 accepts iff p(x) > 0; p(x) = 0 never accepts.
+        accept = torch.where(greedy[:, None], target_argmax[pos] == draft, u[:, :kmax] * q_x < probs[pos, draft])
         accept &= valid
         num_accepted = accept.long().cumprod(dim=1).sum(dim=1)  # length of the leading accepted run
         final_pos = start + num_accepted
         tokens = target_argmax[final_pos]
 
-        if not all_greedy:
-            p_final = probs[final_pos]  # [B, V]: p at the rejected draft, or at the bonus position
-            residual = p_final.clone()
-            rejected = num_accepted < k
-            rows = torch.nonzero(rejected, as_tuple=True)[0]
-            rej_tok = draft[rows, num_accepted[rows]]
-            has_q = q_first[rows] >= 0
-            # One-hot q: max(p - q, 0) is p with the rejected draft removed.
-            residual[rows[~has_q], rej_tok[~has_q]] = 0
-            if q_all is not None and bool(has_q.any()):
-                r = rows[has_q]
-                residual[r] -= q_all[q_first[r] + num_accepted[r]]
-            residual.clamp_(min=0)  # also absorbs float negatives
-            empty = residual.sum(dim=-1, keepdim=True) <= _RESIDUAL_EPS
-            dist = torch.where(rejected[:, None] & ~empty, residual, p_final)
-            sampled = _inverse_cdf(dist, u.gather(1, k[:, None]).squeeze(1))
-            tokens = torch.where(greedy, tokens, sampled)
+        p_final = probs[final_pos]  # [B, V]: p at the rejected draft, or at the bonus position
+        residual = p_final.clone()
+        rejected = num_accepted < k
+        rows = torch.nonzero(rejected, as_tuple=True)[0]
+        rej_tok = draft[rows, num_accepted[rows]]
+        has_q = q_first[rows] >= 0
+        # One-hot q: max(p - q, 0) is p with the rejected draft removed.
+        residual[rows[~has_q], rej_tok[~has_q]] = 0
+        if q_all is not None and bool(has_q.any()):
+            r = rows[has_q]
+            residual[r] -= q_all[q_first[r] + num_accepted[r]]
+        residual.clamp_(min=0)  # also absorbs float negatives
+        empty = residual.sum(dim=-1, keepdim=True) <= _RESIDUAL_EPS
+        dist = torch.where(rejected[:, None] & ~empty, residual, p_final)
+        sampled = _inverse_cdf(dist, u.gather(1, k[:, None]).squeeze(1))
+        tokens = torch.where(greedy, tokens, sampled)
 
         tokens_l, acc_l = tokens.tolist(), num_accepted.tolist()
         return RejectionOutput(
             token_ids=[d[:a] + [t] for d, a, t in zip(draft_token_ids, acc_l, tokens_l)], num_accepted=acc_l
         )
+
+    @staticmethod
+    def _greedy(target_logits: torch.Tensor, draft_token_ids: list[list[int]]) -> RejectionOutput:
+        """Every row greedy: accept while a draft is its position's argmax, then emit that
+        position's argmax -- on the host, over one argmax of all positions (a batch's handful of
+        rows does not pay for a dozen small tensor ops)."""
+        best = greedy_tokens(target_logits).tolist()
+        token_ids, num_accepted, at = [], [], 0
+        for d in draft_token_ids:
+            a = 0
+            while a < len(d) and d[a] == best[at + a]:
+                a += 1
+            token_ids.append(d[:a] + [best[at + a]])
+            num_accepted.append(a)
+            at += len(d) + 1
+        return RejectionOutput(token_ids=token_ids, num_accepted=num_accepted)
 
     @staticmethod
     def _draft_probs_at(

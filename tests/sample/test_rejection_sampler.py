@@ -34,12 +34,15 @@ def _greedy_reference(logits: torch.Tensor, drafts: list[int]) -> list[int]:
     return out + [int(logits[len(drafts)].argmax())]
 
 
-def test_greedy_matches_brute_force_even_mixed_with_random_rows():
+@pytest.mark.parametrize("mixed", [True, False], ids=["mixed with random rows", "all greedy"])
+def test_greedy_matches_brute_force(mixed):
+    """Greedy rows against the brute-force loop, in a batch with random rows (the vectorised
+    path) and alone (the host path), ties in the logits included."""
     g = torch.Generator().manual_seed(0)
     vocab, rows = 50, 40
     ks = [int(x) for x in torch.randint(0, 6, (rows,), generator=g)]
     ks[0] = 0
-    logits = [torch.randn(k + 1, vocab, generator=g) for k in ks]
+    logits = [torch.randint(0, 4, (k + 1, vocab), generator=g).float() for k in ks]  # ties in every row
     drafts = []
     for lg, k in zip(logits, ks):  # mostly the argmax, sometimes not: every outcome occurs
         d = [
@@ -47,7 +50,7 @@ def test_greedy_matches_brute_force_even_mixed_with_random_rows():
             for j in range(k)
         ]
         drafts.append(d)
-    params = [GREEDY if i % 2 == 0 else RANDOM for i in range(rows)]
+    params = [GREEDY if i % 2 == 0 or not mixed else RANDOM for i in range(rows)]
     q = [torch.softmax(torch.randn(k, vocab, generator=g), -1) for k in ks]
     out = RejectionSampler(seed=0, device=CPU)(_flat(logits), drafts, q, params, [None] * rows)
     greedy_rows = [i for i in range(rows) if params[i].greedy]

@@ -237,8 +237,9 @@ def test_chat_applies_template(llm):
 
 
 def test_greedy_tokens_is_argmax_with_ties_and_nan():
-    """The sampler's greedy pick (through torch.max, faster on the CPU) is argmax: the first index
-    of the maximum on ties, a NaN counting as the maximum."""
+    """The sampler's greedy pick (numpy's argmax for float32 CPU logits, torch's max otherwise) is
+    torch's argmax: the first index of the maximum on ties, a NaN counting as the maximum, an
+    all -inf row its first index; on strided views and in every dtype."""
     from kvflow.sample.sampler import greedy_tokens
 
     g = torch.Generator().manual_seed(0)
@@ -246,9 +247,16 @@ def test_greedy_tokens_is_argmax_with_ties_and_nan():
     logits[5, 17] = float("nan")
     logits[5, 900] = float("nan")
     logits[7] = 1.0
+    logits[9] = float("-inf")
+    logits[11, 600:] = float("inf")
+    for view in (logits, logits[:, ::3], logits.t().contiguous().t(), logits[10:20]):
+        got = greedy_tokens(view)
+        assert got.dtype == torch.int64 and torch.equal(got, view.argmax(dim=-1))
     got = greedy_tokens(logits)
-    assert torch.equal(got, logits.argmax(dim=-1))
-    assert got[5] == 17 and got[7] == 0
+    assert got[5] == 17 and got[7] == 0 and got[9] == 0 and got[11] == 600
+    for dtype in (torch.float64, torch.bfloat16, torch.float16):
+        assert torch.equal(greedy_tokens(logits.to(dtype)), logits.to(dtype).argmax(dim=-1))
+    assert greedy_tokens(torch.randn(0, 5)).shape == (0,)
 
 
 def test_bf16_logits_sample_as_their_float32_copy():
