@@ -18,7 +18,9 @@ no draft (alpha^j < 1) can beat it, so speculation switches itself off; so does 
 drafts keep failing (alpha^j below `_MIN_GAIN`). `adaptive: false` always proposes
 `num_speculative_tokens`.
 
-Each request's alpha starts from the average over all requests so far. While the plan gives no
+Prompt lookup costs nothing to ask, so the adaptive plan is made twice: the requests it gives
+drafts are looked up, then the plan is made again over the drafts found (a request without a match
+takes no share of the step). Each request's alpha starts from the average over all requests so far. While the plan gives no
 draft at all, one request in turn gets a single probing draft every `_PROBE_EVERY` steps (prompt
 lookup only), so the estimates can learn when drafts start to pay again.
 
@@ -133,9 +135,21 @@ class Speculator:
     def propose(self, running: list[Request]) -> None:
         decoding = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
         limits = {r.request_id: self._limit(r) for r in decoding}
-        plan = self._plan(running, limits) if self.config.adaptive else limits
-        self._probe(plan, limits)
-        drafts = self.proposer.propose(decoding, plan)
+        drafts = None
+        if not self.config.adaptive:
+            plan = limits
+        else:
+            plan = self._plan(running, limits)
+            if self.proposer.cost is None and any(plan.values()):
+                # Prompt lookup is free to ask: look up each planned request's longest draft, then
+                # plan again over what was found, so a request with no match in its text takes no
+                # share of the step from those that have one.
+                drafts = self.proposer.propose(decoding, {rid: limits[rid] for rid, n in plan.items() if n})
+                limits = {rid: len(drafts.get(rid, ())) for rid in limits}
+                plan = self._plan(running, limits)
+            self._probe(plan, limits)
+        if drafts is None:
+            drafts = self.proposer.propose(decoding, plan)
         for r in decoding:
             r.spec_token_ids = drafts.get(r.request_id, [])[: plan.get(r.request_id, 0)]
 

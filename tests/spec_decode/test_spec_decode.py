@@ -276,6 +276,32 @@ def test_plan_counts_drafts_on_the_decode_pass_as_rows():
     assert spec._plan(batch, limits) == dict.fromkeys(limits, 1)
 
 
+def test_plan_gives_no_share_to_requests_without_a_match():
+    """Prompt lookup is asked before the plan is final: of 8 decoding requests only the 4 whose
+    text repeats get drafts, and they get the depth the step can afford for 4 (all 4 drafts here),
+    where a plan over all 8 gave each 3 (the previous test's figures) and half of them went unused."""
+    cost = _costly_chunks()
+    cost.decode_pass = DecodePass(rows_per_seq=8, max_rows=64)
+    spec = Speculator(
+        SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2}),
+        cost=cost,
+    )
+    batch = []
+    for i in range(8):
+        base = 100 * (i + 1)
+        prompt = [base + j for j in range(8)]
+        r = Request(f"r{i}", f"r{i}", 0, prompt, SamplingParams(max_tokens=100), 100, 0.0)
+        # even requests end on their prompt's first three tokens (a match, 4 tokens follow); odd ones on new text
+        r.output_token_ids = prompt[:3] if i % 2 == 0 else [base + 50, base + 51, base + 52]
+        r.num_computed_tokens = r.num_tokens - 1
+        spec.alpha[r.request_id] = 0.8
+        batch.append(r)
+    assert spec._plan(batch, {r.request_id: 4 for r in batch}) == {r.request_id: 3 for r in batch}
+    spec.propose(batch)
+    for i, r in enumerate(batch):
+        assert r.spec_token_ids == ([100 * (i + 1) + j for j in range(3, 7)] if i % 2 == 0 else []), i
+
+
 def test_step_cost_chunks_on_and_off_the_decode_pass():
     cost = StepCostModel()
     assert cost.chunks(rows=9, longest=5, multi=2) == 2  # no pass: every multi-token sequence
