@@ -20,9 +20,10 @@ drafts keep failing (alpha^j below `_MIN_GAIN`). `adaptive: false` always propos
 
 Prompt lookup costs nothing to ask, so the adaptive plan is made twice: the requests it gives
 drafts are looked up, then the plan is made again over the drafts found (a request without a match
-takes no share of the step). Each request's alpha starts from the average over all requests so far. While the plan gives no
-draft at all, one request in turn gets a single probing draft every `_PROBE_EVERY` steps (prompt
-lookup only), so the estimates can learn when drafts start to pay again.
+takes no share of the step). Each request's alpha starts from the average over all requests so
+far. While the plan gives no draft at all, one request in turn gets a single probing draft every
+`_PROBE_EVERY` steps (prompt lookup only), so the estimates can learn when drafts start to pay
+again.
 
 Who never speculates: requests still prefilling, with penalties (their distribution at a draft
 position would depend on the drafts before it), before `min_tokens`, or one token short of
