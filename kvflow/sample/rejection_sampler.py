@@ -61,8 +61,7 @@ class RejectionSampler:
             return RejectionOutput(token_ids=[], num_accepted=[])
         if n_pos != sum(ks) + len(ks):
             raise ValueError(f"target_logits has {n_pos} rows, expected sum(k_i + 1) = {sum(ks) + len(ks)}")
-        all_greedy = all(p.greedy for p in params)  # on the host: no device sync
-        if all_greedy:
+        if all(p.greedy for p in params):  # (decided on the host: no device sync)
             return self._greedy(target_logits, draft_token_ids)
         kmax = max(ks)
         k = torch.tensor(ks, dtype=torch.long, device=dev)

@@ -8,11 +8,12 @@ serve more than the blocks (docs/benchmarks/results/). So nothing is written dow
 times the model's own projections -- one decoder layer's q|k|v, o, gate|up and down, fused as the
 model holds them, and the logits -- at `ROWS` rows, the blocks against each float dtype the CPU
 multiplies natively (float32; bfloat16 where it has bf16 products: AVX512-BF16 or AMX), each float
-shape through the fastest of the linear kernels' paths (what the autotune would pick), interleaved,
-best of 3 (the autotune's `best_times`); a step's projections are layers x one layer + the logits. A float path is taken
-when its step at the batched row count (the last of `ROWS`) is faster than the blocks' by `MARGIN`
-and its weights fit in `MEMORY_SHARE` of the memory available now; the log gives every time, the
-one-row times too (where the blocks usually win: a decode of a few requests reads fewer bytes).
+shape through the fastest of the linear kernels' paths (what the autotune would pick), timed as
+the autotune times its choices (`best_times`: interleaved, best of its rounds); a step's projections
+are layers x one layer + the logits. A float path is taken when its step at the batched row count
+(the last of `ROWS`) is faster than the blocks' by `MARGIN` and its weights fit in `MEMORY_SHARE` of
+the memory available now; the log gives every time, the one-row times too (where the blocks
+usually win: a decode of a few requests reads fewer bytes).
 
 What the choice changes: native keeps the file's bytes (activations rounded to int8 per block of
 32); float32 runs the file's values exactly (HF equivalence on the dequantized weights);
