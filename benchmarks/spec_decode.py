@@ -1,6 +1,6 @@
 """Speculative decoding on the default model: decode tok/s with and without it, in one process.
 
-    python benchmarks/spec_decode.py [--batches 1,8,32] [--max-tokens 128] [--k 4] [--rounds 3]
+    python benchmarks/spec_decode.py [--batches 1,8,32] [--max-tokens 128] [--k 4[,8]] [--rounds 3]
         [--gguf-weights native|dequantize]   # dequantize: the float32 path
 
 Workloads: `chat` (open-ended questions) and `grounded` (repeat / lightly edit a given passage,
@@ -94,7 +94,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    ap.add_argument("--k", default="4", help="num_speculative_tokens; several (4,8): each method at each, interleaved")
     ap.add_argument("--quantization", default=None)
     ap.add_argument(
         "--gguf-weights",
@@ -113,22 +113,19 @@ def main() -> None:
     )
     lo, hi = (int(x) for x in args.lookup.split(","))
     ngram = {"method": "ngram", "prompt_lookup_min": lo, "prompt_lookup_max": hi}
-    methods = {
-        "none": None,
-        "ngram": {**ngram, "num_speculative_tokens": args.k},
-        "ngram fixed": {**ngram, "num_speculative_tokens": args.k, "adaptive": False},
-        "int8 draft": {"method": "draft_model", "quantization": "int8", "num_speculative_tokens": args.k},
-        "int8 fixed": {
-            "method": "draft_model",
-            "quantization": "int8",
-            "num_speculative_tokens": args.k,
-            "adaptive": False,
-        },
-    }
-    methods = {k: v for k, v in methods.items() if k == "none" or k.split()[0] in args.methods.split(",")}
+    ks = [int(x) for x in args.k.split(",")]
+    methods: dict[str, dict | None] = {"none": None}
+    for k in ks:
+        tag = f" k={k}" if len(ks) > 1 else ""
+        for name, cfg in (("ngram", ngram), ("int8", {"method": "draft_model", "quantization": "int8"})):
+            if name not in args.methods.split(","):
+                continue
+            label = "ngram" if name == "ngram" else "int8 draft"
+            methods[label + tag] = {**cfg, "num_speculative_tokens": k}
+            methods[label.split()[0] + tag + " fixed"] = {**cfg, "num_speculative_tokens": k, "adaptive": False}
     engines = {name: LLM(speculative_config=cfg, **common) for name, cfg in methods.items()}
     print(
-        f"{'workload':9} {'batch':>5} {'method':12} {'tok/s':>8} {'x':>6} {'accept len':>10} "
+        f"{'workload':9} {'batch':>5} {'method':16} {'tok/s':>8} {'x':>6} {'accept len':>10} "
         f"{'alpha':>6} {'tok/pass':>8} {'formula':>8}  per-position acceptance"
     )
     for workload in args.workloads.split(","):
@@ -152,15 +149,15 @@ def main() -> None:
                 speed = statistics.median(speeds[name])
                 same = "" if outputs[name] == outputs["none"] else "  OUTPUT DIFFERS"
                 if name == "none":
-                    print(f"{workload:9} {b:>5} {name:12} {speed:8.1f} {1:6.2f} {'':>10} {'':>6} {'1.00':>8} {'':>8}")
+                    print(f"{workload:9} {b:>5} {name:16} {speed:8.1f} {1:6.2f} {'':>10} {'':>6} {'1.00':>8} {'':>8}")
                     continue
                 generated, passes, drafts, dtok, acc, *per_pos = totals[name]
                 alpha = acc / dtok if dtok else 0.0
-                k = args.k
+                k = methods[name]["num_speculative_tokens"]
                 formula = (1 - alpha ** (k + 1)) / (1 - alpha) if alpha < 1 else k + 1
                 per_pass = generated / max(1, passes)  # tokens per target pass of a request, all passes
                 print(
-                    f"{workload:9} {b:>5} {name:12} {speed:8.1f} {speed / ref:6.2f} "
+                    f"{workload:9} {b:>5} {name:16} {speed:8.1f} {speed / ref:6.2f} "
                     f"{(1 + acc / drafts) if drafts else 0:10.2f} {alpha:6.2f} {per_pass:8.2f} {formula:8.2f}  "
                     f"[{', '.join(f'{p / drafts if drafts else 0:.2f}' for p in per_pos)}] ({dtok} drafts; "
                     f"x per round {', '.join(f'{v / r:.2f}' for v, r in zip(speeds[name], speeds['none']))}){same}"

@@ -94,9 +94,11 @@ class AttentionGroup:
 
 
 # The most new tokens of one sequence in a step that the fused decode pass still takes: a decode
-# verifying up to 7 drafts (speculative decoding), or a prompt's chunk that short; longer chunks
-# take the per-layer path (its batched matmuls and head-major attention).
-DECODE_LIKE_ROWS = 8
+# verifying up to 15 drafts (speculative decoding), or a prompt's chunk that short; longer chunks
+# take the per-layer path (its batched matmuls and head-major attention). A bf16 model's pass keeps
+# float32 activations where the per-layer path rounds to bf16 (kvflow.models.decode_pass), so a
+# verifying step that left the pass would round differently from the decodes it stands for.
+DECODE_LIKE_ROWS = 16
 
 
 @dataclass

@@ -112,3 +112,18 @@ def test_int8_linear_refuses_a_wrong_input_width(monkeypatch):
         with pytest.raises(ValueError, match="silu_mul takes gate and up"):
             k(torch.randn(2, 32), silu_mul=True)
         assert k(torch.randn(0, 32)).shape == (0, 8)
+
+
+def test_native_int8_linear_takes_bf16_and_3d_inputs(monkeypatch):
+    """A bfloat16 model's rows (an int8 self-draft of a bf16 target, `--dtype bfloat16
+    --quantization int8`) and leading batch dims go through the native call as float32 rows; the
+    result comes back in the input's dtype and shape."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(48, 64, generator=g) * 0.1
+    native, _ = _kernels(w, torch.randn(48, generator=g), monkeypatch)
+    x = torch.randn(2, 3, 64, generator=g).to(torch.bfloat16)
+    residual = torch.randn(2, 3, 48, generator=g).to(torch.bfloat16)
+    got = native(x, residual)
+    assert got.dtype == torch.bfloat16 and got.shape == (2, 3, 48)
+    want = native(x.float().reshape(6, 64), residual.float().reshape(6, 48)).to(torch.bfloat16)
+    assert torch.equal(got.reshape(6, 48), want)

@@ -91,9 +91,10 @@ def test_native_metadata_is_one_group_and_the_decode_pass_takes_decode_like_step
     assert g.tokens.tolist() == [0, 1, 2, 3] and g.context_lens.tolist() == [6, 1, 2, 3]
     assert g.tables[:, 0].tolist() == [3, 6, 6, 6]
     assert attn.decode_group(mixed) is g and not g.decode_only
-    long_chunk = [SeqLayout(2, DECODE_LIKE_ROWS + 1, [1, 2, 3, 4])]
+    table = list(range(1, 2 + (2 + DECODE_LIKE_ROWS + 1) // 4))  # blocks of 4 for the longest chunk below
+    long_chunk = [SeqLayout(2, DECODE_LIKE_ROWS + 1, table)]
     assert attn.decode_group(attn.build_metadata(long_chunk)) is None
-    assert attn.decode_group(attn.build_metadata([SeqLayout(2, DECODE_LIKE_ROWS, [1, 2, 3])])) is not None
+    assert attn.decode_group(attn.build_metadata([SeqLayout(2, DECODE_LIKE_ROWS, table)])) is not None
     decodes = attn.build_metadata([SeqLayout(5, 1, [3, 1]), SeqLayout(2, 1, [6])])
     assert attn.decode_group(decodes) is decodes.groups[0] and decodes.groups[0].decode_only
     attn.prefill_path = "torch"

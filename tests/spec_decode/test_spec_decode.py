@@ -406,3 +406,22 @@ def test_greedy_with_the_cpu_offload_tier(tiny_llama):
     assert offload is not None and offload.loaded > 0, offload
     assert llm.engine.speculator.stats.num_accepted_tokens > 0
     assert_no_leaks(llm.engine)
+
+
+def test_deep_drafts_verify_in_the_decode_pass_on_a_bf16_model(tiny_llama, monkeypatch):
+    """A bfloat16 model's decode pass keeps activations in float32 where the per-layer path rounds
+    them to bf16: a verifying step that left the pass would round differently from the decodes it
+    replaces. Up to DECODE_LIKE_ROWS - 1 drafts a request stay in the pass (the native backend
+    forced: the pass takes any number of rows, as with GGUF blocks)."""
+    monkeypatch.setenv("KVFLOW_LINEAR_BACKEND", "native")
+    path, _ = tiny_llama
+    sp = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    plain_llm = LLM(model=path, dtype="bfloat16", num_kv_blocks=256)
+    assert plain_llm.engine.step_cost.decode_pass is not None  # (else the test shows nothing)
+    plain = generate(plain_llm, PROMPTS, sp)
+    k = DECODE_LIKE_ROWS - 1
+    llm = spec_llm(path, {**SELF_DRAFT, "num_speculative_tokens": k}, dtype="bfloat16", num_kv_blocks=256)
+    assert generate(llm, PROMPTS, sp) == plain
+    stats = llm.engine.speculator.stats
+    assert stats.accepted_per_pos[k - 1] > 0  # verifying steps really held k drafts, some all accepted
+    assert_no_leaks(llm.engine)

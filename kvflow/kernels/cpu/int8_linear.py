@@ -94,28 +94,13 @@ class Int8Kernel:
         norm: NormWeights | None = None,
         silu_mul: bool = False,
     ) -> torch.Tensor:
+        if self.native:  # any dtype and shape: float32 rows made, the result back in x's dtype
+            return native.fused_linear(self, self._lib.kvflow_int8_linear, x, residual, norm, silu_mul, "int8 linear")
         dtype = x.dtype
         if x.shape[-1] != (2 if silu_mul else 1) * self.in_features:
             raise ValueError(
                 f"int8 linear of {self.in_features} inputs got rows of {x.shape[-1]}"
                 + (" (silu_mul takes gate and up: twice the inputs)" if silu_mul else "")
-            )
-        if (
-            self.native
-            and dtype == torch.float32
-            and x.dim() == 2
-            and x.stride(1) == 1
-            and (residual is None or residual.stride(1) == 1)
-        ):
-            return native.call_linear(
-                self._lib.kvflow_int8_linear,
-                self.native_handle,
-                x,
-                residual,
-                norm,
-                silu_mul,
-                self.bias,
-                self.out_features,
             )
         if norm is not None:
             x = rms_norm(x, norm.weight, norm.eps)
