@@ -247,15 +247,26 @@ inline __m256i bcast4(const int8_t* p) {
   return _mm256_set1_epi32(v);
 }
 
-/* y[r * ldy + j] = W[j] . x[r0 + r] for the group's X8 channels j and R activation rows. */
+/* The block of GB bytes at `p + ahead` towards L1 (ahead 0: nothing). The tiles ask for the next
+ * group's block as they read this group's: a group's tile computes long enough (with several rows)
+ * that the hardware prefetcher alone left the weights' reads and the arithmetic to take turns. */
+template <int GB>
+inline void prefetch_block(const uint8_t* p, long ahead) {
+  if (!ahead) return;
+  for (int l = 0; l < GB; l += 64) _mm_prefetch((const char*)p + ahead + l, _MM_HINT_T0);
+}
+
+/* y[r * ldy + j] = W[j] . x[r0 + r] for the group's X8 channels j and R activation rows; the
+ * weights `ahead` bytes on are prefetched (prefetch_block). */
 template <int T, int R>
-inline void x8_tile(const uint8_t* __restrict grp, const Act& a, int r0, float* __restrict y, long ldy) {
+inline void x8_tile(const uint8_t* __restrict grp, long ahead, const Act& a, int r0, float* __restrict y, long ldy) {
   constexpr int GB = x8_block_bytes(T);
   __m256 acc[R];
   for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
   const __m256i m4 = _mm256_set1_epi8(0x0F);
   for (int b = 0; b < a.nb; b++) {
     const uint8_t* p = grp + (long)b * GB;
+    prefetch_block<GB>(p, ahead);
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
     const int8_t* xb[R];
     for (int r = 0; r < R; r++) xb[r] = a.q + (long)(r0 + r) * a.k + b * QA;
@@ -333,7 +344,7 @@ inline __m512 join_f16(const uint8_t* a, const uint8_t* b) {  // 8 fp16 scales o
  * lane the same integer sums and float operations in the same order as x8_tile, so a channel's
  * result is the same bits whichever tile computed it. */
 template <int T, int R>
-inline void x16_tile(const uint8_t* __restrict g0, const uint8_t* __restrict g1, const Act& a, int r0,
+inline void x16_tile(const uint8_t* __restrict g0, const uint8_t* __restrict g1, long ahead, const Act& a, int r0,
                      float* __restrict y, long ldy) {
   constexpr int GB = x8_block_bytes(T);
   __m512 acc[R];
@@ -341,6 +352,8 @@ inline void x16_tile(const uint8_t* __restrict g0, const uint8_t* __restrict g1,
   const __m512i m4 = _mm512_set1_epi8(0x0F);
   for (int b = 0; b < a.nb; b++) {
     const uint8_t *p0 = g0 + (long)b * GB, *p1 = g1 + (long)b * GB;
+    prefetch_block<GB>(p0, ahead);
+    prefetch_block<GB>(p1, ahead);
     const __m512 d = join_f16(p0, p1);
     __m512i isum[R];
     for (int r = 0; r < R; r++) isum[r] = _mm512_setzero_si512();
@@ -398,11 +411,11 @@ constexpr int X8_ROWS = 4;
 /* The last `rows` (1 .. R) rows in one tile: one pass over the group's weights, which each pass
  * unpacks anew (5 rows -- a token verifying 4 drafts -- as 4 + 1 cost ~1.4x one tile of 5). */
 template <int T, int R = X8_ROWS - 1>
-inline void x8_rest(int rows, const uint8_t* g, const Act& a, int r, float* y, long ldy) {
+inline void x8_rest(int rows, const uint8_t* g, long ahead, const Act& a, int r, float* y, long ldy) {
   if (rows == R)
-    x8_tile<T, R>(g, a, r, y, ldy);
+    x8_tile<T, R>(g, ahead, a, r, y, ldy);
   else if constexpr (R > 1)
-    x8_rest<T, R - 1>(rows, g, a, r, y, ldy);
+    x8_rest<T, R - 1>(rows, g, ahead, a, r, y, ldy);
 }
 
 template <int T>
@@ -413,17 +426,19 @@ void x8_segment(const BlockSegment& seg, const Act& a, int c0, int c1, int r0, i
     int r = r0;
 #ifdef KVFLOW_X16
     if (c + 2 * X8 <= c1 && r1 - r0 >= X8_ROWS) {  // two groups, full tiles of rows: 16 channels at once
-      for (; r + X8_ROWS <= r1; r += X8_ROWS) x16_tile<T, X8_ROWS>(g, g + group_bytes, a, r, y + r * ldy + c, ldy);
-      if (r < r1) {
-        x8_rest<T>(r1 - r, g, a, r, y + r * ldy + c, ldy);
-        x8_rest<T>(r1 - r, g + group_bytes, a, r, y + r * ldy + c + X8, ldy);
+      for (; r + X8_ROWS <= r1; r += X8_ROWS)
+        x16_tile<T, X8_ROWS>(g, g + group_bytes, r == r0 ? 2 * group_bytes : 0, a, r, y + r * ldy + c, ldy);
+      if (r < r1) {  // (the pair's weights are in L1 now, the next pair's on their way)
+        x8_rest<T>(r1 - r, g, 0, a, r, y + r * ldy + c, ldy);
+        x8_rest<T>(r1 - r, g + group_bytes, 0, a, r, y + r * ldy + c + X8, ldy);
       }
       c += X8;
       continue;
     }
 #endif
-    for (; r + X8_ROWS <= r1; r += X8_ROWS) x8_tile<T, X8_ROWS>(g, a, r, y + r * ldy + c, ldy);
-    if (r < r1) x8_rest<T>(r1 - r, g, a, r, y + r * ldy + c, ldy);
+    for (; r + X8_ROWS <= r1; r += X8_ROWS)  // (the next group prefetched on the first pass over this one)
+      x8_tile<T, X8_ROWS>(g, r == r0 ? group_bytes : 0, a, r, y + r * ldy + c, ldy);
+    if (r < r1) x8_rest<T>(r1 - r, g, r == r0 ? group_bytes : 0, a, r, y + r * ldy + c, ldy);
   }
 }
 
