@@ -29,7 +29,8 @@
  * one channel's scales and reduction as on its products.) With AVX-512 (and VNNI) full tiles of 8
  * rows take two neighbouring groups at once in 512-bit registers (x16_tile): every broadcast
  * activation and every float operation then serves 16 channels, the scaling per block and row
- * being about a third of the tile's instructions. The K-quants keep the row layout.
+ * being about a third of the tile's instructions. Q4_K is repacked too, into Q4_1's tiles with its
+ * super-block's scales unpacked beside them (+2.8% bytes: Q4K_X8_BYTES); Q6_K keeps the row layout.
  *
  * A (row, channel) pair's sum runs in the same order whatever the tile or the number of rows, so a
  * token's result does not depend on its batch.
@@ -57,6 +58,7 @@ void BlockWorkspace::reserve(int m, int k, int num_threads) {
   qu.resize(std::max(qu.size(), (size_t)m * k));
   d.resize(std::max(d.size(), (size_t)m * k / QA));
   s.resize(std::max(s.size(), (size_t)m * k / QA));
+  h.resize(std::max(h.size(), (size_t)m * k / (QA / 2)));
   v.resize(std::max(v.size(), (size_t)num_threads * k));
 }
 
@@ -127,19 +129,24 @@ struct Fmt<Q8_0> {
   }
 };
 
+/* Sub-block g's 6-bit scale and min of a Q4_K block: 8 pairs in the 12 bytes at s (ggml's
+ * get_scale_min_k4). */
+inline void q4k_scale_min(const uint8_t* s, int g, int& scale, int& min) {
+  if (g < 4) {
+    scale = s[g] & 63;
+    min = s[g + 4] & 63;
+  } else {
+    scale = (s[g + 4] & 0x0F) | ((s[g - 4] >> 6) << 4);
+    min = (s[g + 4] >> 4) | ((s[g] >> 6) << 4);
+  }
+}
+
 template <>
 struct Fmt<Q4_K> {
   static constexpr int QK = 256, BYTES = 144, SIGNED = 0;
   static inline __m256i sub(const uint8_t* b, int g, __m256& sc, float& m) {
-    const uint8_t* s = b + 4;  // 8 (scale, min) pairs of 6 bits in 12 bytes (ggml's get_scale_min_k4)
     int scale, min;
-    if (g < 4) {
-      scale = s[g] & 63;
-      min = s[g + 4] & 63;
-    } else {
-      scale = (s[g + 4] & 0x0F) | ((s[g - 4] >> 6) << 4);
-      min = (s[g + 4] >> 4) | ((s[g] >> 6) << 4);
-    }
+    q4k_scale_min(b + 4, g, scale, min);
     sc = _mm256_set1_ps(f16(b) * (float)scale);
     m = -f16(b + 2) * (float)min;
     // 64 values per 32 bytes: sub-block 2j in the low nibbles, 2j + 1 in the high ones.
@@ -184,7 +191,13 @@ inline bool with_format(int type, F&& f) {
 }
 
 // The formats that have the repacked layout (below).
-constexpr bool has_x8(int type) { return type == Q4_0 || type == Q4_1 || type == Q8_0; }
+// (Q6_K's tile needs VNNI: without it, pairs of 6-bit products would overflow vpmaddubsw's int16 sums.)
+constexpr bool has_x8(int type) {
+#ifdef KVFLOW_VNNI
+  if (type == Q6_K) return true;
+#endif
+  return type == Q4_0 || type == Q4_1 || type == Q8_0 || type == Q4_K;
+}
 
 inline float hsum(__m256 a) {
   const __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));  // (0+4, 1+5, 2+6, 3+7)
@@ -196,6 +209,7 @@ struct Act {  // the quantized activations of a call
   const int8_t* q;
   const uint8_t* qu;  // q + 128
   const float *d, *s;
+  const float* h;  // d * sum(q) over each half block (16 values): Q6_K's offsets, a scale per 16
   int k, nb;  // values and 32-blocks per row
 };
 
@@ -239,7 +253,59 @@ inline void tile(const uint8_t* __restrict w, long rb, const Act& a, int r0, flo
 // 8-bit: 8 chunks; in chunk t, channel j's 4 bytes are inputs 4t..4t+3. A group's blocks follow
 // each other, so a thread reads its channels as one stream.
 
-constexpr int x8_block_bytes(int type) { return type == Q4_1 ? 160 : type == Q4_0 ? 144 : 272; }
+//
+// Q4_K's repacked group holds, per super-block of 256 inputs (Q4K_X8_BYTES): the X8 channels' fp16 d,
+// then their fp16 dmin with the sign flipped, then the 6-bit scales and mins of the 8 sub-blocks
+// unpacked to bytes ([sub-block][channel] each), then each sub-block's values as Q4_1's 4-bit
+// chunks (GGUF keeps sub-blocks 2j and 2j + 1 in the low and high nibbles of the same 32 bytes;
+// here a sub-block's 32 values are 16 bytes, value i and i + 16 in one byte, as Q4_1's are). A
+// sub-block's weights are then Q4_1's, w = d' q + m', with d' = d * scale and m' = -dmin * min in
+// float32 (exact: an fp16 times a 6-bit integer), and the Q4_1 tiles run it with those scales.
+constexpr int Q4K_X8_BYTES = 16 + 16 + 64 + 64 + 8 * 128;
+//
+// Q6_K's, per super-block (Q6K_X8_BYTES, GGUF's size): the channels' fp16 d, their int8 scales (one
+// per 16 values: [half block][channel]), then per sub-block of 32 values their low 4 bits as Q4_1's
+// chunks and their top 2 bits in two 32-byte vectors (vector v holds chunks 2v and 2v + 1 in its
+// low and high nibbles; in a nibble, bits 0-1 go with the chunk byte's low value, 2-3 with its high
+// one). A value q (0..63) is w = d * scale * (q - 32).
+constexpr int Q6K_X8_BYTES = 16 + 128 + 8 * (128 + 64);
+
+// Bytes per X8 channels and 32 inputs (the K-quants: on average over their super-block).
+constexpr int x8_block_bytes(int type) {
+  return type == Q4_1   ? 160
+         : type == Q4_0 ? 144
+         : type == Q4_K ? Q4K_X8_BYTES / 8
+         : type == Q6_K ? Q6K_X8_BYTES / 8
+                        : 272;
+}
+
+inline __m256 u8x8_ps(const uint8_t* p) {  // 8 bytes as 8 floats
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
+
+inline __m256 i8x8_ps(const uint8_t* p) {  // 8 signed bytes as 8 floats
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
+
+/* Block b (32 inputs) of a repacked group: its X8 channels' scales `d` and, for the formats with
+ * one, offsets `mn` (w = d q + mn); returns where its values start. */
+template <int T>
+inline const uint8_t* x8_block(const uint8_t* grp, int b, __m256& d, __m256& mn) {
+  if constexpr (T == Q4_K) {
+    const uint8_t* h = grp + (long)(b / 8) * Q4K_X8_BYTES;
+    const int sub = b % 8;
+    d = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)h)), u8x8_ps(h + 32 + 8 * sub));
+    mn = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(h + 16))), u8x8_ps(h + 96 + 8 * sub));
+    return h + 160 + 128 * sub;
+  } else {
+    const uint8_t* p = grp + (long)b * x8_block_bytes(T);
+    d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+    mn = T == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 16))) : _mm256_setzero_ps();
+    return p + (T == Q4_1 ? 32 : 16);
+  }
+}
+
+constexpr bool has_offset(int type) { return type == Q4_1 || type == Q4_K; }
 
 inline __m256i bcast4(const int8_t* p) {
   int32_t v;
@@ -256,24 +322,74 @@ inline void prefetch_block(const uint8_t* p, long ahead) {
   for (int l = 0; l < GB; l += 64) _mm_prefetch((const char*)p + ahead + l, _MM_HINT_T0);
 }
 
+#ifdef KVFLOW_VNNI
+/* x8_tile for Q6_K (its layout: Q6K_X8_BYTES): each block's two halves have their own scales, so
+ * their integer sums stay apart; the -32 of every value is a float offset per half, as Q4_1's min. */
+template <int R>
+inline void x8_tile_q6k(const uint8_t* __restrict grp, long ahead, const Act& a, int r0, float* __restrict y,
+                        long ldy) {
+  constexpr int GB = x8_block_bytes(Q6_K);
+  __m256 acc[R];
+  for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03);
+  for (int b = 0; b < a.nb; b++) {
+    prefetch_block<GB>(grp + (long)b * GB, ahead);
+    const uint8_t* h = grp + (long)(b / 8) * Q6K_X8_BYTES;
+    const int sub = b % 8;
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)h));
+    const __m256 d_lo = _mm256_mul_ps(d, i8x8_ps(h + 16 + 16 * sub));
+    const __m256 d_hi = _mm256_mul_ps(d, i8x8_ps(h + 16 + 16 * sub + 8));
+    const __m256 m_lo = _mm256_mul_ps(d_lo, _mm256_set1_ps(-32.f)), m_hi = _mm256_mul_ps(d_hi, _mm256_set1_ps(-32.f));
+    const uint8_t* qs = h + 144 + 192 * sub;
+    const int8_t* xb[R];
+    for (int r = 0; r < R; r++) xb[r] = a.q + (long)(r0 + r) * a.k + b * QA;
+    __m256i lo_sum[R], hi_sum[R];
+    for (int r = 0; r < R; r++) lo_sum[r] = hi_sum[r] = _mm256_setzero_si256();
+    for (int c = 0; c < 4; c++) {
+      const __m256i raw = _mm256_loadu_si256((const __m256i*)(qs + 32 * c));
+      __m256i top = _mm256_loadu_si256((const __m256i*)(qs + 128 + 32 * (c / 2)));
+      if (c & 1) top = _mm256_srli_epi16(top, 4);
+      const __m256i lo = _mm256_or_si256(_mm256_and_si256(raw, m4), _mm256_slli_epi16(_mm256_and_si256(top, m2), 4));
+      const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), m4),
+                                         _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(top, 2), m2), 4));
+      for (int r = 0; r < R; r++) {
+        lo_sum[r] = dot_u8_acc(lo_sum[r], lo, bcast4(xb[r] + 4 * c));
+        hi_sum[r] = dot_u8_acc(hi_sum[r], hi, bcast4(xb[r] + 16 + 4 * c));
+      }
+    }
+    for (int r = 0; r < R; r++) {
+      const long row = (long)(r0 + r) * a.nb + b;
+      const __m256 dx = _mm256_set1_ps(a.d[row]);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo_sum[r]), _mm256_mul_ps(d_lo, dx), acc[r]);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi_sum[r]), _mm256_mul_ps(d_hi, dx), acc[r]);
+      acc[r] = _mm256_fmadd_ps(m_lo, _mm256_set1_ps(a.h[2 * row]), acc[r]);
+      acc[r] = _mm256_fmadd_ps(m_hi, _mm256_set1_ps(a.h[2 * row + 1]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; r++) _mm256_storeu_ps(y + r * ldy, acc[r]);
+}
+#endif
+
 /* y[r * ldy + j] = W[j] . x[r0 + r] for the group's X8 channels j and R activation rows; the
  * weights `ahead` bytes on are prefetched (prefetch_block). */
 template <int T, int R>
 inline void x8_tile(const uint8_t* __restrict grp, long ahead, const Act& a, int r0, float* __restrict y, long ldy) {
+#ifdef KVFLOW_VNNI
+  if constexpr (T == Q6_K) return x8_tile_q6k<R>(grp, ahead, a, r0, y, ldy);
+#endif
   constexpr int GB = x8_block_bytes(T);
   __m256 acc[R];
   for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
   const __m256i m4 = _mm256_set1_epi8(0x0F);
   for (int b = 0; b < a.nb; b++) {
-    const uint8_t* p = grp + (long)b * GB;
-    prefetch_block<GB>(p, ahead);
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+    prefetch_block<GB>(grp + (long)b * GB, ahead);
+    __m256 d, mn;
+    const uint8_t* qs = x8_block<T>(grp, b, d, mn);
     const int8_t* xb[R];
     for (int r = 0; r < R; r++) xb[r] = a.q + (long)(r0 + r) * a.k + b * QA;
     __m256i isum[R];
     for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
     if constexpr (T == Q8_0) {
-      const uint8_t* qs = p + 16;
 #ifdef KVFLOW_VNNI
       // The activations as u8 (x + 128) against the signed weights: sum (x + 128) w - 128 sum w,
       // the same integers as sum x w without a sign fix-up per row.
@@ -296,7 +412,6 @@ inline void x8_tile(const uint8_t* __restrict grp, long ahead, const Act& a, int
       }
 #endif
     } else {
-      const uint8_t* qs = p + (T == Q4_1 ? 32 : 16);
       for (int c = 0; c < 4; c++) {
         const __m256i raw = _mm256_loadu_si256((const __m256i*)(qs + 32 * c));
         const __m256i lo = _mm256_and_si256(raw, m4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
@@ -318,9 +433,7 @@ inline void x8_tile(const uint8_t* __restrict grp, long ahead, const Act& a, int
     for (int r = 0; r < R; r++) {
       const long row = (long)(r0 + r) * a.nb + b;
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, _mm256_set1_ps(a.d[row])), acc[r]);
-      if constexpr (T == Q4_1)
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 16))), _mm256_set1_ps(a.s[row]),
-                                 acc[r]);
+      if constexpr (has_offset(T)) acc[r] = _mm256_fmadd_ps(mn, _mm256_set1_ps(a.s[row]), acc[r]);
       if constexpr (T == Q4_0) acc[r] = _mm256_fmadd_ps(d, _mm256_set1_ps(-8.f * a.s[row]), acc[r]);
     }
   }
@@ -334,10 +447,7 @@ inline __m512i join(const uint8_t* a, const uint8_t* b) {  // 32 bytes of each g
                             _mm256_loadu_si256((const __m256i*)b), 1);
 }
 
-inline __m512 join_f16(const uint8_t* a, const uint8_t* b) {  // 8 fp16 scales of each group
-  return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)a)),
-                                                 _mm_loadu_si128((const __m128i*)b), 1));
-}
+inline __m512 join(__m256 a, __m256 b) { return _mm512_insertf32x8(_mm512_castps256_ps512(a), b, 1); }
 
 /* x8_tile over two neighbouring groups at once (16 channels: g0's 8, then g1's), with AVX-512's
  * 16 lanes: each activation broadcast and each float operation serves twice the channels. Lane by
@@ -351,10 +461,12 @@ inline void x16_tile(const uint8_t* __restrict g0, const uint8_t* __restrict g1,
   for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
   const __m512i m4 = _mm512_set1_epi8(0x0F);
   for (int b = 0; b < a.nb; b++) {
-    const uint8_t *p0 = g0 + (long)b * GB, *p1 = g1 + (long)b * GB;
-    prefetch_block<GB>(p0, ahead);
-    prefetch_block<GB>(p1, ahead);
-    const __m512 d = join_f16(p0, p1);
+    prefetch_block<GB>(g0 + (long)b * GB, ahead);
+    prefetch_block<GB>(g1 + (long)b * GB, ahead);
+    __m256 d0, d1, mn0, mn1;
+    const uint8_t* q0 = x8_block<T>(g0, b, d0, mn0);
+    const uint8_t* q1 = x8_block<T>(g1, b, d1, mn1);
+    const __m512 d = join(d0, d1);
     __m512i isum[R];
     for (int r = 0; r < R; r++) isum[r] = _mm512_setzero_si512();
     if constexpr (T == Q8_0) {
@@ -362,7 +474,7 @@ inline void x16_tile(const uint8_t* __restrict g0, const uint8_t* __restrict g1,
       for (int r = 0; r < R; r++) xu[r] = a.qu + (long)(r0 + r) * a.k + b * QA;
       __m512i wsum = _mm512_setzero_si512();
       for (int t = 0; t < 8; t++) {
-        const __m512i w = join(p0 + 16 + 32 * t, p1 + 16 + 32 * t);
+        const __m512i w = join(q0 + 32 * t, q1 + 32 * t);
         wsum = _mm512_dpbusd_epi32(wsum, _mm512_set1_epi8(1), w);
         for (int r = 0; r < R; r++) {
           int32_t v;
@@ -375,9 +487,8 @@ inline void x16_tile(const uint8_t* __restrict g0, const uint8_t* __restrict g1,
     } else {
       const int8_t* xb[R];
       for (int r = 0; r < R; r++) xb[r] = a.q + (long)(r0 + r) * a.k + b * QA;
-      constexpr int head = T == Q4_1 ? 32 : 16;
       for (int c = 0; c < 4; c++) {
-        const __m512i raw = join(p0 + head + 32 * c, p1 + head + 32 * c);
+        const __m512i raw = join(q0 + 32 * c, q1 + 32 * c);
         const __m512i lo = _mm512_and_si512(raw, m4), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
         for (int r = 0; r < R; r++) {
           int32_t vl, vh;
@@ -388,11 +499,11 @@ inline void x16_tile(const uint8_t* __restrict g0, const uint8_t* __restrict g1,
         }
       }
     }
-    const __m512 mn = T == Q4_1 ? join_f16(p0 + 16, p1 + 16) : _mm512_setzero_ps();
+    const __m512 mn = join(mn0, mn1);
     for (int r = 0; r < R; r++) {
       const long row = (long)(r0 + r) * a.nb + b;
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(d, _mm512_set1_ps(a.d[row])), acc[r]);
-      if constexpr (T == Q4_1) acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.s[row]), acc[r]);
+      if constexpr (has_offset(T)) acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.s[row]), acc[r]);
       if constexpr (T == Q4_0) acc[r] = _mm512_fmadd_ps(d, _mm512_set1_ps(-8.f * a.s[row]), acc[r]);
     }
   }
@@ -425,7 +536,7 @@ void x8_segment(const BlockSegment& seg, const Act& a, int c0, int c1, int r0, i
     const uint8_t* g = seg.data + (long)(c / X8) * group_bytes;
     int r = r0;
 #ifdef KVFLOW_X16
-    if (c + 2 * X8 <= c1 && r1 - r0 >= X8_ROWS) {  // two groups, full tiles of rows: 16 channels at once
+    if (T != Q6_K && c + 2 * X8 <= c1 && r1 - r0 >= X8_ROWS) {  // two groups, full tiles: 16 channels at once
       for (; r + X8_ROWS <= r1; r += X8_ROWS)
         x16_tile<T, X8_ROWS>(g, g + group_bytes, r == r0 ? 2 * group_bytes : 0, a, r, y + r * ldy + c, ldy);
       if (r < r1) {  // (the pair's weights are in L1 now, the next pair's on their way)
@@ -442,9 +553,70 @@ void x8_segment(const BlockSegment& seg, const Act& a, int c0, int c1, int r0, i
   }
 }
 
+/* Q4_K to its repacked layout (see Q4K_X8_BYTES). */
+void repack_q4k_x8(BlockSegment& seg, int k) {
+  const int nsb = k / 256;
+  seg.packed.assign((size_t)seg.rows / X8 * nsb * Q4K_X8_BYTES, 0);
+  for (int g = 0; g < seg.rows / X8; g++)
+    for (int sb = 0; sb < nsb; sb++) {
+      uint8_t* dst = seg.packed.data() + ((long)g * nsb + sb) * Q4K_X8_BYTES;
+      for (int j = 0; j < X8; j++) {
+        const uint8_t* src = seg.data + (long)(g * X8 + j) * seg.row_bytes + (long)sb * 144;
+        dst[2 * j] = src[0], dst[2 * j + 1] = src[1];
+        dst[16 + 2 * j] = src[2], dst[16 + 2 * j + 1] = src[3] ^ 0x80;  // -dmin: the sign bit flipped
+        for (int sub = 0; sub < 8; sub++) {
+          int scale, min;
+          q4k_scale_min(src + 4, sub, scale, min);
+          dst[32 + 8 * sub + j] = (uint8_t)scale, dst[96 + 8 * sub + j] = (uint8_t)min;
+          const uint8_t* pair = src + 16 + 32 * (sub / 2);  // sub-blocks 2i (low nibbles), 2i + 1 (high)
+          uint8_t v[32];
+          for (int i = 0; i < 32; i++) v[i] = sub & 1 ? pair[i] >> 4 : pair[i] & 0x0F;
+          uint8_t* qs = dst + 160 + 128 * sub;
+          for (int c = 0; c < 4; c++)
+            for (int i = 0; i < 4; i++) qs[32 * c + 4 * j + i] = (uint8_t)(v[4 * c + i] | v[16 + 4 * c + i] << 4);
+        }
+      }
+    }
+  seg.data = seg.packed.data();
+  seg.x8 = true;
+}
+
+/* Q6_K to its repacked layout (see Q6K_X8_BYTES). */
+void repack_q6k_x8(BlockSegment& seg, int k) {
+  const int nsb = k / 256;
+  seg.packed.assign((size_t)seg.rows / X8 * nsb * Q6K_X8_BYTES, 0);
+  for (int g = 0; g < seg.rows / X8; g++)
+    for (int sb = 0; sb < nsb; sb++) {
+      uint8_t* dst = seg.packed.data() + ((long)g * nsb + sb) * Q6K_X8_BYTES;
+      for (int j = 0; j < X8; j++) {
+        const uint8_t* src = seg.data + (long)(g * X8 + j) * seg.row_bytes + (long)sb * 210;
+        dst[2 * j] = src[208], dst[2 * j + 1] = src[209];
+        for (int sub = 0; sub < 8; sub++) {
+          const int half = sub / 4, t = sub % 4;  // (GGUF's layout: Fmt<Q6_K>)
+          const uint8_t* scales = src + 192 + 8 * half + 2 * t;
+          dst[16 + 16 * sub + j] = scales[0], dst[16 + 16 * sub + 8 + j] = scales[1];
+          uint8_t v[32];  // the sub-block's values, 0..63
+          for (int i = 0; i < 32; i++) {
+            const uint8_t low = src[64 * half + 32 * (t & 1) + i];
+            v[i] = (uint8_t)((t >= 2 ? low >> 4 : low & 0x0F) | ((src[128 + 32 * half + i] >> (2 * t)) & 3) << 4);
+          }
+          uint8_t* qs = dst + 144 + 192 * sub;
+          for (int c = 0; c < 4; c++)
+            for (int i = 0; i < 4; i++) {
+              const int pos = 4 * j + i, lo = v[4 * c + i], hi = v[16 + 4 * c + i];
+              qs[32 * c + pos] = (uint8_t)((lo & 0x0F) | (hi & 0x0F) << 4);
+              qs[128 + 32 * (c / 2) + pos] |= (uint8_t)(((lo >> 4) | (hi >> 4) << 2) << (4 * (c & 1)));
+            }
+        }
+      }
+    }
+  seg.data = seg.packed.data();
+  seg.x8 = true;
+}
+
 template <int T>
 void repack_x8(BlockSegment& seg, int k) {
-  static_assert(has_x8(T));
+  static_assert(has_x8(T) && T != Q4_K && T != Q6_K);
   constexpr int gb = x8_block_bytes(T), rb = Fmt<T>::BYTES, head = T == Q4_1 ? 4 : 2, qbytes = T == Q8_0 ? 32 : 16;
   const int nb = k / QA;
   seg.packed.assign((size_t)seg.rows / X8 * nb * gb, 0);
@@ -469,16 +641,39 @@ void dequantize_channel(const BlockSegment& seg, int j, int k, float* out) {
   if (seg.x8) {
     const int nb = k / QA, gb = x8_block_bytes(seg.type), jj = j % X8;
     for (int b = 0; b < nb; b++) {
-      const uint8_t* p = seg.data + ((long)(j / X8) * nb + b) * gb;
-      const float d = f16(p + 2 * jj), m = seg.type == Q4_1 ? f16(p + 16 + 2 * jj) : 0.f;
-      const uint8_t* qs = p + (seg.type == Q4_1 ? 32 : 16);
+      const uint8_t* grp = seg.data + (long)(j / X8) * nb * gb;
+      float d, m;
+      const uint8_t* qs;
+      if (seg.type == Q6_K) {  // (the same float32 products as the row layout's)
+        const uint8_t* h = grp + (long)(b / 8) * Q6K_X8_BYTES;
+        const int sub = b % 8;
+        qs = h + 144 + 192 * sub;
+        for (int i = 0; i < QA; i++) {
+          const int c = (i % 16) / 4, pos = 4 * jj + i % 4, byte = qs[32 * c + pos];
+          const int top = (qs[128 + 32 * (c / 2) + pos] >> (4 * (c & 1) + (i < 16 ? 0 : 2))) & 3;
+          const int q = (i < 16 ? byte & 0x0F : byte >> 4) | top << 4;
+          const float scale = f16(h + 2 * jj) * (float)(int8_t)h[16 + 16 * sub + 8 * (i / 16) + jj];
+          out[b * QA + i] = scale * (float)(q - 32);
+        }
+        continue;
+      }
+      if (seg.type == Q4_K) {  // (the same float32 products as x8_block's)
+        const uint8_t* h = grp + (long)(b / 8) * Q4K_X8_BYTES;
+        d = f16(h + 2 * jj) * (float)h[32 + 8 * (b % 8) + jj];
+        m = f16(h + 16 + 2 * jj) * (float)h[96 + 8 * (b % 8) + jj];
+        qs = h + 160 + 128 * (b % 8);
+      } else {
+        const uint8_t* p = grp + (long)b * gb;
+        d = f16(p + 2 * jj), m = seg.type == Q4_1 ? f16(p + 16 + 2 * jj) : 0.f;
+        qs = p + (seg.type == Q4_1 ? 32 : 16);
+      }
       for (int i = 0; i < QA; i++) {
         float v;
         if (seg.type == Q8_0) {
           v = d * (float)(int8_t)qs[32 * (i / 4) + 4 * jj + i % 4];
         } else {
           const int byte = qs[32 * ((i % 16) / 4) + 4 * jj + i % 4], q = i < 16 ? byte & 0x0F : byte >> 4;
-          v = seg.type == Q4_1 ? d * (float)q + m : d * (float)(q - 8);
+          v = seg.type == Q4_0 ? d * (float)(q - 8) : d * (float)q + m;
         }
         out[b * QA + i] = v;
       }
@@ -539,23 +734,25 @@ void segment_any(const BlockSegment& seg, const Act& a, int c0, int c1, int r0, 
   });
 }
 
-/* One row to int8 blocks of QA: dx = max|v| / 127, q = round(v / dx), s = dx * sum(q). */
+/* One row to int8 blocks of QA: dx = max|v| / 127, q = round(v / dx), s = dx * sum(q), h = dx *
+ * the sums of each half. */
 inline void quantize_row(const float* __restrict v, int k, int8_t* __restrict q, uint8_t* __restrict qu,
-                         float* __restrict d, float* __restrict s) {
+                         float* __restrict d, float* __restrict s, float* __restrict h) {
   for (int b = 0; b < k / QA; b++) {
     const float* x = v + b * QA;
     float amax = 0.f;
     for (int i = 0; i < QA; i++) amax = std::max(amax, std::fabs(x[i]));
     const float dx = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-    int sum = 0;
+    int half[2] = {0, 0};
     for (int i = 0; i < QA; i++) {
       const int qi = (int)std::nearbyint(x[i] * inv);
       q[b * QA + i] = (int8_t)qi;
       qu[b * QA + i] = (uint8_t)(qi + 128);
-      sum += qi;
+      half[i / (QA / 2)] += qi;
     }
     d[b] = dx;
-    s[b] = dx * (float)sum;
+    s[b] = dx * (float)(half[0] + half[1]);
+    h[2 * b] = dx * (float)half[0], h[2 * b + 1] = dx * (float)half[1];
   }
 }
 
@@ -573,9 +770,9 @@ void block_linear_team(const BlockWeight& p, const float* x, long ldx, int m, in
     float* v = w.v.data() + (long)tid * k;
     prologue(kind, x + i * ldx, k, norm_w, eps, v);
     quantize_row(v, k, w.q.data() + (long)i * k, w.qu.data() + (long)i * k, w.d.data() + (long)i * nb,
-                 w.s.data() + (long)i * nb);
+                 w.s.data() + (long)i * nb, w.h.data() + (long)i * 2 * nb);
   }
-  const Act a{w.q.data(), w.qu.data(), w.d.data(), w.s.data(), k, nb};
+  const Act a{w.q.data(), w.qu.data(), w.d.data(), w.s.data(), w.h.data(), k, nb};
   // Each thread takes a contiguous run of output channels, in groups of X8 (the repacked layout's).
   const int groups = (n + X8 - 1) / X8, per = (groups + nth - 1) / nth;
   const int j0 = std::min(n, tid * per * X8), j1 = std::min(n, j0 + per * X8);
@@ -636,7 +833,14 @@ void* kvflow_block_pack(int n, int k, int nseg, const int* types, const int* row
       constexpr int T = decltype(t)::value;
       fits = k % kvflow::Fmt<T>::QK == 0;
       if constexpr (kvflow::has_x8(T)) {
-        if (fits && rows[i] % kvflow::X8 == 0 && total % kvflow::X8 == 0) kvflow::repack_x8<T>(seg, k);
+        if (fits && rows[i] % kvflow::X8 == 0 && total % kvflow::X8 == 0) {
+          if constexpr (T == kvflow::Q4_K)
+            kvflow::repack_q4k_x8(seg, k);
+          else if constexpr (T == kvflow::Q6_K)
+            kvflow::repack_q6k_x8(seg, k);
+          else
+            kvflow::repack_x8<T>(seg, k);
+        }
       }
     });
     if (!known || !fits) {

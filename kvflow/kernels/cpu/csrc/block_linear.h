@@ -20,8 +20,8 @@ constexpr int X8 = 8;  // output channels interleaved by the repacked layout
 
 /* A run of output channels stored in one format. Either GGUF's own layout: `rows` rows of
  * `row_bytes` bytes, each the blocks of one output channel over all k inputs, memory the caller
- * keeps alive; or, for Q4_0 / Q4_1 / Q8_0 with rows a multiple of X8, repacked at load into
- * `packed` (same bits, X8 channels interleaved: see block_linear.cpp) and `data` points there. */
+ * keeps alive; or, for Q4_0 / Q4_1 / Q8_0 / Q4_K with rows a multiple of X8, repacked at load into
+ * `packed` (X8 channels interleaved: see block_linear.cpp) and `data` points there. */
 struct BlockSegment {
   int type, rows;
   long row_bytes;
@@ -37,12 +37,12 @@ struct BlockWeight {
 };
 
 /* A call's activations, shared by its team: each row's prologue output, quantized per block of QA
- * to int8 `q` with scale `d` and `s` = d * sum(q) (for formats with an offset); `v` holds each
- * thread's float row. `reserve` before the parallel region. */
+ * to int8 `q` with scale `d`, `s` = d * sum(q) (for formats with an offset) and `h` = d * the sum of
+ * each half block; `v` holds each thread's float row. `reserve` before the parallel region. */
 struct BlockWorkspace {
   std::vector<int8_t> q;
   std::vector<uint8_t> qu;  // q + 128, unsigned: the Q8_0 tile's operand with VNNI
-  std::vector<float> d, s, v;
+  std::vector<float> d, s, h, v;
   void reserve(int m, int k, int num_threads);
 };
 
