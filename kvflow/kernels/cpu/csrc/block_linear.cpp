@@ -313,27 +313,15 @@ inline __m256i bcast4(const int8_t* p) {
   return _mm256_set1_epi32(v);
 }
 
-/* The block of GB bytes at `p + ahead` towards L1 (ahead 0: nothing). The tiles ask for the next
- * group's block as they read this group's: a group's tile computes long enough (with several rows)
- * that the hardware prefetcher alone left the weights' reads and the arithmetic to take turns. */
-template <int GB>
-inline void prefetch_block(const uint8_t* p, long ahead) {
-  if (!ahead) return;
-  for (int l = 0; l < GB; l += 64) _mm_prefetch((const char*)p + ahead + l, _MM_HINT_T0);
-}
-
 #ifdef KVFLOW_VNNI
 /* x8_tile for Q6_K (its layout: Q6K_X8_BYTES): each block's two halves have their own scales, so
  * their integer sums stay apart; the -32 of every value is a float offset per half, as Q4_1's min. */
 template <int R>
-inline void x8_tile_q6k(const uint8_t* __restrict grp, long ahead, const Act& a, int r0, float* __restrict y,
-                        long ldy) {
-  constexpr int GB = x8_block_bytes(Q6_K);
+inline void x8_tile_q6k(const uint8_t* __restrict grp, const Act& a, int r0, float* __restrict y, long ldy) {
   __m256 acc[R];
   for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
   const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03);
   for (int b = 0; b < a.nb; b++) {
-    prefetch_block<GB>(grp + (long)b * GB, ahead);
     const uint8_t* h = grp + (long)(b / 8) * Q6K_X8_BYTES;
     const int sub = b % 8;
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)h));
@@ -370,19 +358,16 @@ inline void x8_tile_q6k(const uint8_t* __restrict grp, long ahead, const Act& a,
 }
 #endif
 
-/* y[r * ldy + j] = W[j] . x[r0 + r] for the group's X8 channels j and R activation rows; the
- * weights `ahead` bytes on are prefetched (prefetch_block). */
+/* y[r * ldy + j] = W[j] . x[r0 + r] for the group's X8 channels j and R activation rows. */
 template <int T, int R>
-inline void x8_tile(const uint8_t* __restrict grp, long ahead, const Act& a, int r0, float* __restrict y, long ldy) {
+inline void x8_tile(const uint8_t* __restrict grp, const Act& a, int r0, float* __restrict y, long ldy) {
 #ifdef KVFLOW_VNNI
-  if constexpr (T == Q6_K) return x8_tile_q6k<R>(grp, ahead, a, r0, y, ldy);
+  if constexpr (T == Q6_K) return x8_tile_q6k<R>(grp, a, r0, y, ldy);
 #endif
-  constexpr int GB = x8_block_bytes(T);
   __m256 acc[R];
   for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
   const __m256i m4 = _mm256_set1_epi8(0x0F);
   for (int b = 0; b < a.nb; b++) {
-    prefetch_block<GB>(grp + (long)b * GB, ahead);
     __m256 d, mn;
     const uint8_t* qs = x8_block<T>(grp, b, d, mn);
     const int8_t* xb[R];
@@ -454,15 +439,12 @@ inline __m512 join(__m256 a, __m256 b) { return _mm512_insertf32x8(_mm512_castps
  * lane the same integer sums and float operations in the same order as x8_tile, so a channel's
  * result is the same bits whichever tile computed it. */
 template <int T, int R>
-inline void x16_tile(const uint8_t* __restrict g0, const uint8_t* __restrict g1, long ahead, const Act& a, int r0,
+inline void x16_tile(const uint8_t* __restrict g0, const uint8_t* __restrict g1, const Act& a, int r0,
                      float* __restrict y, long ldy) {
-  constexpr int GB = x8_block_bytes(T);
   __m512 acc[R];
   for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
   const __m512i m4 = _mm512_set1_epi8(0x0F);
   for (int b = 0; b < a.nb; b++) {
-    prefetch_block<GB>(g0 + (long)b * GB, ahead);
-    prefetch_block<GB>(g1 + (long)b * GB, ahead);
     __m256 d0, d1, mn0, mn1;
     const uint8_t* q0 = x8_block<T>(g0, b, d0, mn0);
     const uint8_t* q1 = x8_block<T>(g1, b, d1, mn1);
@@ -522,11 +504,11 @@ constexpr int X8_ROWS = 4;
 /* The last `rows` (1 .. R) rows in one tile: one pass over the group's weights, which each pass
  * unpacks anew (5 rows -- a token verifying 4 drafts -- as 4 + 1 cost ~1.4x one tile of 5). */
 template <int T, int R = X8_ROWS - 1>
-inline void x8_rest(int rows, const uint8_t* g, long ahead, const Act& a, int r, float* y, long ldy) {
+inline void x8_rest(int rows, const uint8_t* g, const Act& a, int r, float* y, long ldy) {
   if (rows == R)
-    x8_tile<T, R>(g, ahead, a, r, y, ldy);
+    x8_tile<T, R>(g, a, r, y, ldy);
   else if constexpr (R > 1)
-    x8_rest<T, R - 1>(rows, g, ahead, a, r, y, ldy);
+    x8_rest<T, R - 1>(rows, g, a, r, y, ldy);
 }
 
 template <int T>
@@ -537,19 +519,17 @@ void x8_segment(const BlockSegment& seg, const Act& a, int c0, int c1, int r0, i
     int r = r0;
 #ifdef KVFLOW_X16
     if (T != Q6_K && c + 2 * X8 <= c1 && r1 - r0 >= X8_ROWS) {  // two groups, full tiles: 16 channels at once
-      for (; r + X8_ROWS <= r1; r += X8_ROWS)
-        x16_tile<T, X8_ROWS>(g, g + group_bytes, r == r0 ? 2 * group_bytes : 0, a, r, y + r * ldy + c, ldy);
-      if (r < r1) {  // (the pair's weights are in L1 now, the next pair's on their way)
-        x8_rest<T>(r1 - r, g, 0, a, r, y + r * ldy + c, ldy);
-        x8_rest<T>(r1 - r, g + group_bytes, 0, a, r, y + r * ldy + c + X8, ldy);
+      for (; r + X8_ROWS <= r1; r += X8_ROWS) x16_tile<T, X8_ROWS>(g, g + group_bytes, a, r, y + r * ldy + c, ldy);
+      if (r < r1) {
+        x8_rest<T>(r1 - r, g, a, r, y + r * ldy + c, ldy);
+        x8_rest<T>(r1 - r, g + group_bytes, a, r, y + r * ldy + c + X8, ldy);
       }
       c += X8;
       continue;
     }
 #endif
-    for (; r + X8_ROWS <= r1; r += X8_ROWS)  // (the next group prefetched on the first pass over this one)
-      x8_tile<T, X8_ROWS>(g, r == r0 ? group_bytes : 0, a, r, y + r * ldy + c, ldy);
-    if (r < r1) x8_rest<T>(r1 - r, g, r == r0 ? group_bytes : 0, a, r, y + r * ldy + c, ldy);
+    for (; r + X8_ROWS <= r1; r += X8_ROWS) x8_tile<T, X8_ROWS>(g, a, r, y + r * ldy + c, ldy);
+    if (r < r1) x8_rest<T>(r1 - r, g, a, r, y + r * ldy + c, ldy);
   }
 }
 
