@@ -533,65 +533,62 @@ void x8_segment(const BlockSegment& seg, const Act& a, int c0, int c1, int r0, i
   }
 }
 
-/* Q4_K to its repacked layout (see Q4K_X8_BYTES). */
-void repack_q4k_x8(BlockSegment& seg, int k) {
+/* A K-quant segment repacked: `fill(dst, j, src)` writes channel j's super-block `src` (GGUF's
+ * `src_bytes`) into its group's super-block `dst` (`dst_bytes`, zeroed first). */
+template <class Fill>
+void repack_super_blocks(BlockSegment& seg, int k, int src_bytes, int dst_bytes, Fill&& fill) {
   const int nsb = k / 256;
-  seg.packed.assign((size_t)seg.rows / X8 * nsb * Q4K_X8_BYTES, 0);
+  seg.packed.assign((size_t)seg.rows / X8 * nsb * dst_bytes, 0);
   for (int g = 0; g < seg.rows / X8; g++)
-    for (int sb = 0; sb < nsb; sb++) {
-      uint8_t* dst = seg.packed.data() + ((long)g * nsb + sb) * Q4K_X8_BYTES;
-      for (int j = 0; j < X8; j++) {
-        const uint8_t* src = seg.data + (long)(g * X8 + j) * seg.row_bytes + (long)sb * 144;
-        dst[2 * j] = src[0], dst[2 * j + 1] = src[1];
-        dst[16 + 2 * j] = src[2], dst[16 + 2 * j + 1] = src[3] ^ 0x80;  // -dmin: the sign bit flipped
-        for (int sub = 0; sub < 8; sub++) {
-          int scale, min;
-          q4k_scale_min(src + 4, sub, scale, min);
-          dst[32 + 8 * sub + j] = (uint8_t)scale, dst[96 + 8 * sub + j] = (uint8_t)min;
-          const uint8_t* pair = src + 16 + 32 * (sub / 2);  // sub-blocks 2i (low nibbles), 2i + 1 (high)
-          uint8_t v[32];
-          for (int i = 0; i < 32; i++) v[i] = sub & 1 ? pair[i] >> 4 : pair[i] & 0x0F;
-          uint8_t* qs = dst + 160 + 128 * sub;
-          for (int c = 0; c < 4; c++)
-            for (int i = 0; i < 4; i++) qs[32 * c + 4 * j + i] = (uint8_t)(v[4 * c + i] | v[16 + 4 * c + i] << 4);
-        }
-      }
-    }
+    for (int sb = 0; sb < nsb; sb++)
+      for (int j = 0; j < X8; j++)
+        fill(seg.packed.data() + ((long)g * nsb + sb) * dst_bytes, j,
+             seg.data + (long)(g * X8 + j) * seg.row_bytes + (long)sb * src_bytes);
   seg.data = seg.packed.data();
   seg.x8 = true;
 }
 
+/* Q4_K to its repacked layout (see Q4K_X8_BYTES). */
+void repack_q4k_x8(BlockSegment& seg, int k) {
+  repack_super_blocks(seg, k, 144, Q4K_X8_BYTES, [](uint8_t* dst, int j, const uint8_t* src) {
+    dst[2 * j] = src[0], dst[2 * j + 1] = src[1];
+    dst[16 + 2 * j] = src[2], dst[16 + 2 * j + 1] = src[3] ^ 0x80;  // -dmin: the sign bit flipped
+    for (int sub = 0; sub < 8; sub++) {
+      int scale, min;
+      q4k_scale_min(src + 4, sub, scale, min);
+      dst[32 + 8 * sub + j] = (uint8_t)scale, dst[96 + 8 * sub + j] = (uint8_t)min;
+      const uint8_t* pair = src + 16 + 32 * (sub / 2);  // sub-blocks 2i (low nibbles), 2i + 1 (high)
+      uint8_t v[32];
+      for (int i = 0; i < 32; i++) v[i] = sub & 1 ? pair[i] >> 4 : pair[i] & 0x0F;
+      uint8_t* qs = dst + 160 + 128 * sub;
+      for (int c = 0; c < 4; c++)
+        for (int i = 0; i < 4; i++) qs[32 * c + 4 * j + i] = (uint8_t)(v[4 * c + i] | v[16 + 4 * c + i] << 4);
+    }
+  });
+}
+
 /* Q6_K to its repacked layout (see Q6K_X8_BYTES). */
 void repack_q6k_x8(BlockSegment& seg, int k) {
-  const int nsb = k / 256;
-  seg.packed.assign((size_t)seg.rows / X8 * nsb * Q6K_X8_BYTES, 0);
-  for (int g = 0; g < seg.rows / X8; g++)
-    for (int sb = 0; sb < nsb; sb++) {
-      uint8_t* dst = seg.packed.data() + ((long)g * nsb + sb) * Q6K_X8_BYTES;
-      for (int j = 0; j < X8; j++) {
-        const uint8_t* src = seg.data + (long)(g * X8 + j) * seg.row_bytes + (long)sb * 210;
-        dst[2 * j] = src[208], dst[2 * j + 1] = src[209];
-        for (int sub = 0; sub < 8; sub++) {
-          const int half = sub / 4, t = sub % 4;  // (GGUF's layout: Fmt<Q6_K>)
-          const uint8_t* scales = src + 192 + 8 * half + 2 * t;
-          dst[16 + 16 * sub + j] = scales[0], dst[16 + 16 * sub + 8 + j] = scales[1];
-          uint8_t v[32];  // the sub-block's values, 0..63
-          for (int i = 0; i < 32; i++) {
-            const uint8_t low = src[64 * half + 32 * (t & 1) + i];
-            v[i] = (uint8_t)((t >= 2 ? low >> 4 : low & 0x0F) | ((src[128 + 32 * half + i] >> (2 * t)) & 3) << 4);
-          }
-          uint8_t* qs = dst + 144 + 192 * sub;
-          for (int c = 0; c < 4; c++)
-            for (int i = 0; i < 4; i++) {
-              const int pos = 4 * j + i, lo = v[4 * c + i], hi = v[16 + 4 * c + i];
-              qs[32 * c + pos] = (uint8_t)((lo & 0x0F) | (hi & 0x0F) << 4);
-              qs[128 + 32 * (c / 2) + pos] |= (uint8_t)(((lo >> 4) | (hi >> 4) << 2) << (4 * (c & 1)));
-            }
-        }
+  repack_super_blocks(seg, k, 210, Q6K_X8_BYTES, [](uint8_t* dst, int j, const uint8_t* src) {
+    dst[2 * j] = src[208], dst[2 * j + 1] = src[209];
+    for (int sub = 0; sub < 8; sub++) {
+      const int half = sub / 4, t = sub % 4;  // (GGUF's layout: Fmt<Q6_K>)
+      const uint8_t* scales = src + 192 + 8 * half + 2 * t;
+      dst[16 + 16 * sub + j] = scales[0], dst[16 + 16 * sub + 8 + j] = scales[1];
+      uint8_t v[32];  // the sub-block's values, 0..63
+      for (int i = 0; i < 32; i++) {
+        const uint8_t low = src[64 * half + 32 * (t & 1) + i];
+        v[i] = (uint8_t)((t >= 2 ? low >> 4 : low & 0x0F) | ((src[128 + 32 * half + i] >> (2 * t)) & 3) << 4);
       }
+      uint8_t* qs = dst + 144 + 192 * sub;
+      for (int c = 0; c < 4; c++)
+        for (int i = 0; i < 4; i++) {
+          const int pos = 4 * j + i, lo = v[4 * c + i], hi = v[16 + 4 * c + i];
+          qs[32 * c + pos] = (uint8_t)((lo & 0x0F) | (hi & 0x0F) << 4);
+          qs[128 + 32 * (c / 2) + pos] |= (uint8_t)(((lo >> 4) | (hi >> 4) << 2) << (4 * (c & 1)));
+        }
     }
-  seg.data = seg.packed.data();
-  seg.x8 = true;
+  });
 }
 
 template <int T>
