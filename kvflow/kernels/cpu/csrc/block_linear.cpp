@@ -58,7 +58,6 @@ void BlockWorkspace::reserve(int m, int k, int num_threads) {
   qu.resize(std::max(qu.size(), (size_t)m * k));
   d.resize(std::max(d.size(), (size_t)m * k / QA));
   s.resize(std::max(s.size(), (size_t)m * k / QA));
-  h.resize(std::max(h.size(), (size_t)m * k / (QA / 2)));
   v.resize(std::max(v.size(), (size_t)num_threads * k));
 }
 
@@ -209,7 +208,6 @@ struct Act {  // the quantized activations of a call
   const int8_t* q;
   const uint8_t* qu;  // q + 128
   const float *d, *s;
-  const float* h;  // d * sum(q) over each half block (16 values): Q6_K's offsets, a scale per 16
   int k, nb;  // values and 32-blocks per row
 };
 
@@ -315,43 +313,48 @@ inline __m256i bcast4(const int8_t* p) {
 
 #ifdef KVFLOW_VNNI
 /* x8_tile for Q6_K (its layout: Q6K_X8_BYTES): each block's two halves have their own scales, so
- * their integer sums stay apart; the -32 of every value is a float offset per half, as Q4_1's min. */
+ * their integer sums stay apart. The values go in signed (q - 32) against the activations as u8
+ * (x + 128), as Q8_0's tile does: sum (x + 128) w - 128 sum w, the same integers as sum x w, the
+ * weights' sums taken once for all rows. */
 template <int R>
 inline void x8_tile_q6k(const uint8_t* __restrict grp, const Act& a, int r0, float* __restrict y, long ldy) {
   __m256 acc[R];
   for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-  const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03);
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03), bias = _mm256_set1_epi8(32),
+                ones = _mm256_set1_epi8(1);
   for (int b = 0; b < a.nb; b++) {
     const uint8_t* h = grp + (long)(b / 8) * Q6K_X8_BYTES;
     const int sub = b % 8;
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)h));
     const __m256 d_lo = _mm256_mul_ps(d, i8x8_ps(h + 16 + 16 * sub));
     const __m256 d_hi = _mm256_mul_ps(d, i8x8_ps(h + 16 + 16 * sub + 8));
-    const __m256 m_lo = _mm256_mul_ps(d_lo, _mm256_set1_ps(-32.f)), m_hi = _mm256_mul_ps(d_hi, _mm256_set1_ps(-32.f));
     const uint8_t* qs = h + 144 + 192 * sub;
-    const int8_t* xb[R];
-    for (int r = 0; r < R; r++) xb[r] = a.q + (long)(r0 + r) * a.k + b * QA;
-    __m256i lo_sum[R], hi_sum[R];
+    const uint8_t* xu[R];
+    for (int r = 0; r < R; r++) xu[r] = a.qu + (long)(r0 + r) * a.k + b * QA;
+    __m256i lo_sum[R], hi_sum[R], lo_w = _mm256_setzero_si256(), hi_w = _mm256_setzero_si256();
     for (int r = 0; r < R; r++) lo_sum[r] = hi_sum[r] = _mm256_setzero_si256();
     for (int c = 0; c < 4; c++) {
       const __m256i raw = _mm256_loadu_si256((const __m256i*)(qs + 32 * c));
       __m256i top = _mm256_loadu_si256((const __m256i*)(qs + 128 + 32 * (c / 2)));
       if (c & 1) top = _mm256_srli_epi16(top, 4);
-      const __m256i lo = _mm256_or_si256(_mm256_and_si256(raw, m4), _mm256_slli_epi16(_mm256_and_si256(top, m2), 4));
-      const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), m4),
-                                         _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(top, 2), m2), 4));
+      const __m256i lo = _mm256_sub_epi8(
+          _mm256_or_si256(_mm256_and_si256(raw, m4), _mm256_slli_epi16(_mm256_and_si256(top, m2), 4)), bias);
+      const __m256i hi = _mm256_sub_epi8(
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), m4),
+                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(top, 2), m2), 4)),
+          bias);
+      lo_w = dot_u8_acc(lo_w, ones, lo);
+      hi_w = dot_u8_acc(hi_w, ones, hi);
       for (int r = 0; r < R; r++) {
-        lo_sum[r] = dot_u8_acc(lo_sum[r], lo, bcast4(xb[r] + 4 * c));
-        hi_sum[r] = dot_u8_acc(hi_sum[r], hi, bcast4(xb[r] + 16 + 4 * c));
+        lo_sum[r] = dot_u8_acc(lo_sum[r], bcast4((const int8_t*)xu[r] + 4 * c), lo);
+        hi_sum[r] = dot_u8_acc(hi_sum[r], bcast4((const int8_t*)xu[r] + 16 + 4 * c), hi);
       }
     }
+    lo_w = _mm256_slli_epi32(lo_w, 7), hi_w = _mm256_slli_epi32(hi_w, 7);
     for (int r = 0; r < R; r++) {
-      const long row = (long)(r0 + r) * a.nb + b;
-      const __m256 dx = _mm256_set1_ps(a.d[row]);
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo_sum[r]), _mm256_mul_ps(d_lo, dx), acc[r]);
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi_sum[r]), _mm256_mul_ps(d_hi, dx), acc[r]);
-      acc[r] = _mm256_fmadd_ps(m_lo, _mm256_set1_ps(a.h[2 * row]), acc[r]);
-      acc[r] = _mm256_fmadd_ps(m_hi, _mm256_set1_ps(a.h[2 * row + 1]), acc[r]);
+      const __m256 dx = _mm256_set1_ps(a.d[(long)(r0 + r) * a.nb + b]);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(lo_sum[r], lo_w)), _mm256_mul_ps(d_lo, dx), acc[r]);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(hi_sum[r], hi_w)), _mm256_mul_ps(d_hi, dx), acc[r]);
     }
   }
   for (int r = 0; r < R; r++) _mm256_storeu_ps(y + r * ldy, acc[r]);
@@ -711,25 +714,23 @@ void segment_any(const BlockSegment& seg, const Act& a, int c0, int c1, int r0, 
   });
 }
 
-/* One row to int8 blocks of QA: dx = max|v| / 127, q = round(v / dx), s = dx * sum(q), h = dx *
- * the sums of each half. */
+/* One row to int8 blocks of QA: dx = max|v| / 127, q = round(v / dx), s = dx * sum(q). */
 inline void quantize_row(const float* __restrict v, int k, int8_t* __restrict q, uint8_t* __restrict qu,
-                         float* __restrict d, float* __restrict s, float* __restrict h) {
+                         float* __restrict d, float* __restrict s) {
   for (int b = 0; b < k / QA; b++) {
     const float* x = v + b * QA;
     float amax = 0.f;
     for (int i = 0; i < QA; i++) amax = std::max(amax, std::fabs(x[i]));
     const float dx = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-    int half[2] = {0, 0};
+    int sum = 0;
     for (int i = 0; i < QA; i++) {
       const int qi = (int)std::nearbyint(x[i] * inv);
       q[b * QA + i] = (int8_t)qi;
       qu[b * QA + i] = (uint8_t)(qi + 128);
-      half[i / (QA / 2)] += qi;
+      sum += qi;
     }
     d[b] = dx;
-    s[b] = dx * (float)(half[0] + half[1]);
-    h[2 * b] = dx * (float)half[0], h[2 * b + 1] = dx * (float)half[1];
+    s[b] = dx * (float)sum;
   }
 }
 
@@ -747,9 +748,9 @@ void block_linear_team(const BlockWeight& p, const float* x, long ldx, int m, in
     float* v = w.v.data() + (long)tid * k;
     prologue(kind, x + i * ldx, k, norm_w, eps, v);
     quantize_row(v, k, w.q.data() + (long)i * k, w.qu.data() + (long)i * k, w.d.data() + (long)i * nb,
-                 w.s.data() + (long)i * nb, w.h.data() + (long)i * 2 * nb);
+                 w.s.data() + (long)i * nb);
   }
-  const Act a{w.q.data(), w.qu.data(), w.d.data(), w.s.data(), w.h.data(), k, nb};
+  const Act a{w.q.data(), w.qu.data(), w.d.data(), w.s.data(), k, nb};
   // Each thread takes a contiguous run of output channels, in groups of X8 (the repacked layout's).
   const int groups = (n + X8 - 1) / X8, per = (groups + nth - 1) / nth;
   const int j0 = std::min(n, tid * per * X8), j1 = std::min(n, j0 + per * X8);

@@ -37,12 +37,12 @@ struct BlockWeight {
 };
 
 /* A call's activations, shared by its team: each row's prologue output, quantized per block of QA
- * to int8 `q` with scale `d`, `s` = d * sum(q) (for formats with an offset) and `h` = d * the sum of
- * each half block; `v` holds each thread's float row. `reserve` before the parallel region. */
+ * to int8 `q` with scale `d` and `s` = d * sum(q) (for formats with an offset); `v` holds each
+ * thread's float row. `reserve` before the parallel region. */
 struct BlockWorkspace {
   std::vector<int8_t> q;
-  std::vector<uint8_t> qu;  // q + 128, unsigned: the Q8_0 tile's operand with VNNI
-  std::vector<float> d, s, h, v;
+  std::vector<uint8_t> qu;  // q + 128, unsigned: the Q8_0 and Q6_K tiles' operand with VNNI
+  std::vector<float> d, s, v;
   void reserve(int m, int k, int num_threads);
 };
 
