@@ -88,6 +88,7 @@ def write_tiny(
     arch: str = "llama",
     raw_overrides: dict | None = None,
     raw_blocks: dict | None = None,
+    context: int = 512,
 ) -> dict[str, np.ndarray]:
     """Write a tiny llama GGUF; returns the HF-layout float32 weights that went in (pre-quantisation).
     `raw_overrides`: name -> a type whose tensor is written as zero bytes; `raw_blocks`: name ->
@@ -102,7 +103,7 @@ def write_tiny(
 
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name("Tiny Test Llama")
-    w.add_context_length(512)
+    w.add_context_length(context)
     w.add_embedding_length(hidden)
     w.add_block_count(layers)
     w.add_feed_forward_length(ffn)
