@@ -22,6 +22,7 @@ _SIGNATURES = {
     "kvflow_block_free": ([_P], None),
     "kvflow_block_linear": ([_P, _P, _L, _I, _I, _P, _F, _P, _P, _L, _P, _I], None),
     "kvflow_block_repacked": ([_P, _I], _I),
+    "kvflow_block_nbytes": ([_P], _L),
     "kvflow_block_rows": ([_P, _P, _I, _P], None),
 }
 
@@ -82,12 +83,8 @@ class BlockQuantKernel:
         weakref.finalize(self, self._lib.kvflow_block_free, handle)
         # Parts the kernel repacked into its own copy are dropped; the others it reads in place.
         self._kept = [None if self._lib.kvflow_block_repacked(handle, i) else p for i, p in enumerate(parts)]
-        # (a repacked Q4_K keeps its 6-bit sub-block scales unpacked to bytes: 1,184 bytes per 8
-        # channels x 256 inputs against GGUF's 1,152; csrc/block_linear.cpp, Q4K_X8_BYTES)
-        self._nbytes = sum(
-            p.nbytes * 37 // 36 if kept is None and p.format.name == "Q4_K" else p.nbytes
-            for p, kept in zip(parts, self._kept)
-        )
+        # (the kernel's count: a repacked Q4_K holds 1,184 bytes per 8 channels x 256 inputs, GGUF 1,152)
+        self._nbytes = self._lib.kvflow_block_nbytes(handle)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """float32 output channels `ids` of W, [*ids.shape, in_features] (an embedding lookup: the

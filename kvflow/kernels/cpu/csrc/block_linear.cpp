@@ -30,7 +30,8 @@
  * rows take two neighbouring groups at once in 512-bit registers (x16_tile): every broadcast
  * activation and every float operation then serves 16 channels, the scaling per block and row
  * being about a third of the tile's instructions. Q4_K is repacked too, into Q4_1's tiles with its
- * super-block's scales unpacked beside them (+2.8% bytes: Q4K_X8_BYTES); Q6_K keeps the row layout.
+ * super-block's scales unpacked beside them (+2.8% bytes: Q4K_X8_BYTES), and with VNNI Q6_K, at
+ * its own size, into 8-channel tiles of its own (x8_tile_q6k).
  *
  * A (row, channel) pair's sum runs in the same order whatever the tile or the number of rows, so a
  * token's result does not depend on its batch.
@@ -622,8 +623,8 @@ void dequantize_channel(const BlockSegment& seg, int j, int k, float* out) {
     const int nb = k / QA, gb = x8_block_bytes(seg.type), jj = j % X8;
     for (int b = 0; b < nb; b++) {
       const uint8_t* grp = seg.data + (long)(j / X8) * nb * gb;
-      float d, m;
-      const uint8_t* qs;
+      float d = 0.f, m = 0.f;
+      const uint8_t* qs = nullptr;
       if (seg.type == Q6_K) {  // (the same float32 products as the row layout's)
         const uint8_t* h = grp + (long)(b / 8) * Q6K_X8_BYTES;
         const int sub = b % 8;
@@ -637,16 +638,16 @@ void dequantize_channel(const BlockSegment& seg, int j, int k, float* out) {
         }
         continue;
       }
-      if (seg.type == Q4_K) {  // (the same float32 products as x8_block's)
-        const uint8_t* h = grp + (long)(b / 8) * Q4K_X8_BYTES;
-        d = f16(h + 2 * jj) * (float)h[32 + 8 * (b % 8) + jj];
-        m = f16(h + 16 + 2 * jj) * (float)h[96 + 8 * (b % 8) + jj];
-        qs = h + 160 + 128 * (b % 8);
-      } else {
-        const uint8_t* p = grp + (long)b * gb;
-        d = f16(p + 2 * jj), m = seg.type == Q4_1 ? f16(p + 16 + 2 * jj) : 0.f;
-        qs = p + (seg.type == Q4_1 ? 32 : 16);
-      }
+      with_format(seg.type, [&](auto t) {  // the block's scales as the tiles take them
+        constexpr int T = decltype(t)::value;
+        if constexpr (has_x8(T) && T != Q6_K) {
+          __m256 dv, mv;
+          qs = x8_block<T>(grp, b, dv, mv);
+          alignas(32) float dl[8], ml[8];
+          _mm256_store_ps(dl, dv), _mm256_store_ps(ml, mv);
+          d = dl[jj], m = ml[jj];
+        }
+      });
       for (int i = 0; i < QA; i++) {
         float v;
         if (seg.type == Q8_0) {
@@ -839,6 +840,14 @@ void* kvflow_block_pack(int n, int k, int nseg, const int* types, const int* row
 }
 
 void kvflow_block_free(void* handle) { delete static_cast<kvflow::BlockWeight*>(handle); }
+
+/* The weight's bytes as the kernel reads them (repacked segments: its own copies). */
+long kvflow_block_nbytes(void* handle) {
+  long total = 0;
+  for (const auto& seg : static_cast<kvflow::BlockWeight*>(handle)->segs)
+    total += seg.x8 ? (long)seg.packed.size() : seg.rows * seg.row_bytes;
+  return total;
+}
 
 /* Whether segment i was repacked (the kernel holds its own copy; the caller's bytes may go). */
 int kvflow_block_repacked(void* handle, int i) { return static_cast<kvflow::BlockWeight*>(handle)->segs[i].x8; }
