@@ -288,8 +288,9 @@ constexpr int x8_units(int type, int nb) { return type == Q4_K || type == Q6_K ?
 
 // With AVX-512, x16_tile reads two neighbouring groups in step; the layout then interleaves each
 // even group with the next one unit by unit, so that the pair is one forward stream. (Read as two
-// streams a group apart, a pair's tiles at 8 rows took about 1.7x their time from cache when the
-// weights came from memory, where one-group tiles took 1.2x: the prefetchers follow one stream.)
+// streams a group apart, the pair's reads from memory added to its tiles' arithmetic instead of
+// overlapping it: the prefetchers follow one stream. Figures: benchmarks/block_linear_ab.py in
+// docs/benchmarks/results/.)
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define KVFLOW_X16 1
 #endif
@@ -603,7 +604,8 @@ void x8_segment(const BlockSegment& seg, const Act& a, int c0, int c1, int r0, i
 }
 
 /* A K-quant segment repacked: `fill(dst, j, src)` writes channel j's super-block `src` (GGUF's
- * `src_bytes`) into its group's super-block `dst` (`dst_bytes`, zeroed first). */
+ * `src_bytes`) into its group's super-block `dst` (x8_unit_bytes, zeroed first; where x8_group
+ * puts it). */
 template <class Fill>
 void repack_super_blocks(BlockSegment& seg, int k, int src_bytes, Fill&& fill) {
   const int nsb = k / 256, groups = seg.rows / X8;
