@@ -1,6 +1,6 @@
 """The attention backends' common ground: the paged KV cache, a step's layout and metadata, and
-the interface every backend implements (`AttentionBackend`). Torch, the standard library and the
-config's names only: the backends themselves are in kvflow.attention.backends, and kvflow.attention.selector picks one.
+the interface every backend implements (`AttentionBackend`). Torch, numpy, the standard library and
+the config's names only: the backends themselves are in kvflow.attention.backends, and kvflow.attention.selector picks one.
 
 A step's tokens are one flat axis mixing decodes (1 new token) and prefill chunks (many new
 tokens starting at any position). Each layer writes its new K/V into the cache through
@@ -33,6 +33,7 @@ import mmap
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from kvflow.attention.kv_formats import check_head_dim, kv_float_dtype, kv_format
@@ -147,16 +148,25 @@ class TokenLayout:
 
     @classmethod
     def of(cls, seqs: list[SeqLayout], block_size: int) -> TokenLayout:
-        starts = torch.tensor([s.start_pos for s in seqs], dtype=torch.long)
-        lens = torch.tensor([s.num_new for s in seqs], dtype=torch.long)
+        # numpy, then one zero-copy view each: the same arithmetic as a dozen small torch ops cost
+        # ~5x the time, paid on every step (a batch-1 decode step of a small model is ~3 ms).
+        n = len(seqs)
+        starts = np.fromiter((s.start_pos for s in seqs), np.int64, n)
+        lens = np.fromiter((s.num_new for s in seqs), np.int64, n)
         max_blocks = max(len(s.block_table) for s in seqs)
-        tables = torch.tensor([s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs], dtype=torch.long)
+        tables = np.zeros((n, max_blocks), np.int64)
+        for i, s in enumerate(seqs):
+            tables[i, : len(s.block_table)] = s.block_table
+        offsets = np.cumsum(lens) - lens
         total = int(lens.sum())
-        seq_of_token = torch.repeat_interleave(torch.arange(len(seqs)), lens)
-        offsets = torch.cumsum(lens, 0) - lens
-        positions = starts[seq_of_token] + torch.arange(total) - offsets[seq_of_token]
-        slot_mapping = tables[seq_of_token, positions // block_size] * block_size + positions % block_size
-        return cls(starts, lens, offsets, tables, positions, slot_mapping)
+        if total == n:  # one new token per sequence (decodes): token i is sequence i's
+            positions = starts.copy()
+            slot_mapping = tables[np.arange(n), positions // block_size] * block_size + positions % block_size
+        else:
+            seq_of_token = np.repeat(np.arange(n), lens)
+            positions = starts[seq_of_token] + np.arange(total) - offsets[seq_of_token]
+            slot_mapping = tables[seq_of_token, positions // block_size] * block_size + positions % block_size
+        return cls(*map(torch.from_numpy, (starts, lens, offsets, tables, positions, slot_mapping)))
 
 
 def kv_cache_bytes_per_token(
@@ -204,14 +214,20 @@ def kv_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -
     """A zeroed KV tensor. Zeroed, not empty: masked-out slots are still multiplied by 0 and NaN
     garbage would leak. On the CPU it is anonymous mmap memory, zero by the kernel's guarantee and
     faulted in page by page as blocks are first written, so start-up does not spend ~0.4 s per GiB
-    writing zeros to a pool that is mostly empty."""
+    writing zeros to a pool that is mostly empty. Private, with huge pages asked for (granted where
+    transparent huge pages are on request, "madvise"): a decode step reads every running sequence's
+    blocks, scattered over the pool, and with 4 KB pages each is a TLB miss (shared anonymous
+    memory would take huge pages only where shmem has them on)."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     n = math.prod(shape)
     if n == 0:
         return torch.zeros(shape, dtype=dtype)
+    buf = mmap.mmap(-1, n * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        buf.madvise(mmap.MADV_HUGEPAGE)
     # torch.frombuffer keeps the mmap object alive as long as the tensor's storage.
-    return torch.frombuffer(mmap.mmap(-1, n * dtype.itemsize), dtype=dtype).view(shape)
+    return torch.frombuffer(buf, dtype=dtype).view(shape)
 
 
 # `forward(window=...)` left at this: the backend's own `sliding_window` (what callers from before

@@ -405,7 +405,10 @@ class ModelRunner:
         if not sampling:
             return RunnerOutput(expert_trace=trace, embeddings=embeddings, prompt_logprobs=prompt_lps)
         # (in the model's dtype: the sampler widens them where it needs more than an argmax)
-        logits = self.model.compute_logits(hidden[torch.tensor(logits_rows(seqs), device=self.device)], float32=False)
+        rows = logits_rows(seqs)
+        if len(rows) < hidden.shape[0]:  # (every row samples in a step of decodes and drafts: no gather)
+            hidden = hidden[torch.tensor(rows, device=self.device)]
+        logits = self.model.compute_logits(hidden, float32=False)
         result = self._sample(self._constrain(logits, sampling, grammar), sampling)
         result.expert_trace = trace
         result.embeddings = embeddings
@@ -548,7 +551,8 @@ class ModelRunner:
                 output_ids=[s.output_token_ids for s in sub],
                 num_output_tokens=[s.start_pos + len(s.token_ids) - s.num_prompt_tokens for s in sub],
             )
-            result = self.sampler(logits[[spans[i][0] for i in plain]], batch)
+            rows = [spans[i][0] for i in plain]
+            result = self.sampler(logits if len(rows) == logits.shape[0] else logits[rows], batch)
             ids = result.token_ids.tolist()
             for j, s in enumerate(sub):
                 out.sampled[s.request_id] = [ids[j]]

@@ -24,6 +24,7 @@ native decode pass (kvflow.models.decode_pass), whose rows `decode_group` hands 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from kvflow.attention.backend import (
@@ -81,11 +82,12 @@ class CpuPagedAttention(TorchPagedAttention):
         decode_like = decode_only or max(s.num_new for s in seqs) <= DECODE_LIKE_ROWS
         if not decode_like and self.prefill_path == "torch":
             return self._split_metadata(seqs, t)
-        tables = t.tables if decode_only else t.tables[torch.repeat_interleave(torch.arange(len(seqs)), t.lens)]
+        # (numpy views of the layout: see TokenLayout.of)
+        tables = t.tables.numpy() if decode_only else t.tables.numpy()[np.repeat(np.arange(len(seqs)), t.lens.numpy())]
         group = PagedRows(
-            tables=tables.to(torch.int32).contiguous(),
-            context_lens=(t.positions + 1).to(torch.int32),
-            tokens=torch.arange(total, dtype=torch.int32),
+            tables=torch.from_numpy(tables.astype(np.int32)),
+            context_lens=torch.from_numpy((t.positions.numpy() + 1).astype(np.int32)),
+            tokens=torch.from_numpy(np.arange(total, dtype=np.int32)),
             decode_only=decode_only,
             decode_like=decode_like,
         )
