@@ -167,8 +167,7 @@ int decode(Linear& linear, const DecoderShape* s, const DecoderLayer* layers, fl
     phase(0);
     decode_attention(qkv, qkv_cols, cos_t, sin_t, L.kv_cache, L.kv_scales, s->kv_format, slots, tables,
                      table_stride, context_lens, tokens, rows, s->num_heads, s->num_kv_heads, s->head_dim,
-                     s->block_size, s->window, s->scale, attn);
-#pragma omp barrier
+                     s->block_size, s->window, s->scale, attn);  // (ends with its loop's barrier)
     phase(1);
     linear(L.o, attn, q_cols, rows, NONE, nullptr, 0.f, nullptr, x, s->hidden, mid);
     adapt(l, 1, attn, q_cols, NONE, nullptr, mid, s->hidden);
