@@ -234,6 +234,10 @@ class ModelRunner:
                 base_shapes(self.model), config.max_loras, config.cpu_loras, config.max_lora_rank, self.lora_batch
             )
             attach(self.model, self.lora_batch)  # (after every kernel choice: wraps the final kernels)
+        if self.device.type == "cpu":
+            from kvflow.kernels.cpu.allocator import release_free_memory
+
+            release_free_memory()  # (what loading left free in the heap)
 
     def _time_decode_pass(self, num_blocks: int, block_size: int, max_model_len: int) -> None:
         """The decode pass's row limit, from decode steps of this model timed with and without it

@@ -40,3 +40,18 @@ def keep_freed_memory() -> bool:
     if not _done:
         logger.debug("mallopt refused the thresholds; glibc's defaults stay")
     return _done
+
+
+def release_free_memory() -> bool:
+    """Give the heap's free pages back to the system now (glibc's malloc_trim): once, when an engine
+    has loaded its model. Loading's temporaries (a checkpoint's tensors before packing, the kernel
+    choices' trial copies) leave the heap at their peak, which the thresholds above then keep
+    resident; the packed weights live in mappings of their own (csrc/weight_memory.h), so that
+    peak is no longer reused by them. Whether glibc released anything."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return bool(trim(0))
