@@ -159,7 +159,7 @@ class TokenLayout:
             tables[i, : len(s.block_table)] = s.block_table
         offsets = np.cumsum(lens) - lens
         total = int(lens.sum())
-        if total == n:  # one new token per sequence (decodes): token i is sequence i's
+        if total == n and (lens == 1).all():  # one new token per sequence (decodes): token i is sequence i's
             positions = starts.copy()
             slot_mapping = tables[np.arange(n), positions // block_size] * block_size + positions % block_size
         else:
