@@ -39,11 +39,11 @@ class TimedPass:
         return getattr(self.kernel, name)
 
 
-def engine_on(library: str, max_model_len: int) -> tuple[LLM, TimedPass]:
+def engine_on(library: str, max_model_len: int, **engine_args) -> tuple[LLM, TimedPass]:
     """An engine whose native kernels come from `library`, and its timed decode pass."""
     native._cache["linear"] = ctypes.CDLL(library)
     try:
-        llm = LLM(max_model_len=max_model_len, num_kv_blocks=max(1024, max_model_len // 4))
+        llm = LLM(max_model_len=max_model_len, num_kv_blocks=max(1024, max_model_len // 4), **engine_args)
     finally:
         native._cache.pop("linear", None)
     fused = llm.engine.executor.runner.model.native_decode
@@ -61,11 +61,12 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=0, help="prompt tokens (0: a short chat prompt)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=11)
+    ap.add_argument("--dtype", default=None, help="the engines' --dtype (default: the engine's)")
+    ap.add_argument("--quantization", default=None, help="the engines' --quantization (e.g. int8)")
     args = ap.parse_args()
-    builds = {
-        "A": engine_on(args.a, args.context + args.max_tokens + 64),
-        "B": engine_on(args.b, args.context + args.max_tokens + 64),
-    }
+    engine_args = {k: v for k, v in (("dtype", args.dtype), ("quantization", args.quantization)) if v is not None}
+    max_len = args.context + args.max_tokens + 64
+    builds = {"A": engine_on(args.a, max_len, **engine_args), "B": engine_on(args.b, max_len, **engine_args)}
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     if args.context:
         prompts = [

@@ -115,7 +115,16 @@ void* kvflow_int8_pack(const int8_t* w, const float* scale, int n, int k, int le
     for (int c = 0; c < k; c++) s += w[(long)j * k + c];
     p->col_offsets[j] = s;
   }
-  p->packed = std::make_unique<fbgemm::PackBMatrix<int8_t>>(fbgemm::matrix_op_t::Transpose, k, n, w, k, nullptr, 1);
+  // The packed matrix in our memory (huge pages, as the other kernels' weights: csrc/weight_memory.h)
+  // rather than FBGEMM's own heap allocation.
+  p->buf_bytes = (size_t)fbgemm::PackBMatrix<int8_t>::packedBufferSize(k, n);
+  p->buf = kvflow::alloc_weights(p->buf_bytes);
+  if (!p->buf) {
+    delete p;
+    return nullptr;
+  }
+  p->packed = std::make_unique<fbgemm::PackBMatrix<int8_t>>(fbgemm::matrix_op_t::Transpose, k, n, w, k,
+                                                            static_cast<int8_t*>(p->buf), 1);
   return p;
 }
 

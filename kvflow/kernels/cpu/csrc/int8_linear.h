@@ -5,6 +5,7 @@
 #include <fbgemm/Fbgemm.h>
 
 #include "linear_ops.h"
+#include "weight_memory.h"
 
 #include <cstdint>
 #include <memory>
@@ -13,11 +14,17 @@
 namespace kvflow {
 
 struct PackedWeight {
-  std::unique_ptr<fbgemm::PackBMatrix<int8_t>> packed;
+  std::unique_ptr<fbgemm::PackBMatrix<int8_t>> packed;  // over `buf` (FBGEMM's packing, our memory)
   int n, k;
   int levels;                        // activations use round(levels * v / max|v|) + levels + 1
   std::vector<float> scale;         // per output channel
   std::vector<int32_t> col_offsets; // sum of each output channel's int8 weights
+  void* buf = nullptr;              // the packed matrix, from alloc_weights (huge pages)
+  size_t buf_bytes = 0;
+  ~PackedWeight() {
+    packed.reset();
+    free_weights(buf, buf_bytes);
+  }
 };
 
 /* The buffers of a call, shared by the threads of its team: the quantized rows, each thread's
