@@ -214,20 +214,16 @@ def kv_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -
     """A zeroed KV tensor. Zeroed, not empty: masked-out slots are still multiplied by 0 and NaN
     garbage would leak. On the CPU it is anonymous mmap memory, zero by the kernel's guarantee and
     faulted in page by page as blocks are first written, so start-up does not spend ~0.4 s per GiB
-    writing zeros to a pool that is mostly empty. Private, with huge pages asked for (granted where
-    transparent huge pages are on request, "madvise"): a decode step reads every running sequence's
-    blocks, scattered over the pool, and with 4 KB pages each is a TLB miss (shared anonymous
-    memory would take huge pages only where shmem has them on)."""
+    writing zeros to a pool that is mostly empty. (In 4 KB pages: huge pages asked for here showed
+    no difference in the decode pass's time and cost a 2 MB page per layer for the first block
+    written; figures: docs/benchmarks/results/2026-12-07-epyc-avx512.md.)"""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     n = math.prod(shape)
     if n == 0:
         return torch.zeros(shape, dtype=dtype)
-    buf = mmap.mmap(-1, n * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        buf.madvise(mmap.MADV_HUGEPAGE)
     # torch.frombuffer keeps the mmap object alive as long as the tensor's storage.
-    return torch.frombuffer(buf, dtype=dtype).view(shape)
+    return torch.frombuffer(mmap.mmap(-1, n * dtype.itemsize), dtype=dtype).view(shape)
 
 
 # `forward(window=...)` left at this: the backend's own `sliding_window` (what callers from before

@@ -62,7 +62,7 @@ class Receiver:
         self.server = ThreadServer(app)
         self.url = self.server.url
 
-    def trace(self, trace_id: str, want: int, timeout: float = 15) -> list[dict]:
+    def trace(self, trace_id: str, want: int, timeout: float = 60) -> list[dict]:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with self.lock:
