@@ -159,13 +159,9 @@ class TokenLayout:
             tables[i, : len(s.block_table)] = s.block_table
         offsets = np.cumsum(lens) - lens
         total = int(lens.sum())
-        if total == n and (lens == 1).all():  # one new token per sequence (decodes): token i is sequence i's
-            positions = starts.copy()
-            slot_mapping = tables[np.arange(n), positions // block_size] * block_size + positions % block_size
-        else:
-            seq_of_token = np.repeat(np.arange(n), lens)
-            positions = starts[seq_of_token] + np.arange(total) - offsets[seq_of_token]
-            slot_mapping = tables[seq_of_token, positions // block_size] * block_size + positions % block_size
+        seq_of_token = np.repeat(np.arange(n), lens)
+        positions = starts[seq_of_token] + np.arange(total) - offsets[seq_of_token]
+        slot_mapping = tables[seq_of_token, positions // block_size] * block_size + positions % block_size
         return cls(*map(torch.from_numpy, (starts, lens, offsets, tables, positions, slot_mapping)))
 
 
