@@ -25,15 +25,21 @@ _TRIM_THRESHOLD = 1 << 30
 _done = False
 
 
+def _glibc(name: str):
+    """glibc's function `name`, or None where the C library is not glibc (musl, macOS)."""
+    try:
+        return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
+    except (OSError, AttributeError):
+        return None
+
+
 def keep_freed_memory() -> bool:
     """Set the thresholds once per process (glibc only); whether they are set."""
     global _done
     if _done:
         return True
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # not glibc (musl, macOS): its allocator's own policy
+    mallopt = _glibc("mallopt")
+    if mallopt is None:  # not glibc: its allocator's own policy
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     _done = bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX) and mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD))
@@ -48,10 +54,8 @@ def release_free_memory() -> bool:
     choices' trial copies) leave the heap at their peak, which the thresholds above then keep
     resident; the packed weights live in mappings of their own (csrc/weight_memory.h), so that
     peak is no longer reused by them. Whether glibc released anything."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):  # not glibc
+    trim = _glibc("malloc_trim")
+    if trim is None:
         return False
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
     return bool(trim(0))
