@@ -80,6 +80,41 @@ def test_decode_row_same_bits_alone_or_in_a_batch(dtype):
     assert (together.double() - ref).abs().max() < 2e-5
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_heads,head_dim", [(3, 64), (2, 128)])
+def test_rows_verifying_drafts_same_bits_as_decode_rows(dtype, kv_heads, head_dim):
+    """Rows of one sequence at consecutive positions (a decode verifying its drafts) are computed as a
+    run that reads the sequence's keys once for all its rows (csrc/attention.h's plan_runs), each row
+    over its own chunks: the same bits as each row alone as a decode row, and float64's values. Runs
+    of 1 to 13 rows (more than one piece), beside rows alone, in one call."""
+    gen = torch.Generator().manual_seed(11 + kv_heads)
+    bs = 16
+    attn = CpuPagedAttention(bs, None, CPU)
+    news = [5, 1, 13, 2, 9, 1, 3]
+    starts = [70, 40, 31, 0, 50, 16, 90]  # partial and whole blocks, a run starting at position 0
+    per_seq = [-(-(s + n) // bs) for s, n in zip(starts, news)]
+    cache = random_kv_cache(attn, sum(per_seq), kv_heads, head_dim, "auto", gen, dtype)
+    perm = torch.randperm(sum(per_seq), generator=gen).tolist()
+    seqs, at = [], 0
+    for s, n, b in zip(starts, news, per_seq):
+        seqs.append(SeqLayout(s, n, perm[at : at + b]))
+        at += b
+    heads = 3 * kv_heads
+    q = torch.randn(sum(news), heads, head_dim, generator=gen)
+    meta = attn.build_metadata(seqs)
+    assert attn.decode_group(meta) is not None and not meta.groups[0].decode_only
+    together = attn._attend(q, cache, meta.groups[0], 0.125, None)
+    row = 0
+    for seq in seqs:
+        for j in range(seq.num_new):
+            alone_seq = SeqLayout(seq.start_pos + j, 1, seq.block_table)
+            alone = attn._attend(q[row : row + 1], cache, attn.build_metadata([alone_seq]).groups[0], 0.125, None)
+            assert torch.equal(alone, together[row : row + 1]), (seq, j)
+            row += 1
+    ref = paged_attention_reference(q, cache, seqs, bs, 0.125, None).reshape(len(q), -1)
+    assert (together.double() - ref).abs().max() < 2e-5
+
+
 def test_native_metadata_is_one_group_and_the_decode_pass_takes_decode_like_steps():
     """Every row of a step is one native group; the decode pass is handed steps whose sequences
     each have at most DECODE_LIKE_ROWS new tokens (decodes, and decodes verifying drafts), not a

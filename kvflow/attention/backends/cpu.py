@@ -141,6 +141,8 @@ class CpuPagedAttention(TorchPagedAttention):
         if q.stride(2) != 1 or q.stride(1) != head_dim or dtype != torch.float32:
             q = q.float().contiguous()
         dst = out if out is not None and out.dtype == torch.float32 else torch.empty(t, num_heads * head_dim)
+        # Decode-like rows (decodes, and decodes verifying drafts) as decode rows: each row's bits the
+        # same as a plain decode's, as in the fused decode pass; longer chunks head-major / tiled.
         kernel.paged_attention(
             q,
             kv_cache.data,
@@ -152,7 +154,7 @@ class CpuPagedAttention(TorchPagedAttention):
             layer_window(self.sliding_window, window),
             scale,
             dst,
-            head_major=not g.decode_only,
+            head_major=not g.decode_like,
             softcap=softcap,
         )
         if dst.dtype == dtype:

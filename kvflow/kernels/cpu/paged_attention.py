@@ -116,7 +116,9 @@ def paged_attention(
     `tokens` of out [T, H * D] float32. head_major: the rows share sequences (prefill chunks), so
     the kernel walks heads in the outer loop (csrc/attention.h's attend_rows) and, with `tiled`,
     computes runs of rows that read the same block table a tile at a time where the shape allows
-    (csrc/tiled_attention.h; False: every row on its own, for benchmarks and tests). softcap: scores
+    (csrc/tiled_attention.h; False: every row on its own, for benchmarks and tests). Without it
+    (decode rows, and decodes verifying drafts), each row's sums are the same alone or in any
+    batch; a decode's verifying rows read its keys once for all of them (plan_runs). softcap: scores
     (scale * q.k) become tanh(score / softcap) * softcap before the softmax (None: as they are)."""
     _, num_heads, head_dim = q.shape
     rc = _lib().kvflow_paged_attention(

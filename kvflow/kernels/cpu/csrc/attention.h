@@ -475,9 +475,19 @@ static inline __attribute__((always_inline)) void attend_chunk(HeadState<D, G> &
         for (int i = 0; i < NV; i++) st.acc[g][i] = acc[g][i];
 }
 
-/* Keys [begin, end) of kv heads [h, h + heads), chunk by chunk (a block's part at most): each chunk
- * for every head before the next chunk. With all of a row's heads (heads = kv_heads) the row's
- * slots are read front to back, each once (a slot holds every head's key and value side by side),
+/* Query rows that read the same keys through the same block table up to their own ends (one
+ * sequence's decode row and the rows verifying its drafts: consecutive positions), ends ascending.
+ * A single decode row is a run of one. */
+struct RowRun {
+    int count = 0;
+    const float *q[MAX_SWEEP_HEADS];  /* each row's queries of the task's first kv head's group */
+    float *out[MAX_SWEEP_HEADS];
+    int end[MAX_SWEEP_HEADS];
+};
+
+/* Keys [begin, end) of kv heads [h, h + heads), chunk by chunk (a block's part at most), for each row
+ * of the run up to its own end: each chunk for every head and row before the next chunk. With all
+ * of a row's heads (heads = kv_heads) the row's slots are read front to back, each once (a slot holds every head's key and value side by side),
  * where a head at a time reads a slot's 2 * D elements of each 2 * kv_heads * D in kv_heads separate
  * sweeps, which the hardware prefetchers follow badly (a layer of decode rows read from memory took
  * over half as long again as the same bytes with one kv head). While a chunk computes, the next
@@ -487,12 +497,13 @@ static inline __attribute__((always_inline)) void attend_chunk(HeadState<D, G> &
  * benchmarks/decode_attention.py --caches 30, docs/benchmarks/results/. Each head's sums are the
  * same either way. */
 template <int D, int G, int FMT>
-static inline void attend_fixed(const float *restrict q, const void *kv,
-                                const int32_t *restrict table, int begin, int end, int kv_heads, int block_size,
-                                int h, int heads, float scale, float *restrict out) {
+static inline void attend_fixed(const RowRun &run, const void *kv, const int32_t *restrict table, int begin,
+                                int kv_heads, int block_size, int h, int heads, float scale) {
     const long tok_stride = 2L * kv_heads * D, v_off = (long)kv_heads * D;
-    HeadState<D, G> st[MAX_SWEEP_HEADS];
-    for (int i = 0; i < heads; i++) st[i].start(q + (long)i * G * D, scale);
+    const int rows = run.count, end = run.end[rows - 1];
+    HeadState<D, G> st[MAX_SWEEP_HEADS];  /* row r's head i: st[r * heads + i] (rows x heads <= MAX_SWEEP_HEADS) */
+    for (int r = 0; r < rows; r++)
+        for (int i = 0; i < heads; i++) st[r * heads + i].start(run.q[r] + (long)i * G * D, scale);
     constexpr long esize = FMT == KV_F32 ? 4 : 2;
     const long slot_bytes = tok_stride * esize;
     for (int t = begin; t < end;) {
@@ -509,24 +520,32 @@ static inline void attend_fixed(const float *restrict q, const void *kv,
             ahead.v_off = v_off * esize + h * head_bytes;
             ahead.span = (int)((heads * head_bytes + 63) / 64);
             ahead.lines = n2 * 2 * ahead.span;
-            ahead.per = (ahead.lines + heads * n - 1) / (heads * n);
+            ahead.per = (ahead.lines + rows * heads * n - 1) / (rows * heads * n);
         }
-        for (int i = 0; i < heads; i++) attend_chunk<D, G, FMT>(st[i], kv, slot0, n, tok_stride, v_off, h + i, ahead);
+        /* A row's chunks are the ones it has alone (they start where its single run's would; its
+         * last one ends at its own end), so its sums are the same as alone; the run's rows take a
+         * head's chunk in turn while its keys and values are in L1. */
+        for (int i = 0; i < heads; i++)
+            for (int r = 0; r < rows; r++) {
+                const int m = std::min(n, run.end[r] - t);
+                if (m > 0) attend_chunk<D, G, FMT>(st[r * heads + i], kv, slot0, m, tok_stride, v_off, h + i, ahead);
+            }
         ahead.rest();
         t += n;
     }
-    for (int i = 0; i < heads; i++) st[i].finish(out + (long)i * G * D);
+    for (int r = 0; r < rows; r++)
+        for (int i = 0; i < heads; i++) st[r * heads + i].finish(run.out[r] + (long)i * G * D);
 }
 
-/* attend_fixed for (D, G) when it is one of the instantiated shapes (and heads <= MAX_SWEEP_HEADS);
- * false otherwise. */
+/* attend_fixed for (D, G) when it is one of the instantiated shapes (and rows x heads <=
+ * MAX_SWEEP_HEADS); false otherwise. */
 template <int FMT>
-static inline bool attend_fast(int head_dim, int group, const float *q, const void *kv, const int32_t *table, int begin, int end, int kv_heads, int block_size, int h,
-                               int heads, float scale, float *out) {
-    if (heads > MAX_SWEEP_HEADS) return false;
+static inline bool attend_fast(int head_dim, int group, const RowRun &run, const void *kv, const int32_t *table,
+                               int begin, int kv_heads, int block_size, int h, int heads, float scale) {
+    if (run.count * heads > MAX_SWEEP_HEADS) return false;
 #define KVFLOW_G(D, G)                                                                                 \
     case G:                                                                                            \
-        attend_fixed<D, G, FMT>(q, kv, table, begin, end, kv_heads, block_size, h, heads, scale, out);  \
+        attend_fixed<D, G, FMT>(run, kv, table, begin, kv_heads, block_size, h, heads, scale);        \
         return true;
 #define KVFLOW_GROUPS(D)                                                                               \
     switch (group) {                                                                                   \
@@ -542,6 +561,10 @@ static inline bool attend_fast(int head_dim, int group, const float *q, const vo
 #undef KVFLOW_GROUPS
 #undef KVFLOW_G
     return false;
+}
+
+static inline bool fast_shape(int fmt, int head_dim, int group) {
+    return (fmt == KV_F32 || fmt == KV_BF16) && (head_dim == 64 || head_dim == 128) && group <= 8;
 }
 
 static inline int check_shape(int num_heads, int kv_heads, int head_dim) {
@@ -568,10 +591,13 @@ static inline void attend_row(const float *q, long q_row_stride, const void *kv,
     /* The fixed-shape path where it takes the shape: a row task's heads in one sweep over its
      * slots, else a head at a time. */
     const auto fast = [&](int h, int n, const float *qh, float *oh) {
-        return fmt == KV_F32 ? attend_fast<KV_F32>(head_dim, group, qh, kv, table, begin, end, kv_heads,
-                                                   block_size, h, n, scale, oh)
-             : fmt == KV_BF16 ? attend_fast<KV_BF16>(head_dim, group, qh, kv, table, begin, end, kv_heads,
-                                                     block_size, h, n, scale, oh)
+        RowRun run;
+        run.count = 1;
+        run.q[0] = qh;
+        run.out[0] = oh;
+        run.end[0] = end;
+        return fmt == KV_F32    ? attend_fast<KV_F32>(head_dim, group, run, kv, table, begin, kv_heads, block_size, h, n, scale)
+             : fmt == KV_BF16 ? attend_fast<KV_BF16>(head_dim, group, run, kv, table, begin, kv_heads, block_size, h, n, scale)
                               : false;
     };
     /* (soft-capped scores take the generic path: the fixed-shape one has no cap) */
@@ -640,6 +666,74 @@ static inline void attend_tiled(const float *q, long q_row_stride, const void *k
     }
 }
 
+/* A decode call's work as (rows of a run, kv heads) tasks, where some rows share a sequence (runs of
+ * RowRun, found as plan_tiles finds a prefill chunk's rows: consecutive rows whose tables agree over
+ * the earlier row's keys, ends ascending); empty when every row is alone (plain decoding keeps the
+ * per-row tasks). A run is cut into pieces of at most MAX_SWEEP_HEADS rows, and into more when there
+ * are too few to keep the threads busy; a piece's task takes as many kv heads as its states allow
+ * when the pieces alone keep every thread busy (as the per-row tasks do), else one. Longest first. The
+ * same list on every thread. */
+struct RunTask {
+    int r0, rows, h0, heads;
+};
+
+static inline void plan_runs(const int32_t *tables, long table_stride, const int32_t *context_lens, int rows,
+                             int kv_heads, int block_size, int threads, std::vector<RunTask> &tasks) {
+    tasks.clear();
+    std::vector<std::pair<int, int>> runs;  /* (first row, rows) */
+    bool shared = false;
+    for (int r0 = 0; r0 < rows;) {
+        int r1 = r0 + 1;
+        while (r1 < rows && context_lens[r1] >= context_lens[r1 - 1]) {
+            const long entries = (context_lens[r1 - 1] + block_size - 1) / block_size;
+            if (memcmp(tables + r1 * table_stride, tables + (r1 - 1) * table_stride, entries * sizeof(int32_t)) != 0)
+                break;
+            r1++;
+        }
+        runs.push_back({r0, r1 - r0});
+        shared |= r1 - r0 > 1;
+        r0 = r1;
+    }
+    if (!shared) return;
+    const int split = ((2 * threads + (int)runs.size() * kv_heads - 1) / ((int)runs.size() * kv_heads));
+    std::vector<std::pair<int, int>> pieces;
+    for (const auto &[r0, n] : runs) {
+        const int p = std::min(n, std::max((n + MAX_SWEEP_HEADS - 1) / MAX_SWEEP_HEADS, split));
+        for (int i = 0; i < p; i++) {
+            const int a = r0 + (int)((long)n * i / p), b = r0 + (int)((long)n * (i + 1) / p);
+            pieces.push_back({a, b - a});
+        }
+    }
+    const bool busy = (int)pieces.size() >= 4 * threads;
+    for (const auto &[r0, n] : pieces) {
+        const int per = busy ? std::max(1, std::min(kv_heads, MAX_SWEEP_HEADS / n)) : 1;
+        for (int h = 0; h < kv_heads; h += per) tasks.push_back({r0, n, h, std::min(per, kv_heads - h)});
+    }
+    std::stable_sort(tasks.begin(), tasks.end(), [&](const RunTask &a, const RunTask &b) {
+        return (long)context_lens[a.r0 + a.rows - 1] * a.rows * a.heads >
+               (long)context_lens[b.r0 + b.rows - 1] * b.rows * b.heads;
+    });
+}
+
+/* Task `t` of plan_runs: its rows' attention for its kv heads, through the run's last row's table. */
+template <int FMT>
+static inline void attend_run(const RunTask &t, const float *q, long q_row_stride, const void *kv,
+                              const int32_t *tables, long table_stride, const int32_t *context_lens,
+                              const int32_t *tokens, int num_heads, int kv_heads, int head_dim, int block_size,
+                              float scale, float *out) {
+    const int group = num_heads / kv_heads;
+    RowRun run;
+    run.count = t.rows;
+    for (int i = 0; i < t.rows; i++) {
+        const long tok = tokens[t.r0 + i];
+        run.q[i] = q + tok * q_row_stride + (long)t.h0 * group * head_dim;
+        run.out[i] = out + (tok * num_heads + (long)t.h0 * group) * head_dim;
+        run.end[i] = context_lens[t.r0 + i];
+    }
+    attend_fast<FMT>(head_dim, group, run, kv, tables + (long)(t.r0 + t.rows - 1) * table_stride, 0, kv_heads,
+                     block_size, t.h0, t.heads, scale);
+}
+
 static inline void attend_rows(const float *q, long q_row_stride, const void *kv, const float *scales, int fmt,
                         const int32_t *tables, long table_stride, const int32_t *context_lens,
                         const int32_t *tokens, int rows, int num_heads, int kv_heads, int head_dim,
@@ -651,12 +745,29 @@ static inline void attend_rows(const float *q, long q_row_stride, const void *kv
                      kv_heads, head_dim, block_size, window, scale, out);
         return;
     }
-    /* A task per row (its kv heads one after another on one thread, over the same block table and
-     * the same pages of cache) where the rows alone keep every thread busy; else a task per (row, kv
-     * head). head_major (rows that share their sequences: prefill chunks; 2: in tiles where
-     * tiled_shape takes them, see attend_tiled): a task per (row, kv head), all rows of head 0 first, so a thread's next rows sweep the
-     * same head's keys and values while they are still in L2 (a row sweeping all its heads outgrew
-     * L2 on long float32 contexts). Each head's result is the same either way. */
+    /* Decode rows (head_major 0) where some share a sequence (a decode verifying its drafts): tasks
+     * of plan_runs, so a run's rows read their keys and values once, each row's sums as alone.
+     * Otherwise a task per row (its kv heads one after another on one thread, over the same block
+     * table and the same pages of cache) where the rows alone keep every thread busy; else a task
+     * per (row, kv head). head_major (rows that share their sequences: prefill chunks; 2: in tiles
+     * where tiled_shape takes them, see attend_tiled): a task per (row, kv head), all rows of head 0
+     * first, so a thread's next rows sweep the same head's keys and values while they are still in
+     * L2 (a row sweeping all its heads outgrew L2 on long float32 contexts). Each head's result is
+     * the same either way. */
+    if (!head_major && softcap <= 0.f && window <= 0 && fast_shape(fmt, head_dim, group)) {
+        thread_local std::vector<RunTask> tasks;
+        plan_runs(tables, table_stride, context_lens, rows, kv_heads, block_size, omp_get_num_threads(), tasks);
+        if (!tasks.empty()) {
+            const long n = (long)tasks.size();
+#pragma omp for schedule(dynamic, 1)
+            for (long i = 0; i < n; i++)
+                fmt == KV_F32 ? attend_run<KV_F32>(tasks[i], q, q_row_stride, kv, tables, table_stride, context_lens,
+                                                   tokens, num_heads, kv_heads, head_dim, block_size, scale, out)
+                              : attend_run<KV_BF16>(tasks[i], q, q_row_stride, kv, tables, table_stride, context_lens,
+                                                    tokens, num_heads, kv_heads, head_dim, block_size, scale, out);
+            return;
+        }
+    }
     const int per_task = !head_major && rows >= 4 * omp_get_num_threads() ? kv_heads : 1;
     const long tasks = (long)rows * kv_heads;
 #pragma omp for schedule(dynamic, 1)
