@@ -287,12 +287,15 @@ def bf16_product_rows(cache, seqs: list, heads: int, head_dim: int, native: bool
     """Per new token: whether the native CPU kernel computes it in a prefill tile that multiplies in
     bf16 (a bfloat16 cache on a CPU with AVX512_BF16, head_dim 64 / 128, a chunk long enough to fill
     half a tile of 48 lanes: csrc/tiled_attention.h), so its scaled query and its probabilities are
-    rounded to bf16. Sequences here have distinct block tables (each chunk its own run)."""
+    rounded to bf16. A step whose sequences all have at most DECODE_LIKE_ROWS new tokens runs as
+    decode rows, untiled. Sequences here have distinct block tables (each chunk its own run)."""
+    from kvflow.attention.backend import DECODE_LIKE_ROWS
     from kvflow.kernels.cpu import paged_attention as kernel
 
     kv_heads = cache.data.shape[3]
     group = heads // kv_heads
     on = native and cache.data.dtype == torch.bfloat16 and head_dim in (64, 128) and kernel.bf16_products()
+    on = on and any(s.num_new > DECODE_LIKE_ROWS for s in seqs)
     return [on and 2 * s.num_new * group >= 48 for s in seqs for _ in range(s.num_new)]
 
 

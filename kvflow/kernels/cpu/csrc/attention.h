@@ -680,7 +680,9 @@ struct RunTask {
 static inline void plan_runs(const int32_t *tables, long table_stride, const int32_t *context_lens, int rows,
                              int kv_heads, int block_size, int threads, std::vector<RunTask> &tasks) {
     tasks.clear();
-    std::vector<std::pair<int, int>> runs;  /* (first row, rows) */
+    thread_local std::vector<std::pair<int, int>> runs, pieces;  /* (first row, rows); reused per call */
+    runs.clear();
+    pieces.clear();
     bool shared = false;
     for (int r0 = 0; r0 < rows;) {
         int r1 = r0 + 1;
@@ -696,7 +698,6 @@ static inline void plan_runs(const int32_t *tables, long table_stride, const int
     }
     if (!shared) return;
     const int split = ((2 * threads + (int)runs.size() * kv_heads - 1) / ((int)runs.size() * kv_heads));
-    std::vector<std::pair<int, int>> pieces;
     for (const auto &[r0, n] : runs) {
         const int p = std::min(n, std::max((n + MAX_SWEEP_HEADS - 1) / MAX_SWEEP_HEADS, split));
         for (int i = 0; i < p; i++) {
