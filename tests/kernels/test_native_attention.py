@@ -115,6 +115,42 @@ def test_rows_verifying_drafts_same_bits_as_decode_rows(dtype, kv_heads, head_di
     assert (together.double() - ref).abs().max() < 2e-5
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_heads,head_dim,group", [(3, 64, 3), (2, 128, 4), (1, 64, 8)])
+def test_long_rows_same_bits_in_segments_split_or_in_turn(dtype, kv_heads, head_dim, group):
+    """Past 512 keys the fixed-shape path runs a row's keys in 512-key segments, each its own
+    softmax, folded in order (csrc/attention.h's KEY_SEGMENT): a decode row alone takes them as
+    separate tasks (its kv heads alone would leave a thread idle), rows in a batch and a decode's
+    verifying rows take them in turn. The same bits each way, and float64's values."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        gen = torch.Generator().manual_seed(21 + head_dim)
+        bs = 16
+        attn = CpuPagedAttention(bs, None, CPU)
+        layout = [(1099, 1), (512, 1), (511, 1), (1535, 1), (508, 9), (699, 1)]  # (start, new tokens)
+        per_seq = [-(-(s + n) // bs) for s, n in layout]
+        cache = random_kv_cache(attn, sum(per_seq), kv_heads, head_dim, "auto", gen, dtype)
+        perm = torch.randperm(sum(per_seq), generator=gen).tolist()
+        seqs, at = [], 0
+        for (s, n), b in zip(layout, per_seq):
+            seqs.append(SeqLayout(s, n, perm[at : at + b]))
+            at += b
+        q = torch.randn(sum(n for _, n in layout), group * kv_heads, head_dim, generator=gen)
+        together = attn._attend(q, cache, attn.build_metadata(seqs).groups[0], 0.125, None)
+        row = 0
+        for seq in seqs:
+            for j in range(seq.num_new):
+                alone_seq = SeqLayout(seq.start_pos + j, 1, seq.block_table)
+                alone = attn._attend(q[row : row + 1], cache, attn.build_metadata([alone_seq]).groups[0], 0.125, None)
+                assert torch.equal(alone, together[row : row + 1]), (seq, j)
+                row += 1
+        ref = paged_attention_reference(q, cache, seqs, bs, 0.125, None).reshape(len(q), -1)
+        assert (together.double() - ref).abs().max() < 2e-5
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_native_metadata_is_one_group_and_the_decode_pass_takes_decode_like_steps():
     """Every row of a step is one native group; the decode pass is handed steps whose sequences
     each have at most DECODE_LIKE_ROWS new tokens (decodes, and decodes verifying drafts), not a

@@ -26,6 +26,7 @@ using kvflow::vfloat;
 #define MAX_GROUP 32
 #define CHUNK 32 /* keys scored per online-softmax update */
 #define MAX_SWEEP_HEADS 8 /* kv heads a row task sweeps together (attend_fixed) */
+#define KEY_SEGMENT 512 /* keys per softmax segment of the fixed-shape path (attend_fixed) */
 #define PARALLEL_MIN 65536 /* elements below which rotary / cache writes stay on one thread */
 #define MIN_KV_SCALE 1e-12f /* as kvflow.quantization.int8: an all-zero vector quantizes to zeros */
 
@@ -412,6 +413,44 @@ struct HeadState {
             for (int i = 0; i < D / VEC; i++) *(vfloat *)(out + g * D + i * VEC) = acc[g][i] * inv;
         }
     }
+
+    /* A fresh softmax for the next segment (the queries kept). */
+    inline void restart() {
+        for (int g = 0; g < G; g++) {
+            for (int i = 0; i < D / VEC; i++) acc[g][i] = vfloat{};
+            m[g] = -1e30f;
+            l[g] = 0.f;
+        }
+    }
+
+    /* This state (the keys so far) and `next` (the following segment's) as one. noinline: one body
+     * for both callers (attend_fixed, fold_states), so -ffast-math cannot round them apart. */
+    __attribute__((noinline)) void fold(const HeadState &next) {
+        for (int g = 0; g < G; g++) {
+            const float mx = std::max(m[g], next.m[g]);
+            const float a = expf(m[g] - mx), b = expf(next.m[g] - mx);
+            l[g] = l[g] * a + next.l[g] * b;
+            for (int i = 0; i < D / VEC; i++) acc[g][i] = acc[g][i] * a + next.acc[g][i] * b;
+            m[g] = mx;
+        }
+    }
+
+    /* The softmax state (not the queries) to and from G * (D + 2) floats: m, l, then acc. */
+    static constexpr int FLOATS = G * (D + 2);
+    inline void save(float *restrict to) const {
+        for (int g = 0; g < G; g++) {
+            to[g] = m[g];
+            to[G + g] = l[g];
+            for (int i = 0; i < D / VEC; i++) *(vfloat *)(to + 2 * G + g * D + i * VEC) = acc[g][i];
+        }
+    }
+    inline void load(const float *restrict from) {
+        for (int g = 0; g < G; g++) {
+            m[g] = from[g];
+            l[g] = from[G + g];
+            for (int i = 0; i < D / VEC; i++) acc[g][i] = *(const vfloat *)(from + 2 * G + g * D + i * VEC);
+        }
+    }
 };
 
 /* The next chunk's keys and values of the heads a task reads (each slot's K lines of those heads,
@@ -487,32 +526,53 @@ struct RowRun {
 
 /* Keys [begin, end) of kv heads [h, h + heads), chunk by chunk (a block's part at most), for each row
  * of the run up to its own end: each chunk for every head and row before the next chunk. With all
- * of a row's heads (heads = kv_heads) the row's slots are read front to back, each once (a slot holds every head's key and value side by side),
- * where a head at a time reads a slot's 2 * D elements of each 2 * kv_heads * D in kv_heads separate
- * sweeps, which the hardware prefetchers follow badly (a layer of decode rows read from memory took
- * over half as long again as the same bytes with one kv head). While a chunk computes, the next
- * one's keys and values are fetched into L2 (a block's successor lies anywhere in the pool), spread
- * over its keys (FetchAhead), which shortened such a layer further. Fetching two chunks ahead, or
- * the share of the next chunk in the first half of this one, was no faster. Figures:
- * benchmarks/decode_attention.py --caches 30, docs/benchmarks/results/. Each head's sums are the
- * same either way. */
+ * of a row's heads (heads = kv_heads) the row's slots are read front to back, each once (a slot
+ * holds every head's key and value side by side), where a head at a time reads a slot's 2 * D
+ * elements of each 2 * kv_heads * D in kv_heads separate sweeps, which the hardware prefetchers
+ * follow badly (a layer of decode rows read from memory took over half as long again as the same
+ * bytes with one kv head). While a chunk computes, the next one's keys and values are fetched into
+ * L2 (a block's successor lies anywhere in the pool), spread over its keys (FetchAhead), which
+ * shortened such a layer further. Fetching two chunks ahead, or the share of the next chunk in the
+ * first half of this one, was no faster. Figures: benchmarks/decode_attention.py --caches 30,
+ * docs/benchmarks/results/. Each head's sums are the same either way.
+ *
+ * The keys run in segments of KEY_SEGMENT positions (at multiples of it), each a softmax of its own,
+ * folded into the earlier ones' as it ends, so that a long row's segments can also run as separate
+ * tasks (attend_segments: `limit` ends the range, `state_out` takes the raw state) with the same
+ * result. */
 template <int D, int G, int FMT>
 static inline void attend_fixed(const RowRun &run, const void *kv, const int32_t *restrict table, int begin,
-                                int kv_heads, int block_size, int h, int heads, float scale) {
+                                int kv_heads, int block_size, int h, int heads, float scale, int limit = 1 << 30,
+                                float *restrict state_out = nullptr) {
     const long tok_stride = 2L * kv_heads * D, v_off = (long)kv_heads * D;
-    const int rows = run.count, end = run.end[rows - 1];
+    const int rows = run.count, end = std::min(limit, run.end[rows - 1]);
     HeadState<D, G> st[MAX_SWEEP_HEADS];  /* row r's head i: st[r * heads + i] (rows x heads <= MAX_SWEEP_HEADS) */
+    HeadState<D, G> done[MAX_SWEEP_HEADS];  /* the earlier segments' states folded, where there were any */
+    bool folded[MAX_SWEEP_HEADS] = {};
     for (int r = 0; r < rows; r++)
         for (int i = 0; i < heads; i++) st[r * heads + i].start(run.q[r] + (long)i * G * D, scale);
     constexpr long esize = FMT == KV_F32 ? 4 : 2;
     const long slot_bytes = tok_stride * esize;
     for (int t = begin; t < end;) {
+        if (t > begin && t % KEY_SEGMENT == 0)  /* a segment ends: fold it, start the next afresh */
+            for (int r = 0; r < rows; r++) {
+                if (run.end[r] <= t) continue;
+                for (int i = r * heads; i < (r + 1) * heads; i++) {
+                    if (folded[i])
+                        done[i].fold(st[i]);
+                    else
+                        done[i] = st[i];
+                    folded[i] = true;
+                    st[i].restart();
+                }
+            }
         const int off = t % block_size;
-        const int n = std::min(std::min(block_size - off, CHUNK), end - t);
+        const int n = std::min(std::min(std::min(block_size - off, CHUNK), end - t), KEY_SEGMENT - t % KEY_SEGMENT);
         const long slot0 = (long)table[t / block_size] * block_size + off;
         FetchAhead ahead;
         if (t + n < end) {  /* the next chunk's keys and values of these heads, into L2 meanwhile */
-            const int t2 = t + n, n2 = std::min(std::min(block_size - t2 % block_size, CHUNK), end - t2);
+            const int t2 = t + n, n2 = std::min(std::min(std::min(block_size - t2 % block_size, CHUNK), end - t2),
+                                                KEY_SEGMENT - t2 % KEY_SEGMENT);
             const long head_bytes = (long)D * esize;
             ahead.at = (const char *)kv + ((long)table[t2 / block_size] * block_size + t2 % block_size) * slot_bytes;
             ahead.slot_bytes = slot_bytes;
@@ -534,18 +594,31 @@ static inline void attend_fixed(const RowRun &run, const void *kv, const int32_t
         t += n;
     }
     for (int r = 0; r < rows; r++)
-        for (int i = 0; i < heads; i++) st[r * heads + i].finish(run.out[r] + (long)i * G * D);
+        for (int i = 0; i < heads; i++) {
+            const int k = r * heads + i;
+            if (state_out) {  /* one segment's raw state (attend_segments folds them) */
+                st[k].save(state_out + (long)k * HeadState<D, G>::FLOATS);
+                continue;
+            }
+            if (folded[k]) {
+                done[k].fold(st[k]);
+                done[k].finish(run.out[r] + (long)i * G * D);
+            } else {
+                st[k].finish(run.out[r] + (long)i * G * D);
+            }
+        }
 }
 
 /* attend_fixed for (D, G) when it is one of the instantiated shapes (and rows x heads <=
  * MAX_SWEEP_HEADS); false otherwise. */
 template <int FMT>
 static inline bool attend_fast(int head_dim, int group, const RowRun &run, const void *kv, const int32_t *table,
-                               int begin, int kv_heads, int block_size, int h, int heads, float scale) {
+                               int begin, int kv_heads, int block_size, int h, int heads, float scale,
+                               int limit = 1 << 30, float *state_out = nullptr) {
     if (run.count * heads > MAX_SWEEP_HEADS) return false;
-#define KVFLOW_G(D, G)                                                                                 \
-    case G:                                                                                            \
-        attend_fixed<D, G, FMT>(run, kv, table, begin, kv_heads, block_size, h, heads, scale);        \
+#define KVFLOW_G(D, G)                                                                                    \
+    case G:                                                                                               \
+        attend_fixed<D, G, FMT>(run, kv, table, begin, kv_heads, block_size, h, heads, scale, limit, state_out); \
         return true;
 #define KVFLOW_GROUPS(D)                                                                               \
     switch (group) {                                                                                   \
@@ -561,6 +634,37 @@ static inline bool attend_fast(int head_dim, int group, const RowRun &run, const
 #undef KVFLOW_GROUPS
 #undef KVFLOW_G
     return false;
+}
+
+/* Out = the `n` saved segment states at `states` (each HeadState<D, G>::FLOATS apart) folded in order. */
+template <int D, int G>
+static inline void fold_states(const float *states, int n, float *out) {
+    HeadState<D, G> done, next;
+    done.load(states);
+    for (int k = 1; k < n; k++) {
+        next.load(states + (long)k * HeadState<D, G>::FLOATS);
+        done.fold(next);
+    }
+    done.finish(out);
+}
+
+static inline void fold_segments(int head_dim, int group, const float *states, int n, float *out) {
+#define KVFLOW_G(D, G)                   \
+    case G:                              \
+        fold_states<D, G>(states, n, out); \
+        return;
+#define KVFLOW_GROUPS(D)                                                                               \
+    switch (group) {                                                                                   \
+        KVFLOW_G(D, 1) KVFLOW_G(D, 2) KVFLOW_G(D, 3) KVFLOW_G(D, 4)                                   \
+        KVFLOW_G(D, 5) KVFLOW_G(D, 6) KVFLOW_G(D, 7) KVFLOW_G(D, 8)                                   \
+    }
+    if (head_dim == 64) {
+        KVFLOW_GROUPS(64)
+    } else {
+        KVFLOW_GROUPS(128)
+    }
+#undef KVFLOW_GROUPS
+#undef KVFLOW_G
 }
 
 static inline bool fast_shape(int fmt, int head_dim, int group) {
@@ -735,11 +839,56 @@ static inline void attend_run(const RunTask &t, const float *q, long q_row_strid
                      block_size, t.h0, t.heads, scale);
 }
 
+/* Row r's kv head h over its keys' KEY_SEGMENT-key segments as separate tasks, where a call's rows
+ * and kv heads are too few to keep the threads busy (a batch-1 decode has as many tasks as kv
+ * heads): each segment's raw state into `parts`, then each (row, head)'s states folded in order,
+ * as attend_fixed folds them when one task takes them in turn, so the result is the same bits.
+ * Returns false (nothing done) where it does not apply. Every thread of the region calls it. */
+template <int FMT>
+static inline bool attend_segments(const float *q, long q_row_stride, const void *kv, const int32_t *tables,
+                                   long table_stride, const int32_t *context_lens, const int32_t *tokens, int rows,
+                                   int num_heads, int kv_heads, int head_dim, int block_size, float scale,
+                                   float *out, std::vector<float> *parts) {
+    const int group = num_heads / kv_heads, threads = omp_get_num_threads();
+    if (!parts || threads < 2 || rows * kv_heads >= 2 * threads) return false;
+    int most = 0;
+    for (int r = 0; r < rows; r++) most = std::max(most, (context_lens[r] + KEY_SEGMENT - 1) / KEY_SEGMENT);
+    if (most < 2) return false;
+    const long floats = (long)group * (head_dim + 2);  /* HeadState<D, G>::FLOATS */
+#pragma omp single
+    parts->resize((size_t)rows * kv_heads * most * floats);
+    float *buf = parts->data();
+    const auto row_run = [&](int r, int h) {
+        RowRun run;
+        run.count = 1;
+        run.q[0] = q + (long)tokens[r] * q_row_stride + (long)h * group * head_dim;
+        run.out[0] = out + ((long)tokens[r] * num_heads + (long)h * group) * head_dim;
+        run.end[0] = context_lens[r];
+        return run;
+    };
+    const long tasks = (long)rows * kv_heads * most;
+#pragma omp for schedule(dynamic, 1)
+    for (long i = 0; i < tasks; i++) {
+        const int k = (int)(i % most), h = (int)(i / most % kv_heads), r = (int)(i / most / kv_heads);
+        if ((long)k * KEY_SEGMENT >= context_lens[r]) continue;
+        attend_fast<FMT>(head_dim, group, row_run(r, h), kv, tables + (long)r * table_stride, k * KEY_SEGMENT,
+                         kv_heads, block_size, h, 1, scale, (k + 1) * KEY_SEGMENT, buf + i * floats);
+    }
+#pragma omp for schedule(static)
+    for (long i = 0; i < (long)rows * kv_heads; i++) {
+        const int r = (int)(i / kv_heads), h = (int)(i % kv_heads);
+        const int n = (context_lens[r] + KEY_SEGMENT - 1) / KEY_SEGMENT;
+        const RowRun run = row_run(r, h);
+        fold_segments(head_dim, group, buf + i * most * floats, n, run.out[0]);
+    }
+    return true;
+}
+
 static inline void attend_rows(const float *q, long q_row_stride, const void *kv, const float *scales, int fmt,
                         const int32_t *tables, long table_stride, const int32_t *context_lens,
                         const int32_t *tokens, int rows, int num_heads, int kv_heads, int head_dim,
                         int block_size, int window, float scale, float *out, int head_major = 0,
-                        float softcap = 0.f) {
+                        float softcap = 0.f, std::vector<float> *parts = nullptr) {
     const int group = num_heads / kv_heads;
     if (head_major == 2 && softcap <= 0.f && tiled_shape(fmt, head_dim, group)) {
         attend_tiled(q, q_row_stride, kv, scales, fmt, tables, table_stride, context_lens, tokens, rows, num_heads,
@@ -758,7 +907,14 @@ static inline void attend_rows(const float *q, long q_row_stride, const void *kv
     if (!head_major && softcap <= 0.f && window <= 0 && fast_shape(fmt, head_dim, group)) {
         thread_local std::vector<RunTask> tasks;
         plan_runs(tables, table_stride, context_lens, rows, kv_heads, block_size, omp_get_num_threads(), tasks);
-        if (!tasks.empty()) {
+        if (tasks.empty()) {  /* every row alone: too few of them split their keys (attend_segments) */
+            if (fmt == KV_F32 ? attend_segments<KV_F32>(q, q_row_stride, kv, tables, table_stride, context_lens, tokens,
+                                                        rows, num_heads, kv_heads, head_dim, block_size, scale, out, parts)
+                              : attend_segments<KV_BF16>(q, q_row_stride, kv, tables, table_stride, context_lens,
+                                                         tokens, rows, num_heads, kv_heads, head_dim, block_size,
+                                                         scale, out, parts))
+                return;
+        } else {
             const long n = (long)tasks.size();
 #pragma omp for schedule(dynamic, 1)
             for (long i = 0; i < n; i++)
@@ -788,7 +944,8 @@ static inline void decode_attention(float *qkv, long qkv_row_stride, const float
                                     void *cache, float *scales, int fmt, const int64_t *slots,
                                     const int32_t *tables, long table_stride, const int32_t *context_lens,
                                     const int32_t *tokens, int rows, int num_heads, int kv_heads, int head_dim,
-                                    int block_size, int window, float scale, float *out) {
+                                    int block_size, int window, float scale, float *out,
+                                    std::vector<float> *parts = nullptr) {
 #pragma omp for
     for (int t = 0; t < rows; t++) {
         float *row = qkv + t * qkv_row_stride;
@@ -796,7 +953,7 @@ static inline void decode_attention(float *qkv, long qkv_row_stride, const float
         write_kv(row + (long)num_heads * head_dim, slots[t], cache, scales, fmt, kv_heads, head_dim);
     }
     attend_rows(qkv, qkv_row_stride, cache, scales, fmt, tables, table_stride, context_lens, tokens, rows,
-                num_heads, kv_heads, head_dim, block_size, window, scale, out);
+                num_heads, kv_heads, head_dim, block_size, window, scale, out, 0, 0.f, parts);
 }
 
 #endif

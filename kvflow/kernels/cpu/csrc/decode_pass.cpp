@@ -65,7 +65,7 @@ struct LoraStep {
 };
 
 thread_local kvflow::LoraWorkspace t_lora;
-thread_local std::vector<float> t_qkv, t_attn, t_mid, t_gate_up;
+thread_local std::vector<float> t_qkv, t_attn, t_mid, t_gate_up, t_segments;
 thread_local kvflow::MoeWorkspace t_moe;
 
 /* The int8, float and block linears, each with its workspace sized for every projection of a layer. */
@@ -146,6 +146,7 @@ int decode(Linear& linear, const DecoderShape* s, const DecoderLayer* layers, fl
   };
   float *qkv = t_qkv.data(), *attn = t_attn.data(), *mid = t_mid.data(), *gate_up = t_gate_up.data();
   kvflow::MoeWorkspace& moe_work = t_moe;
+  std::vector<float>* segments = &t_segments;  // (the calling thread's: attention's key segments)
   int status = 0;
   // phase_seconds (or null): wall time added per phase -- qkv, attention, o, gate_up, down -- by
   // the first thread, after the barrier that ends each phase.
@@ -167,7 +168,7 @@ int decode(Linear& linear, const DecoderShape* s, const DecoderLayer* layers, fl
     phase(0);
     decode_attention(qkv, qkv_cols, cos_t, sin_t, L.kv_cache, L.kv_scales, s->kv_format, slots, tables,
                      table_stride, context_lens, tokens, rows, s->num_heads, s->num_kv_heads, s->head_dim,
-                     s->block_size, s->window, s->scale, attn);  // (ends with its loop's barrier)
+                     s->block_size, s->window, s->scale, attn, segments);  // (ends with its loop's barrier)
     phase(1);
     linear(L.o, attn, q_cols, rows, NONE, nullptr, 0.f, nullptr, x, s->hidden, mid);
     adapt(l, 1, attn, q_cols, NONE, nullptr, mid, s->hidden);

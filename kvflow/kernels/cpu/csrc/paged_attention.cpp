@@ -37,9 +37,11 @@ int kvflow_paged_attention(const float *q, long q_row_stride, const void *kv, co
                            int head_dim, int block_size, int window, float scale, float *out,
                            int num_threads, int head_major, float softcap) {
     if (check_shape(num_heads, kv_heads, head_dim)) return -1;
+    static thread_local std::vector<float> parts;  /* the calling thread's, named before the region */
+    std::vector<float> *segments = &parts;
 #pragma omp parallel num_threads(num_threads)
     attend_rows(q, q_row_stride, kv, scales, fmt, tables, table_stride, context_lens, tokens, rows, num_heads,
-                kv_heads, head_dim, block_size, window, scale, out, head_major, softcap);
+                kv_heads, head_dim, block_size, window, scale, out, head_major, softcap, segments);
     return 0;
 }
 
