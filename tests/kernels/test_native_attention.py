@@ -80,29 +80,22 @@ def test_decode_row_same_bits_alone_or_in_a_batch(dtype):
     assert (together.double() - ref).abs().max() < 2e-5
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("kv_heads,head_dim", [(3, 64), (2, 128)])
-def test_rows_verifying_drafts_same_bits_as_decode_rows(dtype, kv_heads, head_dim):
-    """Rows of one sequence at consecutive positions (a decode verifying its drafts) are computed as a
-    run that reads the sequence's keys once for all its rows (csrc/attention.h's plan_runs), each row
-    over its own chunks: the same bits as each row alone as a decode row, and float64's values. Runs
-    of 1 to 13 rows (more than one piece), beside rows alone, in one call."""
-    gen = torch.Generator().manual_seed(11 + kv_heads)
+def check_rows_as_alone(layout, kv_heads, head_dim, group, dtype, seed):
+    """Sequences (start, new tokens) in random blocks of 16, attended in one call: each row the same
+    bits as the row decoded alone (a call of its own), and within 2e-5 of float64. Returns the
+    call's metadata."""
+    gen = torch.Generator().manual_seed(seed)
     bs = 16
     attn = CpuPagedAttention(bs, None, CPU)
-    news = [5, 1, 13, 2, 9, 1, 3]
-    starts = [70, 40, 31, 0, 50, 16, 90]  # partial and whole blocks, a run starting at position 0
-    per_seq = [-(-(s + n) // bs) for s, n in zip(starts, news)]
+    per_seq = [-(-(s + n) // bs) for s, n in layout]
     cache = random_kv_cache(attn, sum(per_seq), kv_heads, head_dim, "auto", gen, dtype)
     perm = torch.randperm(sum(per_seq), generator=gen).tolist()
     seqs, at = [], 0
-    for s, n, b in zip(starts, news, per_seq):
+    for (s, n), b in zip(layout, per_seq):
         seqs.append(SeqLayout(s, n, perm[at : at + b]))
         at += b
-    heads = 3 * kv_heads
-    q = torch.randn(sum(news), heads, head_dim, generator=gen)
+    q = torch.randn(sum(n for _, n in layout), group * kv_heads, head_dim, generator=gen)
     meta = attn.build_metadata(seqs)
-    assert attn.decode_group(meta) is not None and not meta.groups[0].decode_only
     together = attn._attend(q, cache, meta.groups[0], 0.125, None)
     row = 0
     for seq in seqs:
@@ -113,6 +106,20 @@ def test_rows_verifying_drafts_same_bits_as_decode_rows(dtype, kv_heads, head_di
             row += 1
     ref = paged_attention_reference(q, cache, seqs, bs, 0.125, None).reshape(len(q), -1)
     assert (together.double() - ref).abs().max() < 2e-5
+    return attn, meta
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_heads,head_dim", [(3, 64), (2, 128)])
+def test_rows_verifying_drafts_same_bits_as_decode_rows(dtype, kv_heads, head_dim):
+    """Rows of one sequence at consecutive positions (a decode verifying its drafts) are computed as a
+    run that reads the sequence's keys once for all its rows (csrc/attention.h's plan_runs), each row
+    over its own chunks: the same bits as each row alone as a decode row, and float64's values. Runs
+    of 1 to 13 rows (more than one piece), beside rows alone, in one call."""
+    # partial and whole blocks, a run starting at position 0
+    layout = [(70, 5), (40, 1), (31, 13), (0, 2), (50, 9), (16, 1), (90, 3)]
+    attn, meta = check_rows_as_alone(layout, kv_heads, head_dim, 3, dtype, seed=11 + kv_heads)
+    assert attn.decode_group(meta) is not None and not meta.groups[0].decode_only
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -123,30 +130,10 @@ def test_long_rows_same_bits_in_segments_split_or_in_turn(dtype, kv_heads, head_
     separate tasks (its kv heads alone would leave a thread idle), rows in a batch and a decode's
     verifying rows take them in turn. The same bits each way, and float64's values."""
     threads = torch.get_num_threads()
-    torch.set_num_threads(2)
+    torch.set_num_threads(2)  # (the split needs two threads to apply)
     try:
-        gen = torch.Generator().manual_seed(21 + head_dim)
-        bs = 16
-        attn = CpuPagedAttention(bs, None, CPU)
-        layout = [(1099, 1), (512, 1), (511, 1), (1535, 1), (508, 9), (699, 1)]  # (start, new tokens)
-        per_seq = [-(-(s + n) // bs) for s, n in layout]
-        cache = random_kv_cache(attn, sum(per_seq), kv_heads, head_dim, "auto", gen, dtype)
-        perm = torch.randperm(sum(per_seq), generator=gen).tolist()
-        seqs, at = [], 0
-        for (s, n), b in zip(layout, per_seq):
-            seqs.append(SeqLayout(s, n, perm[at : at + b]))
-            at += b
-        q = torch.randn(sum(n for _, n in layout), group * kv_heads, head_dim, generator=gen)
-        together = attn._attend(q, cache, attn.build_metadata(seqs).groups[0], 0.125, None)
-        row = 0
-        for seq in seqs:
-            for j in range(seq.num_new):
-                alone_seq = SeqLayout(seq.start_pos + j, 1, seq.block_table)
-                alone = attn._attend(q[row : row + 1], cache, attn.build_metadata([alone_seq]).groups[0], 0.125, None)
-                assert torch.equal(alone, together[row : row + 1]), (seq, j)
-                row += 1
-        ref = paged_attention_reference(q, cache, seqs, bs, 0.125, None).reshape(len(q), -1)
-        assert (together.double() - ref).abs().max() < 2e-5
+        layout = [(1099, 1), (512, 1), (511, 1), (1535, 1), (508, 9), (699, 1)]
+        check_rows_as_alone(layout, kv_heads, head_dim, group, dtype, seed=21 + head_dim)
     finally:
         torch.set_num_threads(threads)
 
