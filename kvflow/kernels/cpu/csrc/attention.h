@@ -524,6 +524,21 @@ struct RowRun {
     int end[MAX_SWEEP_HEADS];
 };
 
+/* Rows [r0, r0 + rows) of a call from kv head h0 on: their queries, outputs and ends. */
+static inline RowRun row_run(const float *q, long q_row_stride, float *out, const int32_t *tokens,
+                             const int32_t *context_lens, int num_heads, int group, int head_dim, int r0, int rows,
+                             int h0) {
+    RowRun run;
+    run.count = rows;
+    for (int i = 0; i < rows; i++) {
+        const long tok = tokens[r0 + i];
+        run.q[i] = q + tok * q_row_stride + (long)h0 * group * head_dim;
+        run.out[i] = out + (tok * num_heads + (long)h0 * group) * head_dim;
+        run.end[i] = context_lens[r0 + i];
+    }
+    return run;
+}
+
 /* Keys [begin, end) of kv heads [h, h + heads), chunk by chunk (a block's part at most), for each row
  * of the run up to its own end: each chunk for every head and row before the next chunk. With all
  * of a row's heads (heads = kv_heads) the row's slots are read front to back, each once (a slot
@@ -609,6 +624,22 @@ static inline void attend_fixed(const RowRun &run, const void *kv, const int32_t
         }
 }
 
+/* f(std::integral_constant<int, D>{}, std::integral_constant<int, G>{}) for the shapes the
+ * fixed-shape path is instantiated for (head_dim D 64 or 128, G 1-8 query heads per kv head);
+ * false, f not called, for any other. */
+template <int D, class F, int... G>
+static inline bool with_group(int group, F &f, std::integer_sequence<int, G...>) {
+    return ((group == G + 1 && (f(std::integral_constant<int, D>{}, std::integral_constant<int, G + 1>{}), true)) ||
+            ...);
+}
+
+template <class F>
+static inline bool with_fixed_shape(int head_dim, int group, F &&f) {
+    if (head_dim == 64) return with_group<64>(group, f, std::make_integer_sequence<int, 8>{});
+    if (head_dim == 128) return with_group<128>(group, f, std::make_integer_sequence<int, 8>{});
+    return false;
+}
+
 /* attend_fixed for (D, G) when it is one of the instantiated shapes (and rows x heads <=
  * MAX_SWEEP_HEADS); false otherwise. */
 template <int FMT>
@@ -616,24 +647,10 @@ static inline bool attend_fast(int head_dim, int group, const RowRun &run, const
                                int begin, int kv_heads, int block_size, int h, int heads, float scale,
                                int limit = 1 << 30, float *state_out = nullptr) {
     if (run.count * heads > MAX_SWEEP_HEADS) return false;
-#define KVFLOW_G(D, G)                                                                                    \
-    case G:                                                                                               \
-        attend_fixed<D, G, FMT>(run, kv, table, begin, kv_heads, block_size, h, heads, scale, limit, state_out); \
-        return true;
-#define KVFLOW_GROUPS(D)                                                                               \
-    switch (group) {                                                                                   \
-        KVFLOW_G(D, 1) KVFLOW_G(D, 2) KVFLOW_G(D, 3) KVFLOW_G(D, 4)                                   \
-        KVFLOW_G(D, 5) KVFLOW_G(D, 6) KVFLOW_G(D, 7) KVFLOW_G(D, 8)                                   \
-        default: return false;                                                                         \
-    }
-    if (head_dim == 64) {
-        KVFLOW_GROUPS(64)
-    } else if (head_dim == 128) {
-        KVFLOW_GROUPS(128)
-    }
-#undef KVFLOW_GROUPS
-#undef KVFLOW_G
-    return false;
+    return with_fixed_shape(head_dim, group, [&](auto d, auto g) {
+        attend_fixed<decltype(d)::value, decltype(g)::value, FMT>(run, kv, table, begin, kv_heads, block_size, h,
+                                                                  heads, scale, limit, state_out);
+    });
 }
 
 /* Out = the `n` saved segment states at `states` (each HeadState<D, G>::FLOATS apart) folded in order. */
@@ -646,25 +663,6 @@ static inline void fold_states(const float *states, int n, float *out) {
         done.fold(next);
     }
     done.finish(out);
-}
-
-static inline void fold_segments(int head_dim, int group, const float *states, int n, float *out) {
-#define KVFLOW_G(D, G)                   \
-    case G:                              \
-        fold_states<D, G>(states, n, out); \
-        return;
-#define KVFLOW_GROUPS(D)                                                                               \
-    switch (group) {                                                                                   \
-        KVFLOW_G(D, 1) KVFLOW_G(D, 2) KVFLOW_G(D, 3) KVFLOW_G(D, 4)                                   \
-        KVFLOW_G(D, 5) KVFLOW_G(D, 6) KVFLOW_G(D, 7) KVFLOW_G(D, 8)                                   \
-    }
-    if (head_dim == 64) {
-        KVFLOW_GROUPS(64)
-    } else {
-        KVFLOW_GROUPS(128)
-    }
-#undef KVFLOW_GROUPS
-#undef KVFLOW_G
 }
 
 static inline bool fast_shape(int fmt, int head_dim, int group) {
@@ -694,22 +692,18 @@ static inline void attend_row(const float *q, long q_row_stride, const void *kv,
     float *o = out + (tok * num_heads + (long)h0 * group) * head_dim;
     /* The fixed-shape path where it takes the shape: a row task's heads in one sweep over its
      * slots, else a head at a time. */
-    const auto fast = [&](int h, int n, const float *qh, float *oh) {
-        RowRun run;
-        run.count = 1;
-        run.q[0] = qh;
-        run.out[0] = oh;
-        run.end[0] = end;
+    const auto fast = [&](int h, int n) {
+        const RowRun run = row_run(q, q_row_stride, out, tokens, context_lens, num_heads, group, head_dim, r, 1, h);
         return fmt == KV_F32    ? attend_fast<KV_F32>(head_dim, group, run, kv, table, begin, kv_heads, block_size, h, n, scale)
              : fmt == KV_BF16 ? attend_fast<KV_BF16>(head_dim, group, run, kv, table, begin, kv_heads, block_size, h, n, scale)
                               : false;
     };
     /* (soft-capped scores take the generic path: the fixed-shape one has no cap) */
-    if (softcap <= 0.f && heads > 1 && fast(h0, heads, qr, o)) return;
+    if (softcap <= 0.f && heads > 1 && fast(h0, heads)) return;
     for (int h = h0; h < h0 + heads; h++) {
         const float *qh = qr + (long)(h - h0) * group * head_dim;
         float *oh = o + (long)(h - h0) * group * head_dim;
-        if (softcap <= 0.f && fast(h, 1, qh, oh)) continue;
+        if (softcap <= 0.f && fast(h, 1)) continue;
         /* The same code with the cache format and the common head sizes as constants, so gcc can
          * unroll and vectorize the fixed-length loops (benchmarks/decode_attention.py: clearly
          * faster with an int8 cache). */
@@ -827,14 +821,8 @@ static inline void attend_run(const RunTask &t, const float *q, long q_row_strid
                               const int32_t *tokens, int num_heads, int kv_heads, int head_dim, int block_size,
                               float scale, float *out) {
     const int group = num_heads / kv_heads;
-    RowRun run;
-    run.count = t.rows;
-    for (int i = 0; i < t.rows; i++) {
-        const long tok = tokens[t.r0 + i];
-        run.q[i] = q + tok * q_row_stride + (long)t.h0 * group * head_dim;
-        run.out[i] = out + (tok * num_heads + (long)t.h0 * group) * head_dim;
-        run.end[i] = context_lens[t.r0 + i];
-    }
+    const RowRun run = row_run(q, q_row_stride, out, tokens, context_lens, num_heads, group, head_dim, t.r0, t.rows,
+                               t.h0);
     attend_fast<FMT>(head_dim, group, run, kv, tables + (long)(t.r0 + t.rows - 1) * table_stride, 0, kv_heads,
                      block_size, t.h0, t.heads, scale);
 }
@@ -858,28 +846,25 @@ static inline bool attend_segments(const float *q, long q_row_stride, const void
 #pragma omp single
     parts->resize((size_t)rows * kv_heads * most * floats);
     float *buf = parts->data();
-    const auto row_run = [&](int r, int h) {
-        RowRun run;
-        run.count = 1;
-        run.q[0] = q + (long)tokens[r] * q_row_stride + (long)h * group * head_dim;
-        run.out[0] = out + ((long)tokens[r] * num_heads + (long)h * group) * head_dim;
-        run.end[0] = context_lens[r];
-        return run;
+    const auto one = [&](int r, int h) {
+        return row_run(q, q_row_stride, out, tokens, context_lens, num_heads, group, head_dim, r, 1, h);
     };
     const long tasks = (long)rows * kv_heads * most;
 #pragma omp for schedule(dynamic, 1)
     for (long i = 0; i < tasks; i++) {
         const int k = (int)(i % most), h = (int)(i / most % kv_heads), r = (int)(i / most / kv_heads);
         if ((long)k * KEY_SEGMENT >= context_lens[r]) continue;
-        attend_fast<FMT>(head_dim, group, row_run(r, h), kv, tables + (long)r * table_stride, k * KEY_SEGMENT,
+        attend_fast<FMT>(head_dim, group, one(r, h), kv, tables + (long)r * table_stride, k * KEY_SEGMENT,
                          kv_heads, block_size, h, 1, scale, (k + 1) * KEY_SEGMENT, buf + i * floats);
     }
 #pragma omp for schedule(static)
     for (long i = 0; i < (long)rows * kv_heads; i++) {
         const int r = (int)(i / kv_heads), h = (int)(i % kv_heads);
         const int n = (context_lens[r] + KEY_SEGMENT - 1) / KEY_SEGMENT;
-        const RowRun run = row_run(r, h);
-        fold_segments(head_dim, group, buf + i * most * floats, n, run.out[0]);
+        float *dst = one(r, h).out[0];
+        with_fixed_shape(head_dim, group, [&](auto d, auto g) {
+            fold_states<decltype(d)::value, decltype(g)::value>(buf + i * most * floats, n, dst);
+        });
     }
     return true;
 }
