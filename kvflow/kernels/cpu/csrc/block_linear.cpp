@@ -491,16 +491,16 @@ inline __m512 join(__m256 a, __m256 b) { return _mm512_insertf32x8(_mm512_castps
  * result is the same bits whichever tile computed it. */
 template <int T, int R>
 inline void x16_tile(const uint8_t* __restrict pair, const Act& a, int r0, float* __restrict y, long ldy,
-                     const uint8_t* next = nullptr) {
+                     const uint8_t* fetch = nullptr) {
   constexpr long unit = x8_unit_bytes(T);  // (a constant stride: the compiler's to fold)
   const Group g0{pair, 2 * unit}, g1{pair + unit, 2 * unit};
   __m512 acc[R];
   for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
   const __m512i m4 = _mm512_set1_epi8(0x0F);
   for (int b = 0; b < a.nb; b++) {
-    if (next) {  // the next pair's share for this block, into L1 while this tile computes
+    if (fetch) {  // a pair's share for this block (see x8_segment), into L1 while this tile computes
       constexpr int share = 2 * x8_block_bytes(T);
-      for (int at = 0; at < share; at += 64) _mm_prefetch((const char*)next + (long)b * share + at, _MM_HINT_T0);
+      for (int at = 0; at < share; at += 64) _mm_prefetch((const char*)fetch + (long)b * share + at, _MM_HINT_T0);
     }
     __m256 d0, d1, mn0, mn1;
     const uint8_t* q0 = x8_block<T>(g0, b, d0, mn0);
@@ -572,12 +572,16 @@ inline void x8_rest(int rows, Group g, const Act& a, int r, float* y, long ldy) 
 /* x8_rest for the two groups of a pair: one pass over the pair's stream (two one-group passes would
  * each read every line of it). */
 template <int T, int R = X8_ROWS - 1>
-inline void x16_rest(int rows, const uint8_t* pair, const Act& a, int r, float* y, long ldy, const uint8_t* next) {
+inline void x16_rest(int rows, const uint8_t* pair, const Act& a, int r, float* y, long ldy, const uint8_t* fetch) {
   if (rows == R)
-    x16_tile<T, R>(pair, a, r, y, ldy, next);
+    x16_tile<T, R>(pair, a, r, y, ldy, fetch);
   else if constexpr (R > 1)
-    x16_rest<T, R - 1>(rows, pair, a, r, y, ldy, next);
+    x16_rest<T, R - 1>(rows, pair, a, r, y, ldy, fetch);
 }
+#endif
+
+#ifdef KVFLOW_X16
+constexpr int FETCH_AHEAD = 8;  // blocks of 32 inputs a pair's first tile fetches ahead (Q4_1: 8 x 320 bytes)
 #endif
 
 template <int T>
@@ -588,12 +592,16 @@ void x8_segment(const BlockSegment& seg, const Act& a, int c0, int c1, int r0, i
     int r = r0;
 #ifdef KVFLOW_X16
     if (x8_paired(T) && grp % 2 == 0 && c + 2 * X8 <= c1) {  // both groups of a pair: 16 channels at once
-      // The first tile streams the pair from memory; the second fetches the next pair meanwhile
-      // (the memory would idle through the tiles that find this pair in cache).
+      // The first tile streams the pair from memory, fetching its own stream FETCH_AHEAD blocks on
+      // (into the next pair at its end: a segment's pairs are contiguous); the hardware's prefetch
+      // alone left 8 rows' matmuls ~15% slower (block_linear_ab.py; docs/benchmarks/results/). The
+      // second tile fetches the next pair meanwhile (the memory would idle through the tiles that
+      // find this pair in cache).
+      const uint8_t* ahead = g.at + FETCH_AHEAD * 2 * x8_block_bytes(T);
       const uint8_t* next = c + 4 * X8 <= c1 ? x8_group(seg, a.nb, grp + 2).at : nullptr;
-      for (; r + X8_ROWS <= r1; r += X8_ROWS)
-        x16_tile<T, X8_ROWS>(g.at, a, r, y + r * ldy + c, ldy, r == r0 + X8_ROWS ? next : nullptr);
-      if (r < r1) x16_rest<T>(r1 - r, g.at, a, r, y + r * ldy + c, ldy, r == r0 + X8_ROWS ? next : nullptr);
+      auto fetch = [&](int row) { return row == r0 ? ahead : row == r0 + X8_ROWS ? next : nullptr; };
+      for (; r + X8_ROWS <= r1; r += X8_ROWS) x16_tile<T, X8_ROWS>(g.at, a, r, y + r * ldy + c, ldy, fetch(r));
+      if (r < r1) x16_rest<T>(r1 - r, g.at, a, r, y + r * ldy + c, ldy, fetch(r));
       c += X8;
       continue;
     }
