@@ -12,6 +12,13 @@ request's first one, over the time from the first first-token to the last token)
 the mean acceptance length, per-position acceptance, and measured tokens per target pass next to
 (1 - a^(k+1)) / (1 - a) at the measured acceptance rate a. Outputs are checked identical to plain
 decoding's.
+
+`--bound` adds, per batch and workload, the ceiling of any prompt-lookup policy on this machine:
+an oracle that gives each request, at each step, exactly the drafts that will be accepted (up to
+the largest --k; none where the lookup finds nothing), run through the greedy outputs of plain
+decoding with each step timed as the steps of as many rows took in this run (median by row count;
+a straight-line fit where none ran). The same simulation of each fixed k is printed beside it, to
+compare with the measured fixed-k speed-ups.
 """
 
 from __future__ import annotations
@@ -21,7 +28,11 @@ import statistics
 import subprocess
 import sys
 
+import numpy as np
+
 from kvflow import LLM, SamplingParams
+from kvflow.engine.step_records import DECODE, VERIFY
+from kvflow.spec_decode.ngram_proposer import NgramProposer
 
 PASSAGE = (
     "The KV cache is the centre of an inference engine. Each request keeps the keys and values of "
@@ -61,16 +72,83 @@ CHAT = [
 ]
 
 
-def run(llm: LLM, prompts: list[str], batch: int, max_tokens: int) -> tuple[list[list[int]], float]:
-    """All prompts, `batch` at a time; decode tok/s over the groups' decode phases."""
+def run(llm: LLM, prompts: list[str], batch: int, max_tokens: int) -> tuple[list[list[int]], float, list[list[int]]]:
+    """All prompts, `batch` at a time: their output tokens, decode tok/s over the groups' decode
+    phases, and their prompts' tokens."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
-    tokens, decoded, seconds = [], 0, 0.0
+    tokens, decoded, seconds, prompt_ids = [], 0, 0.0, []
     for i in range(0, len(prompts), batch):
         outs = llm.chat([[{"role": "user", "content": p}] for p in prompts[i : i + batch]], params, use_tqdm=False)
         seconds += max(o.metrics.last_token_time for o in outs) - min(o.metrics.first_token_time for o in outs)
         decoded += sum(len(o.outputs[0].token_ids) - 1 for o in outs)
         tokens += [o.outputs[0].token_ids for o in outs]
-    return tokens, decoded / seconds
+        prompt_ids += [list(o.prompt_token_ids) for o in outs]
+    return tokens, decoded / seconds, prompt_ids
+
+
+def step_times(llm: LLM, first: int) -> list[tuple[int, float]]:
+    """(rows, seconds) of the engine's recorded steps from index `first` that only decoded or verified."""
+    return [
+        (sum(n for _, _, n, _, _ in r.seqs), r.duration_s)
+        for r in llm.engine.step_records.steps
+        if r.index >= first and r.seqs and all(kind in (DECODE, VERIFY) for _, kind, _, _, _ in r.seqs)
+    ]
+
+
+class Bound:
+    """Speculation replayed over fixed greedy outputs: `accepted[i][t]` is how many of the drafts
+    prompt lookup proposes after output token t of request i (at most k_max) match the tokens that
+    follow; a step's time is what steps of as many rows took (`times`)."""
+
+    def __init__(
+        self,
+        prompts: list[list[int]],
+        outputs: list[list[int]],
+        lookup: tuple[int, int],
+        k_max: int,
+        times: list[tuple[int, float]],
+    ) -> None:
+        proposer = NgramProposer(lookup[0], lookup[1], k_max)
+        self.accepted = []
+        for prompt, out in zip(prompts, outputs):
+            row = []
+            for t in range(len(out)):
+                drafts = proposer.propose(prompt + list(out[: t + 1]))
+                n = 0
+                while n < len(drafts) and t + 1 + n < len(out) and drafts[n] == out[t + 1 + n]:
+                    n += 1
+                row.append((len(drafts), n))
+            self.accepted.append(row)
+        by_rows: dict[int, list[float]] = {}
+        for rows, seconds in times:
+            by_rows.setdefault(rows, []).append(seconds)
+        self.median = {r: statistics.median(v) for r, v in by_rows.items() if len(v) >= 3}
+        x = np.array([r for r, _ in times], dtype=np.float64)
+        self.fit = np.polyfit(x, [s for _, s in times], 1) if len(set(x.tolist())) > 1 else (0.0, max(x, default=1.0))
+
+    def seconds(self, rows: int) -> float:
+        return self.median[rows] if rows in self.median else float(np.polyval(self.fit, rows))
+
+    def replay(self, batch: int, drafts) -> float:
+        """Seconds to decode every output, `batch` requests at a time as `run` does; drafts(found,
+        accepted) is how many drafts a request gets where lookup found `found` of which `accepted` match."""
+        total = 0.0
+        for g in range(0, len(self.accepted), batch):
+            group = self.accepted[g : g + batch]
+            at = [0] * len(group)
+            while any(a < len(req) for a, req in zip(at, group)):
+                rows, moves = 0, []
+                for i, req in enumerate(group):
+                    if at[i] >= len(req):
+                        continue
+                    found, ok = req[at[i]]
+                    k = min(drafts(found, ok), found, len(req) - at[i] - 1)
+                    rows += 1 + k
+                    moves.append((i, 1 + min(k, ok)))
+                total += self.seconds(rows)
+                for i, n in moves:
+                    at[i] += n
+        return total
 
 
 def cpu_line(quantization: str | None) -> str:
@@ -106,10 +184,15 @@ def main() -> None:
     ap.add_argument("--lookup", default="2,4", help="ngram prompt_lookup_min,prompt_lookup_max")
     ap.add_argument("--workloads", default="grounded,chat")
     ap.add_argument("--methods", default="ngram,int8", help="besides none: ngram, int8 (self-draft)")
+    ap.add_argument("--bound", action="store_true", help="also the oracle ceiling of prompt lookup (see above)")
     args = ap.parse_args()
     print(cpu_line(args.quantization) + f"; gguf weights: {args.gguf_weights}")
     common = dict(
-        quantization=args.quantization, gguf_weights=args.gguf_weights, max_model_len=2048, num_kv_blocks=1024
+        quantization=args.quantization,
+        gguf_weights=args.gguf_weights,
+        max_model_len=2048,
+        num_kv_blocks=1024,
+        step_record_capacity=1 << 16 if args.bound else 0,
     )
     lo, hi = (int(x) for x in args.lookup.split(","))
     ngram = {"method": "ngram", "prompt_lookup_min": lo, "prompt_lookup_max": hi}
@@ -135,11 +218,14 @@ def main() -> None:
             speeds: dict[str, list[float]] = {name: [] for name in engines}
             totals: dict[str, list[int]] = {}
             outputs: dict[str, list[list[int]]] = {}
+            times: list[tuple[int, float]] = []  # (rows, seconds) of every engine's decode / verify steps
             for _ in range(args.rounds):  # methods interleaved, so host drift hits them alike
                 for name, llm in engines.items():
                     run(llm, prompts[:1], 1, 4)  # warm-up (kernels, caches)
-                    before = _counts(llm)
-                    tokens, speed = run(llm, prompts, b, args.max_tokens)
+                    before, first_step = _counts(llm), llm.engine.step_records.next_index
+                    tokens, speed, prompt_ids = run(llm, prompts, b, args.max_tokens)
+                    if args.bound:
+                        times += step_times(llm, first_step)
                     speeds[name].append(speed)
                     outputs[name] = tokens
                     after = _counts(llm)
@@ -161,6 +247,14 @@ def main() -> None:
                     f"{(1 + acc / drafts) if drafts else 0:10.2f} {alpha:6.2f} {per_pass:8.2f} {formula:8.2f}  "
                     f"[{', '.join(f'{p / drafts if drafts else 0:.2f}' for p in per_pos)}] ({dtok} drafts; "
                     f"x per round {', '.join(f'{v / r:.2f}' for v, r in zip(speeds[name], speeds['none']))}){same}"
+                )
+            if args.bound:
+                bound = Bound(prompt_ids, outputs["none"], (lo, hi), max(ks), times)
+                plain = bound.replay(b, lambda found, ok: 0)
+                fixed = ", ".join(f"k={k} {plain / bound.replay(b, lambda found, ok, k=k: k):.2f}" for k in ks)
+                print(
+                    f"{workload:9} {b:>5} {'bound':16} {'':>8} {plain / bound.replay(b, lambda found, ok: ok):6.2f}  "
+                    f"oracle drafts (k <= {max(ks)}), replayed with this run's step times; fixed k replayed: {fixed}"
                 )
             sys.stdout.flush()
 
