@@ -28,6 +28,7 @@ from kvflow.core.request import Request
 from kvflow.core.scheduler import ScheduledSeq, SchedulerOutput
 from kvflow.core.step_cost import StepCostModel
 from kvflow.sampling_params import SamplingParams
+from kvflow.spec_decode.proposer import Drafts
 
 logger = logging.getLogger("kvflow")
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=None)
@@ -124,7 +125,7 @@ class DraftModelProposer:
             self.kv.free(probe)
             self.runner.release([probe.request_id])
 
-    def propose(self, requests: list[Request], plan: dict[str, int]) -> dict[str, list[int]]:
+    def propose(self, requests: list[Request], plan: dict[str, int]) -> dict[str, Drafts]:
         wanted = [r for r in requests if plan.get(r.request_id, 0) > 0]
         drafts: dict[str, list[int]] = {r.request_id: [] for r in wanted}
         seqs = []
@@ -169,7 +170,7 @@ class DraftModelProposer:
                 if depth < plan[r.request_id]:
                     nxt.append((r, ds, [token]))
             seqs = nxt
-        return drafts
+        return {rid: Drafts(tokens) for rid, tokens in drafts.items()}
 
     def observe(self, sched: SchedulerOutput, sampled: dict[str, list[int]]) -> None:
         """Keep only the draft KV of positions the target kept."""

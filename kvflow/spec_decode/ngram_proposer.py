@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvflow.spec_decode.proposer import Drafts
+
 if TYPE_CHECKING:
     from kvflow.core.request import Request
     from kvflow.core.scheduler import SchedulerOutput
@@ -30,7 +32,11 @@ class NgramProposer:
         self.num_speculative_tokens = num_speculative_tokens
 
     def propose(self, token_ids: Sequence[int] | np.ndarray, k: int | None = None) -> list[int]:
-        """Up to k (default num_speculative_tokens) draft tokens; [] when no n-gram matches.
+        """Up to k (default num_speculative_tokens) draft tokens; [] when no n-gram matches."""
+        return self.lookup(token_ids, k)[0]
+
+    def lookup(self, token_ids: Sequence[int] | np.ndarray, k: int | None = None) -> tuple[list[int], int]:
+        """`propose`'s drafts and the length of the n-gram they follow (0 when none matched).
 
         O(L) numpy work for L tokens (one vectorised compare finds the earlier positions holding
         the last token; each of the c candidates is then extended backwards, at most max_n - 1
@@ -41,11 +47,11 @@ class NgramProposer:
         tokens = np.asarray(token_ids, dtype=np.int64)
         n_tok = len(tokens)
         if k <= 0 or n_tok <= self.min_n:  # need the suffix plus at least one earlier occurrence
-            return []
+            return [], 0
         # Candidate ends e < L - 1 of an earlier occurrence: tokens[e] == the last token.
         ends = np.flatnonzero(tokens[:-1] == tokens[-1])
         if len(ends) == 0:
-            return []
+            return [], 0
         # Match length of each candidate, growing backwards up to max_n.
         length = np.ones(len(ends), dtype=np.int64)
         alive = np.ones(len(ends), dtype=bool)
@@ -60,9 +66,9 @@ class NgramProposer:
             length += alive
         best = int(length.max())
         if best < self.min_n:
-            return []
+            return [], 0
         e = int(ends[np.flatnonzero(length == best)[-1]])  # the most recent of the longest matches
-        return tokens[e + 1 : e + 1 + k].tolist()
+        return tokens[e + 1 : e + 1 + k].tolist(), best
 
 
 class NgramBatchProposer:
@@ -74,9 +80,10 @@ class NgramBatchProposer:
     def __init__(self, proposer: NgramProposer) -> None:
         self.proposer = proposer
 
-    def propose(self, requests: list[Request], plan: dict[str, int]) -> dict[str, list[int]]:
+    def propose(self, requests: list[Request], plan: dict[str, int]) -> dict[str, Drafts]:
+        """Each planned request's drafts, with the matched n-gram's length as their evidence."""
         return {
-            r.request_id: self.proposer.propose(r.prompt_token_ids + r.output_token_ids, k)
+            r.request_id: Drafts(*self.proposer.lookup(r.prompt_token_ids + r.output_token_ids, k))
             for r in requests
             if (k := plan.get(r.request_id, 0)) > 0
         }

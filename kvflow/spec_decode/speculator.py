@@ -5,25 +5,25 @@ are decoding; the scheduler then schedules them as extra tokens of those request
 step's token budget) and the runner verifies them. After the step the speculator learns from
 what was accepted and how long the step took.
 
-How many drafts (the goodput rule of SmartSpec, arXiv 2406.14066): each request keeps a moving
-average alpha of how often its drafts are accepted, and a draft at depth j (1-based) then adds
-alpha^j expected tokens. The step's time comes from `StepCostModel` (a + b * tokens + c * multi-token
-sequences + m if there are any; none counted where the step still rides the model's one-call
-decode pass: a draft there is one more row). Drafts are handed out one at a time, highest expected
-gain first, while a draft's gain per second it costs (alpha^j / what it adds to the predicted step:
-b, and where it makes its request a chunk off the decode pass, c and maybe m) beats the step's
-tokens per second without it (E / T): at batch 1 a pass costs about
-the same for 1 or 5 tokens, so drafts are almost free; at a large batch E / T approaches 1 / b and
-no draft (alpha^j < 1) can beat it, so speculation switches itself off; so does a request whose
-drafts keep failing (alpha^j below `_MIN_GAIN`). `adaptive: false` always proposes
-`num_speculative_tokens`.
+How many drafts (the goodput rule of SmartSpec, arXiv 2406.14066): a draft at depth j adds the
+chance that it and every draft before it are accepted (`AcceptanceModel`: the first draft's rate,
+for prompt lookup that of first drafts after an n-gram match of the same length, times the
+request's continuation rate to the power j - 1). The step's time comes from `StepCostModel` (a + b *
+tokens + c * multi-token sequences + m if there are any; none counted where the step still rides the
+model's one-call decode pass: a draft there is one more row). Drafts are handed out one at a time,
+highest expected gain first, while a draft's gain per second it costs (its gain / what it adds to
+the predicted step: b, and where it makes its request a chunk off the decode pass, c and maybe m)
+beats the step's tokens per second without it (E / T): at batch 1 a pass costs about the same for
+1 or 5 tokens, so drafts are almost free; at a large batch E / T approaches 1 / b and no draft (gain
+< 1) can beat it, so speculation switches itself off; so does a request whose drafts keep failing
+(gain below `_MIN_GAIN`). `adaptive: false` always proposes `num_speculative_tokens`.
 
-Prompt lookup costs nothing to ask, so the adaptive plan is made twice: the requests it gives
-drafts are looked up, then the plan is made again over the drafts found (a request without a match
-takes no share of the step). Each request's alpha starts from the average over all requests so
-far. While the plan gives no draft at all, one request in turn gets a single probing draft every
-`_PROBE_EVERY` steps (prompt lookup only), so the estimates can learn when drafts start to pay
-again.
+Prompt lookup costs nothing to ask, so the adaptive plan is made twice: first assuming each
+request's best first rate (its own, or that of any match length so far), the requests it gives
+drafts are looked up, then the plan is made again over the drafts found and their match lengths (a
+request without a match takes no share of the step). While the plan gives no draft at all, one
+request in turn gets a single probing draft every `_PROBE_EVERY` steps (prompt lookup only), so the
+estimates can learn when drafts start to pay again.
 
 Who never speculates: requests still prefilling, with penalties (their distribution at a draft
 position would depend on the drafts before it), before `min_tokens`, or one token short of
@@ -35,32 +35,18 @@ from __future__ import annotations
 import dataclasses
 import heapq
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from kvflow.config import SpeculativeConfig
 from kvflow.core.request import Request
 from kvflow.core.scheduler import SchedulerOutput
 from kvflow.core.step_cost import StepCostModel, chunk_pairs
+from kvflow.spec_decode.acceptance import BEST, AcceptanceModel
 from kvflow.spec_decode.ngram_proposer import NgramBatchProposer, NgramProposer
+from kvflow.spec_decode.proposer import Drafts, Proposer
 
-
-class Proposer(Protocol):
-    """Draft tokens for a batch: `plan` says how many each request may get (0: none). `cost`: what
-    one more draft depth costs (a model's passes), or None when proposing is free (prompt lookup)."""
-
-    cost: StepCostModel | None
-
-    def propose(self, requests: list[Request], plan: dict[str, int]) -> dict[str, list[int]]: ...
-    def observe(self, sched: SchedulerOutput, sampled: dict[str, list[int]]) -> None: ...
-    def release(self, request_ids) -> None: ...
-
-
-_ALPHA_PRIOR = 0.5  # a new request's acceptance rate before it has any
-_ALPHA_WEIGHT = 0.2  # weight of each verified draft position in the moving average
 # A draft expected to add less than this is not proposed, however cheap the cost model says a token
 # is (the fit is noisy, and a proposal is not free). A request that drops below it stops speculating.
 _MIN_GAIN = 0.02
-_GLOBAL_WEIGHT = 0.02  # the same, for the estimate over all requests
 _PROBE_EVERY = 8  # while speculation is off: one probing draft every this many steps
 
 
@@ -127,8 +113,8 @@ class Speculator:
             proposer = NgramBatchProposer(NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max, self.k))
         self.proposer = proposer
         self.cost = cost or StepCostModel()  # of a target step
-        self.alpha: dict[str, float] = {}
-        self.global_alpha = _ALPHA_PRIOR  # over every verified draft: a new request's starting estimate
+        self.acceptance = AcceptanceModel()
+        self._evidence: dict[str, int | None] = {}  # each request's drafts in flight: their evidence
         self._steps_off = 0  # steps in a row that the plan gave no draft at all
         self.stats = SpecDecodeStats(accepted_per_pos=[0] * self.k)
 
@@ -136,23 +122,27 @@ class Speculator:
     def propose(self, running: list[Request]) -> None:
         decoding = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
         limits = {r.request_id: self._limit(r) for r in decoding}
-        drafts = None
+        drafts: dict[str, Drafts] | None = None
         if not self.config.adaptive:
             plan = limits
         else:
-            plan = self._plan(running, limits)
-            if self.proposer.cost is None and any(plan.values()):
+            lookup = self.proposer.cost is None
+            plan = self._plan(running, limits, dict.fromkeys(limits, BEST) if lookup else None)
+            if lookup and any(plan.values()):
                 # Prompt lookup is free to ask: look up each planned request's longest draft, then
-                # plan again over what was found, so a request with no match in its text takes no
-                # share of the step from those that have one.
+                # plan again over what was found and how long a match found it, so a request with no
+                # match in its text takes no share of the step from those that have one.
                 drafts = self.proposer.propose(decoding, {rid: limits[rid] for rid, n in plan.items() if n})
-                limits = {rid: len(drafts.get(rid, ())) for rid in limits}
-                plan = self._plan(running, limits)
+                limits = {rid: len(drafts[rid].tokens) if rid in drafts else 0 for rid in limits}
+                plan = self._plan(running, limits, {rid: d.evidence for rid, d in drafts.items()})
             self._probe(plan, limits)
         if drafts is None:
             drafts = self.proposer.propose(decoding, plan)
         for r in decoding:
-            r.spec_token_ids = drafts.get(r.request_id, [])[: plan.get(r.request_id, 0)]
+            d = drafts.get(r.request_id)
+            r.spec_token_ids = d.tokens[: plan.get(r.request_id, 0)] if d is not None else []
+            if r.spec_token_ids:
+                self._evidence[r.request_id] = d.evidence
 
     def _limit(self, r: Request) -> int:
         p = r.params
@@ -160,7 +150,11 @@ class Speculator:
             return 0
         return max(0, min(self.k, r.max_tokens - r.num_output_tokens - 1))
 
-    def _plan(self, running: list[Request], limits: dict[str, int]) -> dict[str, int]:
+    def _plan(
+        self, running: list[Request], limits: dict[str, int], evidence: dict[str, int | None] | None = None
+    ) -> dict[str, int]:
+        """Drafts per request (at most `limits`), given what predicts each one's first draft
+        (`evidence`, AcceptanceModel.first; absent: the request's own history)."""
         # What a draft costs is what it adds to the predicted step: one more row, and where it makes
         # its request a multi-token sequence off the decode pass, the chunk (c, and m for the
         # step's first). A draft model adds a pass per draft depth (a_d, paid by the first draft at
@@ -172,7 +166,9 @@ class Speculator:
         expected = float(len(running))  # every running request emits about one token per step
         gamma = dict.fromkeys(limits, 0)
         depth = 0  # deepest draft handed out so far
-        heap = [(-self._alpha(rid), rid) for rid, lim in limits.items() if lim > 0]
+        evidence = evidence or {}
+        expect = self.acceptance.gain
+        heap = [(-expect(rid, evidence.get(rid), 1), rid) for rid, lim in limits.items() if lim > 0]
         heapq.heapify(heap)
         while heap:
             neg_gain, rid = heapq.heappop(heap)
@@ -189,7 +185,7 @@ class Speculator:
             expected += gain
             seconds += cost
             if gamma[rid] < limits[rid]:
-                heapq.heappush(heap, (-gain * self._alpha(rid), rid))
+                heapq.heappush(heap, (-expect(rid, evidence.get(rid), gamma[rid] + 1), rid))
         return gamma
 
     def _probe(self, plan: dict[str, int], limits: dict[str, int]) -> None:
@@ -204,9 +200,6 @@ class Speculator:
         eligible = sorted(rid for rid, lim in limits.items() if lim > 0)
         if eligible and self._steps_off % _PROBE_EVERY == 0:
             plan[eligible[(self._steps_off // _PROBE_EVERY) % len(eligible)]] = 1
-
-    def _alpha(self, request_id: str) -> float:
-        return self.alpha.get(request_id, self.global_alpha)
 
     # ---- after a step -----------------------------------------------------------------------------
     def observe(self, sched: SchedulerOutput, sampled: dict[str, list[int]]) -> None:
@@ -224,14 +217,10 @@ class Speculator:
             st.num_accepted_tokens += accepted
             for j in range(accepted):
                 st.accepted_per_pos[j] += 1
-            alpha = self._alpha(seq.request_id)
-            for j in range(min(k, accepted + 1)):  # positions tested: the accepted run, then one miss
-                hit = 1.0 if j < accepted else 0.0
-                alpha += _ALPHA_WEIGHT * (hit - alpha)
-                self.global_alpha += _GLOBAL_WEIGHT * (hit - self.global_alpha)
-            self.alpha[seq.request_id] = alpha
+            self.acceptance.observe(seq.request_id, self._evidence.pop(seq.request_id, None), k, accepted)
 
     def release(self, request_ids) -> None:
         for rid in request_ids:
-            self.alpha.pop(rid, None)
+            self.acceptance.release(rid)
+            self._evidence.pop(rid, None)
         self.proposer.release(request_ids)

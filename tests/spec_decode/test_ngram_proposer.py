@@ -10,8 +10,9 @@ import pytest
 from kvflow.spec_decode import NgramProposer, SpeculativeConfig
 
 
-def _reference(tokens: list[int], lo: int, hi: int, k: int) -> list[int]:
-    """The definition, spelled out: longest n first, then the most recent earlier occurrence."""
+def _reference(tokens: list[int], lo: int, hi: int, k: int) -> tuple[list[int], int]:
+    """The definition, spelled out: longest n first, then the most recent earlier occurrence; the
+    drafts and that n."""
     n_tok = len(tokens)
     for n in range(hi, lo - 1, -1):
         if n_tok <= n:
@@ -19,8 +20,8 @@ def _reference(tokens: list[int], lo: int, hi: int, k: int) -> list[int]:
         suffix = tokens[-n:]
         for s in range(n_tok - n - 1, -1, -1):
             if tokens[s : s + n] == suffix:
-                return tokens[s + n : s + n + k]
-    return []
+                return tokens[s + n : s + n + k], n
+    return [], 0
 
 
 def test_match_and_k_limit():
@@ -65,9 +66,9 @@ def test_matches_the_definition_on_random_sequences():
         lo = rng.randint(1, 3)
         hi = rng.randint(lo, 5)
         k = rng.randint(1, 6)
-        got = NgramProposer(lo, hi, 6).propose(seq, k)
-        assert got == _reference(seq, lo, hi, k), (seq, lo, hi, k)
-        assert NgramProposer(lo, hi, 6).propose(np.array(seq, dtype=np.int32), k) == got
+        got = NgramProposer(lo, hi, 6).lookup(seq, k)
+        assert got == _reference(seq, lo, hi, k), (seq, lo, hi, k)  # the drafts and the matched n
+        assert NgramProposer(lo, hi, 6).propose(np.array(seq, dtype=np.int32), k) == got[0]
 
 
 def test_long_sequence():

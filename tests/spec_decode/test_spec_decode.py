@@ -165,10 +165,10 @@ def test_adaptive_turns_rejected_drafts_off(tiny_llama):
     vocab = llm.engine.model_config.vocab_size
     refs = {tuple(t) for t in plain}
 
-    class Wrong:  # proposes a token the greedy continuation never holds
-        def propose(self, token_ids, k):
+    class Wrong:  # proposes a token the greedy continuation never holds, as if after a 4-gram match
+        def lookup(self, token_ids, k):
             bad = next(t for t in range(vocab - 1, 0, -1) if all(t not in r for r in refs))
-            return [bad] * k
+            return [bad] * k, 4
 
     spec.proposer = NgramBatchProposer(Wrong())
     drafts_per_step = []
@@ -220,6 +220,12 @@ def _request(rid: str, n_out: int = 5) -> Request:
     return r
 
 
+def _assume(spec: Speculator, request_id: str, rate: float) -> None:
+    """Every draft of the request accepted with `rate` given the one before (first draft included)."""
+    spec.acceptance.first_by_request[request_id] = rate
+    spec.acceptance.continuation[request_id] = rate
+
+
 def test_plan_switches_off_at_large_batch():
     """Fake cost model: a pass costs a = 10 ms, each token b = 0.5 ms (a CPU: weights dominate
     at batch 1, per-token work at batch 64)."""
@@ -231,14 +237,14 @@ def test_plan_switches_off_at_large_batch():
     assert c + m == pytest.approx(0.002, rel=0.2)  # (one multi-token sequence: c + m)
     spec = Speculator(SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 5}), cost=cost)
     for rid in ("x",) + tuple(f"r{i}" for i in range(64)):
-        spec.alpha[rid] = 0.7
+        _assume(spec, rid, 0.7)
     one = [_request("x")]
     plan = spec._plan(one, {"x": 5})
     assert plan["x"] == 5  # batch 1: every draft pays
     many = [_request(f"r{i}") for i in range(64)]
     plan = spec._plan(many, {r.request_id: 5 for r in many})
     assert sum(plan.values()) == 0  # batch 64: no draft beats the step's own tokens per second
-    spec.alpha["x"] = 0.01
+    _assume(spec, "x", 0.01)
     assert spec._plan(one, {"x": 5})["x"] <= 1  # hopeless drafts get (almost) nothing
 
 
@@ -262,7 +268,7 @@ def test_plan_counts_drafts_on_the_decode_pass_as_rows():
     spec = Speculator(SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 4}), cost=cost)
     batch = [_request(f"r{i}") for i in range(8)]
     for r in batch:
-        spec.alpha[r.request_id] = 0.8
+        _assume(spec, r.request_id, 0.8)
     limits = {r.request_id: 4 for r in batch}
     # off the pass: gain x T = 0.8 x (a + 8b) = 11.2 ms < (b + c + m) x E = 4.5 ms x 8
     assert sum(spec._plan(batch, limits).values()) == 0
@@ -294,8 +300,9 @@ def test_plan_gives_no_share_to_requests_without_a_match():
         # even requests end on their prompt's first three tokens (a match, 4 tokens follow); odd ones on new text
         r.output_token_ids = prompt[:3] if i % 2 == 0 else [base + 50, base + 51, base + 52]
         r.num_computed_tokens = r.num_tokens - 1
-        spec.alpha[r.request_id] = 0.8
+        _assume(spec, r.request_id, 0.8)
         batch.append(r)
+    spec.acceptance.first_by_evidence[2] = 0.8  # first drafts after a 2-gram match (the even requests')
     assert spec._plan(batch, {r.request_id: 4 for r in batch}) == {r.request_id: 3 for r in batch}
     spec.propose(batch)
     for i, r in enumerate(batch):
