@@ -1,6 +1,7 @@
 """How long an engine step takes, learned from the steps that ran:
 
     seconds = a + b * tokens + c * chunks + m * (chunks > 0) + d * context / 1000 + p * pairs / 1e6
+              + t * tiles
 
 `tokens` are all tokens computed in the step, `chunks` the sequences computing more than one
 (prefill chunks, draft verification), `context` the KV positions attention reads (each
@@ -12,6 +13,13 @@ is what a multi-token sequence costs beyond its tokens (its attention runs apart
 decode kernel), `m` what a step pays once for having any (the mixed path), `d` the decode rows'
 attention, which grows with their contexts, and `p` the chunks' attention. That is what makes verifying drafts cheap at batch 1 and not
 at batch 32, and what the `slo` scheduling policy predicts TTFT and TPOT with.
+
+`tiles` counts, for a step on the decode pass whose kernels compute `tile_rows` rows per pass
+over a weight (the block kernels' register tile), the passes beyond the first: ceil(tokens /
+tile_rows) - 1. Such a step is not linear in its rows: a ninth row after a tile of eight reads and
+unpacks every weight once more (batch 8 on the default model: the ninth row cost ~1.7 ms, the
+tenth to sixteenth ~0.6 ms each; docs/benchmarks/results/), so a draft that opens a tile costs far
+more than one that fills it.
 
 A step that rides the model's one-call decode pass (`DecodePass`: every sequence with at most
 `rows_per_seq` new tokens, at most `max_rows` in all; decodes, and decodes verifying a few drafts)
@@ -42,6 +50,7 @@ class DecodePass:
 
     rows_per_seq: int = 1  # a sequence with at most this many new tokens rides in it ...
     max_rows: int = 0  # ... in a step of at most this many rows (0: the runner has no pass)
+    tile_rows: int = 0  # rows its kernels compute per pass over a weight (0: not modelled)
 
     def takes(self, rows: int, longest: int) -> bool:
         return 0 < rows <= self.max_rows and longest <= self.rows_per_seq
@@ -56,10 +65,19 @@ class StepCostModel:
         prior_mixed_ratio: float = 0.05,
         prior_context_ratio: float = 0.005,
         prior_pairs_ratio: float = 10.0,
+        prior_tile_ratio: float = 0.1,
     ) -> None:
-        self.samples: deque[tuple[int, int, float, float, float]] = deque(maxlen=window)
+        self.samples: deque[tuple[int, int, float, float, int, float]] = deque(maxlen=window)
         self.prior = np.array(
-            [1.0, prior_token_ratio, prior_chunk_ratio, prior_mixed_ratio, prior_context_ratio, prior_pairs_ratio]
+            [
+                1.0,
+                prior_token_ratio,
+                prior_chunk_ratio,
+                prior_mixed_ratio,
+                prior_context_ratio,
+                prior_pairs_ratio,
+                prior_tile_ratio,
+            ]
         )  # / a
         self.decode_pass = DecodePass()  # the runner's (the engine sets it once the model is loaded)
         self._fit: tuple[float, ...] | None = None
@@ -70,6 +88,14 @@ class StepCostModel:
         """The chunks a step of `rows` tokens counts, whose longest sequence has `longest` new tokens
         and `multi` sequences more than one: none where it rides the decode pass, else `multi`."""
         return 0 if self.decode_pass.takes(rows, longest) else multi
+
+    def tiles(self, tokens: int, chunks: int) -> int:
+        """Passes over the weights beyond the first that a step of `tokens` rows and `chunks`
+        chunks makes on the decode pass (0 off it, or where the runner did not say)."""
+        tile = self.decode_pass.tile_rows
+        if tile <= 0 or chunks or tokens > self.decode_pass.max_rows:
+            return 0
+        return (tokens - 1) // tile
 
     def features(self, seqs: Iterable[tuple[int, int]]) -> tuple[int, int, int, int]:
         """(tokens, chunks, context, pairs) of a step computing `seqs`, each (cached tokens, new
@@ -85,7 +111,7 @@ class StepCostModel:
         if tokens > 0 and seconds > 0:
             if len(self.samples) >= 8:  # how far off the model was on a step it had not seen
                 self.errors.append(abs(self.predict(tokens, chunks, context, pairs) - seconds) / seconds)
-            self.samples.append((tokens, chunks, context / 1000, pairs / 1e6, seconds))
+            self.samples.append((tokens, chunks, context / 1000, pairs / 1e6, self.tiles(tokens, chunks), seconds))
             self._unfitted += 1
 
     @property
@@ -95,8 +121,9 @@ class StepCostModel:
 
     @property
     def coefficients(self) -> tuple[float, ...]:
-        """(a, b, c, m, d, p): seconds per step, per token, per multi-token sequence, per step having
-        any, per 1,000 context positions, per million chunk query-key pairs. With no data only the ratios are known: (1, prior b, ...)."""
+        """(a, b, c, m, d, p, t): seconds per step, per token, per multi-token sequence, per step
+        having any, per 1,000 context positions, per million chunk query-key pairs, per further
+        pass over the weights. With no data only the ratios are known: (1, prior b, ...)."""
         # A fit is a small least-squares solve, but not free next to a batch-1 decode step (figures:
         # docs/benchmarks/results/): once the window holds enough steps it is refitted every
         # REFIT_EVERY of them, not on every one.
@@ -105,15 +132,25 @@ class StepCostModel:
         return self._fit
 
     def predict(self, tokens: int, chunks: int = 0, context: int = 0, pairs: int = 0) -> float:
-        a, b, c, m, d, p = self.coefficients
-        return a + b * tokens + c * chunks + m * (chunks > 0) + d * context / 1000 + p * pairs / 1e6
+        a, b, c, m, d, p, t = self.coefficients
+        return (
+            a
+            + b * tokens
+            + c * chunks
+            + m * (chunks > 0)
+            + d * context / 1000
+            + p * pairs / 1e6
+            + t * self.tiles(tokens, chunks)
+        )
 
     def _solve(self) -> tuple[float, ...]:
         if not self.samples:
             return tuple(self.prior.tolist())
         data = np.array(self.samples, dtype=np.float64)
-        x = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1], data[:, 1] > 0, data[:, 2], data[:, 3]])
-        y = data[:, 4]
+        x = np.column_stack(
+            [np.ones(len(data)), data[:, 0], data[:, 1], data[:, 1] > 0, data[:, 2], data[:, 3], data[:, 4]]
+        )
+        y = data[:, 5]
         # Relative errors are what the predictions are judged by (a 100 ms decode step matters as
         # much as a 2 s prefill step), so each step is weighted by 1 / its time. The prior, scaled
         # to the measured step time, enters as pseudo-observations of b..p: a ridge toward it that

@@ -121,11 +121,7 @@ def native_decode_unsupported(model: torch.nn.Module) -> str | None:
         return "a head_dim the native rotary cannot take"
     if max_rows(model) == 0:
         return "the autotune found the native GEMV slower at one row"
-    kernels = [
-        _native_kernel(lin.kernel)
-        for layer in model.layers
-        for lin in (layer.qkv_proj, layer.o_proj, *_dense_mlp(layer))
-    ]
+    kernels = _pass_kernels(model)
     if not all(kernels):
         return "a projection has no native kernel (the library could not be built, or the plan uses none)"
     if len({type(k) for k in kernels}) != 1:
@@ -133,6 +129,15 @@ def native_decode_unsupported(model: torch.nn.Module) -> str | None:
     if any(lin.kernel.bias is not None for layer in model.layers for lin in (layer.o_proj, *_dense_mlp(layer))):
         return "o / gate_up / down projections with a bias"
     return None
+
+
+def _pass_kernels(model: torch.nn.Module) -> list[NativeLinear | None]:
+    """The native kernel of every projection the pass runs (None where one has none)."""
+    return [
+        _native_kernel(lin.kernel)
+        for layer in model.layers
+        for lin in (layer.qkv_proj, layer.o_proj, *_dense_mlp(layer))
+    ]
 
 
 def _dense_mlp(layer: torch.nn.Module) -> tuple:
@@ -209,6 +214,10 @@ class NativeDecode:
             qk_norm=0 if not cfg.qk_norm else PER_HEAD if cfg.qk_norm_per_head else WHOLE,
         )
         self.max_rows = max_rows(model)
+        # Rows the block kernels compute per pass over a weight (a step of more reads each weight
+        # again per further tile: kvflow.core.step_cost); 0 for the other kernel families, whose
+        # costs are not modelled that way.
+        self.tile_rows = min((k.tile_rows for k in _pass_kernels(model) if isinstance(k, BlockQuantKernel)), default=0)
         self._bound: list[LayerKVCache] | None = None
         self._lora = None  # (the LoRABatch the wrapped projections read, and its slots as the pass reads them)
         # Routed layers: called after each step with its rows' chosen experts, int64 [routed layers,

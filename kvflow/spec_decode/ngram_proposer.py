@@ -79,17 +79,37 @@ class NgramBatchProposer:
 
     def __init__(self, proposer: NgramProposer) -> None:
         self.proposer = proposer
+        # Each request's tokens so far as an int64 array (room to grow) and how many are filled:
+        # converting prompt + output from lists on every lookup cost as much as the lookup.
+        self._tokens: dict[str, tuple[np.ndarray, int]] = {}
 
     def propose(self, requests: list[Request], plan: dict[str, int]) -> dict[str, Drafts]:
         """Each planned request's drafts, with the matched n-gram's length as their evidence."""
         return {
-            r.request_id: Drafts(*self.proposer.lookup(r.prompt_token_ids + r.output_token_ids, k))
+            r.request_id: Drafts(*self.proposer.lookup(self._array(r), k))
             for r in requests
             if (k := plan.get(r.request_id, 0)) > 0
         }
+
+    def _array(self, r: Request) -> np.ndarray:
+        buf, filled = self._tokens.get(r.request_id, (None, 0))
+        total, n_prompt = r.num_tokens, len(r.prompt_token_ids)
+        stale = buf is None or filled > total or filled < n_prompt
+        if not stale and filled > n_prompt:  # (tokens only ever append; a changed last one would say otherwise)
+            stale = buf[filled - 1] != r.output_token_ids[filled - 1 - n_prompt]
+        if stale:
+            buf, filled = np.empty(max(64, 2 * total), dtype=np.int64), n_prompt
+            buf[:n_prompt] = r.prompt_token_ids
+        elif total > len(buf):
+            buf = np.concatenate([buf[:filled], np.empty(total, dtype=np.int64)])
+        if total > filled:
+            buf[filled:total] = r.output_token_ids[filled - n_prompt : total - n_prompt]
+        self._tokens[r.request_id] = (buf, total)
+        return buf[:total]
 
     def observe(self, sched: SchedulerOutput, sampled: dict[str, list[int]]) -> None:
         pass
 
     def release(self, request_ids) -> None:
-        pass
+        for rid in request_ids:
+            self._tokens.pop(rid, None)

@@ -170,22 +170,43 @@ class Speculator:
         expect = self.acceptance.gain
         heap = [(-expect(rid, evidence.get(rid), 1), rid) for rid, lim in limits.items() if lim > 0]
         heapq.heapify(heap)
+        tile = self.cost.decode_pass.tile_rows
         while heap:
-            neg_gain, rid = heapq.heappop(heap)
-            gain = -neg_gain
-            trial = step.with_draft(rid)
-            after = step.seconds(trial)
-            cost = after - target + b_d + (a_d if gamma[rid] + 1 > depth else 0.0)
-            if gain < _MIN_GAIN or gain * seconds <= cost * expected:  # gain / cost <= E / T: goodput drops
+            # The best drafts up to the end of the tile of rows the next one falls in (one draft
+            # where the cost model has no tiles), then the run of them that leaves the most tokens
+            # per second, if it beats the step without them: a draft that opens a tile costs a pass
+            # over the weights, those that fill it a row each, so a first draft is judged with the
+            # ones that would share its tile. (With no tiles: while gain / cost > E / T.)
+            span = tile - step.shape[0] % tile if tile > 0 else 1
+            tried = []  # the state before each draft taken: (rid, shape, target, depth, expected, seconds)
+            best, best_rate = 0, expected / seconds
+            while heap and len(tried) < span:
+                neg_gain, rid = heapq.heappop(heap)
+                gain = -neg_gain
+                if gain < _MIN_GAIN:
+                    break
+                trial = step.with_draft(rid)
+                after = step.seconds(trial)
+                cost = after - target + b_d + (a_d if gamma[rid] + 1 > depth else 0.0)
+                tried.append((rid, step.shape, target, depth, expected, seconds))
+                step.add_draft(rid, trial)
+                target = after
+                gamma[rid] += 1
+                depth = max(depth, gamma[rid])
+                expected += gain
+                seconds += cost
+                if gamma[rid] < limits[rid]:
+                    heapq.heappush(heap, (-expect(rid, evidence.get(rid), gamma[rid] + 1), rid))
+                if expected / seconds > best_rate:
+                    best, best_rate = len(tried), expected / seconds
+            if best < len(tried):  # the drafts after the best run lower the goodput: take them back, stop
+                for rid, *_ in tried[best:]:
+                    gamma[rid] -= 1
+                    step.new[rid] -= 1
+                _, step.shape, target, depth, expected, seconds = tried[best]
                 break
-            step.add_draft(rid, trial)
-            target = after
-            gamma[rid] += 1
-            depth = max(depth, gamma[rid])
-            expected += gain
-            seconds += cost
-            if gamma[rid] < limits[rid]:
-                heapq.heappush(heap, (-expect(rid, evidence.get(rid), gamma[rid] + 1), rid))
+            if len(tried) < span:
+                break
         return gamma
 
     def _probe(self, plan: dict[str, int], limits: dict[str, int]) -> None:

@@ -340,7 +340,7 @@ class ModelRunner:
         fused = getattr(self.model, "native_decode", None)
         if fused is None or fused.max_rows <= 0:
             return DecodePass()
-        return DecodePass(rows_per_seq=DECODE_LIKE_ROWS, max_rows=fused.max_rows)
+        return DecodePass(rows_per_seq=DECODE_LIKE_ROWS, max_rows=fused.max_rows, tile_rows=fused.tile_rows)
 
     def moe_stats(self):
         """A Mixture-of-Experts model's routing counts so far (kvflow.layers.moe.MoeRoutingStats),

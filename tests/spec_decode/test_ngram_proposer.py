@@ -7,7 +7,10 @@ import random
 import numpy as np
 import pytest
 
+from kvflow.core.request import Request
+from kvflow.sampling_params import SamplingParams
 from kvflow.spec_decode import NgramProposer, SpeculativeConfig
+from kvflow.spec_decode.ngram_proposer import NgramBatchProposer
 
 
 def _reference(tokens: list[int], lo: int, hi: int, k: int) -> tuple[list[int], int]:
@@ -139,3 +142,24 @@ def test_config_defaults():
 def test_config_errors(d, match):
     with pytest.raises(ValueError, match=match):
         SpeculativeConfig.from_dict(d)
+
+
+def test_batch_proposer_keeps_each_request_as_an_array():
+    """The batch proposer keeps each request's tokens as a growing array between steps: its drafts
+    and match lengths stay the definition's as tokens are appended, past the array's first size,
+    and after a request's tokens are replaced (a new request under the same id once released)."""
+    rng = random.Random(2)
+    batch = NgramBatchProposer(NgramProposer(2, 4, 5))
+    prompt = [rng.randrange(6) for _ in range(30)]
+    r = Request("a", "a", 0, prompt, SamplingParams(max_tokens=1000), 1000, 0.0)
+    for _ in range(200):
+        r.output_token_ids.append(rng.randrange(6))
+        got = batch.propose([r], {"a": 5})["a"]
+        assert (got.tokens, got.evidence) == _reference(prompt + r.output_token_ids, 2, 4, 5)
+    batch.release(["a"])
+    r2 = Request("a", "a", 0, [9, 8, 7, 9, 8], SamplingParams(max_tokens=10), 10, 0.0)
+    r2.output_token_ids = [7]
+    assert batch.propose([r2], {"a": 5})["a"].tokens == _reference([9, 8, 7, 9, 8, 7], 2, 4, 5)[0] == [9, 8, 7]
+    # tokens that changed under the same id without a release: noticed, not read stale
+    r2.output_token_ids = [5]
+    assert batch.propose([r2], {"a": 5})["a"].tokens == _reference([9, 8, 7, 9, 8, 5], 2, 4, 5)[0]

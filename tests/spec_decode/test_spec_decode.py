@@ -4,6 +4,8 @@ the speculation length adapts and switches off when drafts do not pay."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from kvflow import LLM, SamplingParams
@@ -309,6 +311,64 @@ def test_plan_gives_no_share_to_requests_without_a_match():
         assert r.spec_token_ids == ([100 * (i + 1) + j for j in range(3, 7)] if i % 2 == 0 else []), i
 
 
+def _tiled_machine(rows: int) -> float:
+    """A step on a pass whose kernels compute 8 rows per pass over the weights: 5 ms, 0.5 ms a row,
+    and 2 ms for each pass beyond the first (a ninth row costs 2.5 ms, a tenth 0.5 ms)."""
+    return 0.005 + 0.0005 * rows + 0.002 * ((rows - 1) // 8)
+
+
+def _tiled_cost() -> StepCostModel:
+    cost = StepCostModel()
+    cost.decode_pass = DecodePass(rows_per_seq=16, max_rows=64, tile_rows=8)
+    for rows in (1, 2, 4, 8, 9, 12, 16, 17, 24, 32, 40, 5, 8, 10, 16, 20, 33, 48, 8, 9):
+        cost.observe(rows, _tiled_machine(rows))
+    return cost
+
+
+def test_step_cost_learns_the_tiles():
+    cost = _tiled_cost()
+    a, b, *_, t = cost.coefficients
+    assert (a, b, t) == pytest.approx((0.005, 0.0005, 0.002), rel=0.05)
+    for rows in (3, 8, 9, 15, 16, 17, 30, 64):
+        assert cost.predict(rows) == pytest.approx(_tiled_machine(rows), rel=0.02)
+    assert cost.tiles(9, chunks=1) == 0  # off the pass: no tiles counted
+    assert cost.tiles(65, chunks=0) == 0  # more rows than the pass takes
+
+
+@pytest.mark.parametrize("rates", [(0.8,), (0.9,) * 8, (0.95, 0.95, 0.3, 0.3, 0.3, 0.3, 0.3, 0.3), (0.99,) * 3])
+def test_plan_judges_a_tile_as_a_whole(rates):
+    """Batch 8 on a tiled pass: the plan's goodput ((tokens expected) / (step time)) against the
+    best allocation found by trying every one (each request 0-3 drafts), under the same cost model.
+    One 0.8 draft opening a second tile does not pay; eight 0.9 drafts filling it do, where judging
+    each draft alone (2.5 ms for the first) would have refused them all."""
+    cost = _tiled_cost()
+    spec = Speculator(SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3}), cost=cost)
+    batch = [_request(f"r{i}") for i in range(8)]
+    for r, rate in zip(batch, rates):
+        _assume(spec, r.request_id, rate)
+    limits = {r.request_id: 3 if i < len(rates) else 0 for i, r in enumerate(batch)}
+
+    def goodput(plan: dict[str, int]) -> float:
+        gain = sum(
+            spec.acceptance.gain(rid, None, 1)
+            * (1 - spec.acceptance.continuation[rid] ** n)
+            / (1 - spec.acceptance.continuation[rid])
+            for rid, n in plan.items()
+            if n
+        )
+        rows = len(batch) + sum(plan.values())
+        return (len(batch) + gain) / cost.predict(rows, 0, sum(r.num_tokens for r in batch) + sum(plan.values()))
+
+    ids = [r.request_id for r in batch[: len(rates)]]
+    best = max(goodput(dict(zip(ids, counts))) for counts in itertools.product(range(4), repeat=len(ids)))
+    plan = spec._plan(batch, limits)
+    assert goodput(plan) >= 0.99 * best, (plan, goodput(plan), best)
+    if rates == (0.8,):
+        assert sum(plan.values()) == 0
+    if rates == (0.9,) * 8:
+        assert sum(plan.values()) >= 8
+
+
 def test_step_cost_chunks_on_and_off_the_decode_pass():
     cost = StepCostModel()
     assert cost.chunks(rows=9, longest=5, multi=2) == 2  # no pass: every multi-token sequence
@@ -328,7 +388,7 @@ def test_engine_counts_verifying_steps_in_the_pass_as_rows(tiny_llama):
     assert fused is not None and engine.step_cost.decode_pass == DecodePass(DECODE_LIKE_ROWS, fused.max_rows)
     generate(llm, PROMPTS, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     assert engine.speculator.stats.num_draft_tokens > 20
-    samples = list(engine.step_cost.samples)  # (tokens, chunks, context, pairs, seconds)
+    samples = list(engine.step_cost.samples)  # (tokens, chunks, context, pairs, tiles, seconds)
     verifying = [s for s in samples if 1 < s[0] <= len(PROMPTS) * (1 + NGRAM["num_speculative_tokens"])]
     assert verifying and all(s[1] == 0 for s in verifying if s[0] > len(PROMPTS))
     assert any(s[1] > 0 for s in samples)  # the prompts' prefill chunks still count

@@ -24,6 +24,7 @@ _SIGNATURES = {
     "kvflow_block_repacked": ([_P, _I], _I),
     "kvflow_block_nbytes": ([_P], _L),
     "kvflow_block_rows": ([_P, _P, _I, _P], None),
+    "kvflow_block_tile_rows": ([_P], _I),
 }
 
 
@@ -85,6 +86,8 @@ class BlockQuantKernel:
         self._kept = [None if self._lib.kvflow_block_repacked(handle, i) else p for i, p in enumerate(parts)]
         # (the kernel's count: a repacked Q4_K holds 1,184 bytes per 8 channels x 256 inputs, GGUF 1,152)
         self._nbytes = self._lib.kvflow_block_nbytes(handle)
+        # Rows one pass over the weight computes together: a call of more reads it again per tile.
+        self.tile_rows = self._lib.kvflow_block_tile_rows(handle)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """float32 output channels `ids` of W, [*ids.shape, in_features] (an embedding lookup: the

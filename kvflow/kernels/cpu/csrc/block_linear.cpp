@@ -943,6 +943,20 @@ long kvflow_block_nbytes(void* handle) {
   return total;
 }
 
+/* The rows one pass over the weight computes together (its register tile; 0: no kernel here): a
+ * call of more rows reads every weight once more per further tile, which a step's cost shows
+ * (kvflow.core.step_cost). */
+int kvflow_block_tile_rows(void* handle) {
+#ifdef KVFLOW_BLOCK_SIMD
+  for (const auto& seg : static_cast<kvflow::BlockWeight*>(handle)->segs)
+    if (!seg.x8) return 2;  // the row layout's tiles (segment<T>)
+  return kvflow::X8_ROWS;
+#else
+  (void)handle;
+  return 0;
+#endif
+}
+
 /* Whether segment i was repacked (the kernel holds its own copy; the caller's bytes may go). */
 int kvflow_block_repacked(void* handle, int i) { return static_cast<kvflow::BlockWeight*>(handle)->segs[i].x8; }
 
