@@ -17,9 +17,8 @@ at batch 32, and what the `slo` scheduling policy predicts TTFT and TPOT with.
 `tiles` counts, for a step on the decode pass whose kernels compute `tile_rows` rows per pass
 over a weight (the block kernels' register tile), the passes beyond the first: ceil(tokens /
 tile_rows) - 1. Such a step is not linear in its rows: a ninth row after a tile of eight reads and
-unpacks every weight once more (batch 8 on the default model: the ninth row cost ~1.7 ms, the
-tenth to sixteenth ~0.6 ms each; docs/benchmarks/results/), so a draft that opens a tile costs far
-more than one that fills it.
+unpacks every weight once more, so a draft that opens a tile costs several times what one that
+fills it does (batch 8 on the default model: docs/benchmarks/results/).
 
 A step that rides the model's one-call decode pass (`DecodePass`: every sequence with at most
 `rows_per_seq` new tokens, at most `max_rows` in all; decodes, and decodes verifying a few drafts)

@@ -3,11 +3,11 @@
 A draft at depth j (1-based) is accepted only if every draft before it was. The model keeps two
 rates: the first draft's, and each further draft's given the one before it (the continuation), so
 the expected gain of depth j is first x continuation^(j - 1). Measured on prompt lookup, the two
-differ: once a copied span starts it tends to go on (continuations 0.85-0.98 at every depth, rising
-with it), while whether a lookup's first guess is right depends mostly on how long the n-gram it
-matched was (a 4-gram: 0.85-0.96, a 2-gram: 0.44-0.55; figures: docs/benchmarks/results/). One
-rate for all depths (first = continuation) over-drafts after short matches and under-drafts
-inside a copied span.
+differ: once a copied span starts it tends to go on (continuations high at every depth, rising with
+it), while whether a lookup's first guess is right depends mostly on how long the n-gram it matched
+was (a 4-gram's far more often than a 2-gram's; figures: docs/benchmarks/results/). One rate for all
+depths (first = continuation) over-drafts after short matches and under-drafts inside a copied
+span.
 
 So the first rate comes from the proposer's evidence where it gives one (prompt lookup: the
 matched length; the rate over all requests' first drafts with that evidence), else from the
@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 FIRST_PRIOR = 0.5  # any first draft's rate before anything was verified
-CONTINUATION_PRIOR = 0.8  # given an accepted draft, the next one's (measured 0.85-0.98, see above)
+CONTINUATION_PRIOR = 0.8  # given an accepted draft, the next one's (measured higher, see above)
 REQUEST_WEIGHT = 0.2  # weight of a verification in a request's own first-draft average
 EVIDENCE_WEIGHT = 0.05  # ... in the average over all first drafts with the same evidence
 CONTINUATION_WEIGHT = 0.3  # of each verified later depth in a request's continuation average

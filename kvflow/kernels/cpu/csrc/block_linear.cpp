@@ -593,8 +593,8 @@ void x8_segment(const BlockSegment& seg, const Act& a, int c0, int c1, int r0, i
 #ifdef KVFLOW_X16
     if (x8_paired(T) && grp % 2 == 0 && c + 2 * X8 <= c1) {  // both groups of a pair: 16 channels at once
       // The first tile streams the pair from memory, fetching its own stream FETCH_AHEAD blocks on
-      // (into the next pair at its end: a segment's pairs are contiguous); the hardware's prefetch
-      // alone left 8 rows' matmuls ~15% slower (block_linear_ab.py; docs/benchmarks/results/). The
+      // (into the next pair at its end: a segment's pairs are contiguous); with the hardware's
+      // prefetch alone 8 rows' matmuls were slower (block_linear_ab.py; docs/benchmarks/results/). The
       // second tile fetches the next pair meanwhile (the memory would idle through the tiles that
       // find this pair in cache).
       const uint8_t* ahead = g.at + FETCH_AHEAD * 2 * x8_block_bytes(T);
