@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 FIRST_PRIOR = 0.5  # any first draft's rate before anything was verified
 CONTINUATION_PRIOR = 0.8  # given an accepted draft, the next one's (measured higher, see above)
 REQUEST_WEIGHT = 0.2  # weight of a verification in a request's own first-draft average
-EVIDENCE_WEIGHT = 0.05  # ... in the average over all first drafts with the same evidence
+EVIDENCE_WEIGHT = 0.2  # ... in the average over all first drafts with the same evidence (recent ones:
+# a workload whose long matches stop predicting turns it down within a few steps)
 CONTINUATION_WEIGHT = 0.3  # of each verified later depth in a request's continuation average
 GLOBAL_WEIGHT = 0.02  # of each verified depth in the averages over all requests (new requests' start)
 

@@ -38,37 +38,28 @@ class NgramProposer:
     def lookup(self, token_ids: Sequence[int] | np.ndarray, k: int | None = None) -> tuple[list[int], int]:
         """`propose`'s drafts and the length of the n-gram they follow (0 when none matched).
 
-        O(L) numpy work for L tokens (one vectorised compare finds the earlier positions holding
-        the last token; each of the c candidates is then extended backwards, at most max_n - 1
-        steps each, vectorised over candidates). A list costs a conversion on every call that an
-        array does not (keep an array per request to skip it); figures: docs/benchmarks/results/.
+        The tokens as int32 bytes, searched from the end (bytes.rfind, in C) for the last n tokens,
+        n from max_n down: the first n found gives the longest match, rfind its most recent
+        occurrence (one found across token boundaries is skipped). O(L) per n for L tokens; a list
+        costs a conversion on every call that an int32 array does not (NgramBatchProposer keeps
+        one per request).
         """
         k = self.num_speculative_tokens if k is None else k
-        tokens = np.asarray(token_ids, dtype=np.int64)
+        tokens = np.ascontiguousarray(token_ids, dtype=np.int32)
         n_tok = len(tokens)
         if k <= 0 or n_tok <= self.min_n:  # need the suffix plus at least one earlier occurrence
             return [], 0
-        # Candidate ends e < L - 1 of an earlier occurrence: tokens[e] == the last token.
-        ends = np.flatnonzero(tokens[:-1] == tokens[-1])
-        if len(ends) == 0:
-            return [], 0
-        # Match length of each candidate, growing backwards up to max_n.
-        length = np.ones(len(ends), dtype=np.int64)
-        alive = np.ones(len(ends), dtype=bool)
-        for m in range(1, self.max_n):
-            if m >= n_tok - 1:  # the suffix itself has only n_tok tokens; ends <= n_tok - 2
-                break
-            back = ends - m
-            alive &= back >= 0
-            alive[alive] = tokens[back[alive]] == tokens[n_tok - 1 - m]
-            if not alive.any():
-                break
-            length += alive
-        best = int(length.max())
-        if best < self.min_n:
-            return [], 0
-        e = int(ends[np.flatnonzero(length == best)[-1]])  # the most recent of the longest matches
-        return tokens[e + 1 : e + 1 + k].tolist(), best
+        data, width = tokens.tobytes(), tokens.itemsize
+        before_last = (n_tok - 1) * width  # an earlier occurrence ends before the last token
+        for n in range(min(self.max_n, n_tok - 1), self.min_n - 1, -1):
+            suffix = data[(n_tok - n) * width :]
+            at = data.rfind(suffix, 0, before_last)
+            while at > 0 and at % width:  # a byte match across token boundaries: look further back
+                at = data.rfind(suffix, 0, at + len(suffix) - 1)
+            if at >= 0:
+                start = at // width
+                return tokens[start + n : start + n + k].tolist(), n
+        return [], 0
 
 
 class NgramBatchProposer:
@@ -79,7 +70,7 @@ class NgramBatchProposer:
 
     def __init__(self, proposer: NgramProposer) -> None:
         self.proposer = proposer
-        # Each request's tokens so far as an int64 array (room to grow) and how many are filled:
+        # Each request's tokens so far as an int32 array (room to grow) and how many are filled:
         # converting prompt + output from lists on every lookup cost as much as the lookup.
         self._tokens: dict[str, tuple[np.ndarray, int]] = {}
 
@@ -98,10 +89,10 @@ class NgramBatchProposer:
         if not stale and filled > n_prompt:  # (tokens only ever append; a changed last one would say otherwise)
             stale = buf[filled - 1] != r.output_token_ids[filled - 1 - n_prompt]
         if stale:
-            buf, filled = np.empty(max(64, 2 * total), dtype=np.int64), n_prompt
+            buf, filled = np.empty(max(64, 2 * total), dtype=np.int32), n_prompt
             buf[:n_prompt] = r.prompt_token_ids
         elif total > len(buf):
-            buf = np.concatenate([buf[:filled], np.empty(total, dtype=np.int64)])
+            buf = np.concatenate([buf[:filled], np.empty(total, dtype=np.int32)])
         if total > filled:
             buf[filled:total] = r.output_token_ids[filled - n_prompt : total - n_prompt]
         self._tokens[r.request_id] = (buf, total)
