@@ -124,7 +124,9 @@ class Bound:
             by_rows.setdefault(rows, []).append(seconds)
         self.median = {r: statistics.median(v) for r, v in by_rows.items() if len(v) >= 3}
         x = np.array([r for r, _ in times], dtype=np.float64)
-        self.fit = np.polyfit(x, [s for _, s in times], 1) if len(set(x.tolist())) > 1 else (0.0, max(x, default=1.0))
+        y = [s for _, s in times] or [0.0]
+        # A straight line through the steps where they ran at several row counts, else their median.
+        self.fit = np.polyfit(x, y, 1) if len(set(x.tolist())) > 1 else (0.0, statistics.median(y))
 
     def seconds(self, rows: int) -> float:
         return self.median[rows] if rows in self.median else float(np.polyval(self.fit, rows))

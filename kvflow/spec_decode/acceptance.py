@@ -61,7 +61,7 @@ class AcceptanceModel:
         hit = 1.0 if accepted else 0.0
         own = self.first_by_request.get(request_id, self.first_all)
         self.first_by_request[request_id] = own + REQUEST_WEIGHT * (hit - own)
-        if evidence is not None and evidence != BEST:
+        if evidence is not None:  # (drafts carry what the lookup found, never BEST)
             rate = self.first_by_evidence.get(evidence, self.first_all)
             self.first_by_evidence[evidence] = rate + EVIDENCE_WEIGHT * (hit - rate)
         self.first_all += GLOBAL_WEIGHT * (hit - self.first_all)

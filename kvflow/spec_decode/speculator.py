@@ -10,10 +10,12 @@ chance that it and every draft before it are accepted (`AcceptanceModel`: the fi
 for prompt lookup that of first drafts after an n-gram match of the same length, times the
 request's continuation rate to the power j - 1). The step's time comes from `StepCostModel` (a + b *
 tokens + c * multi-token sequences + m if there are any; none counted where the step still rides the
-model's one-call decode pass: a draft there is one more row). Drafts are handed out one at a time,
-highest expected gain first, while a draft's gain per second it costs (its gain / what it adds to
-the predicted step: b, and where it makes its request a chunk off the decode pass, c and maybe m)
-beats the step's tokens per second without it (E / T): at batch 1 a pass costs about the same for
+model's one-call decode pass: a draft there is one more row, and one that opens a tile of the
+kernels' rows a pass over the weights, t). Drafts are handed out highest expected gain first, while
+a draft's gain per second it costs (its gain / what it adds to the predicted step: b, t where it
+opens a tile, and where it makes its request a chunk off the decode pass, c and maybe m) beats the
+step's tokens per second without it (E / T); where tiles are modelled, the drafts that would share
+a tile are judged together (the run of them that leaves the most tokens per second): at batch 1 a pass costs about the same for
 1 or 5 tokens, so drafts are almost free; at a large batch E / T approaches 1 / b and no draft (gain
 < 1) can beat it, so speculation switches itself off; so does a request whose drafts keep failing
 (gain below `_MIN_GAIN`). `adaptive: false` always proposes `num_speculative_tokens`.
