@@ -34,7 +34,7 @@ speculator and the scheduling policy).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -66,7 +66,11 @@ class StepCostModel:
         prior_pairs_ratio: float = 10.0,
         prior_tile_ratio: float = 0.1,
     ) -> None:
-        self.samples: deque[tuple[int, int, float, float, int, float]] = deque(maxlen=window)
+        # The recent steps as the fit's rows, a ring (the fit does not care about their order):
+        # 1, tokens, chunks, any chunks, context / 1000, pairs / 1e6, tiles, seconds. (Building
+        # the fit's arrays from a list of tuples took most of a refit's time.)
+        self._ring = np.zeros((window, 8))
+        self.num_samples = 0  # steps observed in all
         self.prior = np.array(
             [
                 1.0,
@@ -108,10 +112,19 @@ class StepCostModel:
 
     def observe(self, tokens: int, seconds: float, chunks: int = 0, context: int = 0, pairs: int = 0) -> None:
         if tokens > 0 and seconds > 0:
-            if len(self.samples) >= 8:  # how far off the model was on a step it had not seen
+            if self.num_samples >= 8:  # how far off the model was on a step it had not seen
                 self.errors.append(abs(self.predict(tokens, chunks, context, pairs) - seconds) / seconds)
-            self.samples.append((tokens, chunks, context / 1000, pairs / 1e6, self.tiles(tokens, chunks), seconds))
+            row = (1.0, tokens, chunks, chunks > 0, context / 1000, pairs / 1e6, self.tiles(tokens, chunks), seconds)
+            self._ring[self.num_samples % len(self._ring)] = row
+            self.num_samples += 1
             self._unfitted += 1
+
+    @property
+    def samples(self) -> list[tuple[int, int, int, int, int, float]]:
+        """The steps in the window, oldest first: (tokens, chunks, context, pairs, tiles, seconds)."""
+        n, size = self.num_samples, len(self._ring)
+        rows = np.roll(self._ring, -(n % size), axis=0) if n > size else self._ring[:n]
+        return [(int(r[1]), int(r[2]), round(r[4] * 1000), round(r[5] * 1e6), int(r[6]), float(r[7])) for r in rows]
 
     @property
     def prediction_error(self) -> float | None:
@@ -126,36 +139,40 @@ class StepCostModel:
         # A fit is a small least-squares solve, but not free next to a batch-1 decode step (figures:
         # docs/benchmarks/results/): once the window holds enough steps it is refitted every
         # REFIT_EVERY of them, not on every one.
-        if self._fit is None or self._unfitted >= (1 if len(self.samples) < 32 else REFIT_EVERY):
+        if self._fit is None or self._unfitted >= (1 if self.num_samples < 32 else REFIT_EVERY):
             self._fit, self._unfitted = self._solve(), 0
         return self._fit
 
     def predict(self, tokens: int, chunks: int = 0, context: int = 0, pairs: int = 0) -> float:
-        a, b, c, m, d, p, t = self.coefficients
-        return (
-            a
-            + b * tokens
-            + c * chunks
-            + m * (chunks > 0)
-            + d * context / 1000
-            + p * pairs / 1e6
-            + t * self.tiles(tokens, chunks)
-        )
+        return _seconds(self.coefficients, tokens, chunks, context, pairs, self.tiles(tokens, chunks))
+
+    def shape_predictor(self) -> Callable[[int, int, int, int, int], float]:
+        """`predict` for a step given by its shape -- (rows, the longest sequence's new tokens,
+        multi-token sequences, context, chunk pairs) -- with today's coefficients bound: for a
+        planner that prices many candidate steps before each step (the speculator), where looking
+        the fit and the pass up on every call cost more than the arithmetic."""
+        coef, chunks_of, tiles_of = self.coefficients, self.chunks, self.tiles
+
+        def seconds(rows: int, longest: int, multi: int, context: int, pairs: int) -> float:
+            chunks = chunks_of(rows, longest, multi)
+            return _seconds(coef, rows, chunks, context, pairs if chunks else 0, tiles_of(rows, chunks))
+
+        return seconds
 
     def _solve(self) -> tuple[float, ...]:
-        if not self.samples:
+        if not self.num_samples:
             return tuple(self.prior.tolist())
-        data = np.array(self.samples, dtype=np.float64)
-        x = np.column_stack(
-            [np.ones(len(data)), data[:, 0], data[:, 1], data[:, 1] > 0, data[:, 2], data[:, 3], data[:, 4]]
-        )
-        y = data[:, 5]
+        data = self._ring[: min(self.num_samples, len(self._ring))]
+        x, y = data[:, :7], data[:, 7]
         # Relative errors are what the predictions are judged by (a 100 ms decode step matters as
         # much as a 2 s prefill step), so each step is weighted by 1 / its time. The prior, scaled
         # to the measured step time, enters as pseudo-observations of b..p: a ridge toward it that
         # the data outweighs once the steps have varied.
-        scale = float(y.mean()) / float(self.prior @ x.mean(axis=0))
-        weight = np.sqrt(len(data)) * (x.std(axis=0) + 1.0) * 0.03 / float(y.mean())
+        n = len(data)
+        mean, y_mean = x.sum(axis=0) / n, float(y.sum()) / n
+        std = np.sqrt(np.maximum(np.einsum("ij,ij->j", x, x) / n - mean * mean, 0.0))
+        scale = y_mean / float(self.prior @ mean)
+        weight = np.sqrt(n) * (std + 1.0) * 0.03 / y_mean
         weight[0] = 0.0
         coef, *_ = np.linalg.lstsq(
             np.vstack([x / y[:, None], np.diag(weight)[1:]]),
@@ -165,6 +182,11 @@ class StepCostModel:
         floor = 1e-3 * scale  # never free: noise must not make tokens or chunks cost nothing
         lows = np.concatenate([[floor], self.prior[1:] * floor])
         return tuple(np.maximum(coef, lows).tolist())
+
+
+def _seconds(coef: tuple[float, ...], tokens: int, chunks: int, context: int, pairs: int, tiles: int) -> float:
+    a, b, c, m, d, p, t = coef
+    return a + b * tokens + c * chunks + m * (chunks > 0) + d * context / 1000 + p * pairs / 1e6 + t * tiles
 
 
 def chunk_pairs(start: int, n: int) -> int:

@@ -690,7 +690,7 @@ class LLMEngine:
         cost = self.step_cost
         tokens, chunks, context, pairs = cost.features((s.start_pos, len(s.token_ids)) for s in sched.seqs)
         if self.step_records.enabled:  # the prediction made before the step was seen, as observe() judges it
-            predicted = cost.predict(tokens, chunks, context, pairs) if len(cost.samples) >= 8 else None
+            predicted = cost.predict(tokens, chunks, context, pairs) if cost.num_samples >= 8 else None
             waiting_kv = tuple(self.scheduler.waiting_for_kv) if self.scheduler.waiting_for_kv else ()
             self.step_records.record(sched, time.time() - seconds, seconds, predicted, waiting_kv)
         cost.observe(tokens, seconds, chunks, context, pairs)

@@ -121,7 +121,7 @@ class StepRecords:
         if arrival is None or arrival.step < self.oldest_index:
             return None
         steps = [r for r in self.steps if r.index >= arrival.step]
-        fitted = cost is not None and len(cost.samples) >= 8
+        fitted = cost is not None and cost.num_samples >= 8
         live = live or set()
         return {
             "request_id": request_id,

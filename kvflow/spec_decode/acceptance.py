@@ -27,10 +27,6 @@ EVIDENCE_WEIGHT = 0.2  # ... in the average over all first drafts with the same 
 CONTINUATION_WEIGHT = 0.3  # of each verified later depth in a request's continuation average
 GLOBAL_WEIGHT = 0.02  # of each verified depth in the averages over all requests (new requests' start)
 
-# Evidence meaning "not looked up yet": the plan made before prompt lookup assumes the best first
-# rate the request could get (its own, or that of any evidence seen so far).
-BEST = -1
-
 
 @dataclass
 class AcceptanceModel:
@@ -42,26 +38,27 @@ class AcceptanceModel:
 
     def first(self, request_id: str, evidence: int | None = None) -> float:
         """The chance that the request's first draft is accepted, given the proposer's `evidence`
-        (None: none, the request's own rate; BEST: the most it could be)."""
-        own = self.first_by_request.get(request_id, self.first_all)
+        (None: none, the request's own rate)."""
         if evidence is None:
-            return own
-        if evidence == BEST:
-            return max(own, max(self.first_by_evidence.values(), default=self.first_all))
+            return self.first_by_request.get(request_id, self.first_all)
         return self.first_by_evidence.get(evidence, self.first_all)
+
+    def rates(self, request_id: str, evidence: int | None) -> tuple[float, float]:
+        """(first, continuation): the request's first draft's rate given `evidence`, and each later
+        draft's given the one before it."""
+        return self.first(request_id, evidence), self.continuation.get(request_id, self.continuation_all)
 
     def gain(self, request_id: str, evidence: int | None, depth: int) -> float:
         """Expected tokens a draft at `depth` (1-based) adds: the chance it and all before it are accepted."""
-        return self.first(request_id, evidence) * self.continuation.get(request_id, self.continuation_all) ** (
-            depth - 1
-        )
+        first, continuation = self.rates(request_id, evidence)
+        return first * continuation ** (depth - 1)
 
     def observe(self, request_id: str, evidence: int | None, proposed: int, accepted: int) -> None:
         """A verification of `proposed` drafts of which the first `accepted` were accepted."""
         hit = 1.0 if accepted else 0.0
         own = self.first_by_request.get(request_id, self.first_all)
         self.first_by_request[request_id] = own + REQUEST_WEIGHT * (hit - own)
-        if evidence is not None:  # (drafts carry what the lookup found, never BEST)
+        if evidence is not None:
             rate = self.first_by_evidence.get(evidence, self.first_all)
             self.first_by_evidence[evidence] = rate + EVIDENCE_WEIGHT * (hit - rate)
         self.first_all += GLOBAL_WEIGHT * (hit - self.first_all)

@@ -7,12 +7,14 @@ recent (nearest context). Strong on summarisation, code edits, quoting, and repe
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from kvflow.spec_decode.proposer import Drafts
+
+TOKEN_CODE = "i"  # the array module's code of a C int: the tokens' width in what NgramProposer searches
+TOKEN_BYTES = array(TOKEN_CODE).itemsize
 
 if TYPE_CHECKING:
     from kvflow.core.request import Request
@@ -31,25 +33,27 @@ class NgramProposer:
         self.max_n = prompt_lookup_max
         self.num_speculative_tokens = num_speculative_tokens
 
-    def propose(self, token_ids: Sequence[int] | np.ndarray, k: int | None = None) -> list[int]:
+    def propose(self, token_ids: Sequence[int], k: int | None = None) -> list[int]:
         """Up to k (default num_speculative_tokens) draft tokens; [] when no n-gram matches."""
         return self.lookup(token_ids, k)[0]
 
-    def lookup(self, token_ids: Sequence[int] | np.ndarray, k: int | None = None) -> tuple[list[int], int]:
+    def lookup(self, token_ids: Sequence[int] | bytes | bytearray, k: int | None = None) -> tuple[list[int], int]:
         """`propose`'s drafts and the length of the n-gram they follow (0 when none matched).
 
-        The tokens as int32 bytes, searched from the end (bytes.rfind, in C) for the last n tokens,
-        n from max_n down: the first n found gives the longest match, rfind its most recent
-        occurrence (one found across token boundaries is skipped). O(L) per n for L tokens; a list
-        costs a conversion on every call that an int32 array does not (NgramBatchProposer keeps
-        one per request).
+        The tokens as bytes, TOKEN_BYTES each (`token_ids` may already be them, as NgramBatchProposer
+        keeps each request's), searched from the end (`rfind`, in C) for the
+        last n tokens, n from max_n down: the first n found gives the longest match, rfind its most
+        recent occurrence (one found across token boundaries is skipped). O(L) per n for L tokens.
         """
         k = self.num_speculative_tokens if k is None else k
-        tokens = np.ascontiguousarray(token_ids, dtype=np.int32)
-        n_tok = len(tokens)
+        if isinstance(token_ids, (bytes, bytearray)):
+            data = token_ids
+        else:
+            data = array(TOKEN_CODE, token_ids).tobytes()
+        width = TOKEN_BYTES
+        n_tok = len(data) // width
         if k <= 0 or n_tok <= self.min_n:  # need the suffix plus at least one earlier occurrence
             return [], 0
-        data, width = tokens.tobytes(), tokens.itemsize
         before_last = (n_tok - 1) * width  # an earlier occurrence ends before the last token
         for n in range(min(self.max_n, n_tok - 1), self.min_n - 1, -1):
             suffix = data[(n_tok - n) * width :]
@@ -57,8 +61,8 @@ class NgramProposer:
             while at > 0 and at % width:  # a byte match across token boundaries: look further back
                 at = data.rfind(suffix, 0, at + len(suffix) - 1)
             if at >= 0:
-                start = at // width
-                return tokens[start + n : start + n + k].tolist(), n
+                follow = at + n * width
+                return array(TOKEN_CODE, data[follow : min(follow + k * width, len(data))]).tolist(), n
         return [], 0
 
 
@@ -70,33 +74,35 @@ class NgramBatchProposer:
 
     def __init__(self, proposer: NgramProposer) -> None:
         self.proposer = proposer
-        # Each request's tokens so far as an int32 array (room to grow) and how many are filled:
-        # converting prompt + output from lists on every lookup cost as much as the lookup.
-        self._tokens: dict[str, tuple[np.ndarray, int]] = {}
+        # Each request's tokens so far as the bytes lookup searches, with its last token: converting
+        # prompt + output on every lookup cost as much as the lookup; a step appends its new ones.
+        self._tokens: dict[str, tuple[bytearray, int | None]] = {}
 
     def propose(self, requests: list[Request], plan: dict[str, int]) -> dict[str, Drafts]:
         """Each planned request's drafts, with the matched n-gram's length as their evidence."""
         return {
-            r.request_id: Drafts(*self.proposer.lookup(self._array(r), k))
+            r.request_id: Drafts(*self.proposer.lookup(self._bytes(r), k))
             for r in requests
             if (k := plan.get(r.request_id, 0)) > 0
         }
 
-    def _array(self, r: Request) -> np.ndarray:
-        buf, filled = self._tokens.get(r.request_id, (None, 0))
-        total, n_prompt = r.num_tokens, len(r.prompt_token_ids)
-        stale = buf is None or filled > total or filled < n_prompt
-        if not stale and filled > n_prompt:  # (tokens only ever append; a changed last one would say otherwise)
-            stale = buf[filled - 1] != r.output_token_ids[filled - 1 - n_prompt]
-        if stale:
-            buf, filled = np.empty(max(64, 2 * total), dtype=np.int32), n_prompt
-            buf[:n_prompt] = r.prompt_token_ids
-        elif total > len(buf):
-            buf = np.concatenate([buf[:filled], np.empty(total, dtype=np.int32)])
+    def _bytes(self, r: Request) -> bytearray:
+        buf, last = self._tokens.get(r.request_id, (None, None))
+        prompt, output = r.prompt_token_ids, r.output_token_ids
+        filled = 0 if buf is None else len(buf) // TOKEN_BYTES
+        total = len(prompt) + len(output)
+        # (tokens only ever append: a shorter sequence, or a different token where the last one
+        # was, is a new sequence under the same id)
+        if (
+            buf is None
+            or not len(prompt) <= filled <= total
+            or (filled > len(prompt) and output[filled - 1 - len(prompt)] != last)
+        ):
+            buf, filled = bytearray(array(TOKEN_CODE, prompt).tobytes()), len(prompt)
         if total > filled:
-            buf[filled:total] = r.output_token_ids[filled - n_prompt : total - n_prompt]
-        self._tokens[r.request_id] = (buf, total)
-        return buf[:total]
+            buf += array(TOKEN_CODE, output[filled - len(prompt) :]).tobytes()
+        self._tokens[r.request_id] = (buf, output[-1] if output else None)
+        return buf
 
     def observe(self, sched: SchedulerOutput, sampled: dict[str, list[int]]) -> None:
         pass

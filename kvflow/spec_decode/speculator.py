@@ -20,12 +20,12 @@ a tile are judged together (the run of them that leaves the most tokens per seco
 < 1) can beat it, so speculation switches itself off; so does a request whose drafts keep failing
 (gain below `_MIN_GAIN`). `adaptive: false` always proposes `num_speculative_tokens`.
 
-Prompt lookup costs nothing to ask, so the adaptive plan is made twice: first assuming each
-request's best first rate (its own, or that of any match length so far), the requests it gives
-drafts are looked up, then the plan is made again over the drafts found and their match lengths (a
-request without a match takes no share of the step). While the plan gives no draft at all, one
-request in turn gets a single probing draft every `_PROBE_EVERY` steps (prompt lookup only), so the
-estimates can learn when drafts start to pay again.
+Prompt lookup costs next to nothing to ask, so every decoding request is looked up first and
+the plan is made over the drafts found and their match lengths (a request without a match takes no
+share of the step). Once the plan gives no draft at all, speculation is off: lookups and plan run
+again only every `_PROBE_EVERY` steps, each such check giving one request in turn a single probing
+draft, so the estimates can learn when drafts start to pay again (prompt lookup only), while the
+steps in between cost the speculator nothing.
 
 Who never speculates: requests still prefilling, with penalties (their distribution at a draft
 position would depend on the drafts before it), before `min_tokens`, or one token short of
@@ -42,14 +42,14 @@ from kvflow.config import SpeculativeConfig
 from kvflow.core.request import Request
 from kvflow.core.scheduler import SchedulerOutput
 from kvflow.core.step_cost import StepCostModel, chunk_pairs
-from kvflow.spec_decode.acceptance import BEST, AcceptanceModel
+from kvflow.spec_decode.acceptance import AcceptanceModel
 from kvflow.spec_decode.ngram_proposer import NgramBatchProposer, NgramProposer
 from kvflow.spec_decode.proposer import Drafts, Proposer
 
 # A draft expected to add less than this is not proposed, however cheap the cost model says a token
 # is (the fit is noisy, and a proposal is not free). A request that drops below it stops speculating.
 _MIN_GAIN = 0.02
-_PROBE_EVERY = 8  # while speculation is off: one probing draft every this many steps
+_PROBE_EVERY = 8  # while speculation is off: one check (with a probing draft) every this many steps
 
 
 @dataclass
@@ -77,7 +77,7 @@ class _StepShape:
     requests' remaining tokens; drafts are added one at a time (`add_draft`)."""
 
     def __init__(self, cost: StepCostModel, running: list[Request]) -> None:
-        self.cost = cost
+        self.predict = cost.shape_predictor()
         self.new = {r.request_id: max(1, r.num_tokens - r.num_computed_tokens) for r in running}
         self.start = {r.request_id: r.num_computed_tokens for r in running}
         self.shape = (
@@ -89,9 +89,7 @@ class _StepShape:
         )
 
     def seconds(self, shape: tuple[int, int, int, int, int] | None = None) -> float:
-        rows, longest, multi, context, pairs = shape or self.shape
-        chunks = self.cost.chunks(rows, longest, multi)
-        return self.cost.predict(rows, chunks, context, pairs if chunks else 0)
+        return self.predict(*(shape or self.shape))
 
     def with_draft(self, rid: str) -> tuple[int, int, int, int, int]:
         """The shape with one more draft for `rid`."""
@@ -127,16 +125,18 @@ class Speculator:
         drafts: dict[str, Drafts] | None = None
         if not self.config.adaptive:
             plan = limits
+        elif self.proposer.cost is not None:  # a draft model: drafts only for the plan (each costs a pass)
+            plan = self._plan(running, limits)
+        elif self._steps_off % _PROBE_EVERY:  # prompt lookup, off: nothing until the next check
+            self._steps_off += 1
+            plan, drafts = {}, {}
         else:
-            lookup = self.proposer.cost is None
-            plan = self._plan(running, limits, dict.fromkeys(limits, BEST) if lookup else None)
-            if lookup and any(plan.values()):
-                # Prompt lookup is free to ask: look up each planned request's longest draft, then
-                # plan again over what was found and how long a match found it, so a request with no
-                # match in its text takes no share of the step from those that have one.
-                drafts = self.proposer.propose(decoding, {rid: limits[rid] for rid, n in plan.items() if n})
-                limits = {rid: len(drafts[rid].tokens) if rid in drafts else 0 for rid in limits}
-                plan = self._plan(running, limits, {rid: d.evidence for rid, d in drafts.items()})
+            # Prompt lookup is free to ask: look every request up, then plan over what was found and
+            # how long a match found it, so a request with no match in its text takes no share of
+            # the step from those that have one.
+            drafts = self.proposer.propose(decoding, limits)
+            limits = {rid: len(drafts[rid].tokens) if rid in drafts else 0 for rid in limits}
+            plan = self._plan(running, limits, {rid: d.evidence for rid, d in drafts.items()})
             self._probe(plan, limits)
         if drafts is None:
             drafts = self.proposer.propose(decoding, plan)
@@ -162,15 +162,15 @@ class Speculator:
         # step's first). A draft model adds a pass per draft depth (a_d, paid by the first draft at
         # that depth) and a row in it (b_d); prompt lookup costs nothing measurable.
         draft_cost = self.proposer.cost
-        a_d, b_d = draft_cost.coefficients[:2] if draft_cost is not None and draft_cost.samples else (0.0, 0.0)
+        a_d, b_d = draft_cost.coefficients[:2] if draft_cost is not None and draft_cost.num_samples else (0.0, 0.0)
         step = _StepShape(self.cost, running)
         target = seconds = step.seconds()  # the target pass alone; seconds: with the draft passes
         expected = float(len(running))  # every running request emits about one token per step
         gamma = dict.fromkeys(limits, 0)
         depth = 0  # deepest draft handed out so far
         evidence = evidence or {}
-        expect = self.acceptance.gain
-        heap = [(-expect(rid, evidence.get(rid), 1), rid) for rid, lim in limits.items() if lim > 0]
+        rates = {rid: self.acceptance.rates(rid, evidence.get(rid)) for rid, lim in limits.items() if lim > 0}
+        heap = [(-first, rid) for rid, (first, _) in rates.items()]
         heapq.heapify(heap)
         tile = self.cost.decode_pass.tile_rows
         while heap:
@@ -198,7 +198,8 @@ class Speculator:
                 expected += gain
                 seconds += cost
                 if gamma[rid] < limits[rid]:
-                    heapq.heappush(heap, (-expect(rid, evidence.get(rid), gamma[rid] + 1), rid))
+                    first, continuation = rates[rid]  # (the gain of depth j: first x continuation^(j - 1))
+                    heapq.heappush(heap, (-first * continuation ** gamma[rid], rid))
                 if expected / seconds > best_rate:
                     best, best_rate = len(tried), expected / seconds
             if best < len(tried):  # the drafts after the best run lower the goodput: take them back, stop
@@ -212,17 +213,19 @@ class Speculator:
         return gamma
 
     def _probe(self, plan: dict[str, int], limits: dict[str, int]) -> None:
-        """While speculation is off, one draft every `_PROBE_EVERY` steps (for one request, in
-        turn): without trials the acceptance estimates could never learn that drafts now pay."""
-        if any(plan.values()) or self.proposer.cost is not None:
-            # (a draft model would first have to catch up on the request's whole sequence: a probe
-            # would cost a prefill, so it does not probe)
+        """Prompt lookup's plan declined every draft found: speculation is off, and is checked again
+        (lookups and plan) only every `_PROBE_EVERY` steps, each check giving one request (in turn) a single
+        probing draft: without trials the acceptance estimates could never learn that drafts pay
+        again. (A draft model would first have to catch up on the request's whole sequence: a
+        probe would cost a prefill, so it does not probe.)"""
+        if any(plan.values()):
             self._steps_off = 0
             return
-        self._steps_off += 1
         eligible = sorted(rid for rid, lim in limits.items() if lim > 0)
-        if eligible and self._steps_off % _PROBE_EVERY == 0:
+        if eligible and self._steps_off:
             plan[eligible[(self._steps_off // _PROBE_EVERY) % len(eligible)]] = 1
+        if eligible or self._steps_off:  # (declined drafts turn it off; nothing to draft at all does not)
+            self._steps_off += 1
 
     # ---- after a step -----------------------------------------------------------------------------
     def observe(self, sched: SchedulerOutput, sampled: dict[str, list[int]]) -> None:

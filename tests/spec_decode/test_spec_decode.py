@@ -5,6 +5,7 @@ the speculation length adapts and switches off when drafts do not pay."""
 from __future__ import annotations
 
 import itertools
+import random
 
 import pytest
 
@@ -13,6 +14,7 @@ from kvflow.attention.backend import DECODE_LIKE_ROWS
 from kvflow.config import SpeculativeConfig
 from kvflow.core.request import Request
 from kvflow.core.step_cost import DecodePass, StepCostModel
+from kvflow.spec_decode import speculator as speculator_module
 from kvflow.spec_decode.ngram_proposer import NgramBatchProposer
 from kvflow.spec_decode.speculator import Speculator
 
@@ -367,6 +369,84 @@ def test_plan_judges_a_tile_as_a_whole(rates):
         assert sum(plan.values()) == 0
     if rates == (0.9,) * 8:
         assert sum(plan.values()) >= 8
+
+
+def test_shape_predictor_is_predict():
+    """The planner's bound predictor prices a step shape as `predict` does on its features, on and
+    off a tiled decode pass, and the window the fit reads keeps the last steps in order."""
+    cost = _tiled_cost()
+    cost.decode_pass = DecodePass(rows_per_seq=4, max_rows=16, tile_rows=8)
+    for rows in (1, 3, 20, 40):
+        cost.observe(
+            rows,
+            _tiled_machine(rows) + 0.004 * (rows > 16),
+            chunks=2 if rows > 16 else 0,
+            context=50 * rows,
+            pairs=999 * rows,
+        )
+    seconds = cost.shape_predictor()
+    rng = random.Random(0)
+    for _ in range(300):
+        rows = rng.randrange(1, 40)
+        longest = rng.randrange(1, min(rows, 8) + 1)
+        multi = 0 if longest == 1 else rng.randrange(1, rows // longest + 1)
+        context, pairs = rng.randrange(rows, 5000), rng.randrange(0, 10**6)
+        chunks = cost.chunks(rows, longest, multi)
+        assert seconds(rows, longest, multi, context, pairs) == pytest.approx(
+            cost.predict(rows, chunks, context, pairs if chunks else 0), rel=1e-12
+        )
+    small = StepCostModel(window=16)
+    for i in range(40):
+        small.observe(i + 1, 0.01 + i * 1e-4, chunks=i % 3, context=7 * i, pairs=11 * i)
+    assert [s[0] for s in small.samples] == list(range(25, 41)) and small.num_samples == 40
+    assert small.samples[-1] == (40, 39 % 3, 7 * 39, 11 * 39, 0, pytest.approx(0.01 + 39e-4))
+
+
+class _CountingLookup:
+    """Prompt lookup that always finds `k` drafts after a 2-gram match, counting its calls."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def lookup(self, token_ids, k):
+        self.calls += 1
+        return [7] * k, 2
+
+
+def test_declined_drafts_turn_lookups_off_between_checks():
+    """Once the plan declines every draft found, the steps in between checks cost no lookup and no
+    plan: lookups run every _PROBE_EVERY steps, each such check giving one request a probing draft
+    (in turn), and the first check whose plan gives drafts turns speculation back on for every step.
+    Steps where no request is decoding do not turn it off."""
+    cost = _costly_chunks()
+    cost.decode_pass = DecodePass(rows_per_seq=8, max_rows=64)
+    spec = Speculator(SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3}), cost=cost)
+    lookup = _CountingLookup()
+    spec.proposer = NgramBatchProposer(lookup)
+    batch = [_request(f"r{i}") for i in range(4)]
+    spec.propose([])  # nothing decoding: not a decline
+    assert spec._steps_off == 0
+    spec.acceptance.first_by_evidence[2] = 0.01  # 2-gram matches never pay
+    drafted, looked = [], []
+    for _ in range(3 * speculator_module._PROBE_EVERY):
+        before = lookup.calls
+        spec.propose(batch)
+        looked.append(lookup.calls > before)
+        drafted.append([r.request_id for r in batch if r.spec_token_ids])
+    every = speculator_module._PROBE_EVERY
+    assert looked == ([True] + [False] * (every - 1)) * 3
+    assert drafted[0] == [] and all(d == [] for i, d in enumerate(drafted) if i % every)
+    probes = [drafted[i] for i in range(every, 3 * every, every)]
+    assert all(len(p) == 1 for p in probes) and probes[0] != probes[1]  # one probe per check, in turn
+    assert all(len(r.spec_token_ids) <= 1 for r in batch)
+    spec.acceptance.first_by_evidence[2] = 0.9  # now they pay: the next check turns it back on
+    results = []
+    for _ in range(every + 2):
+        before = lookup.calls
+        spec.propose(batch)
+        results.append((lookup.calls > before, sum(len(r.spec_token_ids) for r in batch)))
+    on = next(i for i, (was_looked_up, _) in enumerate(results) if was_looked_up)
+    assert all(was_looked_up and n > len(batch) for was_looked_up, n in results[on:])
 
 
 def test_step_cost_chunks_on_and_off_the_decode_pass():

@@ -74,7 +74,7 @@ class SLOPolicy(SchedulingPolicy):
     # ---- predictions ---------------------------------------------------------------------------
     @property
     def predicts(self) -> bool:
-        return len(self.cost.samples) >= self.min_samples
+        return self.cost.num_samples >= self.min_samples
 
     def step_time(self, decodes: Sequence[Request], chunks: Sequence[tuple[int, int]]) -> float:
         """Seconds of a step computing these decode rows and prefill chunks (start, tokens)."""
