@@ -22,10 +22,10 @@ a tile are judged together (the run of them that leaves the most tokens per seco
 
 Prompt lookup costs next to nothing to ask, so every decoding request is looked up first and
 the plan is made over the drafts found and their match lengths (a request without a match takes no
-share of the step). Once the plan gives no draft at all, speculation is off: lookups and plan run
-again only every `_PROBE_EVERY` steps, each such check giving one request in turn a single probing
-draft, so the estimates can learn when drafts start to pay again (prompt lookup only), while the
-steps in between cost the speculator nothing.
+share of the step). Once a plan declines every draft it could give, speculation is off: the plan
+(and lookups) run again only every `_PROBE_EVERY` steps, so the steps in between cost the
+speculator nothing; with prompt lookup each such check gives one request in turn a single probing
+draft, so the estimates can learn when drafts start to pay again.
 
 Who never speculates: requests still prefilling, with penalties (their distribution at a draft
 position would depend on the drafts before it), before `min_tokens`, or one token short of
@@ -125,11 +125,12 @@ class Speculator:
         drafts: dict[str, Drafts] | None = None
         if not self.config.adaptive:
             plan = limits
-        elif self.proposer.cost is not None:  # a draft model: drafts only for the plan (each costs a pass)
-            plan = self._plan(running, limits)
-        elif self._steps_off % _PROBE_EVERY:  # prompt lookup, off: nothing until the next check
+        elif self._steps_off % _PROBE_EVERY:  # off: nothing until the next check
             self._steps_off += 1
             plan, drafts = {}, {}
+        elif self.proposer.cost is not None:  # a draft model: drafts only for the plan (each costs a pass)
+            plan = self._plan(running, limits)
+            self._check(plan, limits)
         else:
             # Prompt lookup is free to ask: look every request up, then plan over what was found and
             # how long a match found it, so a request with no match in its text takes no share of
@@ -137,7 +138,7 @@ class Speculator:
             drafts = self.proposer.propose(decoding, limits)
             limits = {rid: len(drafts[rid].tokens) if rid in drafts else 0 for rid in limits}
             plan = self._plan(running, limits, {rid: d.evidence for rid, d in drafts.items()})
-            self._probe(plan, limits)
+            self._check(plan, limits)
         if drafts is None:
             drafts = self.proposer.propose(decoding, plan)
         for r in decoding:
@@ -212,17 +213,18 @@ class Speculator:
                 break
         return gamma
 
-    def _probe(self, plan: dict[str, int], limits: dict[str, int]) -> None:
-        """Prompt lookup's plan declined every draft found: speculation is off, and is checked again
-        (lookups and plan) only every `_PROBE_EVERY` steps, each check giving one request (in turn) a single
-        probing draft: without trials the acceptance estimates could never learn that drafts pay
-        again. (A draft model would first have to catch up on the request's whole sequence: a
-        probe would cost a prefill, so it does not probe.)"""
+    def _check(self, plan: dict[str, int], limits: dict[str, int]) -> None:
+        """After a plan: if it declined every draft it could give, speculation is off, and is
+        checked again (lookups and plan) only every `_PROBE_EVERY` steps; with prompt lookup each
+        check gives one request (in turn) a single probing draft: without trials the acceptance
+        estimates could never learn that drafts pay again. (A draft model would first have to
+        catch up on the request's whole sequence: a probe would cost a prefill, so it does not
+        probe; its checks follow the step-time model.)"""
         if any(plan.values()):
             self._steps_off = 0
             return
         eligible = sorted(rid for rid, lim in limits.items() if lim > 0)
-        if eligible and self._steps_off:
+        if eligible and self._steps_off and self.proposer.cost is None:
             plan[eligible[(self._steps_off // _PROBE_EVERY) % len(eligible)]] = 1
         if eligible or self._steps_off:  # (declined drafts turn it off; nothing to draft at all does not)
             self._steps_off += 1

@@ -449,6 +449,45 @@ def test_declined_drafts_turn_lookups_off_between_checks():
     assert all(was_looked_up and n > len(batch) for was_looked_up, n in results[on:])
 
 
+class _DearDraftModel:
+    """A draft model's proposer whose pass costs 1 s: no draft ever pays. Counts proposals."""
+
+    def __init__(self) -> None:
+        self.cost = StepCostModel()
+        self.cost.observe(1, 1.0)
+        self.asked: list[dict[str, int]] = []
+
+    def propose(self, requests, plan):
+        self.asked.append(dict(plan))
+        return {}
+
+    def observe(self, sched, sampled) -> None:
+        pass
+
+    def release(self, request_ids) -> None:
+        pass
+
+
+def test_a_draft_model_off_is_planned_only_at_checks():
+    """With a draft model, a plan that declines every draft also turns speculation off until the
+    next check: the plan runs every _PROBE_EVERY steps, and no probe is given (a probe would cost
+    the draft model a prefill)."""
+    spec = Speculator(
+        SpeculativeConfig.from_dict({"method": "draft_model", "num_speculative_tokens": 3, "quantization": "int8"}),
+        proposer=_DearDraftModel(),
+        cost=_costly_chunks(),
+    )
+    plans = []
+    plan = spec._plan
+    spec._plan = lambda *a, **k: plans.append(1) or plan(*a, **k)
+    batch = [_request(f"r{i}") for i in range(2)]
+    every = speculator_module._PROBE_EVERY
+    for _ in range(3 * every):
+        spec.propose(batch)
+    assert len(plans) == 3 and not any(r.spec_token_ids for r in batch)
+    assert all(not any(p.values()) for p in spec.proposer.asked)
+
+
 def test_step_cost_chunks_on_and_off_the_decode_pass():
     cost = StepCostModel()
     assert cost.chunks(rows=9, longest=5, multi=2) == 2  # no pass: every multi-token sequence
