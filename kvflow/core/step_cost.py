@@ -148,7 +148,7 @@ class StepCostModel:
 
     def shape_predictor(self) -> Callable[[int, int, int, int, int], float]:
         """`predict` for a step given by its shape -- (rows, the longest sequence's new tokens,
-        multi-token sequences, context, chunk pairs) -- with today's coefficients bound: for a
+        multi-token sequences, context, chunk pairs) -- with the current coefficients bound: for a
         planner that prices many candidate steps before each step (the speculator), where looking
         the fit and the pass up on every call cost more than the arithmetic."""
         coef, chunks_of, tiles_of = self.coefficients, self.chunks, self.tiles

@@ -40,10 +40,10 @@ class NgramProposer:
     def lookup(self, token_ids: Sequence[int] | bytes | bytearray, k: int | None = None) -> tuple[list[int], int]:
         """`propose`'s drafts and the length of the n-gram they follow (0 when none matched).
 
-        The tokens as bytes, TOKEN_BYTES each (`token_ids` may already be them, as NgramBatchProposer
-        keeps each request's), searched from the end (`rfind`, in C) for the
-        last n tokens, n from max_n down: the first n found gives the longest match, rfind its most
-        recent occurrence (one found across token boundaries is skipped). O(L) per n for L tokens.
+        The tokens as bytes, TOKEN_BYTES each (`token_ids` may already be them, as
+        NgramBatchProposer keeps each request's), searched from the end (`rfind`, in C) for the last
+        n tokens, n from max_n down: the first n found gives the longest match, rfind its most recent
+        occurrence (one found across token boundaries is skipped). O(L) per n for L tokens.
         """
         k = self.num_speculative_tokens if k is None else k
         if isinstance(token_ids, (bytes, bytearray)):
