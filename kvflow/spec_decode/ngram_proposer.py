@@ -74,9 +74,9 @@ class NgramBatchProposer:
 
     def __init__(self, proposer: NgramProposer) -> None:
         self.proposer = proposer
-        # Each request's tokens so far as the bytes lookup searches, with its last token: converting
-        # prompt + output on every lookup cost as much as the lookup; a step appends its new ones.
-        self._tokens: dict[str, tuple[bytearray, int | None]] = {}
+        # Each request's tokens so far as the bytes lookup searches: converting prompt + output on
+        # every lookup cost as much as the lookup; a step appends its new ones.
+        self._tokens: dict[str, bytearray] = {}
 
     def propose(self, requests: list[Request], plan: dict[str, int]) -> dict[str, Drafts]:
         """Each planned request's drafts, with the matched n-gram's length as their evidence."""
@@ -87,7 +87,7 @@ class NgramBatchProposer:
         }
 
     def _bytes(self, r: Request) -> bytearray:
-        buf, last = self._tokens.get(r.request_id, (None, None))
+        buf = self._tokens.get(r.request_id)
         prompt, output = r.prompt_token_ids, r.output_token_ids
         filled = 0 if buf is None else len(buf) // TOKEN_BYTES
         total = len(prompt) + len(output)
@@ -96,12 +96,12 @@ class NgramBatchProposer:
         if (
             buf is None
             or not len(prompt) <= filled <= total
-            or (filled > len(prompt) and output[filled - 1 - len(prompt)] != last)
+            or (filled > len(prompt) and output[filled - 1 - len(prompt)] != array(TOKEN_CODE, buf[-TOKEN_BYTES:])[0])
         ):
             buf, filled = bytearray(array(TOKEN_CODE, prompt).tobytes()), len(prompt)
+            self._tokens[r.request_id] = buf
         if total > filled:
             buf += array(TOKEN_CODE, output[filled - len(prompt) :]).tobytes()
-        self._tokens[r.request_id] = (buf, output[-1] if output else None)
         return buf
 
     def observe(self, sched: SchedulerOutput, sampled: dict[str, list[int]]) -> None:
