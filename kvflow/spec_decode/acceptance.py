@@ -28,6 +28,11 @@ CONTINUATION_WEIGHT = 0.3  # of each verified later depth in a request's continu
 GLOBAL_WEIGHT = 0.02  # of each verified depth in the averages over all requests (new requests' start)
 
 
+def depth_gain(first: float, continuation: float, depth: int) -> float:
+    """The chance that the draft at `depth` (1-based) and every one before it are accepted."""
+    return first * continuation ** (depth - 1)
+
+
 @dataclass
 class AcceptanceModel:
     first_by_request: dict[str, float] = field(default_factory=dict)
@@ -50,8 +55,7 @@ class AcceptanceModel:
 
     def gain(self, request_id: str, evidence: int | None, depth: int) -> float:
         """Expected tokens a draft at `depth` (1-based) adds: the chance it and all before it are accepted."""
-        first, continuation = self.rates(request_id, evidence)
-        return first * continuation ** (depth - 1)
+        return depth_gain(*self.rates(request_id, evidence), depth)
 
     def observe(self, request_id: str, evidence: int | None, proposed: int, accepted: int) -> None:
         """A verification of `proposed` drafts of which the first `accepted` were accepted."""

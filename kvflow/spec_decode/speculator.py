@@ -42,7 +42,7 @@ from kvflow.config import SpeculativeConfig
 from kvflow.core.request import Request
 from kvflow.core.scheduler import SchedulerOutput
 from kvflow.core.step_cost import StepCostModel, chunk_pairs
-from kvflow.spec_decode.acceptance import AcceptanceModel
+from kvflow.spec_decode.acceptance import AcceptanceModel, depth_gain
 from kvflow.spec_decode.ngram_proposer import NgramBatchProposer, NgramProposer
 from kvflow.spec_decode.proposer import Drafts, Proposer
 
@@ -115,7 +115,7 @@ class Speculator:
         self.cost = cost or StepCostModel()  # of a target step
         self.acceptance = AcceptanceModel()
         self._evidence: dict[str, int | None] = {}  # each request's drafts in flight: their evidence
-        self._steps_off = 0  # steps in a row that the plan gave no draft at all
+        self._steps_off = 0  # steps since a plan declined every draft it could give (0: speculating)
         self.stats = SpecDecodeStats(accepted_per_pos=[0] * self.k)
 
     # ---- before a step ----------------------------------------------------------------------------
@@ -199,8 +199,7 @@ class Speculator:
                 expected += gain
                 seconds += cost
                 if gamma[rid] < limits[rid]:
-                    first, continuation = rates[rid]  # (the gain of depth j: first x continuation^(j - 1))
-                    heapq.heappush(heap, (-first * continuation ** gamma[rid], rid))
+                    heapq.heappush(heap, (-depth_gain(*rates[rid], gamma[rid] + 1), rid))
                 if expected / seconds > best_rate:
                     best, best_rate = len(tried), expected / seconds
             if best < len(tried):  # the drafts after the best run lower the goodput: take them back, stop
