@@ -65,7 +65,7 @@ def test_decode_row_same_bits_alone_or_in_a_batch(dtype):
     heads chunk by chunk (the fixed-shape path: head_dim 64, 3 query heads per kv head). Its result
     is the same bit for bit either way, and matches float64."""
     gen = torch.Generator().manual_seed(5)
-    bs, rows, ctx = 16, 64, 75  # 75: a partial last block, chunks of 16 keys
+    bs, rows, ctx = 16, 64, 75  # 75: a partial last block; chunks of 16 keys, then 32 across two blocks
     attn = CpuPagedAttention(bs, None, CPU)
     per_seq = -(-ctx // bs)
     cache = random_kv_cache(attn, rows * per_seq, 3, 64, "auto", gen, dtype)
@@ -80,12 +80,11 @@ def test_decode_row_same_bits_alone_or_in_a_batch(dtype):
     assert (together.double() - ref).abs().max() < 2e-5
 
 
-def check_rows_as_alone(layout, kv_heads, head_dim, group, dtype, seed):
-    """Sequences (start, new tokens) in random blocks of 16, attended in one call: each row the same
+def check_rows_as_alone(layout, kv_heads, head_dim, group, dtype, seed, bs=16):
+    """Sequences (start, new tokens) in random blocks of bs, attended in one call: each row the same
     bits as the row decoded alone (a call of its own), and within 2e-5 of float64. Returns the
     call's metadata."""
     gen = torch.Generator().manual_seed(seed)
-    bs = 16
     attn = CpuPagedAttention(bs, None, CPU)
     per_seq = [-(-(s + n) // bs) for s, n in layout]
     cache = random_kv_cache(attn, sum(per_seq), kv_heads, head_dim, "auto", gen, dtype)
@@ -110,15 +109,16 @@ def check_rows_as_alone(layout, kv_heads, head_dim, group, dtype, seed):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("kv_heads,head_dim", [(3, 64), (2, 128)])
-def test_rows_verifying_drafts_same_bits_as_decode_rows(dtype, kv_heads, head_dim):
+@pytest.mark.parametrize("kv_heads,head_dim,bs", [(3, 64, 16), (2, 128, 16), (3, 64, 6)])
+def test_rows_verifying_drafts_same_bits_as_decode_rows(dtype, kv_heads, head_dim, bs):
     """Rows of one sequence at consecutive positions (a decode verifying its drafts) are computed as a
     run that reads the sequence's keys once for all its rows (csrc/attention.h's plan_runs), each row
     over its own chunks: the same bits as each row alone as a decode row, and float64's values. Runs
-    of 1 to 13 rows (more than one piece), beside rows alone, in one call."""
+    of 1 to 13 rows (more than one piece), beside rows alone, in one call. Blocks of 6 tokens: the
+    chunks (16 or 32 keys) start and end inside blocks."""
     # partial and whole blocks, a run starting at position 0
-    layout = [(70, 5), (40, 1), (31, 13), (0, 2), (50, 9), (16, 1), (90, 3)]
-    attn, meta = check_rows_as_alone(layout, kv_heads, head_dim, 3, dtype, seed=11 + kv_heads)
+    layout = [(70, 5), (40, 1), (31, 13), (0, 2), (50, 9), (16, 1), (90, 3), (120, 8)]
+    attn, meta = check_rows_as_alone(layout, kv_heads, head_dim, 3, dtype, seed=11 + kv_heads, bs=bs)
     assert attn.decode_group(meta) is not None and not meta.groups[0].decode_only
 
 

@@ -27,6 +27,7 @@ using kvflow::vfloat;
 #define CHUNK 32 /* keys scored per online-softmax update */
 #define MAX_SWEEP_HEADS 8 /* kv heads a row task sweeps together (attend_fixed) */
 #define KEY_SEGMENT 512 /* keys per softmax segment of the fixed-shape path (attend_fixed) */
+#define KEY_CHUNK 32 /* keys per online-softmax update of the fixed-shape path, at most (see attend_fixed) */
 #define PARALLEL_MIN 65536 /* elements below which rotary / cache writes stay on one thread */
 #define MIN_KV_SCALE 1e-12f /* as kvflow.quantization.int8: an all-zero vector quantizes to zeros */
 
@@ -364,12 +365,12 @@ static inline __attribute__((always_inline)) void fold_key(vfloat (&stack)[FOLD_
 /* Key J's products with the G queries (zeros past the chunk's n keys) into each query's tree. */
 template <int D, int G, int FMT, int J>
 static inline __attribute__((always_inline)) void score_key(const vfloat (&qv)[G][D / VEC], const void *kv,
-                                                            long slot, bool valid, long tok_stride, int h,
+                                                            const long *slots, bool valid, long tok_stride, int h,
                                                             vfloat (&stack)[G][FOLD_LEVELS]) {
     constexpr int NV = D / VEC;
     vfloat k[NV];
     if (valid)
-        load_row<D, FMT>(kv, slot * tok_stride + (long)h * D, k);
+        load_row<D, FMT>(kv, slots[J] * tok_stride + (long)h * D, k);
     else
         for (int i = 0; i < NV; i++) k[i] = vfloat{};
     for (int g = 0; g < G; g++) {
@@ -381,12 +382,105 @@ static inline __attribute__((always_inline)) void score_key(const vfloat (&qv)[G
 
 template <int D, int G, int FMT, int... J>
 static inline __attribute__((always_inline)) void score_keys(const vfloat (&qv)[G][D / VEC], const void *kv,
-                                                             long slot0, int n, long tok_stride, int h,
-                                                             float (&s)[G][CHUNK + VEC], int j0,
+                                                             const long *slots, int n, long tok_stride, int h,
+                                                             float (&s)[G][KEY_CHUNK + VEC], int j0,
                                                              std::integer_sequence<int, J...>) {
     vfloat stack[G][FOLD_LEVELS];
-    (score_key<D, G, FMT, J>(qv, kv, slot0 + J, J < n, tok_stride, h, stack), ...);
+    (score_key<D, G, FMT, J>(qv, kv, slots, J < n, tok_stride, h, stack), ...);
     for (int g = 0; g < G; g++) *(vfloat *)(s[g] + j0) = stack[g][FOLD_LEVELS - 1];
+}
+
+typedef int32_t vint __attribute__((vector_size(4 * VEC)));
+
+/* e^x in each lane for x <= 0 (a score less its running max), 0 below -87.3 as expf gives. Inline,
+ * unlike the vector library's expf: a call leaves no vector register to its caller, so the queries and
+ * accumulators of attend_chunk were stored and reloaded around every one. x = n ln2 + r with
+ * |r| <= ln2 / 2 (ln2 in two parts, so n ln2 is exact), e^r by cephes' degree-5 expf polynomial,
+ * 2^n from the exponent bits. */
+static inline vfloat exp_nonpositive(vfloat x) {
+    const vfloat floor_x = vfloat{} - 87.3f;
+    const vfloat y = x < floor_x ? floor_x : x;
+    const vint ni = __builtin_convertvector(y * 1.44269504f - 0.5f, vint);  /* rounds (toward 0, below 0) */
+    const vfloat n = __builtin_convertvector(ni, vfloat);
+    vfloat r = y - n * 0.693359375f;
+    r = r + n * 2.12194440e-4f;
+    vfloat e = 1.9875691500e-4f * r + 1.3981999507e-3f;
+    e = e * r + 8.3334519073e-3f;
+    e = e * r + 4.1665795894e-2f;
+    e = e * r + 1.6666665459e-1f;
+    e = e * r + 5.0000001201e-1f;
+    e = e * (r * r) + r + 1.f;
+    const vfloat scale = (vfloat)((ni + 127) << 23);
+    return x < floor_x ? vfloat{} : e * scale;
+}
+
+static inline float lanes_max(vfloat v) {
+#ifdef __AVX512F__
+    return _mm512_reduce_max_ps((__m512)v);
+#else
+    float m = v[0];
+    for (int i = 1; i < VEC; i++) m = v[i] > m ? v[i] : m;
+    return m;
+#endif
+}
+
+static inline float lanes_sum(vfloat v) {
+#ifdef __AVX512F__
+    return _mm512_reduce_add_ps((__m512)v);
+#else
+    float sum = v[0];
+    for (int i = 1; i < VEC; i++) sum += v[i];
+    return sum;
+#endif
+}
+
+/* The online-softmax step of the fixed-shape path over a chunk's n scores of each of G queries (s
+ * holds whole vectors: those past n are ignored), in place as in softmax_chunk; corr[g]: the factor
+ * query g's accumulator takes. Every exponential inline (exp_nonpositive), the G corrections in one
+ * vector. */
+template <int G>
+static inline void softmax_keys(float (&s)[G][KEY_CHUNK + VEC], int n, float (&m)[G], float (&l)[G],
+                                float (&corr)[G]) {
+    static_assert(G <= VEC, "the G corrections take one vector");
+    const int full = n / VEC, tail = n % VEC;
+    vint lane;
+    for (int i = 0; i < VEC; i++) lane[i] = i;
+    const auto in_tail = lane < tail;
+    vfloat old = vfloat{}, now = vfloat{};
+    float sums[G];
+    for (int g = 0; g < G; g++) {
+        vfloat mx = vfloat{} + m[g];
+        for (int v = 0; v < full; v++) {
+            const vfloat x = *(const vfloat *)(s[g] + v * VEC);
+            mx = x > mx ? x : mx;
+        }
+        if (tail) {
+            const vfloat x = *(const vfloat *)(s[g] + full * VEC);
+            mx = in_tail && x > mx ? x : mx;
+        }
+        const float top = lanes_max(mx);
+        vfloat sum = vfloat{};
+        for (int v = 0; v < full; v++) {
+            const vfloat e = exp_nonpositive(*(const vfloat *)(s[g] + v * VEC) - top);
+            *(vfloat *)(s[g] + v * VEC) = e;
+            sum += e;
+        }
+        if (tail) {
+            vfloat e = exp_nonpositive(*(const vfloat *)(s[g] + full * VEC) - top);
+            e = in_tail ? e : vfloat{};
+            *(vfloat *)(s[g] + full * VEC) = e;
+            sum += e;
+        }
+        sums[g] = lanes_sum(sum);
+        old[g] = m[g];
+        now[g] = top;
+        m[g] = top;
+    }
+    const vfloat c = exp_nonpositive(old - now);
+    for (int g = 0; g < G; g++) {
+        corr[g] = c[g];
+        l[g] = l[g] * c[g] + sums[g];
+    }
 }
 
 /* One kv head's running attention for its G query heads: the scaled queries, the accumulators,
@@ -460,7 +554,8 @@ struct HeadState {
  * layer from memory is faster: benchmarks/decode_attention.py --caches 30, figures in
  * docs/benchmarks/results/). */
 struct FetchAhead {
-    const char *at = nullptr;  /* the chunk's first slot */
+    const char *at = nullptr;  /* the cache */
+    const long *slots = nullptr;  /* the chunk's slots */
     long slot_bytes = 0, k_off = 0, v_off = 0;  /* where the heads' K and V lines start in a slot */
     int span = 0;  /* lines of K (and of V) per slot */
     int lines = 0, per = 0, done = 0;
@@ -469,7 +564,7 @@ struct FetchAhead {
     inline void step() {
         for (const int e = std::min(lines, done + per); done < e; done++) {
             const long off = line < span ? k_off + line * 64L : v_off + (line - span) * 64L;
-            __builtin_prefetch(at + slot * slot_bytes + off, 0, 2);
+            __builtin_prefetch(at + slots[slot] * slot_bytes + off, 0, 2);
             if (++line == 2 * span) {
                 line = 0;
                 slot++;
@@ -482,10 +577,10 @@ struct FetchAhead {
     }
 };
 
-/* Keys and values [slot0, slot0 + n) of head h (n <= CHUNK, one block's) into st, fetching ahead
- * a share per key. always_inline: in attend_fixed's loop the state stays in registers. */
+/* The keys and values in cache slots slots[0 .. n) of head h (n <= KEY_CHUNK) into st, fetching
+ * ahead a share per key. always_inline: in attend_fixed's loop the state stays in registers. */
 template <int D, int G, int FMT>
-static inline __attribute__((always_inline)) void attend_chunk(HeadState<D, G> &st, const void *kv, long slot0,
+static inline __attribute__((always_inline)) void attend_chunk(HeadState<D, G> &st, const void *kv, const long *slots,
                                                                int n, long tok_stride, long v_off, int h,
                                                                FetchAhead &ahead) {
     constexpr int NV = D / VEC;
@@ -496,16 +591,16 @@ static inline __attribute__((always_inline)) void attend_chunk(HeadState<D, G> &
             qv[g][i] = st.qv[g][i];
             acc[g][i] = st.acc[g][i];
         }
-    float s[G][CHUNK + VEC];
+    float s[G][KEY_CHUNK + VEC];
     for (int j0 = 0; j0 < n; j0 += VEC)  /* VEC keys at a time; past n: zero rows */
-        score_keys<D, G, FMT>(qv, kv, slot0 + j0, n - j0, tok_stride, h, s, j0, std::make_integer_sequence<int, VEC>{});
-    for (int g = 0; g < G; g++) {
-        const float corr = softmax_chunk(s[g], n, &st.m[g], &st.l[g]);
-        for (int i = 0; i < NV; i++) acc[g][i] *= corr;
-    }
+        score_keys<D, G, FMT>(qv, kv, slots + j0, n - j0, tok_stride, h, s, j0, std::make_integer_sequence<int, VEC>{});
+    float corr[G];
+    softmax_keys<G>(s, n, st.m, st.l, corr);
+    for (int g = 0; g < G; g++)
+        for (int i = 0; i < NV; i++) acc[g][i] *= corr[g];
     for (int j = 0; j < n; j++) {
         vfloat v[NV];
-        load_row<D, FMT>(kv, (slot0 + j) * tok_stride + v_off + (long)h * D, v);
+        load_row<D, FMT>(kv, slots[j] * tok_stride + v_off + (long)h * D, v);
         ahead.step();
         for (int g = 0; g < G; g++)
             for (int i = 0; i < NV; i++) acc[g][i] += s[g][j] * v[i];
@@ -539,7 +634,7 @@ static inline RowRun row_run(const float *q, long q_row_stride, float *out, cons
     return run;
 }
 
-/* Keys [begin, end) of kv heads [h, h + heads), chunk by chunk (a block's part at most), for each row
+/* Keys [begin, end) of kv heads [h, h + heads), chunk by chunk (KEY_CHUNK keys at most), for each row
  * of the run up to its own end: each chunk for every head and row before the next chunk. With all
  * of a row's heads (heads = kv_heads) the row's slots are read front to back, each once (a slot
  * holds every head's key and value side by side), where a head at a time reads a slot's 2 * D
@@ -567,7 +662,31 @@ static inline void attend_fixed(const RowRun &run, const void *kv, const int32_t
     for (int r = 0; r < rows; r++)
         for (int i = 0; i < heads; i++) st[r * heads + i].start(run.q[r] + (long)i * G * D, scale);
     constexpr long esize = FMT == KV_F32 ? 4 : 2;
-    const long slot_bytes = tok_stride * esize;
+    const long slot_bytes = tok_stride * esize, head_bytes = (long)D * esize;
+    /* Chunks at fixed positions (so a row's chunks are the same in any run or batch), across block
+     * boundaries: each chunk's slots looked up once, the next chunk's while this one computes. A bf16
+     * cache's chunks hold 32 keys (the softmax's work per chunk spread over more keys); float32's stay
+     * at 16, as its 32-key chunks were ~1.1x slower read from memory at 16-64 rows. A segment's first
+     * 16 keys are a chunk of their own: the fetch of the next chunk starts sooner (faster from memory
+     * at 16-64 rows; figures in docs/benchmarks/results/). */
+    constexpr int CH = FMT == KV_F32 ? 16 : KEY_CHUNK, FIRST = 16;
+    static_assert(KEY_SEGMENT % CH == 0 && CH % FIRST == 0, "a segment is whole chunks");
+    const auto chunk_keys = [&](int t) {
+        const int size = t % KEY_SEGMENT < FIRST ? FIRST : CH;
+        return std::min(size - t % size, end - t);
+    };
+    const auto fill_slots = [&](int t, int n, long *to) {
+        for (int j = 0; j < n;) {
+            const int pos = t + j, off = pos % block_size, m = std::min(n - j, block_size - off);
+            const long first = (long)table[pos / block_size] * block_size + off;
+            for (int i = 0; i < m; i++) to[j + i] = first + i;
+            j += m;
+        }
+        return (const long *)to;
+    };
+    long slots_at[2][KEY_CHUNK];
+    int chunk = 0;
+    if (begin < end) fill_slots(begin, chunk_keys(begin), slots_at[0]);
     for (int t = begin; t < end;) {
         if (t > begin && t % KEY_SEGMENT == 0)  /* a segment ends: fold it, start the next afresh */
             for (int r = 0; r < rows; r++) {
@@ -581,15 +700,13 @@ static inline void attend_fixed(const RowRun &run, const void *kv, const int32_t
                     st[i].restart();
                 }
             }
-        const int off = t % block_size;
-        const int n = std::min(std::min(std::min(block_size - off, CHUNK), end - t), KEY_SEGMENT - t % KEY_SEGMENT);
-        const long slot0 = (long)table[t / block_size] * block_size + off;
+        const int n = chunk_keys(t);
+        const long *slots = slots_at[chunk % 2];
         FetchAhead ahead;
         if (t + n < end) {  /* the next chunk's keys and values of these heads, into L2 meanwhile */
-            const int t2 = t + n, n2 = std::min(std::min(std::min(block_size - t2 % block_size, CHUNK), end - t2),
-                                                KEY_SEGMENT - t2 % KEY_SEGMENT);
-            const long head_bytes = (long)D * esize;
-            ahead.at = (const char *)kv + ((long)table[t2 / block_size] * block_size + t2 % block_size) * slot_bytes;
+            const int n2 = chunk_keys(t + n);
+            ahead.slots = fill_slots(t + n, n2, slots_at[(chunk + 1) % 2]);
+            ahead.at = (const char *)kv;
             ahead.slot_bytes = slot_bytes;
             ahead.k_off = h * head_bytes;
             ahead.v_off = v_off * esize + h * head_bytes;
@@ -603,10 +720,11 @@ static inline void attend_fixed(const RowRun &run, const void *kv, const int32_t
         for (int i = 0; i < heads; i++)
             for (int r = 0; r < rows; r++) {
                 const int m = std::min(n, run.end[r] - t);
-                if (m > 0) attend_chunk<D, G, FMT>(st[r * heads + i], kv, slot0, m, tok_stride, v_off, h + i, ahead);
+                if (m > 0) attend_chunk<D, G, FMT>(st[r * heads + i], kv, slots, m, tok_stride, v_off, h + i, ahead);
             }
         ahead.rest();
         t += n;
+        chunk++;
     }
     for (int r = 0; r < rows; r++)
         for (int i = 0; i < heads; i++) {
