@@ -50,7 +50,7 @@ import socket
 import sys
 import tempfile
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvflow.router.replica import ReplicaSpec, ReplicaStartError
@@ -129,11 +129,14 @@ def replica_specs(
     return specs
 
 
-def replica_kv_events(n: int, engine_config: EngineConfig, server_config: ServerConfig) -> list[KVEventsConfig]:
+def replica_kv_events(
+    n: int, engine_config: EngineConfig, server_config: ServerConfig, taken: Iterable[int] = ()
+) -> list[KVEventsConfig]:
     """Each replica's KV events config (empty: none publishes). --kv-events-config applies to every
     replica with its ports offset by the replica's index (vLLM offsets by the data-parallel rank);
     --router-kv-events without it gives each replica a PUB and a replay socket on free 127.0.0.1
-    ports. ValueError for a combination that cannot work."""
+    ports (none of `taken`: the router's and the replicas' own). ValueError for a combination that
+    cannot work."""
     from kvflow.config.kv_events import KVEventsConfig, endpoint_port
 
     given = engine_config.kv_events()
@@ -144,7 +147,7 @@ def replica_kv_events(n: int, engine_config: EngineConfig, server_config: Server
                 "with --kv-events-config and `kvflow router --policy cache_aware --router-kv-events ...`"
             )
         if given is None:
-            ports = free_ports(2 * n)
+            ports = free_ports(2 * n, exclude=taken)
             return [
                 KVEventsConfig(
                     enable_kv_cache_events=True,
@@ -257,9 +260,10 @@ def serve_data_parallel(
             "would be a P/D engine on the same kv_port): run the engines yourself behind "
             "`kvflow router --prefill ... --decode ...`"
         )
-    # Checked first: a bad policy or a taken port must not cost N model loads.
-    ports = free_ports(n)
-    events = replica_kv_events(n, engine_config, server_config)
+    # Checked first: a bad policy or a taken port must not cost N model loads. Not the router's own
+    # port (free until the router binds it after the replicas start), nor one port twice.
+    ports = free_ports(n, exclude=[server_config.port])
+    events = replica_kv_events(n, engine_config, server_config, taken=[server_config.port, *ports])
     router_config = RouterConfig(
         host=server_config.host,
         port=server_config.port,

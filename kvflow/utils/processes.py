@@ -21,7 +21,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import IO, Any, Self
 
 
@@ -29,16 +29,24 @@ class ServerError(RuntimeError):
     """A server did not start, died, or failed a request its caller needs."""
 
 
-def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """`n` distinct TCP ports free on `host` now (held together while the OS picks them)."""
+def free_ports(n: int, host: str = "127.0.0.1", exclude: Iterable[int] = ()) -> list[int]:
+    """`n` distinct TCP ports free on `host` now (held together while the OS picks them), none of
+    `exclude`: ports already promised to a server that has not bound them yet (the OS would hand
+    them out again)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    socks = []
+    taken = set(exclude)
+    socks, ports = [], []
     try:
-        for _ in range(n):
+        while len(ports) < n:
+            if len(socks) >= n + 64:
+                raise OSError(f"no {n} free TCP ports on {host} outside {sorted(taken)}")
             s = socket.socket(family, socket.SOCK_STREAM)
-            socks.append(s)
+            socks.append(s)  # (an excluded pick stays held, so the OS picks another)
             s.bind((host, 0))
-        return [s.getsockname()[1] for s in socks]
+            port = s.getsockname()[1]
+            if port not in taken:
+                ports.append(port)
+        return ports
     finally:
         for s in socks:
             s.close()

@@ -7,6 +7,7 @@ import socket
 
 import pytest
 
+from kvflow.utils import processes
 from kvflow.utils.http import url_host
 from kvflow.utils.processes import free_ports
 from kvflow.utils.prometheus import by_label, parse_prometheus, sample_sum
@@ -95,6 +96,31 @@ def test_is_int_and_is_number():
     assert not any(is_int(x) for x in (True, False, 3.0, "3", None))
     assert is_number(1) and is_number(0.5) and is_number(float("inf"))
     assert not any(is_number(x) for x in (True, float("nan"), "1", None))
+
+
+def test_free_ports_skip_the_excluded(monkeypatch):
+    """A port promised to a server that has not bound it yet is free to the OS, which may hand it
+    out again: free_ports picks past it (holding it meanwhile), and says so when it cannot."""
+    picks = iter([5001, 5002, 5003, 5004])
+
+    class FakeSocket:
+        def __init__(self, *args):
+            self.port = None
+
+        def bind(self, addr):
+            self.port = next(picks)
+
+        def getsockname(self):
+            return ("127.0.0.1", self.port)
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(processes.socket, "socket", FakeSocket)
+    assert free_ports(3, exclude=[5002]) == [5001, 5003, 5004]
+    picks = iter([7000] * 100)
+    with pytest.raises(OSError, match="no 1 free TCP ports on 127.0.0.1 outside \\[7000\\]"):
+        free_ports(1, exclude=[7000])
 
 
 def test_free_ports_on_a_host():
