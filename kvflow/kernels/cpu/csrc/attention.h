@@ -390,30 +390,6 @@ static inline __attribute__((always_inline)) void score_keys(const vfloat (&qv)[
     for (int g = 0; g < G; g++) *(vfloat *)(s[g] + j0) = stack[g][FOLD_LEVELS - 1];
 }
 
-typedef int32_t vint __attribute__((vector_size(4 * VEC)));
-
-/* e^x in each lane for x <= 0 (a score less its running max), 0 below -87.3 as expf gives. Inline,
- * unlike the vector library's expf: a call leaves no vector register to its caller, so the queries and
- * accumulators of attend_chunk were stored and reloaded around every one. x = n ln2 + r with
- * |r| <= ln2 / 2 (ln2 in two parts, so n ln2 is exact), e^r by cephes' degree-5 expf polynomial,
- * 2^n from the exponent bits. */
-static inline vfloat exp_nonpositive(vfloat x) {
-    const vfloat floor_x = vfloat{} - 87.3f;
-    const vfloat y = x < floor_x ? floor_x : x;
-    const vint ni = __builtin_convertvector(y * 1.44269504f - 0.5f, vint);  /* rounds (toward 0, below 0) */
-    const vfloat n = __builtin_convertvector(ni, vfloat);
-    vfloat r = y - n * 0.693359375f;
-    r = r + n * 2.12194440e-4f;
-    vfloat e = 1.9875691500e-4f * r + 1.3981999507e-3f;
-    e = e * r + 8.3334519073e-3f;
-    e = e * r + 4.1665795894e-2f;
-    e = e * r + 1.6666665459e-1f;
-    e = e * r + 5.0000001201e-1f;
-    e = e * (r * r) + r + 1.f;
-    const vfloat scale = (vfloat)((ni + 127) << 23);
-    return x < floor_x ? vfloat{} : e * scale;
-}
-
 static inline float lanes_max(vfloat v) {
 #ifdef __AVX512F__
     return _mm512_reduce_max_ps((__m512)v);
@@ -436,14 +412,15 @@ static inline float lanes_sum(vfloat v) {
 
 /* The online-softmax step of the fixed-shape path over a chunk's n scores of each of G queries (s
  * holds whole vectors: those past n are ignored), in place as in softmax_chunk; corr[g]: the factor
- * query g's accumulator takes. Every exponential inline (exp_nonpositive), the G corrections in one
- * vector. */
+ * query g's accumulator takes. The exponentials in vector registers (simd.h's exp_clamped): a call
+ * to glibc's vector expf leaves its caller no vector register, so attend_chunk's queries and
+ * accumulators were stored and reloaded around every one. The G corrections take one vector. */
 template <int G>
 static inline void softmax_keys(float (&s)[G][KEY_CHUNK + VEC], int n, float (&m)[G], float (&l)[G],
                                 float (&corr)[G]) {
     static_assert(G <= VEC, "the G corrections take one vector");
     const int full = n / VEC, tail = n % VEC;
-    vint lane;
+    kvflow::vint lane;
     for (int i = 0; i < VEC; i++) lane[i] = i;
     const auto in_tail = lane < tail;
     vfloat old = vfloat{}, now = vfloat{};
@@ -461,12 +438,12 @@ static inline void softmax_keys(float (&s)[G][KEY_CHUNK + VEC], int n, float (&m
         const float top = lanes_max(mx);
         vfloat sum = vfloat{};
         for (int v = 0; v < full; v++) {
-            const vfloat e = exp_nonpositive(*(const vfloat *)(s[g] + v * VEC) - top);
+            const vfloat e = kvflow::exp_clamped(*(const vfloat *)(s[g] + v * VEC) - top);
             *(vfloat *)(s[g] + v * VEC) = e;
             sum += e;
         }
         if (tail) {
-            vfloat e = exp_nonpositive(*(const vfloat *)(s[g] + full * VEC) - top);
+            vfloat e = kvflow::exp_clamped(*(const vfloat *)(s[g] + full * VEC) - top);
             e = in_tail ? e : vfloat{};
             *(vfloat *)(s[g] + full * VEC) = e;
             sum += e;
@@ -476,7 +453,7 @@ static inline void softmax_keys(float (&s)[G][KEY_CHUNK + VEC], int n, float (&m
         now[g] = top;
         m[g] = top;
     }
-    const vfloat c = exp_nonpositive(old - now);
+    const vfloat c = kvflow::exp_clamped(old - now);
     for (int g = 0; g < G; g++) {
         corr[g] = c[g];
         l[g] = l[g] * c[g] + sums[g];
