@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import zlib
 from pathlib import Path
 
 import pytest
@@ -130,7 +131,10 @@ def gptq_checkpoint(src, dst, sd, bits: int, group: int, sym: bool, desc_act: bo
             shared = module.rsplit(".", 1)[0] + {"q": "qkv", "k": "qkv", "v": "qkv", "g": "gu", "u": "gu"}.get(
                 module.rsplit(".", 1)[1][0], module
             )
-            order = torch.randperm(n_in, generator=torch.Generator().manual_seed(hash(shared) % 2**31))
+            # (a seed fixed across processes: hash(str) changes with PYTHONHASHSEED, and one permutation in
+            # sixteen tried put a greedy step of the tiny model on a near-tie -- reference gap 0.006
+            # against the activation rounding's ~0.015 -- so the case failed one run in a few)
+            order = torch.randperm(n_in, generator=torch.Generator().manual_seed(zlib.crc32(shared.encode())))
             g_idx = torch.empty(n_in, dtype=torch.int64)
             g_idx[order] = torch.arange(n_in) // size
             extras["perms"][module] = torch.argsort(g_idx, stable=True)
