@@ -97,6 +97,24 @@ def test_outputs_identical_to_one_engine(tiny_llama, reference, connector, kv_ca
         llm.shutdown()
 
 
+def test_a_routed_model_hands_over_its_kv(model_factory):
+    """A Mixture-of-Experts model (Qwen2-MoE, shared expert included): its attention KV moves as a
+    dense model's does, and the decode engine's tokens and logprobs are one engine's."""
+    path, _ = model_factory("qwen2_moe")
+    one = _engine(path)
+    reference = [_decode(one, p, None) for p in PROMPTS]
+    producer, consumer = _engine(path, "kv_producer"), _engine(path, "kv_consumer")
+    for prompt, ref in zip(PROMPTS, reference):
+        out = _decode(consumer, prompt, _prefill(producer, prompt))
+        _assert_same(out, ref)
+        assert out.num_cached_tokens == (len(prompt) - 1) // BS * BS
+    _drain(producer)
+    assert consumer.get_stats().kv_transfer.blocks_received == 6
+    for llm in (producer, consumer):
+        assert_no_leaks(llm.engine)
+        llm.shutdown()
+
+
 @pytest.mark.server
 @pytest.mark.parametrize("producer_tp,consumer_tp", [(2, 1), (1, 2)])
 def test_tensor_parallel_producer_or_consumer(tiny_llama, reference, producer_tp, consumer_tp):

@@ -55,7 +55,9 @@ def method_configs(model_factory, arch: str) -> dict[str, dict]:
     }
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+# (the MoE families: a routed model verifies drafts through its experts, and its smaller draft
+# model of the same family routes too)
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mixtral", "qwen2_moe"])
 def test_greedy_identical_to_plain_and_hf(model_factory, arch):
     path, hf = model_factory(arch)
     sp = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)

@@ -165,10 +165,12 @@ def test_logit_bias(llm, tiny_llama):
         SamplingParams(logit_bias=dict.fromkeys(range(1025), 1.0))
 
 
-def test_speculative_decoding_verifies_under_the_mask(tiny_llama):
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_speculative_decoding_verifies_under_the_mask(model_factory, arch):
     """Prompt lookup proposes drafts copied from the prompt; some break the grammar (their
     probability under the mask is 0, so they are rejected). Greedy output equals plain decoding
-    under the same grammar, and sampled output is valid."""
+    under the same grammar, and sampled output is valid; on a dense model and on a routed one."""
+    path, _ = model_factory(arch)
     schema = {
         "type": "object",
         "properties": {
@@ -179,10 +181,10 @@ def test_speculative_decoding_verifies_under_the_mask(tiny_llama):
     }
     prompt = 'Example: {"name": "fox", "age": 3} and {"name": "dog", "age": 7} and {"name": "'
     params = constrained(temperature=0.0, json=schema, disable_any_whitespace=True)
-    plain = LLM(model=tiny_llama[0], num_kv_blocks=256)
+    plain = LLM(model=path, num_kv_blocks=256)
     want = texts(plain, [prompt, "Hello"], params)
     spec = LLM(
-        model=tiny_llama[0],
+        model=path,
         num_kv_blocks=256,
         speculative_config={
             "method": "ngram",
