@@ -20,11 +20,12 @@ MoE folder's weights, in the same dtype):
 - prefill tok/s: 4 prompts of --prefill-len tokens, one output token (kvflow), or one forward of
   the [4, --prefill-len] batch (HF).
 
-Medians over --rounds interleaved rounds; the ratios MoE / dense (batch-1 decode time) and kvflow /
-HF (decode tok/s) are the issue's targets. The floor: bytes one batch-1 decode step must read (the
-dense part but the embedding table, plus the experts a token touches, `kvflow.bench.roofline`)
-over the read bandwidth gauged here (decode_speed.py's reduction over a buffer far larger than
-the last-level cache), as tok/s. Figures: docs/benchmarks/results/.
+Medians over --rounds interleaved rounds (in turns, the order reversed every other round); the
+ratios MoE / dense (batch-1 decode time) and kvflow / HF (decode tok/s), of the medians and as the
+median of each round's own ratio, are the issue's targets. The floor: bytes one batch-1 decode
+step must read (the dense part but the embedding table, plus the experts a token touches,
+`kvflow.bench.roofline`) over the read bandwidth gauged here (decode_speed.py's reduction over a
+buffer far larger than the last-level cache), as tok/s. Figures: docs/benchmarks/results/.
 """
 
 from __future__ import annotations
@@ -184,7 +185,10 @@ def main() -> None:
         cols = [*(f"decode b{b}" for b in batches), "prefill"]
         results: dict[str, dict[str, list[float]]] = {n: {c: [] for c in cols} for n in runners}
         for r in range(a.rounds):
-            for name, run in runners.items():
+            # In turns, the order reversed every other round (a drift of the host's speed within a
+            # round then favours neither side).
+            order = list(runners.items()) if r % 2 == 0 else list(runners.items())[::-1]
+            for name, run in order:
                 for b in batches:
                     if "llm" in run:
                         rate = kvflow_decode(run["llm"], b, a.new_tokens, seed=r)
@@ -222,7 +226,11 @@ def main() -> None:
         )
     if "HF MoE" in med:
         for c in cols:
-            print(f"kvflow / HF MoE, {c}: {med['kvflow MoE'][c] / med['HF MoE'][c]:.2f}x")
+            per_round = [k / h for k, h in zip(results["kvflow MoE"][c], results["HF MoE"][c])]
+            print(
+                f"kvflow / HF MoE, {c}: {med['kvflow MoE'][c] / med['HF MoE'][c]:.2f}x of the medians, "
+                f"{statistics.median(per_round):.2f}x the median of the rounds' ratios"
+            )
     at = f"; kvflow at {med['kvflow MoE']['decode b1'] / floor_rate:.0%} of it" if 1 in batches else ""
     print(
         f"batch-1 MoE decode floor: {step / 1e6:.0f} MB read per step at {bw / 1e9:.1f} GB/s (read gauge) -> "
