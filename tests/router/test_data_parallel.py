@@ -23,7 +23,7 @@ from kvflow.cli.main import build_parser
 from kvflow.config import EngineConfig, ServerConfig
 from kvflow.router.data_parallel import replica_specs, split_cpus
 
-from server_utils import parse_metrics
+from server_utils import alive, descendants, parse_metrics
 
 pytestmark = pytest.mark.server  # starts servers or worker processes: not in `make test-fast`
 
@@ -239,30 +239,6 @@ def _output(proc: subprocess.Popen) -> str:
     return out
 
 
-def _descendants(pid: int) -> set[int]:
-    parents: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-    out, frontier = set(), {pid}
-    while frontier:
-        frontier = {p for p, pp in parents.items() if pp in frontier} - out
-        out |= frontier
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 @contextlib.contextmanager
 def _dp_server(model: str, log_dir, *extra: str):
     """A running `kvflow serve --data-parallel-size 2` (healthy), and whatever happens, nothing of it
@@ -287,14 +263,14 @@ def _dp_server(model: str, log_dir, *extra: str):
         yield proc, url, seen
     finally:
         if proc.poll() is None:  # a failed test: leave nothing behind
-            seen |= _descendants(proc.pid)
+            seen |= descendants(proc.pid)
             for p in seen:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(p, signal.SIGKILL)
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
         for p in seen:  # a replica that outlived the server (it should not): killed, then reported
-            if _alive(p):
+            if alive(p):
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(p, signal.SIGKILL)
 
@@ -331,7 +307,7 @@ def test_data_parallel_server(dp_server, tiny_llama):
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) >= 2 and all(r["cpus"] for r in reps):  # pinned: disjoint, even shares of our CPUs
         assert sorted(c for r in reps for c in r["cpus"]) == cpus and reps[0]["threads"] == len(cpus) // 2
-    children = _descendants(proc.pid)
+    children = descendants(proc.pid)
     assert {r["pid"] for r in reps} <= children
     # what every replica answers alike comes through the router too
     assert httpx.get(url + "/v1/models/tiny", timeout=5).json()["max_model_len"] == 256
@@ -381,7 +357,7 @@ def test_data_parallel_server(dp_server, tiny_llama):
     # SIGTERM: the router and every replica stop, nothing is left behind
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(30) == 0
-    assert [p for p in children if _alive(p)] == []
+    assert [p for p in children if alive(p)] == []
     out = _output(proc)
     assert "kvflow: serving tiny at " + url in out and "2 data-parallel replicas" in out
     assert "replica 1: http://127.0.0.1:" in out
@@ -426,10 +402,10 @@ def test_a_killed_replica_is_restarted(tiny_llama, tmp_path):
         log = open(victim["log"]).read()
         assert "---- kvflow: replica 0 exited with code -9; restart 1 ----" in log
         assert log.count("kvflow: serving tiny at") == 2, log[-2000:]  # both runs, in one log
-        seen |= _descendants(proc.pid)
+        seen |= descendants(proc.pid)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
-        assert [p for p in seen if _alive(p)] == []
+        assert [p for p in seen if alive(p)] == []
         out = _output(proc)
     assert "restarting it (restart 1" in out, out[-3000:]
 
@@ -508,7 +484,7 @@ def test_a_dead_replica_is_restarted_within_its_budget(tmp_path, caplog):
         pids.append(replicas.procs[1].proc.pid)
     finally:
         replicas.stop()
-    assert replicas.running() == [False, False] and not any(_alive(p) for p in pids)
+    assert replicas.running() == [False, False] and not any(alive(p) for p in pids)
     log = (tmp_path / "replica-0.log").read_text()
     assert log.count("serving") == 2 and "---- kvflow: replica 0 exited with code -9; restart 1 ----" in log
 
@@ -565,11 +541,11 @@ time.sleep(120)
     )
     try:
         first, restarted = (int(x) for x in parent.stdout.readline().split())
-        assert first != restarted and _alive(restarted)
+        assert first != restarted and alive(restarted)
     finally:
         parent.kill()
         parent.wait()
-    _wait_for(lambda: not _alive(restarted), timeout=10, what="the restarted replica's end")
+    _wait_for(lambda: not alive(restarted), timeout=10, what="the restarted replica's end")
 
 
 def test_a_replica_that_exits_stops_the_start_at_once(tmp_path):
@@ -645,14 +621,14 @@ time.sleep(120)
     )
     try:
         pids = [int(x) for x in parent.stdout.readline().split()]
-        assert len(pids) == 2 and all(_alive(p) for p in pids)
+        assert len(pids) == 2 and all(alive(p) for p in pids)
     finally:
         parent.kill()
         parent.wait()
     deadline = time.monotonic() + 10
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not any(_alive(p) for p in pids)
+    assert not any(alive(p) for p in pids)
 
 
 def test_the_cli_reports_a_failed_replica(tmp_path, monkeypatch, capsys):
@@ -705,7 +681,7 @@ def _ray_replicas(model: str, tmp_dir: str) -> None:
             resp = _complete(url, f"Ray question {q}", max_tokens=4)
             assert resp.status_code == 200, resp.text
         assert all(v >= 1 for v in _sent(url).values()) and len(_sent(url)) == 2
-        seen |= _descendants(proc.pid)
+        seen |= descendants(proc.pid)
         victim = before[0]
         with open(f"/proc/{victim['pid']}/stat") as f:  # its parent: the Ray actor's worker process
             parent = int(f.read().rsplit(")", 1)[1].split()[1])
@@ -723,10 +699,10 @@ def _ray_replicas(model: str, tmp_dir: str) -> None:
             assert time.monotonic() < deadline, f"replica 0 not back within {STARTUP_S} s: {now}"
             time.sleep(0.5)
         assert now["restarts"] == 1 and now["url"] == victim["url"]
-        seen |= _descendants(proc.pid)
+        seen |= descendants(proc.pid)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(90) == 0
-        left = [p for p in seen if _alive(p)]
-        assert left == [], [open(f"/proc/{p}/cmdline").read() for p in left if _alive(p)]
+        left = [p for p in seen if alive(p)]
+        assert left == [], [open(f"/proc/{p}/cmdline").read() for p in left if alive(p)]
         out = _output(proc)
     assert "placing 2 data-parallel replicas with Ray" in out, out[-3000:]

@@ -25,28 +25,12 @@ import pytest
 
 from kvflow.utils.processes import free_port
 
-from server_utils import parse_metrics
+from server_utils import descendants, parse_metrics
 
 pytestmark = pytest.mark.server  # starts a server and its replica processes: not in `make test-fast`
 
 STARTUP_S = 120  # about 15 s on an idle 2-core machine
 BS = 16
-
-
-def _descendants(pid: int) -> set[int]:
-    parents: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-    out, frontier = set(), {pid}
-    while frontier:
-        frontier = {p for p, pp in parents.items() if pp in frontier} - out
-        out |= frontier
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +65,7 @@ def server(tiny_llama, tmp_path_factory):
         assert proc.wait(30) == 0
     finally:
         if proc.poll() is None:
-            for p in _descendants(proc.pid) | {proc.pid}:
+            for p in descendants(proc.pid) | {proc.pid}:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(p, signal.SIGKILL)
             proc.wait(10)
