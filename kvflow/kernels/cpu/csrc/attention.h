@@ -390,26 +390,6 @@ static inline __attribute__((always_inline)) void score_keys(const vfloat (&qv)[
     for (int g = 0; g < G; g++) *(vfloat *)(s[g] + j0) = stack[g][FOLD_LEVELS - 1];
 }
 
-static inline float lanes_max(vfloat v) {
-#ifdef __AVX512F__
-    return _mm512_reduce_max_ps((__m512)v);
-#else
-    float m = v[0];
-    for (int i = 1; i < VEC; i++) m = v[i] > m ? v[i] : m;
-    return m;
-#endif
-}
-
-static inline float lanes_sum(vfloat v) {
-#ifdef __AVX512F__
-    return _mm512_reduce_add_ps((__m512)v);
-#else
-    float sum = v[0];
-    for (int i = 1; i < VEC; i++) sum += v[i];
-    return sum;
-#endif
-}
-
 /* The online-softmax step of the fixed-shape path over a chunk's n scores of each of G queries (s
  * holds whole vectors: those past n are ignored), in place as in softmax_chunk; corr[g]: the factor
  * query g's accumulator takes. The exponentials in vector registers (simd.h's exp_clamped): a call
@@ -435,7 +415,7 @@ static inline void softmax_keys(float (&s)[G][KEY_CHUNK + VEC], int n, float (&m
             const vfloat x = *(const vfloat *)(s[g] + full * VEC);
             mx = in_tail && x > mx ? x : mx;
         }
-        const float top = lanes_max(mx);
+        const float top = kvflow::lanes_max(mx);
         vfloat sum = vfloat{};
         for (int v = 0; v < full; v++) {
             const vfloat e = kvflow::exp_clamped(*(const vfloat *)(s[g] + v * VEC) - top);
@@ -448,7 +428,7 @@ static inline void softmax_keys(float (&s)[G][KEY_CHUNK + VEC], int n, float (&m
             *(vfloat *)(s[g] + full * VEC) = e;
             sum += e;
         }
-        sums[g] = lanes_sum(sum);
+        sums[g] = kvflow::lanes_sum(sum);
         old[g] = m[g];
         now[g] = top;
         m[g] = top;

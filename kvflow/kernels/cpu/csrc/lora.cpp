@@ -38,15 +38,6 @@ inline vfloat load_padded(const float* p, int n) {
   return v;
 }
 
-/* The lanes' sum in one fixed order: halves added pairwise (lane l + lane l + w, w = VEC / 2, ..., 1). */
-inline float lanes_sum(vfloat a) {
-  float b[VEC];
-  std::memcpy(b, &a, sizeof(b));
-  for (int w = VEC / 2; w >= 1; w /= 2)
-    for (int l = 0; l < w; l++) b[l] = b[l] + b[l + w];
-  return b[0];
-}
-
 /* t[e * ldt_e + i * ldt] = a_e . v[i] for NA rows a_e of A (k apart) and NR rows of v (k apart):
  * one vector accumulator per pair, over the features in order, its lanes then summed in order. */
 template <int NA, int NR>

@@ -108,6 +108,32 @@ inline vint round_to_int(vfloat t) {
 #endif
 }
 
+/* The lanes' sum in one fixed order: halves added pairwise (lane l + lane l + w, w = VEC / 2, ..., 1),
+ * so a sum does not depend on where its vector came from. (GCC's AVX-512 reduction adds in that
+ * order too.) */
+inline float lanes_sum(vfloat a) {
+#ifdef __AVX512F__
+  return _mm512_reduce_add_ps((__m512)a);
+#else
+  float b[VEC];
+  __builtin_memcpy(b, &a, sizeof(b));
+  for (int w = VEC / 2; w >= 1; w /= 2)
+    for (int l = 0; l < w; l++) b[l] = b[l] + b[l + w];
+  return b[0];
+#endif
+}
+
+/* The largest lane. */
+inline float lanes_max(vfloat a) {
+#ifdef __AVX512F__
+  return _mm512_reduce_max_ps((__m512)a);
+#else
+  float m = a[0];
+  for (int i = 1; i < VEC; i++) m = a[i] > m ? a[i] : m;
+  return m;
+#endif
+}
+
 /* exp of each lane, x clamped to [-86, 86]: Cephes' expf -- x = n ln2 + r with |r| <= ln2 / 2, a
  * degree-7 polynomial in r, 2^n added to the exponent bits -- in vector registers, where glibc's
  * expf ran one lane at a time in the loops it was called from (several times slower an element).
