@@ -18,7 +18,7 @@ import pytest
 import torch
 from gguf.constants import GGMLQuantizationType as Q
 
-from kvflow.kernels.cpu.block_linear import BlockQuantKernel, block_kernels_unavailable
+from kvflow.kernels.cpu.block_linear import BlockQuantKernel, block_amx, block_kernels_unavailable, block_library
 from kvflow.layers.norm import RMSNorm
 from kvflow.quantization.gguf_blocks import FORMATS, BlockQuantized, quantize
 
@@ -103,6 +103,43 @@ def test_each_format_against_float64(name, cols, channels):
         assert torch.equal(y, full[:m]), m
     # The kernel's own copy (repacked or in place) dequantizes back to gguf-py's values.
     np.testing.assert_array_equal(kernel.dequantized_weight().double().numpy(), gguf_dequantize(b))
+
+
+@pytest.fixture(scope="module")
+def amx_library():
+    """The block kernels with their AMX-INT8 path: the engine's own where this CPU has AMX, else the
+    build that emulates the tile instructions in C++ (csrc/amx.h)."""
+    if block_amx():
+        return block_library()
+    lib = block_library("block_amx_emulated")
+    if lib is None:
+        pytest.fail("the AMX-emulating build of the block kernels could not be built (see the log)")
+    if not block_amx(lib):
+        pytest.skip("the AMX path reads the paired layout of AVX-512 VNNI, which this CPU lacks")
+    return lib
+
+
+@pytest.mark.parametrize("name,cols", [("Q8_0", 96), ("Q4_0", 160), ("Q4_1", 64), ("Q4_K", 512)])
+@pytest.mark.parametrize("channels", [40, 48])
+def test_amx_tiles_give_the_vector_tiles_bits(amx_library, name, cols, channels):
+    """16 rows and more run on the AMX-INT8 tiles (whole blocks of 16; the rest on the vector
+    tiles): every row the same bits as with the tiles off, and as the row alone; within the float64
+    bound."""
+    b = random_blocks(name, channels, cols, seed=channels + 7)
+    kernel = BlockQuantKernel([b], lib=amx_library)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(70, cols, generator=g) * torch.rand(70, 1, generator=g) * 3
+    alone = torch.cat([kernel(x[i : i + 1]) for i in range(70)])  # one row: never a tile of 16
+    try:
+        for m in (16, 17, 31, 32, 40, 64, 70):
+            assert block_amx(amx_library, enable=True)
+            y = kernel(x[:m])
+            assert torch.equal(y, alone[:m]), m
+            block_amx(amx_library, enable=False)
+            assert torch.equal(kernel(x[:m]), y), m
+        check(kernel, [b], x, y)
+    finally:
+        block_amx(amx_library, enable=True)
 
 
 def test_fused_parts_of_different_formats():

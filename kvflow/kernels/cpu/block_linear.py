@@ -25,11 +25,21 @@ _SIGNATURES = {
     "kvflow_block_nbytes": ([_P], _L),
     "kvflow_block_rows": ([_P, _P, _I, _P], None),
     "kvflow_block_tile_rows": ([_P], _I),
+    "kvflow_block_amx": ([_I], _I),
 }
 
 
-def block_library() -> ctypes.CDLL | None:
-    return native.load("linear", _SIGNATURES)
+def block_library(name: str = "linear") -> ctypes.CDLL | None:
+    """The native library of the block kernels: the one the engine runs ("linear"), or the test build
+    that emulates the AMX-INT8 instructions ("block_amx_emulated", native.LIBRARIES)."""
+    return native.load(name, _SIGNATURES)
+
+
+def block_amx(lib: ctypes.CDLL | None = None, enable: bool | None = None) -> bool:
+    """Whether `lib`'s block kernels (the engine's by default) run 16 rows and more on AMX-INT8 tiles
+    here; `enable` first turns that path on or off (tests and benchmarks compare the two)."""
+    lib = lib or block_library()
+    return lib is not None and bool(lib.kvflow_block_amx(-1 if enable is None else int(enable)))
 
 
 @functools.cache
@@ -64,8 +74,12 @@ class BlockQuantKernel:
 
     backend = "gguf"
 
-    def __init__(self, parts: list[BlockQuantized], bias: torch.Tensor | None = None) -> None:
-        reason = block_kernels_unavailable()
+    def __init__(
+        self, parts: list[BlockQuantized], bias: torch.Tensor | None = None, *, lib: ctypes.CDLL | None = None
+    ) -> None:
+        """`lib`: another build of the block kernels to call (benchmarks/block_linear_ab.py, the AMX
+        test); the engine's by default."""
+        reason = None if lib is not None else block_kernels_unavailable()
         if reason is not None:
             raise RuntimeError(f"block-quantized weights cannot run natively here: {reason}")
         widths = {p.shape[1] for p in parts}
@@ -76,7 +90,7 @@ class BlockQuantKernel:
         self.out_features = sum(p.shape[0] for p in parts)
         self.formats = [p.format.name for p in parts]
         self.bias = None if bias is None else bias.detach().float().contiguous().clone()
-        self._lib = block_library()
+        self._lib = lib or block_library()
         handle = _pack(self._lib, parts, self.out_features, self.in_features)
         if handle is None:
             raise ValueError(f"no block kernel for {self.formats} over {self.in_features} inputs")

@@ -89,7 +89,10 @@ SOURCE_FLAGS = {
 }
 
 # Library -> its sources (one language per library). Headers (csrc/*.h) are shared.
+# "block_amx_emulated": the block kernels with the AMX-INT8 instructions emulated in C++ (csrc/amx.h),
+# so that their AMX path is tested on CPUs without AMX (tests/test_block_amx.py); not used to serve.
 LIBRARIES = {
+    "block_amx_emulated": ("block_linear.cpp",),
     "paged_attention": ("paged_attention.cpp",),
     "linear": (
         "int8_linear.cpp",
@@ -103,6 +106,10 @@ LIBRARIES = {
 }
 
 
+# Library -> defines of its own (every source of it).
+LIBRARY_FLAGS = {"block_amx_emulated": ("-DKVFLOW_AMX_EMULATE",)}
+
+
 def _compiler(suffix: str) -> str | None:
     env, *names = LANGUAGES[suffix][0]
     return os.environ.get(env) or next(filter(None, map(shutil.which, names)), None)
@@ -110,7 +117,8 @@ def _compiler(suffix: str) -> str | None:
 
 def _build(name: str, sources: list[Path], cc: str) -> Path:
     _, std, extra_compile, extra_link = LANGUAGES[sources[0].suffix]
-    compile_flags, link_flags = (*COMPILE_FLAGS, std, *extra_compile), (*LINK_FLAGS, *extra_link)
+    compile_flags = (*COMPILE_FLAGS, std, *extra_compile, *LIBRARY_FLAGS.get(name, ()))
+    link_flags = (*LINK_FLAGS, *extra_link)
     texts = [p.read_bytes() for p in (*sources, *sorted(CSRC.glob("*.h")))]
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     per_source = [" ".join(SOURCE_FLAGS.get(src.name, ())).encode() for src in sources]

@@ -39,9 +39,12 @@
  */
 #include "block_linear.h"
 
+#include "amx.h"
+
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <type_traits>
 
@@ -584,14 +587,121 @@ inline void x16_rest(int rows, const uint8_t* pair, const Act& a, int r, float* 
 constexpr int FETCH_AHEAD = 8;  // blocks of 32 inputs a pair's first tile fetches ahead (Q4_1: 8 x 320 bytes)
 #endif
 
+#if defined(KVFLOW_AMX_INT8) && defined(KVFLOW_X16)
+#define KVFLOW_BLOCK_AMX 1
+/* AMX-INT8 (Xeons since Sapphire Rapids): 16 rows at a time, a pair's block of 32 inputs is one
+ * tile product -- C (16 rows x 16 channels, int32) = A (the rows' int8 activations of the block,
+ * 16 x 32 bytes, read where they lie) . B (the block's 32 x 16 weights, 4 inputs of each channel
+ * per 64-byte row: exactly a joined chunk of the paired layout, so staging B is x16_tile's own
+ * unpacking, stored once per pair and call instead of redone per tile of rows). One instruction
+ * replaces x16_tile's 8 vpdpbusd per row; the float epilogue of each block (scale, offset) stays
+ * as it was. The integer sums are exact either way, and the epilogue is x16_tile's operations in
+ * x16_tile's order, so a row's result is the same bits on either path: a row does not depend on
+ * whether its batch reached a block of 16 (tests/test_block_amx.py). Rows short of a block of
+ * 16 take the vector tiles. */
+constexpr int AMX_M = 16;
+constexpr int AMX_STAGE = 10;  // 64-byte vectors staged per block: B's 8 rows, then d and mn
+
+std::atomic<int> block_amx_enabled{1};  // kvflow_block_amx (tests and benchmarks turn it off)
+
+inline bool block_amx_on() { return block_amx_enabled.load(std::memory_order_relaxed) && amx_permitted(); }
+
+// Tile 0: the sums; 1: the rows' activations; 2: the weights.
+inline void block_amx_configure() {
+  TileConfig cfg;
+  cfg.rows[0] = AMX_M, cfg.colsb[0] = 64;
+  cfg.rows[1] = AMX_M, cfg.colsb[1] = QA;
+  cfg.rows[2] = QA / 4, cfg.colsb[2] = 64;
+  _tile_loadconfig(&cfg);
+}
+
+/* The pair at `pair` for the tiles: per block, B (unpacked as x16_tile unpacks: the low nibbles of
+ * chunks 0-3 are inputs 0-15, the high ones 16-31; Q8_0's 8 chunks as they are), then the 16
+ * channels' scales and offsets as x16_tile joins them. */
+template <int T>
+inline void amx_stage(const uint8_t* pair, int nb, __m512i* st) {
+  constexpr long unit = x8_unit_bytes(T);
+  const Group g0{pair, 2 * unit}, g1{pair + unit, 2 * unit};
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  for (int b = 0; b < nb; b++) {
+    __m256 d0, d1, mn0, mn1;
+    const uint8_t* q0 = x8_block<T>(g0, b, d0, mn0);
+    const uint8_t* q1 = x8_block<T>(g1, b, d1, mn1);
+    __m512i* u = st + (long)b * AMX_STAGE;
+    if constexpr (T == Q8_0) {
+      for (int t = 0; t < 8; t++) _mm512_store_si512(u + t, join(q0 + 32 * t, q1 + 32 * t));
+    } else {
+      for (int c = 0; c < 4; c++) {
+        const __m512i raw = join(q0 + 32 * c, q1 + 32 * c);
+        _mm512_store_si512(u + c, _mm512_and_si512(raw, m4));
+        _mm512_store_si512(u + 4 + c, _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4));
+      }
+    }
+    _mm512_store_si512(u + 8, _mm512_castps_si512(join(d0, d1)));
+    _mm512_store_si512(u + 9, _mm512_castps_si512(join(mn0, mn1)));
+  }
+}
+
+/* Rows r0 .. r0 + 15 x the staged pair's 16 channels into y (rows ldy apart). */
+template <int T>
+inline void amx_rows(const __m512i* st, const Act& a, int r0, float* __restrict y, long ldy) {
+  __m512 acc[AMX_M];
+  for (int r = 0; r < AMX_M; r++) acc[r] = _mm512_setzero_ps();
+  alignas(64) int32_t sums[AMX_M][16];
+  for (int b = 0; b < a.nb; b++) {
+    const __m512i* u = st + (long)b * AMX_STAGE;
+    _tile_zero(0);
+    _tile_loadd(1, a.q + (long)r0 * a.k + b * QA, a.k);
+    _tile_loadd(2, u, 64);
+    if constexpr (T == Q8_0)
+      _tile_dpbssd(0, 1, 2);  // signed weights
+    else
+      _tile_dpbsud(0, 1, 2);  // the 4-bit values, 0..15
+    _tile_stored(0, sums, 64);
+    const __m512 d = _mm512_castsi512_ps(_mm512_load_si512(u + 8)), mn = _mm512_castsi512_ps(_mm512_load_si512(u + 9));
+    for (int r = 0; r < AMX_M; r++) {  // (x16_tile's epilogue, operation for operation)
+      const long row = (long)(r0 + r) * a.nb + b;
+      const __m512i isum = _mm512_load_si512(sums[r]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, _mm512_set1_ps(a.d[row])), acc[r]);
+      if constexpr (has_offset(T)) acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.s[row]), acc[r]);
+      if constexpr (T == Q4_0) acc[r] = _mm512_fmadd_ps(d, _mm512_set1_ps(-8.f * a.s[row]), acc[r]);
+    }
+  }
+  for (int r = 0; r < AMX_M; r++) _mm512_storeu_ps(y + r * ldy, acc[r]);
+}
+
+struct alignas(64) Line {
+  uint8_t bytes[64];
+};
+thread_local std::vector<Line> t_amx_stage;  // a thread's staged pair (as __m512i: aligned lines)
+#endif
+
 template <int T>
 void x8_segment(const BlockSegment& seg, const Act& a, int c0, int c1, int r0, int r1, float* y, long ldy) {
+#ifdef KVFLOW_BLOCK_AMX
+  const bool amx = x8_paired(T) && r1 - r0 >= AMX_M && block_amx_on();
+  if (amx) {
+    block_amx_configure();
+    t_amx_stage.resize((size_t)a.nb * AMX_STAGE);
+  }
+#endif
   for (int c = c0; c < c1; c += X8) {
     const int grp = c / X8;
     const Group g = x8_group(seg, a.nb, grp);
     int r = r0;
 #ifdef KVFLOW_X16
     if (x8_paired(T) && grp % 2 == 0 && c + 2 * X8 <= c1) {  // both groups of a pair: 16 channels at once
+#ifdef KVFLOW_BLOCK_AMX
+      if (amx) {  // whole blocks of 16 rows on the tiles, the rest from the pair in cache by the vector tiles
+        __m512i* st = reinterpret_cast<__m512i*>(t_amx_stage.data());
+        amx_stage<T>(g.at, a.nb, st);
+        for (; r + AMX_M <= r1; r += AMX_M) amx_rows<T>(st, a, r, y + r * ldy + c, ldy);
+        for (; r + X8_ROWS <= r1; r += X8_ROWS) x16_tile<T, X8_ROWS>(g.at, a, r, y + r * ldy + c, ldy);
+        if (r < r1) x16_rest<T>(r1 - r, g.at, a, r, y + r * ldy + c, ldy, nullptr);
+        c += X8;
+        continue;
+      }
+#endif
       // The first tile streams the pair from memory, fetching its own stream FETCH_AHEAD blocks on
       // (into the next pair at its end: a segment's pairs are contiguous); with the hardware's
       // prefetch alone 8 rows' matmuls were slower (block_linear_ab.py; docs/benchmarks/results/). The
@@ -609,6 +719,9 @@ void x8_segment(const BlockSegment& seg, const Act& a, int c0, int c1, int r0, i
     for (; r + X8_ROWS <= r1; r += X8_ROWS) x8_tile<T, X8_ROWS>(g, a, r, y + r * ldy + c, ldy);
     if (r < r1) x8_rest<T>(r1 - r, g, a, r, y + r * ldy + c, ldy);
   }
+#ifdef KVFLOW_BLOCK_AMX
+  if (amx) _tile_release();
+#endif
 }
 
 /* A K-quant segment repacked: `fill(dst, j, src)` writes channel j's super-block `src` (GGUF's
@@ -953,6 +1066,18 @@ int kvflow_block_tile_rows(void* handle) {
   return kvflow::X8_ROWS;
 #else
   (void)handle;
+  return 0;
+#endif
+}
+
+/* Whether the AMX-INT8 path runs here for 16 rows and more (1) or not (0); enable 0 or 1 first turns
+ * it off or on (tests and benchmarks compare the two paths; -1 only asks). */
+int kvflow_block_amx(int enable) {
+#ifdef KVFLOW_BLOCK_AMX
+  if (enable >= 0) kvflow::block_amx_enabled.store(enable ? 1 : 0);
+  return kvflow::block_amx_on() ? 1 : 0;
+#else
+  (void)enable;
   return 0;
 #endif
 }

@@ -27,6 +27,7 @@
  * kvflow/kernels/cpu/native.py).
  */
 #include "float_linear.h"
+#include "amx.h"
 #include "weight_memory.h"
 
 #include <omp.h>
@@ -37,10 +38,6 @@
 
 #if defined(__AVX512BF16__) || defined(__AVX2__)
 #include <immintrin.h>
-#endif
-#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
-#include <sys/syscall.h>
-#include <unistd.h>
 #endif
 
 namespace kvflow {
@@ -334,24 +331,6 @@ inline void group_rows(int width, const FloatWeight& p, const Rows& in, int m, i
  * instructions for the same products, so batched decode and prefill are no longer bound by the
  * multiply-adds but by reading the weight. The sums are float32 as with vdpbf16ps (in a different
  * order within a pair of features), each output row from its own input row only. */
-
-// Linux gives a process the tiles' register state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM
-// for XFEATURE_XTILEDATA); KVFLOW_AMX=0 turns the path off (benchmarks).
-bool amx_permitted() {
-  static const bool ok = [] {
-    const char* env = std::getenv("KVFLOW_AMX");
-    if (env && env[0] == '0') return false;
-    return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  }();
-  return ok;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
 
 // Tiles 0-3: the accumulators of a row block x a group's panels; 4: the rows' inputs; 5, 6: weights.
 // Every tile 16 rows of 64 bytes; a call's last row block is computed whole from padded input rows.
