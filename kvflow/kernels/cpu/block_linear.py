@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 import weakref
 
 import torch
@@ -15,6 +16,8 @@ import torch
 from kvflow.kernels.cpu import native
 from kvflow.kernels.norm import NormWeights, rms_norm
 from kvflow.quantization.gguf_blocks import BlockQuantized, quantize
+
+logger = logging.getLogger(__name__)
 
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 _SIGNATURES = {
@@ -56,6 +59,28 @@ def block_kernels_unavailable() -> str | None:
     return None
 
 
+@functools.cache
+def _amx_checked(lib: ctypes.CDLL) -> None:
+    """Once per process and library: where the block kernels run on AMX-INT8 tiles, 16 rows through
+    the tiles must give the vector tiles' bits (they are built to); where they do not, the vector
+    tiles run from here on, and the log says so, rather than a CPU's tiles giving other tokens."""
+    if not block_amx(lib):
+        return
+    g = torch.Generator().manual_seed(0)
+    weight = quantize(torch.randn(32, 64, generator=g), "Q4_1")
+    handle = _pack(lib, [weight], 32, 64)
+    x = torch.randn(16, 64, generator=g)
+    outs = []
+    for on in (True, False):
+        block_amx(lib, enable=on)
+        outs.append(native.call_linear(lib.kvflow_block_linear, handle, x, None, None, False, None, 32))
+    lib.kvflow_block_free(handle)
+    if torch.equal(*outs):
+        block_amx(lib, enable=True)
+    else:
+        logger.warning("the block kernels' AMX-INT8 tiles disagree with their vector tiles here: tiles off")
+
+
 def _pack(lib: ctypes.CDLL, parts: list[BlockQuantized], n: int, k: int) -> int | None:
     count = len(parts)
     types = (ctypes.c_int * count)(*(p.format.ggml_type for p in parts))
@@ -91,6 +116,7 @@ class BlockQuantKernel:
         self.formats = [p.format.name for p in parts]
         self.bias = None if bias is None else bias.detach().float().contiguous().clone()
         self._lib = lib or block_library()
+        _amx_checked(self._lib)
         handle = _pack(self._lib, parts, self.out_features, self.in_features)
         if handle is None:
             raise ValueError(f"no block kernel for {self.formats} over {self.in_features} inputs")
