@@ -88,6 +88,15 @@ inline void dp(int c, int a, int b) {
 }
 }  // namespace amx_emulated
 
+// (GCC's immintrin.h defines these whatever the target: its inline assembly would not run here)
+#undef _tile_loadconfig
+#undef _tile_release
+#undef _tile_zero
+#undef _tile_loadd
+#undef _tile_stream_loadd
+#undef _tile_stored
+#undef _tile_dpbssd
+#undef _tile_dpbsud
 #define _tile_loadconfig(p) kvflow::amx_emulated::loadconfig(p)
 #define _tile_release() ((void)0)
 #define _tile_zero(t) kvflow::amx_emulated::zero(t)
