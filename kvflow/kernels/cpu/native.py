@@ -90,7 +90,7 @@ SOURCE_FLAGS = {
 
 # Library -> its sources (one language per library). Headers (csrc/*.h) are shared.
 # "block_amx_emulated": the block kernels with the AMX-INT8 instructions emulated in C++ (csrc/amx.h),
-# so that their AMX path is tested on CPUs without AMX (tests/test_block_amx.py); not used to serve.
+# so that their AMX path is tested on CPUs without AMX (tests/kernels/test_block_linear.py); not used to serve.
 LIBRARIES = {
     "block_amx_emulated": ("block_linear.cpp",),
     "paged_attention": ("paged_attention.cpp",),

@@ -2,7 +2,7 @@
  * process's permission to use the tiles, their configuration, and -- for a build with
  * KVFLOW_AMX_EMULATE on a CPU without AMX -- the int8 tile instructions in plain C++, so that the
  * block kernels' AMX path (its layouts, its row blocks, its float epilogue) is tested on any CPU
- * against their vector path (tests/test_block_amx.py). Where the CPU has AMX the real instructions
+ * against their vector path (tests/kernels/test_block_linear.py). Where the CPU has AMX the real instructions
  * run and the same test compares them. */
 #ifndef KVFLOW_AMX_H
 #define KVFLOW_AMX_H

@@ -597,7 +597,7 @@ constexpr int FETCH_AHEAD = 8;  // blocks of 32 inputs a pair's first tile fetch
  * replaces x16_tile's 8 vpdpbusd per row; the float epilogue of each block (scale, offset) stays
  * as it was. The integer sums are exact either way, and the epilogue is x16_tile's operations in
  * x16_tile's order, so a row's result is the same bits on either path: a row does not depend on
- * whether its batch reached a block of 16 (tests/test_block_amx.py). Rows short of a block of
+ * whether its batch reached a block of 16 (tests/kernels/test_block_linear.py). Rows short of a block of
  * 16 take the vector tiles. */
 constexpr int AMX_M = 16;
 constexpr int AMX_STAGE = 10;  // 64-byte vectors staged per block: B's 8 rows, then d and mn
