@@ -122,16 +122,16 @@ def amx_library():
 @pytest.mark.parametrize("name,cols", [("Q8_0", 96), ("Q4_0", 160), ("Q4_1", 64), ("Q4_K", 512)])
 @pytest.mark.parametrize("channels", [40, 48])
 def test_amx_tiles_give_the_vector_tiles_bits(amx_library, name, cols, channels):
-    """16 rows and more run on the AMX-INT8 tiles (whole blocks of 16; the rest on the vector
-    tiles): every row the same bits as with the tiles off, and as the row alone; within the float64
-    bound."""
+    """Calls of 8 rows and more run on the AMX-INT8 tiles (blocks of 16, and a last one of 8-15;
+    fewer on the vector tiles): every row the same bits as with the tiles off, and as the row alone;
+    within the float64 bound."""
     b = random_blocks(name, channels, cols, seed=channels + 7)
     kernel = BlockQuantKernel([b], lib=amx_library)
     g = torch.Generator().manual_seed(2)
     x = torch.randn(70, cols, generator=g) * torch.rand(70, 1, generator=g) * 3
-    alone = torch.cat([kernel(x[i : i + 1]) for i in range(70)])  # one row: never a tile of 16
+    alone = torch.cat([kernel(x[i : i + 1]) for i in range(70)])  # one row: never on the tiles
     try:
-        for m in (16, 17, 31, 32, 40, 64, 70):
+        for m in (8, 12, 15, 16, 17, 24, 31, 32, 40, 64, 70):
             assert block_amx(amx_library, enable=True)
             y = kernel(x[:m])
             assert torch.equal(y, alone[:m]), m

@@ -39,8 +39,8 @@ def block_library(name: str = "linear") -> ctypes.CDLL | None:
 
 
 def block_amx(lib: ctypes.CDLL | None = None, enable: bool | None = None) -> bool:
-    """Whether `lib`'s block kernels (the engine's by default) run 16 rows and more on AMX-INT8 tiles
-    here; `enable` first turns that path on or off (tests and benchmarks compare the two)."""
+    """Whether `lib`'s block kernels (the engine's by default) run calls of 8 rows and more on AMX-INT8
+    tiles here; `enable` first turns that path on or off (tests and benchmarks compare the two)."""
     lib = lib or block_library()
     return lib is not None and bool(lib.kvflow_block_amx(-1 if enable is None else int(enable)))
 
@@ -61,15 +61,16 @@ def block_kernels_unavailable() -> str | None:
 
 @functools.cache
 def _amx_checked(lib: ctypes.CDLL) -> None:
-    """Once per process and library: where the block kernels run on AMX-INT8 tiles, 16 rows through
-    the tiles must give the vector tiles' bits (they are built to); where they do not, the vector
-    tiles run from here on, and the log says so, rather than a CPU's tiles giving other tokens."""
+    """Once per process and library: where the block kernels run on AMX-INT8 tiles, 24 rows through
+    the tiles (a block of 16 and one of 8) must give the vector tiles' bits (they are built to);
+    where they do not, the vector tiles run from here on, and the log says so, rather than a CPU's
+    tiles giving other tokens."""
     if not block_amx(lib):
         return
     g = torch.Generator().manual_seed(0)
     weight = quantize(torch.randn(32, 64, generator=g), "Q4_1")
     handle = _pack(lib, [weight], 32, 64)
-    x = torch.randn(16, 64, generator=g)
+    x = torch.randn(24, 64, generator=g)
     outs = []
     for on in (True, False):
         block_amx(lib, enable=on)

@@ -597,21 +597,28 @@ constexpr int FETCH_AHEAD = 8;  // blocks of 32 inputs a pair's first tile fetch
  * replaces x16_tile's 8 vpdpbusd per row; the float epilogue of each block (scale, offset) stays
  * as it was. The integer sums are exact either way, and the epilogue is x16_tile's operations in
  * x16_tile's order, so a row's result is the same bits on either path: a row does not depend on
- * whether its batch reached a block of 16 (tests/kernels/test_block_linear.py). Rows short of a block of
- * 16 take the vector tiles. */
+ * whether its call went on the tiles (tests/kernels/test_block_linear.py). A call's last 8-15 rows
+ * (the whole of a call of 8-15: a batch of 8 decoding, or a few verifying drafts) are one block of that many
+ * rows on tiles of their own; fewer than 8 take the vector tiles. */
 constexpr int AMX_M = 16;
+constexpr int AMX_MIN = 8;  // rows a block needs to go on the tiles (fewer: the vector tiles)
 constexpr int AMX_STAGE = 10;  // 64-byte vectors staged per block: B's 8 rows, then d and mn
 
 std::atomic<int> block_amx_enabled{1};  // kvflow_block_amx (tests and benchmarks turn it off)
 
 inline bool block_amx_on() { return block_amx_enabled.load(std::memory_order_relaxed) && amx_permitted(); }
 
-// Tile 0: the sums; 1: the rows' activations; 2: the weights.
-inline void block_amx_configure() {
+// Tile 0: the sums of a block of 16 rows; 1: its rows' activations; 2: the weights; 3, 4: the sums
+// and activations of the call's last block of `last` (8-15) rows, if it has one.
+inline void block_amx_configure(int last) {
   TileConfig cfg;
   cfg.rows[0] = AMX_M, cfg.colsb[0] = 64;
   cfg.rows[1] = AMX_M, cfg.colsb[1] = QA;
   cfg.rows[2] = QA / 4, cfg.colsb[2] = 64;
+  if (last) {
+    cfg.rows[3] = last, cfg.colsb[3] = 64;
+    cfg.rows[4] = last, cfg.colsb[4] = QA;
+  }
   _tile_loadconfig(&cfg);
 }
 
@@ -642,24 +649,43 @@ inline void amx_stage(const uint8_t* pair, int nb, __m512i* st) {
   }
 }
 
-/* Rows r0 .. r0 + 15 x the staged pair's 16 channels into y (rows ldy apart). */
-template <int T>
+/* One block's int32 sums into `sums` (64 bytes a row): activations at `x` (rows lda apart) times the
+ * staged weights `u`, on tiles 0 and 1 (16 rows) or, `Last`, 3 and 4. (The tile numbers are
+ * literals: GCC's tile intrinsics paste them into the instruction's text.) */
+template <int T, bool Last>
+inline void amx_sums(const int8_t* x, long lda, const __m512i* u, int32_t* sums) {
+  _tile_loadd(2, u, 64);
+  if constexpr (Last) {
+    _tile_zero(3);
+    _tile_loadd(4, x, lda);
+    if constexpr (T == Q8_0)
+      _tile_dpbssd(3, 4, 2);  // signed weights
+    else
+      _tile_dpbsud(3, 4, 2);  // the 4-bit values, 0..15
+    _tile_stored(3, sums, 64);
+  } else {
+    _tile_zero(0);
+    _tile_loadd(1, x, lda);
+    if constexpr (T == Q8_0)
+      _tile_dpbssd(0, 1, 2);
+    else
+      _tile_dpbsud(0, 1, 2);
+    _tile_stored(0, sums, 64);
+  }
+}
+
+/* Rows r0 .. r0 + R - 1 x the staged pair's 16 channels into y (rows ldy apart): R = 16 on tiles 0
+ * and 1, or the last block's R rows on tiles 3 and 4. */
+template <int T, int R>
 inline void amx_rows(const __m512i* st, const Act& a, int r0, float* __restrict y, long ldy) {
-  __m512 acc[AMX_M];
-  for (int r = 0; r < AMX_M; r++) acc[r] = _mm512_setzero_ps();
-  alignas(64) int32_t sums[AMX_M][16];
+  __m512 acc[R];
+  for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+  alignas(64) int32_t sums[R][16];
   for (int b = 0; b < a.nb; b++) {
     const __m512i* u = st + (long)b * AMX_STAGE;
-    _tile_zero(0);
-    _tile_loadd(1, a.q + (long)r0 * a.k + b * QA, a.k);
-    _tile_loadd(2, u, 64);
-    if constexpr (T == Q8_0)
-      _tile_dpbssd(0, 1, 2);  // signed weights
-    else
-      _tile_dpbsud(0, 1, 2);  // the 4-bit values, 0..15
-    _tile_stored(0, sums, 64);
+    amx_sums<T, R != AMX_M>(a.q + (long)r0 * a.k + b * QA, a.k, u, &sums[0][0]);
     const __m512 d = _mm512_castsi512_ps(_mm512_load_si512(u + 8)), mn = _mm512_castsi512_ps(_mm512_load_si512(u + 9));
-    for (int r = 0; r < AMX_M; r++) {  // (x16_tile's epilogue, operation for operation)
+    for (int r = 0; r < R; r++) {  // (x16_tile's epilogue, operation for operation)
       const long row = (long)(r0 + r) * a.nb + b;
       const __m512i isum = _mm512_load_si512(sums[r]);
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, _mm512_set1_ps(a.d[row])), acc[r]);
@@ -667,7 +693,16 @@ inline void amx_rows(const __m512i* st, const Act& a, int r0, float* __restrict 
       if constexpr (T == Q4_0) acc[r] = _mm512_fmadd_ps(d, _mm512_set1_ps(-8.f * a.s[row]), acc[r]);
     }
   }
-  for (int r = 0; r < AMX_M; r++) _mm512_storeu_ps(y + r * ldy, acc[r]);
+  for (int r = 0; r < R; r++) _mm512_storeu_ps(y + r * ldy, acc[r]);
+}
+
+/* The call's last block of `rows` (AMX_MIN .. AMX_M - 1) rows, on tiles 3 and 4. */
+template <int T, int R = AMX_M - 1>
+inline void amx_last(int rows, const __m512i* st, const Act& a, int r0, float* y, long ldy) {
+  if (rows == R)
+    amx_rows<T, R>(st, a, r0, y, ldy);
+  else if constexpr (R > AMX_MIN)
+    amx_last<T, R - 1>(rows, st, a, r0, y, ldy);
 }
 
 struct alignas(64) Line {
@@ -679,9 +714,10 @@ thread_local std::vector<Line> t_amx_stage;  // a thread's staged pair (as __m51
 template <int T>
 void x8_segment(const BlockSegment& seg, const Act& a, int c0, int c1, int r0, int r1, float* y, long ldy) {
 #ifdef KVFLOW_BLOCK_AMX
-  const bool amx = x8_paired(T) && r1 - r0 >= AMX_M && block_amx_on();
+  const int last = (r1 - r0) % AMX_M >= AMX_MIN ? (r1 - r0) % AMX_M : 0;
+  const bool amx = x8_paired(T) && r1 - r0 >= AMX_MIN && block_amx_on();
   if (amx) {
-    block_amx_configure();
+    block_amx_configure(last);
     t_amx_stage.resize((size_t)a.nb * AMX_STAGE);
   }
 #endif
@@ -692,11 +728,14 @@ void x8_segment(const BlockSegment& seg, const Act& a, int c0, int c1, int r0, i
 #ifdef KVFLOW_X16
     if (x8_paired(T) && grp % 2 == 0 && c + 2 * X8 <= c1) {  // both groups of a pair: 16 channels at once
 #ifdef KVFLOW_BLOCK_AMX
-      if (amx) {  // whole blocks of 16 rows on the tiles, the rest from the pair in cache by the vector tiles
+      if (amx) {  // 16 rows at a time and a last 8-15 on the tiles, under 8 on the vector tiles (the pair in cache)
         __m512i* st = reinterpret_cast<__m512i*>(t_amx_stage.data());
         amx_stage<T>(g.at, a.nb, st);
-        for (; r + AMX_M <= r1; r += AMX_M) amx_rows<T>(st, a, r, y + r * ldy + c, ldy);
-        for (; r + X8_ROWS <= r1; r += X8_ROWS) x16_tile<T, X8_ROWS>(g.at, a, r, y + r * ldy + c, ldy);
+        for (; r + AMX_M <= r1; r += AMX_M) amx_rows<T, AMX_M>(st, a, r, y + r * ldy + c, ldy);
+        if (last) {
+          amx_last<T>(last, st, a, r, y + r * ldy + c, ldy);
+          r += last;
+        }
         if (r < r1) x16_rest<T>(r1 - r, g.at, a, r, y + r * ldy + c, ldy, nullptr);
         c += X8;
         continue;
@@ -1070,7 +1109,7 @@ int kvflow_block_tile_rows(void* handle) {
 #endif
 }
 
-/* Whether the AMX-INT8 path runs here for 16 rows and more (1) or not (0); enable 0 or 1 first turns
+/* Whether the AMX-INT8 path runs here for calls of 8 rows and more (1) or not (0); enable 0 or 1 first turns
  * it off or on (tests and benchmarks compare the two paths; -1 only asks). */
 int kvflow_block_amx(int enable) {
 #ifdef KVFLOW_BLOCK_AMX
