@@ -487,6 +487,17 @@ inline __m512i join(const uint8_t* a, const uint8_t* b) {  // 32 bytes of each g
 
 inline __m512 join(__m256 a, __m256 b) { return _mm512_insertf32x8(_mm512_castps256_ps512(a), b, 1); }
 
+/* One block of a row into its 16 channels' sums: acc + the block's integer sums x (d x the row's
+ * dx), + the offset terms (Q4_1 / Q4_K: mn x s; Q4_0: d x -8 s). x16_tile and the AMX tiles both
+ * scale through here, so their rows are the same bits. */
+template <int T>
+inline __m512 scale_block(__m512 acc, __m512i isum, __m512 d, __m512 mn, float dx, float s) {
+  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, _mm512_set1_ps(dx)), acc);
+  if constexpr (has_offset(T)) acc = _mm512_fmadd_ps(mn, _mm512_set1_ps(s), acc);
+  if constexpr (T == Q4_0) acc = _mm512_fmadd_ps(d, _mm512_set1_ps(-8.f * s), acc);
+  return acc;
+}
+
 /* x8_tile over both groups of a pair at once (16 channels: the even group's 8, then the odd one's;
  * `pair` is where the even group starts, see x8_group), with AVX-512's
  * 16 lanes: each activation broadcast and each float operation serves twice the channels. Lane by
@@ -544,9 +555,7 @@ inline void x16_tile(const uint8_t* __restrict pair, const Act& a, int r0, float
     const __m512 mn = join(mn0, mn1);
     for (int r = 0; r < R; r++) {
       const long row = (long)(r0 + r) * a.nb + b;
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(d, _mm512_set1_ps(a.d[row])), acc[r]);
-      if constexpr (has_offset(T)) acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.s[row]), acc[r]);
-      if constexpr (T == Q4_0) acc[r] = _mm512_fmadd_ps(d, _mm512_set1_ps(-8.f * a.s[row]), acc[r]);
+      acc[r] = scale_block<T>(acc[r], isum[r], d, mn, a.d[row], a.s[row]);
     }
   }
   for (int r = 0; r < R; r++) _mm512_storeu_ps(y + r * ldy, acc[r]);
@@ -594,12 +603,11 @@ constexpr int FETCH_AHEAD = 8;  // blocks of 32 inputs a pair's first tile fetch
  * 16 x 32 bytes, read where they lie) . B (the block's 32 x 16 weights, 4 inputs of each channel
  * per 64-byte row: exactly a joined chunk of the paired layout, so staging B is x16_tile's own
  * unpacking, stored once per pair and call instead of redone per tile of rows). One instruction
- * replaces x16_tile's 8 vpdpbusd per row; the float epilogue of each block (scale, offset) stays
- * as it was. The integer sums are exact either way, and the epilogue is x16_tile's operations in
- * x16_tile's order, so a row's result is the same bits on either path: a row does not depend on
- * whether its call went on the tiles (tests/kernels/test_block_linear.py). A call's last 8-15 rows
- * (the whole of a call of 8-15: a batch of 8 decoding, or a few verifying drafts) are one block of that many
- * rows on tiles of their own; fewer than 8 take the vector tiles. */
+ * replaces x16_tile's 8 vpdpbusd per row; each block's scaling stays x16_tile's (scale_block). The
+ * integer sums are exact either way, so a row's result is the same bits on either path: it does
+ * not depend on whether its call went on the tiles (tests/kernels/test_block_linear.py). A call's
+ * last 8-15 rows (all of a call of 8-15: a batch of 8 decoding, or a few verifying drafts) are one
+ * block of that many rows on tiles of their own; fewer than 8 take the vector tiles. */
 constexpr int AMX_M = 16;
 constexpr int AMX_MIN = 8;  // rows a block needs to go on the tiles (fewer: the vector tiles)
 constexpr int AMX_STAGE = 10;  // 64-byte vectors staged per block: B's 8 rows, then d and mn
@@ -685,12 +693,9 @@ inline void amx_rows(const __m512i* st, const Act& a, int r0, float* __restrict 
     const __m512i* u = st + (long)b * AMX_STAGE;
     amx_sums<T, R != AMX_M>(a.q + (long)r0 * a.k + b * QA, a.k, u, &sums[0][0]);
     const __m512 d = _mm512_castsi512_ps(_mm512_load_si512(u + 8)), mn = _mm512_castsi512_ps(_mm512_load_si512(u + 9));
-    for (int r = 0; r < R; r++) {  // (x16_tile's epilogue, operation for operation)
+    for (int r = 0; r < R; r++) {
       const long row = (long)(r0 + r) * a.nb + b;
-      const __m512i isum = _mm512_load_si512(sums[r]);
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, _mm512_set1_ps(a.d[row])), acc[r]);
-      if constexpr (has_offset(T)) acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.s[row]), acc[r]);
-      if constexpr (T == Q4_0) acc[r] = _mm512_fmadd_ps(d, _mm512_set1_ps(-8.f * a.s[row]), acc[r]);
+      acc[r] = scale_block<T>(acc[r], _mm512_load_si512(sums[r]), d, mn, a.d[row], a.s[row]);
     }
   }
   for (int r = 0; r < R; r++) _mm512_storeu_ps(y + r * ldy, acc[r]);
