@@ -8,7 +8,7 @@ in turns, show a 5% difference.
     python benchmarks/block_linear_ab.py --which      # this checkout's library (built if needed)
     git stash; A=$(python benchmarks/block_linear_ab.py --which); git stash pop
     python benchmarks/block_linear_ab.py $A $(python benchmarks/block_linear_ab.py --which) --rows 1,8,32
-    python benchmarks/block_linear_ab.py --amx --rows 16,32,64,512   # one library: AMX-INT8 off (A), on (B)
+    python benchmarks/block_linear_ab.py --amx --rows 8,16,40,64,512   # one library: AMX-INT8 off (A), on (B)
 """
 
 from __future__ import annotations
