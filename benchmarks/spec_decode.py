@@ -18,7 +18,8 @@ an oracle that gives each request, at each step, exactly the drafts that will be
 the largest --k; none where the lookup finds nothing), run through the greedy outputs of plain
 decoding with each step timed as the steps of as many rows took in this run (median by row count;
 a straight-line fit where none ran). The same simulation of each fixed k is printed beside it, to
-compare with the measured fixed-k speed-ups.
+compare with the measured fixed-k speed-ups, and the same oracle over the best copy from any
+earlier occurrence of each token (what no choice of n-gram or occurrence can beat).
 """
 
 from __future__ import annotations
@@ -95,6 +96,27 @@ def step_times(llm: LLM, first: int) -> list[tuple[int, float]]:
     ]
 
 
+def copy_accepted(prompt: list[int], out: list[int], k_max: int) -> list[tuple[int, int]]:
+    """Per output token t, (k_max, n): n the most tokens after t (at most k_max) that any earlier
+    occurrence of token t in the sequence is followed by. Prompt lookup copies from an occurrence
+    of the sequence's last n-gram, so no lookup policy, whichever occurrence it picks, drafts more
+    accepted tokens than this."""
+    row = []
+    for t in range(len(out)):
+        seq = prompt + list(out[: t + 1])
+        want = out[t + 1 : t + 1 + k_max]
+        best = 0
+        for j in range(len(seq) - 1):
+            if seq[j] != seq[-1]:
+                continue
+            n = 0
+            while n < len(want) and j + 1 + n < len(seq) and seq[j + 1 + n] == want[n]:
+                n += 1
+            best = max(best, n)
+        row.append((k_max, best))
+    return row
+
+
 class Bound:
     """Speculation replayed over fixed greedy outputs: `accepted[i][t]` is how many of the drafts
     prompt lookup proposes after output token t of request i (at most k_max) match the tokens that
@@ -110,6 +132,7 @@ class Bound:
     ) -> None:
         proposer = NgramProposer(lookup[0], lookup[1], k_max)
         self.accepted = []
+        self.copyable = []  # the same for the best copy any lookup could make (see `copy_accepted`)
         for prompt, out in zip(prompts, outputs):
             row = []
             for t in range(len(out)):
@@ -119,6 +142,7 @@ class Bound:
                     n += 1
                 row.append((len(drafts), n))
             self.accepted.append(row)
+            self.copyable.append(copy_accepted(prompt, out, k_max))
         by_rows: dict[int, list[float]] = {}
         for rows, seconds in times:
             by_rows.setdefault(rows, []).append(seconds)
@@ -131,12 +155,14 @@ class Bound:
     def seconds(self, rows: int) -> float:
         return self.median[rows] if rows in self.median else float(np.polyval(self.fit, rows))
 
-    def replay(self, batch: int, drafts) -> float:
+    def replay(self, batch: int, drafts, table: list[list[tuple[int, int]]] | None = None) -> float:
         """Seconds to decode every output, `batch` requests at a time as `run` does; drafts(found,
-        accepted) is how many drafts a request gets where lookup found `found` of which `accepted` match."""
+        accepted) is how many drafts a request gets where lookup found `found` of which `accepted` match
+        (per `table`: `accepted` unless given, e.g. `copyable`)."""
+        table = self.accepted if table is None else table
         total = 0.0
-        for g in range(0, len(self.accepted), batch):
-            group = self.accepted[g : g + batch]
+        for g in range(0, len(table), batch):
+            group = table[g : g + batch]
             at = [0] * len(group)
             while any(a < len(req) for a, req in zip(at, group)):
                 rows, moves = 0, []
@@ -254,9 +280,12 @@ def main() -> None:
                 bound = Bound(prompt_ids, outputs["none"], (lo, hi), max(ks), times)
                 plain = bound.replay(b, lambda found, ok: 0)
                 fixed = ", ".join(f"k={k} {plain / bound.replay(b, lambda found, ok, k=k: k):.2f}" for k in ks)
+                oracle = plain / bound.replay(b, lambda found, ok: ok)
+                copy = plain / bound.replay(b, lambda found, ok: ok, bound.copyable)
                 print(
-                    f"{workload:9} {b:>5} {'bound':16} {'':>8} {plain / bound.replay(b, lambda found, ok: ok):6.2f}  "
-                    f"oracle drafts (k <= {max(ks)}), replayed with this run's step times; fixed k replayed: {fixed}"
+                    f"{workload:9} {b:>5} {'bound':16} {'':>8} {oracle:6.2f}  "
+                    f"oracle drafts (k <= {max(ks)}), replayed with this run's step times; fixed k replayed: {fixed}; "
+                    f"the best copy from any earlier occurrence {copy:.2f}"
                 )
             sys.stdout.flush()
 
