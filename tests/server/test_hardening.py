@@ -167,7 +167,7 @@ def test_tool_message_with_its_id_is_accepted(server):
         (
             {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
             "response_format",
-            "cannot both be given",
+            "response_format and structured_outputs cannot be combined",
         ),
         ({"logit_bias": {"5": 101}}, "logit_bias", "in [-100, 100]"),
         ({"logit_bias": {"x": 1}}, "logit_bias", "keys must be token ids"),

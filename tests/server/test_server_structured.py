@@ -119,6 +119,49 @@ def test_json_object_schema_regex_choice_over_http(server, client):
     assert r.choices[0].message.content in ("sunny", "rainy")
 
 
+def test_vllm_guided_fields_constrain_as_structured_outputs(server, client):
+    # vLLM's fields before structured_outputs: a server that ignored them would answer unconstrained
+    import re
+
+    for seed in range(3):
+        legacy = client.completions.create(
+            model=server.model,
+            prompt="Hello",
+            max_tokens=50,
+            seed=seed,
+            extra_body={"guided_regex": "[a-z]{3}-[0-9]{2}"},
+        )
+        assert re.fullmatch("[a-z]{3}-[0-9]{2}", legacy.choices[0].text), legacy.choices[0].text
+        current = client.completions.create(
+            model=server.model,
+            prompt="Hello",
+            max_tokens=50,
+            seed=seed,
+            extra_body={"structured_outputs": {"regex": "[a-z]{3}-[0-9]{2}"}},
+        )
+        assert legacy.choices[0].text == current.choices[0].text
+    r = client.chat.completions.create(
+        model=server.model, messages=MESSAGES, max_tokens=20, seed=3, extra_body={"guided_choice": ["sunny", "rainy"]}
+    )
+    assert r.choices[0].message.content in ("sunny", "rainy")
+    r = client.chat.completions.create(
+        model=server.model,
+        messages=MESSAGES,
+        max_tokens=300,
+        seed=1,
+        extra_body={"guided_json": SCHEMAS["get_time"], "guided_decoding_backend": "xgrammar"},
+    )
+    jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMAS["get_time"])
+    r = client.completions.create(
+        model=server.model,
+        prompt="Answer: ",
+        max_tokens=8,
+        seed=4,
+        extra_body={"guided_grammar": 'root ::= "yes" | "no"'},
+    )
+    assert r.choices[0].text in ("yes", "no")
+
+
 def _calls(message) -> list[tuple[str, str]]:
     return [(c.function.name, c.function.arguments) for c in message.tool_calls or ()]
 
@@ -252,6 +295,19 @@ def test_a_conversation_with_earlier_calls(server, client):
             {"tools": [WEATHER], "tool_choice": "required", "structured_outputs": {"choice": ["a"]}},
             "cannot be combined with tools",
         ),
+        (
+            {"tools": [WEATHER], "tool_choice": "required", "guided_choice": ["a"]},
+            "guided_choice cannot be combined with tools",
+        ),
+        ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_regex and guided_choice cannot be combined"),
+        (
+            {"guided_regex": "a", "response_format": {"type": "json_object"}},
+            "response_format and guided_regex cannot be combined",
+        ),
+        ({"guided_regex": "a", "structured_outputs": {"regex": "b"}}, "structured_outputs and guided_regex cannot"),
+        ({"guided_regex": "a(b"}, "regex cannot be compiled"),
+        ({"guided_choice": []}, "guided_choice (structured_outputs.choice)"),
+        ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern is not supported"),
     ],
 )
 def test_bad_constraints_are_400_and_the_server_keeps_serving(server, extra, fragment):

@@ -74,6 +74,7 @@ def _wire_model(cls: type, name: str) -> type[BaseModel]:
 
 # vLLM's `structured_outputs` extra: exactly one of the constraints (StructuredOutputsParams' fields).
 StructuredOutputsRequest = _wire_model(StructuredOutputsParams, "StructuredOutputsRequest")
+_GUIDED = ("json", "regex", "choice", "grammar")  # guided_<kind>: vLLM's earlier names of these constraints
 
 
 class _SamplingFields(BaseModel):
@@ -103,6 +104,15 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None  # type: ignore[valid-type]
+    # vLLM's fields before `structured_outputs` (removed in vLLM 0.12, still sent by older
+    # clients): taken as structured_outputs' json / regex / choice / grammar rather than ignored,
+    # which would return unconstrained text as if the constraint held
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None  # refused: see _constraint
+    guided_decoding_backend: str | None = None  # accepted and unused: one backend serves every constraint
     # scheduling extras: vLLM's priority (lower first), per-request SLOs
     priority: int = 0
     ttft_slo_ms: float | None = None
@@ -163,12 +173,36 @@ class _SamplingFields(BaseModel):
         return bias
 
     def _constraint(self) -> StructuredOutputsParams | None:
-        from_format = self.response_format.constraint() if self.response_format is not None else None
-        if self.structured_outputs is None:
-            return from_format
-        if from_format is not None:
-            raise ValueError("response_format and structured_outputs cannot both be given; use one")
-        return StructuredOutputsParams(**self.structured_outputs.model_dump())
+        if self.guided_whitespace_pattern is not None:
+            raise ValueError(
+                "guided_whitespace_pattern is not supported; structured_outputs.disable_any_whitespace "
+                "gives JSON without free whitespace"
+            )
+        legacy = {kind: v for kind in _GUIDED if (v := getattr(self, "guided_" + kind)) is not None}
+        given = ["guided_" + kind for kind in legacy]
+        if self.structured_outputs is not None:
+            given.insert(0, "structured_outputs")
+        if self.response_format is not None and self.response_format.type != "text":
+            given.insert(0, "response_format")
+        if len(given) > 1:
+            raise ValueError(f"{' and '.join(given)} cannot be combined; give one constraint")
+        if legacy:
+            ((kind, value),) = legacy.items()
+            try:
+                return StructuredOutputsParams(**{kind: value})
+            except ValueError as e:
+                raise ValueError(f"guided_{kind} (structured_outputs.{kind}): {e}") from None
+        if self.structured_outputs is not None:
+            return StructuredOutputsParams(**self.structured_outputs.model_dump())
+        return self.response_format.constraint() if self.response_format is not None else None
+
+    @property
+    def constraint_field(self) -> str | None:
+        """The field holding a constraint other than response_format (structured_outputs or a
+        guided_* one), if the request has one."""
+        if self.structured_outputs is not None:
+            return "structured_outputs"
+        return next(("guided_" + kind for kind in _GUIDED if getattr(self, "guided_" + kind) is not None), None)
 
     @property
     def include_usage(self) -> bool:

@@ -98,12 +98,12 @@ class ServingChat(OpenAIServing):
         in the schema), one grammar enforces both: calls in the tool format, or the schema's JSON."""
         if not req.tools or req.effective_tool_choice == "none":
             return None
-        if req.structured_outputs is not None:
+        if (field := req.constraint_field) is not None:
             raise APIError(
                 400,
-                "structured_outputs cannot be combined with tools (unless tool_choice is none); "
+                f"{field} cannot be combined with tools (unless tool_choice is none); "
                 "use response_format, which applies to the answer when the model calls no tool",
-                param="structured_outputs",
+                param=field,
                 code="invalid_value",
             )
         fmt = self.tool_format

@@ -191,6 +191,11 @@ _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)} | {
     "messages",
     "parallel_tool_calls",
     "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "guided_whitespace_pattern",
 }
 
 
