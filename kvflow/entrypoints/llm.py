@@ -15,6 +15,7 @@ from typing import Any
 from kvflow.config import EngineConfig
 from kvflow.engine.llm_engine import EngineStats, LLMEngine
 from kvflow.lora.request import LoRARequest
+from kvflow.models.chat_template import template_kwargs
 from kvflow.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from kvflow.sampling_params import SamplingParams
 
@@ -106,18 +107,31 @@ class LLM:
         sampling_params: SamplingParams | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
+        """`chat_template_kwargs`: more variables for the template, as vLLM's (Qwen3's
+        {"enable_thinking": False})."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         params = sampling_params or SamplingParams()
-        prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        prompts = [self.apply_chat_template(c, add_generation_prompt, chat_template_kwargs) for c in conversations]
         # The template already holds the special tokens (BOS etc.): do not add them twice.
         return self._run([(p, params, False) for p in prompts], use_tqdm)
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, str]],
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
         tok = self.engine.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise ValueError("this model has no chat template; use generate() with a plain prompt")
-        return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return tok.apply_chat_template(
+            messages,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            **template_kwargs(chat_template_kwargs),
+        )
 
     def _run(
         self,

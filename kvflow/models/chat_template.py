@@ -34,6 +34,27 @@ _HF_ONLY = frozenset(
     }
 )
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+# What a caller's extra template variables may not be: apply_chat_template's parameters and the
+# variables it sets itself from them.
+_NOT_VARIABLES = _HF_ONLY | {"conversation", "messages", "tools", "add_generation_prompt", "tokenize"}
+MAX_TEMPLATE_KWARGS = 64
+
+
+def template_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A request's extra template variables (vLLM's `chat_template_kwargs`, e.g. Qwen3's
+    `enable_thinking`), checked: a name that is one of apply_chat_template's own parameters would
+    change what it does rather than what the template sees, and is refused."""
+    if not kwargs:
+        return {}
+    if len(kwargs) > MAX_TEMPLATE_KWARGS:
+        raise ValueError(f"chat_template_kwargs holds {len(kwargs)} keys; at most {MAX_TEMPLATE_KWARGS} are allowed")
+    taken = sorted(k for k in kwargs if k in _NOT_VARIABLES)
+    if taken:
+        raise ValueError(
+            f"chat_template_kwargs cannot set {', '.join(repr(k[:64]) for k in taken)}: request fields or "
+            "apply_chat_template's own parameters, not template variables"
+        )
+    return dict(kwargs)
 
 
 def renders_here(conversation: Any, tools: Any, kwargs: Mapping[str, Any]) -> bool:

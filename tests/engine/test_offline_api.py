@@ -77,3 +77,36 @@ def test_a_collected_tensor_parallel_llm_frees_its_workers_for_the_next(tiny_lla
     with LLM(path, num_kv_blocks=64, max_model_len=64, tensor_parallel_size=2) as second:
         assert _tokens(second.generate(["hello world"], GREEDY, use_tqdm=False)) == expected
     assert not torch.distributed.is_initialized()
+
+
+# Qwen3's switch, as its template writes it: with enable_thinking false an empty think block.
+SWITCH_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+
+
+def test_chat_template_kwargs_reach_the_template(tiny_llama, tmp_path):
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    path = tmp_path / "switch"
+    shutil.copytree(tiny_llama[0], path)
+    hf = AutoTokenizer.from_pretrained(path)
+    hf.chat_template = SWITCH_TEMPLATE
+    hf.save_pretrained(path)
+    messages = [{"role": "user", "content": "hi"}]
+    with LLM(str(path), num_kv_blocks=64, max_model_len=128) as llm:
+        for kwargs in (None, {"enable_thinking": False}, {"enable_thinking": True, "unused": [1, {"a": None}]}):
+            theirs = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **(kwargs or {}))
+            assert llm.apply_chat_template(messages, True, kwargs) == theirs
+        off = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+        assert "</think>" in off
+        out = llm.chat(messages, GREEDY, use_tqdm=False, chat_template_kwargs={"enable_thinking": False})
+        assert out[0].prompt_token_ids == hf(off, add_special_tokens=False).input_ids
+        for key in ("tools", "add_generation_prompt", "continue_final_message"):
+            with pytest.raises(ValueError, match=f"chat_template_kwargs cannot set '{key}'"):
+                llm.chat(messages, GREEDY, use_tqdm=False, chat_template_kwargs={key: True})
+        assert_no_leaks(llm.engine)

@@ -29,7 +29,9 @@ THINK_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
     "{% if m['role'] == 'assistant' %}{{ (m['content'] or '').split('</think>')[-1] }}"
     "{% else %}{{ m['content'] }}{% endif %}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    # Qwen3's switch (chat_template_kwargs {"enable_thinking": false}): an empty think block
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
 )
 SCHEMA = {
     "type": "object",
@@ -66,6 +68,7 @@ def server(model_factory, tmp_path_factory):
     tok.save_pretrained(thinking)
     s = LiveServer(EngineConfig(model=thinking, num_kv_blocks=1024), ServerConfig(reasoning_parser="qwen3"))
     s.think_ids = tok.convert_tokens_to_ids(["<think>", "</think>"])
+    s.hf_tokenizer = tok
     yield s
     s.stop()
 
@@ -176,3 +179,30 @@ def test_a_conversation_with_earlier_reasoning(server):
         timeout=60,
     )
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "11"
+
+
+def test_chat_template_kwargs_switch_thinking_off(server):
+    # vLLM's chat_template_kwargs reach the template: the prompt is transformers' rendering of it
+    hf = server.hf_tokenizer
+
+    def hf_ids(**kwargs) -> list[int]:
+        text = hf.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True, **kwargs)
+        return hf(text, add_special_tokens=False).input_ids
+
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    assert hf_ids(enable_thinking=False) != hf_ids()
+    for body, expected in (({}, hf_ids()), (off, hf_ids(enable_thinking=False))):
+        r = httpx.post(server.url + "/tokenize", json={"messages": MESSAGES, **body}, timeout=60)
+        assert r.status_code == 200 and r.json()["tokens"] == expected, r.text
+        assert post(server, {"max_tokens": 2, **body})["usage"]["prompt_tokens"] == len(expected)
+    for bad in ({"add_generation_prompt": False}, {"messages": []}):
+        r = httpx.post(
+            server.url + "/v1/chat/completions",
+            json={"messages": MESSAGES, "max_tokens": 2, "chat_template_kwargs": bad},
+            timeout=60,
+        )
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "chat_template_kwargs" and f"cannot set {next(iter(bad))!r}" in err["message"], err
+    r = httpx.post(server.url + "/tokenize", json={"prompt": "hi", "chat_template_kwargs": {}}, timeout=60)
+    assert r.status_code == 400 and "goes with messages" in r.text, r.text

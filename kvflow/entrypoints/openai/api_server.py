@@ -437,6 +437,8 @@ def build_app(
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", param="prompt")
         if req.prompt is not None:
+            if req.chat_template_kwargs is not None:
+                raise APIError(400, "chat_template_kwargs goes with messages, not prompt", param="chat_template_kwargs")
             special = True if req.add_special_tokens is None else req.add_special_tokens
             ids = completions.tokenize(req.prompt, special)
         else:
@@ -444,7 +446,7 @@ def build_app(
                 conversation = [m.template_dict() for m in req.messages]
             except ValueError as e:
                 raise APIError(400, str(e), param="messages") from None
-            text = chat.apply_chat_template(conversation, req.add_generation_prompt)
+            text = chat.apply_chat_template(conversation, req.add_generation_prompt, variables=req.chat_template_kwargs)
             ids = chat.tokenize(text, bool(req.add_special_tokens), param="messages")
         body: dict[str, Any] = {"count": len(ids), "max_model_len": llm.max_model_len, "tokens": ids}
         if req.return_token_strs and llm.tokenizer is not None:

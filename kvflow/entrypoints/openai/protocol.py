@@ -485,6 +485,8 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
+    # vLLM's extra: more variables for the chat template (Qwen3's {"enable_thinking": false})
+    chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ChatTool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -533,6 +535,7 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = Field(None, max_length=MAX_MESSAGES)
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # with messages: as a chat request's
     return_token_strs: bool = False
 
     @field_validator("messages", mode="before")

@@ -15,6 +15,7 @@ from kvflow.engine.async_llm import AsyncLLM, EngineDeadError, EngineOverloadedE
 from kvflow.engine.detokenizer import TokenBytes
 from kvflow.entrypoints.openai.utils import APIError, abort_all, safe_logprob, value_error
 from kvflow.lora.request import LoRARequest
+from kvflow.models.chat_template import template_kwargs
 from kvflow.outputs import Logprob, RequestOutput
 from kvflow.sampling_params import SamplingParams
 from kvflow.tracing import INCOMING_TRACE, Tracer
@@ -85,17 +86,28 @@ class OpenAIServing:
         return self.tokenizer.decode(token_ids)
 
     def apply_chat_template(
-        self, conversation: list[dict[str, Any]], add_generation_prompt: bool, tools: list[dict[str, Any]] | None = None
+        self,
+        conversation: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        tools: list[dict[str, Any]] | None = None,
+        variables: dict[str, Any] | None = None,
     ) -> str:
+        """The conversation as the model's template renders it; `variables`: the request's
+        `chat_template_kwargs` (kvflow.models.chat_template.template_kwargs)."""
         tok = self.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
+        try:
+            extra = template_kwargs(variables)
+        except ValueError as e:
+            raise APIError(400, str(e), param="chat_template_kwargs", code="invalid_value") from None
         try:
             return tok.apply_chat_template(
                 conversation,
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
                 **({"tools": tools} if tools else {}),
+                **extra,
             )
         except Exception as e:  # jinja errors, raise_exception() in the template
             raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None

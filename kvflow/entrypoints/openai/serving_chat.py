@@ -88,7 +88,9 @@ class ServingChat(OpenAIServing):
             template_tools = req.tool_dicts()
         elif tools is not None:
             conversation = _generic_conversation(conversation, tools, req)
-        text = self.apply_chat_template(conversation, req.add_generation_prompt, tools=template_tools)
+        text = self.apply_chat_template(
+            conversation, req.add_generation_prompt, tools=template_tools, variables=req.chat_template_kwargs
+        )
         # The template already holds the special tokens (BOS etc.): do not add them twice.
         return self.tokenize(text, add_special_tokens=False, param="messages")
 
