@@ -16,6 +16,7 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 64
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias
+MAX_ALLOWED_TOKEN_IDS = 262144  # entries of allowed_token_ids (beyond any vocabulary served)
 LOGIT_BIAS_LIMIT = 100.0  # |bias|, as OpenAI
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # int64, as vLLM
 # An expert trace (return_expert_trace) holds one entry per token and MoE layer: at most this many
@@ -47,6 +48,12 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # token id -> added to its logit before sampling (OpenAI's logit_bias; -100 bans a token)
     logit_bias: dict[int, float] | None = None
+    # vLLM's: sample only among these token ids
+    allowed_token_ids: list[int] | None = None
+    # vLLM's: a stop string that ends the output stays at its end
+    include_stop_str_in_output: bool = False
+    # vLLM's: keep only the prompt's last N tokens (-1: the last max_model_len), dropping its start
+    truncate_prompt_tokens: int | None = None
     # a JSON schema, regex, choice or grammar the output must follow (see structured_output/)
     structured_outputs: StructuredOutputsParams | None = None
     # Scheduling (vLLM's priority: lower first; SLOs for the slo policy and the goodput metrics;
@@ -111,7 +118,7 @@ class SamplingParams:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         integer("logprobs", 0, MAX_LOGPROBS, optional=True)
         integer("prompt_logprobs", 0, MAX_LOGPROBS, optional=True)
-        for name in ("ignore_eos", "skip_special_tokens", "return_expert_trace"):
+        for name in ("ignore_eos", "skip_special_tokens", "return_expert_trace", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "true or false")
         if len(self.stop) > MAX_STOP_STRINGS:
@@ -127,6 +134,17 @@ class SamplingParams:
         if any(not is_int(t) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {_short(self.stop_token_ids)}")
         self._validate_logit_bias()
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, list) or not ids or any(not is_int(t) or t < 0 for t in ids):
+                raise bad("allowed_token_ids", "a non-empty list of non-negative token ids")
+            if len(ids) > MAX_ALLOWED_TOKEN_IDS:
+                raise ValueError(f"allowed_token_ids holds {len(ids)} ids; at most {MAX_ALLOWED_TOKEN_IDS} are allowed")
+        if self.truncate_prompt_tokens is not None and (
+            not is_int(self.truncate_prompt_tokens)
+            or not (self.truncate_prompt_tokens >= 1 or self.truncate_prompt_tokens == -1)
+        ):
+            raise bad("truncate_prompt_tokens", "a positive integer, or -1 (the last max_model_len tokens)")
         if not is_int(self.priority) or not SEED_MIN <= self.priority <= SEED_MAX:
             raise bad("priority", "an integer (lower is served first)")
         for name in ("ttft_slo_ms", "tpot_slo_ms"):

@@ -374,7 +374,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        prompt_ids = self.tokenize(prompt, add_special_tokens)
+        prompt_ids = self._truncate(self.tokenize(prompt, add_special_tokens), params.truncate_prompt_tokens)
         self._validate_request(prompt_ids, params)
         self._check_lora(lora_request)
         # Without a connector, the base class's check refuses any transfer the params ask for.
@@ -459,6 +459,18 @@ class LLMEngine:
         reqs = self.scheduler.running if which == "running" else self.scheduler.waiting
         return sorted({r.lora.lora_name for r in reqs if r.lora is not None})
 
+    def _truncate(self, prompt_ids: list[int], keep: int | None) -> list[int]:
+        """truncate_prompt_tokens (vLLM's): the prompt's last `keep` tokens (-1: max_model_len)."""
+        if keep is None:
+            return prompt_ids
+        if keep > self.max_model_len:
+            raise ValueError(
+                f"truncate_prompt_tokens ({keep}) is greater than max_model_len ({self.max_model_len}); "
+                "give at most max_model_len, or -1 for it"
+            )
+        keep = self.max_model_len if keep == -1 else keep
+        return prompt_ids[-keep:]
+
     def _validate_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """What only the model knows: the vocabulary and the context length."""
         if not prompt_ids:
@@ -473,6 +485,9 @@ class LLMEngine:
         bad = [t for t in params.logit_bias or () if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"logit_bias: token id {bad[0]} is out of range [0, {vocab})")
+        bad = [t for t in params.allowed_token_ids or () if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"allowed_token_ids: token id {bad[0]} is out of range [0, {vocab})")
         n, limit = len(prompt_ids), self.max_model_len
         if n >= limit:
             raise ValueError(

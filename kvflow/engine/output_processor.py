@@ -226,7 +226,7 @@ class OutputProcessor:
         hits = [(i, s) for i, s in hits if i >= 0]
         if hits:
             idx, stop = min(hits)
-            child.text = child.text[:idx]
+            child.text = child.text[: idx + (len(stop) if child.params.include_stop_str_in_output else 0)]
             child.finish_reason = "stop"
             child.stop_reason = stop
 

@@ -496,10 +496,11 @@ class ModelRunner:
     def _constrain(
         self, logits: torch.Tensor, seqs: list[ScheduledSeq], grammar: GrammarBitmask | None
     ) -> torch.Tensor:
-        """logit_bias, then the grammar's mask (disallowed tokens get -inf), on every row a
-        sequence samples from (draft positions included), before the sampler or the verifier:
-        both then see the same distribution, so speculative decoding stays exact under them."""
-        if grammar is not None or any(s.params.logit_bias for s in seqs):
+        """logit_bias, allowed_token_ids (the others get -inf), then the grammar's mask (disallowed
+        tokens get -inf), on every row a sequence samples from (draft positions included), before
+        the sampler or the verifier: both then see the same distribution, so speculative decoding
+        stays exact under them."""
+        if grammar is not None or any(s.params.logit_bias or s.params.allowed_token_ids for s in seqs):
             logits = logits.float()
         start = 0
         for s in seqs:
@@ -508,6 +509,12 @@ class ModelRunner:
                 ids = torch.tensor(list(s.params.logit_bias), dtype=torch.long, device=logits.device)
                 bias = torch.tensor(list(s.params.logit_bias.values()), dtype=logits.dtype, device=logits.device)
                 logits[start : start + n, ids] += bias
+            if s.params.allowed_token_ids:
+                ids = torch.tensor(s.params.allowed_token_ids, dtype=torch.long, device=logits.device)
+                rows = logits[start : start + n]
+                kept = rows[:, ids].clone()
+                rows.fill_(float("-inf"))
+                rows[:, ids] = kept
             start += n
         if grammar is not None:
             apply_bitmask(logits, grammar)

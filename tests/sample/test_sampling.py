@@ -197,6 +197,12 @@ def test_incremental_detokenization_never_breaks_characters(text):
         dict(logprobs=99),
         dict(min_tokens=5, max_tokens=2),
         dict(repetition_penalty=0),
+        dict(allowed_token_ids=[]),
+        dict(allowed_token_ids=[1, -1]),
+        dict(allowed_token_ids=[0] * 262145),
+        dict(truncate_prompt_tokens=0),
+        dict(truncate_prompt_tokens=-2),
+        dict(include_stop_str_in_output=1),
     ],
 )
 def test_invalid_sampling_values_name_the_field(bad):

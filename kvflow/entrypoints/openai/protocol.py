@@ -1,8 +1,8 @@
 """Request bodies of the OpenAI-compatible API (pydantic), and their mapping to `SamplingParams`.
 
 Responses are plain dicts built by the serving modules (their shapes follow OpenAI's API reference).
-Unknown fields are ignored, as OpenAI and vLLM do; fields OpenAI knows and kvflow does not implement
-yet are refused with 400 naming them. Ranges are checked by `SamplingParams` so that the offline
+Unknown fields are ignored, as OpenAI and vLLM do; fields OpenAI or vLLM know and kvflow does not
+implement are refused with 400 naming them whenever they ask for something. Ranges are checked by `SamplingParams` so that the offline
 API and the server report the same limits; pydantic checks types (strictly: JSON Schema's rules), the
 per-role message rules and the limits that exist only on the wire (top_logprobs, n, list lengths).
 """
@@ -14,7 +14,7 @@ import typing
 import warnings
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, create_model, field_validator
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, create_model, field_validator, model_validator
 
 from kvflow.entrypoints.openai.utils import APIError
 from kvflow.sampling_params import MAX_N, SamplingParams
@@ -77,10 +77,46 @@ StructuredOutputsRequest = _wire_model(StructuredOutputsParams, "StructuredOutpu
 _GUIDED = ("json", "regex", "choice", "grammar")  # guided_<kind>: vLLM's earlier names of these constraints
 
 
+# vLLM's request extras that kvflow does not implement, with the values that ask for nothing
+# (which pass): any other value is refused with 400, since ignored the answer would look right
+# and not be what was asked.
+_UNSUPPORTED_EXTRAS: dict[str, tuple[Any, ...]] = {
+    "use_beam_search": (False,),
+    "length_penalty": (1.0, 1),
+    "bad_words": (None, []),
+    "logits_processors": (None, []),
+    "vllm_xargs": (None, {}),
+    "return_tokens_as_token_ids": (None, False),
+    "return_token_ids": (None, False),
+    "cache_salt": (None,),
+    "spaces_between_special_tokens": (True,),
+    "mm_processor_kwargs": (None, {}),
+}
+# ... and those of chat completions only
+_UNSUPPORTED_CHAT_EXTRAS: dict[str, tuple[Any, ...]] = {
+    "echo": (False,),
+    "chat_template": (None,),
+    "documents": (None, []),
+}
+
+
+def _refuse_extras(body: Any, unsupported: dict[str, tuple[Any, ...]]) -> Any:
+    if isinstance(body, dict):
+        for name, idle in unsupported.items():
+            if name in body and not any(type(body[name]) is type(v) and body[name] == v for v in idle):
+                raise ValueError(f"{name} is not supported (vLLM's extra); leave it out")
+    return body
+
+
 class _SamplingFields(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model_config = _CONFIG
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unsupported(cls, body: Any) -> Any:
+        return _refuse_extras(body, _UNSUPPORTED_EXTRAS)
 
     model: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
@@ -102,6 +138,9 @@ class _SamplingFields(BaseModel):
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None  # type: ignore[valid-type]
     # vLLM's fields before `structured_outputs` (removed in vLLM 0.12, still sent by older
@@ -152,6 +191,9 @@ class _SamplingFields(BaseModel):
             logprobs=logprobs,
             prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            allowed_token_ids=self.allowed_token_ids,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
             logit_bias=self._logit_bias(),
             structured_outputs=self._constraint(),
             priority=self.priority,
@@ -485,6 +527,10 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
+    # vLLM's extras: the template goes on with the last (assistant) message instead of opening a
+    # new one; the special tokens (BOS) added to the rendered text, which usually holds them
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
     # vLLM's extra: more variables for the chat template (Qwen3's {"enable_thinking": false})
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ChatTool] | None = Field(None, max_length=MAX_TOOLS)
@@ -499,7 +545,19 @@ class ChatCompletionRequest(_SamplingFields):
     def _check_messages(cls, v: Any) -> Any:
         return check_messages(v)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _unsupported_in_chat(cls, body: Any) -> Any:
+        return _refuse_extras(body, _UNSUPPORTED_CHAT_EXTRAS)
+
     def to_sampling_params(self) -> SamplingParams:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError(
+                "continue_final_message and add_generation_prompt cannot both be true; "
+                "set add_generation_prompt to false to continue the last message"
+            )
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ValueError("continue_final_message needs the last message to be the assistant's")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
         for name in ("functions", "function_call"):

@@ -91,9 +91,11 @@ class OpenAIServing:
         add_generation_prompt: bool,
         tools: list[dict[str, Any]] | None = None,
         variables: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> str:
         """The conversation as the model's template renders it; `variables`: the request's
-        `chat_template_kwargs` (kvflow.models.chat_template.template_kwargs)."""
+        `chat_template_kwargs` (kvflow.models.chat_template.template_kwargs);
+        `continue_final_message`: ending inside the last message, as transformers renders it."""
         tok = self.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
@@ -107,6 +109,7 @@ class OpenAIServing:
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
                 **({"tools": tools} if tools else {}),
+                **({"continue_final_message": True} if continue_final_message else {}),
                 **extra,
             )
         except Exception as e:  # jinja errors, raise_exception() in the template

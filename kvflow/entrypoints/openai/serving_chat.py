@@ -89,10 +89,14 @@ class ServingChat(OpenAIServing):
         elif tools is not None:
             conversation = _generic_conversation(conversation, tools, req)
         text = self.apply_chat_template(
-            conversation, req.add_generation_prompt, tools=template_tools, variables=req.chat_template_kwargs
+            conversation,
+            req.add_generation_prompt,
+            tools=template_tools,
+            variables=req.chat_template_kwargs,
+            continue_final_message=req.continue_final_message,
         )
-        # The template already holds the special tokens (BOS etc.): do not add them twice.
-        return self.tokenize(text, add_special_tokens=False, param="messages")
+        # The template usually holds the special tokens (BOS etc.): not added again unless asked.
+        return self.tokenize(text, add_special_tokens=req.add_special_tokens, param="messages")
 
     def tool_format_for(self, req: ChatCompletionRequest, params: SamplingParams) -> ToolCallFormat | None:
         """The tool-call format when this request uses tools; constrains `params` to the tool

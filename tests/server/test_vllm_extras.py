@@ -1,0 +1,160 @@
+"""vLLM's request extras on the HTTP server, each against a reference outside the feature: a run
+without it (stop strings, prompt truncation), the unconstrained run's own logprobs (allowed token
+ids), transformers' rendering of the template (continue_final_message); and the extras kvflow does
+not implement are 400s naming them whenever they ask for something, never silently ignored."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from transformers import AutoTokenizer
+
+from kvflow.config import EngineConfig
+
+from server_utils import LiveServer
+
+pytestmark = pytest.mark.server  # starts servers or worker processes: not in `make test-fast`
+
+MAX_MODEL_LEN = 256
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama):
+    s = LiveServer(EngineConfig(model=tiny_llama[0], num_kv_blocks=256, max_model_len=MAX_MODEL_LEN))
+    s.hf_tokenizer = AutoTokenizer.from_pretrained(tiny_llama[0])
+    yield s
+    s.stop()
+
+
+def post(server, path: str, body: dict) -> dict:
+    r = httpx.post(server.url + path, json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def complete(server, **body) -> dict:
+    return post(server, "/v1/completions", {"max_tokens": 24, "temperature": 0, "ignore_eos": True, **body})
+
+
+def test_include_stop_str_in_output(server):
+    plain = complete(server, prompt="The weather today")["choices"][0]["text"]
+    at = len(plain) // 2
+    stop = plain[at : at + 3]
+    idx = plain.find(stop)  # (its first occurrence, where the output stops)
+    assert idx > 0 and stop.strip(), plain
+    cut = complete(server, prompt="The weather today", stop=[stop])["choices"][0]
+    assert (cut["text"], cut["finish_reason"], cut["stop_reason"]) == (plain[:idx], "stop", stop)
+    kept = complete(server, prompt="The weather today", stop=[stop], include_stop_str_in_output=True)["choices"][0]
+    assert (kept["text"], kept["finish_reason"]) == (plain[: idx + len(stop)], "stop")
+    with httpx.stream(
+        "POST",
+        server.url + "/v1/completions",
+        json={
+            "prompt": "The weather today",
+            "max_tokens": 24,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stop": [stop],
+            "include_stop_str_in_output": True,
+            "stream": True,
+        },
+        timeout=60,
+    ) as r:
+        import json
+
+        streamed = "".join(
+            json.loads(line[6:])["choices"][0]["text"]
+            for line in r.iter_lines()
+            if line.startswith("data: {") and json.loads(line[6:])["choices"]
+        )
+    assert streamed == kept["text"]
+
+
+def test_allowed_token_ids(server):
+    first = complete(server, prompt="Once upon a time", max_tokens=1, logprobs=20)["choices"][0]["logprobs"]
+    ranked = sorted(first["top_logprobs"][0].items(), key=lambda kv: -kv[1])
+    # the allowed set: the unconstrained step's 6th to 12th most likely tokens, as ids
+    tok = server.hf_tokenizer
+    allowed = []
+    for text, _ in ranked[5:12]:
+        ids = tok.encode(text, add_special_tokens=False)
+        if len(ids) == 1 and tok.decode(ids) == text:
+            allowed.append(ids[0])
+    assert len(allowed) >= 3, ranked
+    best = max(allowed, key=lambda t: first["top_logprobs"][0][tok.decode([t])])
+    out = complete(server, prompt="Once upon a time", allowed_token_ids=allowed, max_tokens=1)
+    assert out["choices"][0]["text"] == tok.decode([best])
+    for seed in range(3):
+        body = {"prompt": "Once upon a time", "max_tokens": 12, "temperature": 1.0, "seed": seed, "ignore_eos": True}
+        r = post(server, "/v1/completions", {**body, "allowed_token_ids": allowed, "logprobs": 0})
+        generated = r["choices"][0]["logprobs"]["tokens"]
+        assert all(tok.convert_tokens_to_string([t]) in {tok.decode([a]) for a in allowed} for t in generated), (
+            generated
+        )
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "a", "allowed_token_ids": [10**6]}, timeout=30)
+    assert r.status_code == 400 and "allowed_token_ids: token id 1000000 is out of range" in r.text, r.text
+
+
+def test_truncate_prompt_tokens(server):
+    ids = server.hf_tokenizer.encode("one two three four five six seven eight nine ten " * 4, add_special_tokens=False)
+    assert len(ids) > 20
+    cut = complete(server, prompt=ids, truncate_prompt_tokens=12)
+    alone = complete(server, prompt=ids[-12:])
+    assert cut["usage"]["prompt_tokens"] == 12
+    assert cut["choices"][0]["text"] == alone["choices"][0]["text"]
+    long = ids * (MAX_MODEL_LEN // len(ids) + 1)
+    fits = complete(server, prompt=long, truncate_prompt_tokens=MAX_MODEL_LEN - 24)
+    assert fits["usage"]["prompt_tokens"] == MAX_MODEL_LEN - 24
+    for bad, fragment in ((MAX_MODEL_LEN + 1, "greater than max_model_len"), (0, "a positive integer, or -1")):
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": ids, "truncate_prompt_tokens": bad}, timeout=30)
+        assert r.status_code == 400 and fragment in r.text, r.text
+
+
+def test_continue_final_message(server):
+    messages = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "My favourite is"}]
+    tok = server.hf_tokenizer
+    text = tok.apply_chat_template(messages, tokenize=False, continue_final_message=True)
+    assert text.rstrip().endswith("My favourite is")
+    chat = post(
+        server,
+        "/v1/chat/completions",
+        {
+            "messages": messages,
+            "add_generation_prompt": False,
+            "continue_final_message": True,
+            "max_tokens": 12,
+            "temperature": 0,
+            "ignore_eos": True,
+        },
+    )
+    reference = complete(server, prompt=text, add_special_tokens=False, max_tokens=12)
+    assert chat["usage"]["prompt_tokens"] == reference["usage"]["prompt_tokens"]
+    assert chat["choices"][0]["message"]["content"] == reference["choices"][0]["text"]
+    for body, fragment in (
+        ({"messages": messages, "continue_final_message": True}, "cannot both be true"),
+        ({"messages": messages[:1], "continue_final_message": True, "add_generation_prompt": False}, "assistant"),
+    ):
+        r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30)
+        assert r.status_code == 400 and fragment in r.text, r.text
+
+
+@pytest.mark.parametrize(
+    "path,field,asks,idle",
+    [
+        ("/v1/completions", "use_beam_search", True, False),
+        ("/v1/completions", "length_penalty", 0.5, 1.0),
+        ("/v1/completions", "bad_words", ["x"], []),
+        ("/v1/chat/completions", "cache_salt", "tenant-a", None),
+        ("/v1/chat/completions", "return_token_ids", True, False),
+        ("/v1/chat/completions", "spaces_between_special_tokens", False, True),
+        ("/v1/chat/completions", "echo", True, False),
+        ("/v1/chat/completions", "chat_template", "{{ messages }}", None),
+    ],
+)
+def test_unimplemented_extras_are_refused_when_they_ask_for_something(server, path, field, asks, idle):
+    body = {"max_tokens": 2}
+    body.update({"prompt": "hi"} if "chat" not in path else {"messages": [{"role": "user", "content": "hi"}]})
+    r = httpx.post(server.url + path, json={**body, field: asks}, timeout=30)
+    assert r.status_code == 400, r.text
+    assert f"{field} is not supported" in r.json()["error"]["message"], r.text
+    assert httpx.post(server.url + path, json={**body, field: idle}, timeout=30).status_code == 200
