@@ -92,10 +92,12 @@ def server(model_factory, tmp_path_factory):
     tok = AutoTokenizer.from_pretrained(hermes)
     tok.chat_template = HERMES_TEMPLATE
     tok.save_pretrained(hermes)
+    s_tok = tok
     s = LiveServer(
         EngineConfig(model=hermes, num_kv_blocks=1024),
         ServerConfig(api_key=KEY, max_request_body_bytes=200_000, log_interval_s=60),
     )
+    s.hf_tokenizer = s_tok
     yield s
     s.stop()
 
@@ -252,6 +254,39 @@ def test_conversation_continues_after_a_tool_result(server, client):
     text = tok.apply_chat_template(chat, tools=functions, tokenize=False, add_generation_prompt=True)
     assert "<tool_call>\n" in text and "18 degrees" in text
     assert m.usage.input_tokens == len(tok(text, add_special_tokens=False)["input_ids"])
+
+
+def test_a_final_assistant_message_is_continued(server, client):
+    # Anthropic's prefill: the answer continues the last assistant message. The reference is
+    # transformers' rendering with continue_final_message, completed greedily on /v1/completions.
+    messages = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "My favourite is"}]
+    text = server.hf_tokenizer.apply_chat_template(messages, tokenize=False, continue_final_message=True)
+    assert text.endswith("My favourite is")
+    ref = post(server, "/v1/completions", {"prompt": text, "max_tokens": 16, "add_special_tokens": False, **GREEDY})
+    assert ref.status_code == 200, ref.text
+    ref = ref.json()
+    kw = dict(model=server.model, max_tokens=16, messages=messages, extra_body=GREEDY)
+    m = client.messages.create(**kw)
+    assert "".join(b.text for b in m.content) == ref["choices"][0]["text"]
+    assert m.usage.input_tokens == ref["usage"]["prompt_tokens"]
+    with client.messages.stream(**kw) as stream:
+        assert [b.text for b in stream.get_final_message().content] == [b.text for b in m.content]
+    assert client.messages.count_tokens(model=server.model, messages=messages).input_tokens == m.usage.input_tokens
+    call = {"type": "tool_use", "id": "toolu_1", "name": "get_time", "input": {"zone": "UTC"}}
+    for last, extra, fragment in (
+        ({"role": "assistant", "content": "My favourite is "}, {}, "cannot end with trailing whitespace"),
+        ({"role": "assistant", "content": [call]}, {"tools": TOOLS}, "with tool_use blocks cannot be continued"),
+        ({"role": "assistant", "content": "It is"}, {"tools": TOOLS}, "cannot be combined with tools in use"),
+    ):
+        body = {"model": server.model, "max_tokens": 4, "messages": [messages[0], last], **extra}
+        assert_error(post(server, "/v1/messages", body), 400, "invalid_request_error", "messages.1", fragment)
+    body = {
+        "model": server.model,
+        "max_tokens": 4,
+        "messages": [messages[0], {"role": "assistant", "content": "It is"}],
+    }
+    ok = post(server, "/v1/messages", {**body, "tools": TOOLS, "tool_choice": {"type": "none"}})
+    assert ok.status_code == 200, ok.text
 
 
 def test_count_tokens_equals_the_usage_of_the_same_request(server, client):

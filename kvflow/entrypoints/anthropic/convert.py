@@ -40,6 +40,10 @@ def chat_request(req: ConversationFields) -> ChatCompletionRequest:
             _append_merged(messages, converted)
     choice, parallel = _tool_choice(req)
     body: dict[str, Any] = {"messages": messages, "tool_choice": choice, "parallel_tool_calls": parallel}
+    if req.messages and req.messages[-1].role == "assistant":
+        _check_prefill(req, len(req.messages) - 1, messages[-1], choice)
+        # the template ends inside that message and the answer continues it, as Anthropic's prefill
+        body.update(add_generation_prompt=False, continue_final_message=True)
     if req.tools:
         body["tools"] = [
             {
@@ -56,6 +60,33 @@ def chat_request(req: ConversationFields) -> ChatCompletionRequest:
         return ChatCompletionRequest.model_validate(body)
     except ValidationError as e:  # a limit of the chat path, e.g. tool results made too many messages
         raise validation_error(e) from None
+
+
+def _check_prefill(req: ConversationFields, i: int, last: dict[str, Any], choice: Any) -> None:
+    """A final assistant message (prefill) is continued: it must be text, without the trailing
+    whitespace Anthropic refuses, and not where the answer must be a tool call's format."""
+    if last.get("tool_calls"):
+        raise APIError(
+            400,
+            f"messages.{i}: a final assistant message with tool_use blocks cannot be continued",
+            param=f"messages.{i}",
+        )
+    text = last.get("content") or ""
+    if not text:
+        raise APIError(
+            400, f"messages.{i}: a final assistant message (prefill) needs text to continue", param=f"messages.{i}"
+        )
+    if text != text.rstrip():
+        raise APIError(
+            400, f"messages.{i}: final assistant content cannot end with trailing whitespace", param=f"messages.{i}"
+        )
+    if req.tools and choice != "none":
+        raise APIError(
+            400,
+            f"messages.{i}: a final assistant message (prefill) cannot be combined with tools in use "
+            "(the answer would have to be a call); drop it, or set tool_choice to none",
+            param=f"messages.{i}",
+        )
 
 
 def _tool_choice(req: ConversationFields) -> tuple[str | dict[str, Any] | None, bool]:

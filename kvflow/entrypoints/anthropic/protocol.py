@@ -113,13 +113,6 @@ def check_messages(v: Any) -> Any:
                     f"(this server reads {allowed})",
                     param=f"messages.{i}.content.{j}.type",
                 )
-    if v and isinstance(v[-1], dict) and v[-1].get("role") == "assistant":
-        raise APIError(
-            400,
-            f"messages.{len(v) - 1}: the last message must be a user message; continuing a final assistant "
-            "message (prefill) is not supported",
-            param=f"messages.{len(v) - 1}.role",
-        )
     return v
 
 
