@@ -73,14 +73,7 @@ class LLM:
         ):
             prompts = [prompts]
         prompts = [_prompt_of(p) for p in prompts]
-        params = sampling_params if sampling_params is not None else SamplingParams()
-        if isinstance(params, SamplingParams):
-            params = [params] * len(prompts)
-        elif len(params) != len(prompts):
-            raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams")
-        loras = [lora_request] * len(prompts) if not isinstance(lora_request, (list, tuple)) else list(lora_request)
-        if len(loras) != len(prompts):
-            raise ValueError(f"got {len(prompts)} prompts but {len(loras)} lora_requests")
+        params, loras = _per_prompt(len(prompts), sampling_params, lora_request)
         return self._run([(p, sp, True) for p, sp in zip(prompts, params)], use_tqdm, loras)
 
     def embed(
@@ -103,33 +96,55 @@ class LLM:
 
     def chat(
         self,
-        messages: list[dict[str, str]] | list[list[dict[str, str]]],
-        sampling_params: SamplingParams | None = None,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """`chat_template_kwargs`: more variables for the template, as vLLM's (Qwen3's
-        {"enable_thinking": False})."""
+        """One conversation or a list of them through the model's chat template, as vLLM's
+        `LLM.chat`: `sampling_params` and `lora_request` as `generate` takes them;
+        `continue_final_message` ends the prompt inside the last (assistant) message, which the
+        output continues (with add_generation_prompt=False); `tools` (JSON function schemas) are
+        rendered by the template, their calls left in the text; `chat_template_kwargs`: more
+        variables for the template (Qwen3's {"enable_thinking": False})."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        params = sampling_params or SamplingParams()
-        prompts = [self.apply_chat_template(c, add_generation_prompt, chat_template_kwargs) for c in conversations]
+        params, loras = _per_prompt(len(conversations), sampling_params, lora_request)
+        prompts = [
+            self.apply_chat_template(c, add_generation_prompt, chat_template_kwargs, continue_final_message, tools)
+            for c in conversations
+        ]
         # The template already holds the special tokens (BOS etc.): do not add them twice.
-        return self._run([(p, params, False) for p in prompts], use_tqdm)
+        return self._run([(p, sp, False) for p, sp in zip(prompts, params)], use_tqdm, loras)
 
     def apply_chat_template(
         self,
-        messages: list[dict[str, str]],
+        messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         tok = self.engine.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise ValueError("this model has no chat template; use generate() with a plain prompt")
+        if continue_final_message:
+            if add_generation_prompt:
+                raise ValueError(
+                    "continue_final_message and add_generation_prompt cannot both be true; "
+                    "pass add_generation_prompt=False to continue the last message"
+                )
+            if not messages or messages[-1].get("role") != "assistant":
+                raise ValueError("continue_final_message needs the last message to be the assistant's")
         return tok.apply_chat_template(
             messages,
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
+            **({"continue_final_message": True} if continue_final_message else {}),
+            **({"tools": tools} if tools else {}),
             **template_kwargs(chat_template_kwargs),
         )
 
@@ -176,3 +191,19 @@ class LLM:
         """Release the engine: persist the prefix cache to the KV offload tiers (if configured), stop
         the KV connector and the worker processes, and leave the process group. Idempotent."""
         self._finalizer()
+
+
+def _per_prompt(
+    n: int,
+    sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+    lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
+) -> tuple[list[SamplingParams], list[LoRARequest | None]]:
+    """One SamplingParams and one adapter (or None) per prompt: a single one for all, or a list."""
+    params = sampling_params if sampling_params is not None else SamplingParams()
+    params = [params] * n if isinstance(params, SamplingParams) else list(params)
+    if len(params) != n:
+        raise ValueError(f"got {n} prompts but {len(params)} SamplingParams")
+    loras = [lora_request] * n if not isinstance(lora_request, (list, tuple)) else list(lora_request)
+    if len(loras) != n:
+        raise ValueError(f"got {n} prompts but {len(loras)} lora_requests")
+    return params, loras

@@ -81,6 +81,7 @@ def test_a_collected_tensor_parallel_llm_frees_its_workers_for_the_next(tiny_lla
 
 # Qwen3's switch, as its template writes it: with enable_thinking false an empty think block.
 SWITCH_TEMPLATE = (
+    "{% if tools %}Tools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}\n{% endif %}"
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n"
     "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
@@ -109,4 +110,26 @@ def test_chat_template_kwargs_reach_the_template(tiny_llama, tmp_path):
         for key in ("tools", "add_generation_prompt", "continue_final_message"):
             with pytest.raises(ValueError, match=f"chat_template_kwargs cannot set '{key}'"):
                 llm.chat(messages, GREEDY, use_tqdm=False, chat_template_kwargs={key: True})
+        # vLLM's other chat arguments: tools rendered, the last message continued, params per conversation
+        tools = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+        assert llm.apply_chat_template(messages, tools=tools) == hf.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, tools=tools
+        )
+        partial = [*messages, {"role": "assistant", "content": "Hello, I am"}]
+        theirs = hf.apply_chat_template(partial, tokenize=False, continue_final_message=True)
+        assert theirs.endswith("Hello, I am")
+        assert llm.apply_chat_template(partial, False, continue_final_message=True) == theirs
+        outs = llm.chat(
+            [partial, messages],
+            [GREEDY, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)],
+            use_tqdm=False,
+            add_generation_prompt=False,
+            continue_final_message=False,
+        )
+        assert [len(o.outputs[0].token_ids) for o in outs] == [6, 3]
+        out = llm.chat(partial, GREEDY, use_tqdm=False, add_generation_prompt=False, continue_final_message=True)
+        assert out[0].prompt_token_ids == hf(theirs, add_special_tokens=False).input_ids
+        for kwargs, fragment in (({}, "cannot both be true"), ({"add_generation_prompt": False}, "assistant's")):
+            with pytest.raises(ValueError, match=fragment):
+                llm.chat(messages, GREEDY, use_tqdm=False, continue_final_message=True, **kwargs)
         assert_no_leaks(llm.engine)
