@@ -5,6 +5,8 @@ not implement are 400s naming them whenever they ask for something, never silent
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 from transformers import AutoTokenizer
@@ -60,8 +62,6 @@ def test_include_stop_str_in_output(server):
         },
         timeout=60,
     ) as r:
-        import json
-
         streamed = "".join(
             json.loads(line[6:])["choices"][0]["text"]
             for line in r.iter_lines()
@@ -138,6 +138,64 @@ def test_continue_final_message(server):
         assert r.status_code == 400 and fragment in r.text, r.text
 
 
+def stream_chunks(server, path: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", server.url + path, json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200
+        return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+
+
+def test_return_token_ids(server):
+    # the ids are the engine's: the prompt's as /tokenize gives them, the output's decode to the text
+    tok = server.hf_tokenizer
+    body = {"prompt": "The weather today", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    c = post(server, "/v1/completions", {**body, "return_token_ids": True})["choices"][0]
+    assert c["prompt_token_ids"] == post(server, "/tokenize", {"prompt": "The weather today"})["tokens"]
+    # (a character cut by the last token: transformers decodes it as U+FFFD, the server leaves it out)
+    assert len(c["token_ids"]) == 12 and tok.decode(c["token_ids"]).rstrip("\ufffd") == c["text"].rstrip("\ufffd")
+    chunks = stream_chunks(server, "/v1/completions", {**body, "return_token_ids": True})
+    assert [t for ch in chunks for t in ch["choices"][0]["token_ids"]] == c["token_ids"]
+    assert [ch["choices"][0].get("prompt_token_ids") for ch in chunks if "prompt_token_ids" in ch["choices"][0]] == [
+        c["prompt_token_ids"]
+    ]
+    assert "token_ids" not in post(server, "/v1/completions", body)["choices"][0]
+    messages = [{"role": "user", "content": "Say something."}]
+    chat_body = {"messages": messages, "max_tokens": 12, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    r = post(server, "/v1/chat/completions", chat_body)
+    assert r["prompt_token_ids"] == post(server, "/tokenize", {"messages": messages})["tokens"]
+    ids = r["choices"][0]["token_ids"]
+    assert len(ids) == r["usage"]["completion_tokens"] == 12
+    chunks = stream_chunks(server, "/v1/chat/completions", chat_body)
+    assert [t for ch in chunks if ch["choices"] for t in ch["choices"][0].get("token_ids", [])] == ids
+    assert [ch["prompt_token_ids"] for ch in chunks if "prompt_token_ids" in ch] == [r["prompt_token_ids"]]
+
+
+def test_return_tokens_as_token_ids(server):
+    body = {"prompt": "The weather today", "max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 3}
+    c = post(server, "/v1/completions", {**body, "return_token_ids": True, "return_tokens_as_token_ids": True})
+    c = c["choices"][0]
+    assert c["logprobs"]["tokens"] == [f"token_id:{t}" for t in c["token_ids"]]
+    assert all(k.startswith("token_id:") for top in c["logprobs"]["top_logprobs"] for k in top)
+    plain = post(server, "/v1/completions", body)["choices"][0]["logprobs"]
+    assert plain["token_logprobs"] == c["logprobs"]["token_logprobs"]
+    chat = post(
+        server,
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 4,
+            "temperature": 0,
+            "ignore_eos": True,
+            "logprobs": True,
+            "top_logprobs": 2,
+            "return_token_ids": True,
+            "return_tokens_as_token_ids": True,
+        },
+    )["choices"][0]
+    content = chat["logprobs"]["content"]
+    assert [e["token"] for e in content] == [f"token_id:{t}" for t in chat["token_ids"]]
+    assert all(t["token"].startswith("token_id:") for e in content for t in e["top_logprobs"])
+
+
 @pytest.mark.parametrize(
     "path,field,asks,idle",
     [
@@ -145,7 +203,7 @@ def test_continue_final_message(server):
         ("/v1/completions", "length_penalty", 0.5, 1.0),
         ("/v1/completions", "bad_words", ["x"], []),
         ("/v1/chat/completions", "cache_salt", "tenant-a", None),
-        ("/v1/chat/completions", "return_token_ids", True, False),
+        ("/v1/chat/completions", "vllm_xargs", {"a": 1}, {}),
         ("/v1/chat/completions", "spaces_between_special_tokens", False, True),
         ("/v1/chat/completions", "echo", True, False),
         ("/v1/chat/completions", "chat_template", "{{ messages }}", None),

@@ -86,8 +86,6 @@ _UNSUPPORTED_EXTRAS: dict[str, tuple[Any, ...]] = {
     "bad_words": (None, []),
     "logits_processors": (None, []),
     "vllm_xargs": (None, {}),
-    "return_tokens_as_token_ids": (None, False),
-    "return_token_ids": (None, False),
     "cache_salt": (None,),
     "spaces_between_special_tokens": (True,),
     "mm_processor_kwargs": (None, {}),
@@ -141,6 +139,11 @@ class _SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None
+    # vLLM's: the prompt's and each choice's token ids in the response (streamed: each chunk's new
+    # ids, the prompt's on a choice's first chunk with output)
+    return_token_ids: bool = False
+    # vLLM's: logprobs name each token `token_id:N` (text that is not whole characters stays exact)
+    return_tokens_as_token_ids: bool = False
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None  # type: ignore[valid-type]
     # vLLM's fields before `structured_outputs` (removed in vLLM 0.12, still sent by older

@@ -205,22 +205,24 @@ def completion_logprobs(
     offset: int,
     tokens: TokenBytes | None,
     start: int = 0,
+    as_ids: bool = False,
 ) -> dict[str, Any]:
     """OpenAI's legacy format for tokens [start:] of a completion: tokens, token_logprobs,
     top_logprobs (top `num` plus the sampled token), text_offset (the characters of the text
     before each token, from `offset`; a token ending inside a character moves it by nothing).
-    Offsets count from the completion's first token, so a stream gets the same ones."""
+    Offsets count from the completion's first token, so a stream gets the same ones. `as_ids`:
+    tokens named `token_id:N` (vLLM's return_tokens_as_token_ids)."""
     out_tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
     utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
     for i, (tid, entry) in enumerate(zip(token_ids, logprobs)):
         if i >= start:
             chosen = entry.get(tid)
-            out_tokens.append(_token_text(tid, chosen, tokens))
+            out_tokens.append(_token_text(tid, chosen, tokens, as_ids))
             token_logprobs.append(None if chosen is None else safe_logprob(chosen.logprob))
             top = {}
             for t, lp in sorted(entry.items(), key=lambda kv: kv[1].rank):
                 if lp.rank <= num or t == tid:
-                    top.setdefault(_token_text(t, lp, tokens), safe_logprob(lp.logprob))
+                    top.setdefault(_token_text(t, lp, tokens, as_ids), safe_logprob(lp.logprob))
             top_logprobs.append(top)
             text_offset.append(offset)
         offset += len(utf8.decode(tokens.bytes(tid))) if tokens is not None else 0
@@ -233,11 +235,15 @@ def completion_logprobs(
 
 
 def echoed_logprobs(
-    prompt_ids: list[int], prompt_logprobs: list[dict[int, Logprob] | None], num: int, tokens: TokenBytes | None
+    prompt_ids: list[int],
+    prompt_logprobs: list[dict[int, Logprob] | None],
+    num: int,
+    tokens: TokenBytes | None,
+    as_ids: bool = False,
 ) -> dict[str, Any]:
     """The prompt's part of an echoed completion's logprobs (OpenAI's legacy format): the first
     token has none (token_logprobs and top_logprobs null); offsets count from the prompt's start."""
-    lp = completion_logprobs(prompt_ids, [e or {} for e in prompt_logprobs], num, 0, tokens)
+    lp = completion_logprobs(prompt_ids, [e or {} for e in prompt_logprobs], num, 0, tokens, as_ids=as_ids)
     if lp["top_logprobs"]:
         lp["top_logprobs"][0] = None
     return lp
@@ -262,15 +268,19 @@ def prompt_logprobs_field(
 
 
 def chat_logprobs(
-    token_ids: list[int], logprobs: list[dict[int, Logprob]], num: int, tokens: TokenBytes | None
+    token_ids: list[int],
+    logprobs: list[dict[int, Logprob]],
+    num: int,
+    tokens: TokenBytes | None,
+    as_ids: bool = False,
 ) -> dict[str, Any]:
     """OpenAI's chat format: {"content": [{token, logprob, bytes, top_logprobs: [...]}]}; `bytes`
     are the token's own (a piece of a multi-byte character included), `token` is its text or, for
-    such a piece, `bytes:\\xe3\\x81`."""
+    such a piece, `bytes:\\xe3\\x81` (`as_ids`: `token_id:N`, vLLM's return_tokens_as_token_ids)."""
 
     def entry_of(t: int, lp: Logprob | None) -> dict[str, Any]:
         return {
-            "token": _token_text(t, lp, tokens),
+            "token": _token_text(t, lp, tokens, as_ids),
             "logprob": safe_logprob(lp.logprob) if lp is not None else -9999.0,
             "bytes": list(tokens.bytes(t)) if tokens is not None else [],
         }
@@ -282,7 +292,9 @@ def chat_logprobs(
     return {"content": content}
 
 
-def _token_text(token_id: int, lp: Logprob | None, tokens: TokenBytes | None) -> str:
+def _token_text(token_id: int, lp: Logprob | None, tokens: TokenBytes | None, as_id: bool = False) -> str:
+    if as_id:
+        return f"token_id:{token_id}"
     if lp is not None and lp.decoded_token is not None:
         return lp.decoded_token
     return tokens.text(token_id) if tokens is not None else ""

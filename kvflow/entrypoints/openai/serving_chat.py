@@ -145,7 +145,9 @@ class ServingChat(OpenAIServing):
     def _logprobs(self, req: ChatCompletionRequest, token_ids: list[int], logprobs) -> dict[str, Any] | None:
         if not req.logprobs or logprobs is None:
             return None
-        return chat_logprobs(token_ids, logprobs, req.top_logprobs or 0, self.token_bytes)
+        return chat_logprobs(
+            token_ids, logprobs, req.top_logprobs or 0, self.token_bytes, req.return_tokens_as_token_ids
+        )
 
     def _response(
         self,
@@ -167,6 +169,7 @@ class ServingChat(OpenAIServing):
                     "finish_reason": reason,
                     "stop_reason": c.stop_reason,
                     **expert_trace_fields(c),
+                    **({"token_ids": list(c.token_ids)} if req.return_token_ids else {}),
                 }
             )
         return {
@@ -178,6 +181,7 @@ class ServingChat(OpenAIServing):
             "usage": usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs)),
             **kv_transfer_fields([out]),
             **({} if req.prompt_logprobs is None else {"prompt_logprobs": prompt_logprobs_field(out.prompt_logprobs)}),
+            **({"prompt_token_ids": list(out.prompt_token_ids)} if req.return_token_ids else {}),
         }
 
     async def _stream(
@@ -200,6 +204,7 @@ class ServingChat(OpenAIServing):
         sent_tokens = [0] * req.n
         finished = [False] * req.n
         n_prompt = 0
+        prompt_ids_sent = not req.return_token_ids
         try:
             for i in range(req.n):  # the role first, before any token
                 yield sse(
@@ -241,7 +246,7 @@ class ServingChat(OpenAIServing):
                     if text:
                         delta["content"] = text
                     new_ids = c.token_ids[sent_tokens[i] :]
-                    if not delta and not c.finished and not (req.logprobs and new_ids):
+                    if not delta and not c.finished and not ((req.logprobs or req.return_token_ids) and new_ids):
                         continue
                     new_lps = c.logprobs[sent_tokens[i] :] if c.logprobs is not None else None
                     reason = "tool_calls" if made_calls[i] and c.finish_reason == "stop" else c.finish_reason
@@ -252,11 +257,16 @@ class ServingChat(OpenAIServing):
                         "finish_reason": reason,
                     }
                     final: dict[str, Any] = {}
+                    if req.return_token_ids:
+                        choice["token_ids"] = list(new_ids)
+                        if not prompt_ids_sent:  # (on the first chunk with output: the engine's ids)
+                            final["prompt_token_ids"] = list(out.prompt_token_ids)
+                            prompt_ids_sent = True
                     if c.finished:
                         choice["stop_reason"] = c.stop_reason
                         choice.update(expert_trace_fields(c))
                         finished[i] = True
-                        final = kv_transfer_fields([out])  # on the chunk with finish_reason
+                        final.update(kv_transfer_fields([out]))  # on the chunk with finish_reason
                     sent_text[i], sent_tokens[i] = len(c.text), len(c.token_ids)
                     yield sse({**base, "choices": [choice], **extra, **final})
             if req.include_usage:

@@ -70,9 +70,16 @@ class ServingCompletion(OpenAIServing):
                 len(ctx.echo[prompt_index]),
                 self.token_bytes,
                 start=first_token,
+                as_ids=ctx.req.return_tokens_as_token_ids,
             )
             if first and ctx.req.echo and out.prompt_logprobs is not None:  # the prompt's tokens first
-                head = echoed_logprobs(out.prompt_token_ids, out.prompt_logprobs, ctx.req.logprobs, self.token_bytes)
+                head = echoed_logprobs(
+                    out.prompt_token_ids,
+                    out.prompt_logprobs,
+                    ctx.req.logprobs,
+                    self.token_bytes,
+                    ctx.req.return_tokens_as_token_ids,
+                )
                 lp = {k: head[k] + lp[k] for k in lp}
         choice = {
             "index": prompt_index * ctx.req.n + c.index,
@@ -82,6 +89,10 @@ class ServingCompletion(OpenAIServing):
         }
         if ctx.req.prompt_logprobs is not None and first:
             choice["prompt_logprobs"] = prompt_logprobs_field(out.prompt_logprobs)
+        if ctx.req.return_token_ids:
+            choice["token_ids"] = list(c.token_ids[first_token:])
+            if first:
+                choice["prompt_token_ids"] = list(out.prompt_token_ids)
         if c.finish_reason is not None:
             choice["stop_reason"] = c.stop_reason
             choice.update(expert_trace_fields(c))
@@ -127,7 +138,7 @@ class ServingCompletion(OpenAIServing):
                     if (
                         not delta
                         and not c.finished
-                        and not (req.logprobs is not None and new_ids)
+                        and not ((req.logprobs is not None or req.return_token_ids) and new_ids)
                         and not (first and ctx.echo[pi])
                     ):
                         continue
