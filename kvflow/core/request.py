@@ -74,6 +74,9 @@ class Request:
     kv_transfer_params: dict | None = None
     # The LoRA adapter it runs under (None: the base model); part of its blocks' prefix-cache keys.
     lora: LoRARequest | None = None
+    # vLLM's cache_salt: part of its blocks' prefix-cache keys, so only requests with the same salt
+    # share cached KV (a tenant's prompts cannot be probed by another's time to first token).
+    cache_salt: str | None = None
 
     def token_ids_between(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of prompt + output, without concatenating the whole sequence."""
@@ -86,8 +89,10 @@ class Request:
 
     @property
     def cache_key(self) -> bytes:
-        """What its blocks' prefix-cache hashes add: the adapter's identity (nothing for the base model)."""
-        return b"" if self.lora is None else self.lora.cache_key
+        """What its blocks' prefix-cache hashes add: the adapter's identity (nothing for the base
+        model) and the cache salt (nothing without one)."""
+        key = b"" if self.lora is None else self.lora.cache_key
+        return key if self.cache_salt is None else key + b"\0salt:" + self.cache_salt.encode()
 
     @property
     def num_tokens(self) -> int:

@@ -73,6 +73,7 @@ class _Add:
     future: asyncio.Future
     client: str | None = None
     lora_request: LoRARequest | None = None
+    cache_salt: str | None = None
 
 
 @dataclass
@@ -244,6 +245,7 @@ class AsyncLLM:
         arrival_time: float | None = None,
         client: str | None = None,
         lora_request: LoRARequest | None = None,
+        cache_salt: str | None = None,
     ) -> RequestHandle:
         """Queue a request in the engine thread and return its handle once the engine took it.
 
@@ -255,7 +257,7 @@ class AsyncLLM:
         if params.structured_outputs is not None:
             await self._compile(params)
         fut = self._loop.create_future()
-        self._send(_Add(request_id, prompt, params, add_special_tokens, arrival, fut, client, lora_request))
+        self._send(_Add(request_id, prompt, params, add_special_tokens, arrival, fut, client, lora_request, cache_salt))
         return await fut
 
     async def _compile(self, params: SamplingParams) -> None:
@@ -456,6 +458,7 @@ class AsyncLLM:
                     add_special_tokens=cmd.add_special_tokens,
                     client=cmd.client,
                     lora_request=cmd.lora_request,
+                    cache_salt=cmd.cache_salt,
                 )
             except AdmissionRejected as e:
                 if self.metrics is not None:

@@ -80,6 +80,15 @@ class EngineStats:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
+MAX_CACHE_SALT_CHARS = 1024
+
+
+def check_cache_salt(salt: object) -> None:
+    """A cache salt is a non-empty string of at most MAX_CACHE_SALT_CHARS characters (or None)."""
+    if salt is not None and (not isinstance(salt, str) or not salt or len(salt) > MAX_CACHE_SALT_CHARS):
+        raise ValueError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters")
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         from kvflow.models.loader import gguf_block_weights, load_checkpoint
@@ -365,10 +374,12 @@ class LLMEngine:
         add_special_tokens: bool = True,
         client: str | None = None,
         lora_request: LoRARequest | None = None,
+        cache_salt: str | None = None,
     ) -> str:
         """Validate and queue a request; returns its id. Raises ValueError on bad input, or
         AdmissionRejected when the scheduling policy refuses it (and then changes nothing).
-        `client`: who sent it (fair share across clients)."""
+        `client`: who sent it (fair share across clients); `cache_salt`: only requests with the
+        same salt share prefix-cache blocks (vLLM's)."""
         request_id = str(next(self._ids)) if request_id is None else request_id
         if self.output_processor.has(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -377,6 +388,7 @@ class LLMEngine:
         prompt_ids = self._truncate(self.tokenize(prompt, add_special_tokens), params.truncate_prompt_tokens)
         self._validate_request(prompt_ids, params)
         self._check_lora(lora_request)
+        check_cache_salt(cache_salt)
         # Without a connector, the base class's check refuses any transfer the params ask for.
         (self.kv_connector or KVConnectorScheduler()).check_request(params.kv_transfer_params)
         max_tokens = params.max_tokens or (self.max_model_len - len(prompt_ids))
@@ -390,6 +402,7 @@ class LLMEngine:
             ttft_slo=None if ttft is None else ttft / 1000,
             tpot_slo=None if tpot is None else tpot / 1000,
             lora=lora_request,
+            cache_salt=cache_salt,
         )
         self.scheduler.check_admission(
             Request(request_id, request_id, 0, prompt_ids, params, max_tokens, arrival, **sched_fields)

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvflow.config import EngineConfig
-from kvflow.engine.llm_engine import EngineStats, LLMEngine
+from kvflow.engine.llm_engine import EngineStats, LLMEngine, check_cache_salt
 from kvflow.lora.request import LoRARequest
 from kvflow.models.chat_template import template_kwargs
 from kvflow.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
@@ -22,24 +22,28 @@ from kvflow.sampling_params import SamplingParams
 Prompt = str | list[int] | Mapping[str, Any]
 # vLLM's prompt dict keys (one of them per prompt)
 _PROMPT_KEYS = ("prompt", "prompt_token_ids")
+_PROMPT_OPTIONS = ("cache_salt",)  # what a prompt dict may hold besides its prompt
 
 
-def _prompt_of(prompt: Prompt) -> str | list[int]:
-    """The text or token ids a prompt (a string, token ids, or one of vLLM's prompt dicts) holds."""
+def _prompt_of(prompt: Prompt) -> tuple[str | list[int], str | None]:
+    """The text or token ids a prompt (a string, token ids, or one of vLLM's prompt dicts) holds,
+    and its dict's `cache_salt` (None: none)."""
     if not isinstance(prompt, Mapping):
-        return prompt
-    unknown = sorted(set(prompt) - set(_PROMPT_KEYS))
+        return prompt, None
+    unknown = sorted(set(prompt) - set(_PROMPT_KEYS) - set(_PROMPT_OPTIONS))
     if unknown:
         raise ValueError(f"unsupported prompt key(s) {unknown}; a prompt dict holds one of {list(_PROMPT_KEYS)}")
     given = [k for k in _PROMPT_KEYS if k in prompt]
     if len(given) != 1:
         raise ValueError(f"a prompt dict holds exactly one of {list(_PROMPT_KEYS)}, got {sorted(prompt)}")
+    salt = prompt.get("cache_salt")
+    check_cache_salt(salt)
     value = prompt[given[0]]
     if given[0] == "prompt" and not isinstance(value, str):
         raise ValueError(f"'prompt' must be a string, got {type(value).__name__}")
     if given[0] == "prompt_token_ids" and not (isinstance(value, list) and all(isinstance(t, int) for t in value)):
         raise ValueError("'prompt_token_ids' must be a list of integers")
-    return value
+    return value, salt
 
 
 class LLM:
@@ -72,9 +76,9 @@ class LLM:
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
             prompts = [prompts]
-        prompts = [_prompt_of(p) for p in prompts]
-        params, loras = _per_prompt(len(prompts), sampling_params, lora_request)
-        return self._run([(p, sp, True) for p, sp in zip(prompts, params)], use_tqdm, loras)
+        parsed = [_prompt_of(p) for p in prompts]
+        params, loras = _per_prompt(len(parsed), sampling_params, lora_request)
+        return self._run([(p, sp, True, salt) for (p, salt), sp in zip(parsed, params)], use_tqdm, loras)
 
     def embed(
         self, prompts: Prompt | Sequence[Prompt], pooling: str | None = None, use_tqdm: bool = True
@@ -88,7 +92,7 @@ class LLM:
         ):
             prompts = [prompts]
         params = self.engine.embedding_params(pooling)
-        results = self._run([(_prompt_of(p), params, True) for p in prompts], use_tqdm)
+        results = self._run([(p, params, True, salt) for p, salt in map(_prompt_of, prompts)], use_tqdm)
         failed = next((r for r in results if r.error is not None or r.embedding is None), None)
         if failed is not None:
             raise RuntimeError(f"embedding request {failed.request_id} failed: {failed.error}")
@@ -118,7 +122,7 @@ class LLM:
             for c in conversations
         ]
         # The template already holds the special tokens (BOS etc.): do not add them twice.
-        return self._run([(p, sp, False) for p, sp in zip(prompts, params)], use_tqdm, loras)
+        return self._run([(p, sp, False, None) for p, sp in zip(prompts, params)], use_tqdm, loras)
 
     def apply_chat_template(
         self,
@@ -150,16 +154,21 @@ class LLM:
 
     def _run(
         self,
-        items: list[tuple[Prompt, SamplingParams, bool]],
+        items: list[tuple[str | list[int], SamplingParams, bool, str | None]],
         use_tqdm: bool,
         loras: list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
+        """Run (prompt, params, add_special_tokens, cache_salt) items to the end, in order."""
         engine = self.engine
         ids: list[str] = []
         try:
-            for i, (prompt, params, special) in enumerate(items):
+            for i, (prompt, params, special, salt) in enumerate(items):
                 lora = None if loras is None else loras[i]
-                ids.append(engine.add_request(None, prompt, params, add_special_tokens=special, lora_request=lora))
+                ids.append(
+                    engine.add_request(
+                        None, prompt, params, add_special_tokens=special, lora_request=lora, cache_salt=salt
+                    )
+                )
         except Exception:
             engine.abort(ids)
             raise

@@ -133,3 +133,30 @@ def test_chat_template_kwargs_reach_the_template(tiny_llama, tmp_path):
             with pytest.raises(ValueError, match=fragment):
                 llm.chat(messages, GREEDY, use_tqdm=False, continue_final_message=True, **kwargs)
         assert_no_leaks(llm.engine)
+
+
+def test_cache_salt_keeps_prefix_cache_hits_within_a_salt(tiny_llama):
+    # vLLM's cache_salt: the same prompt hits the prefix cache only under the same salt
+    with LLM(tiny_llama[0], num_kv_blocks=64, max_model_len=128, block_size=16) as llm:
+        ids = list(range(10, 58))  # three full blocks
+
+        def cached(salt: str | None) -> int:
+            prompt = {"prompt_token_ids": ids} if salt is None else {"prompt_token_ids": ids, "cache_salt": salt}
+            return llm.generate(prompt, GREEDY, use_tqdm=False)[0].num_cached_tokens
+
+        assert cached("tenant-a") == 0
+        assert cached("tenant-b") == 0
+        assert cached(None) == 0
+        assert cached("tenant-a") == 32  # its first two blocks (the last is recomputed for its logits)
+        assert cached(None) == 32
+        outs = llm.generate(
+            [{"prompt_token_ids": ids, "cache_salt": "tenant-b"}, {"prompt_token_ids": ids, "cache_salt": "tenant-c"}],
+            GREEDY,
+            use_tqdm=False,
+        )
+        assert [o.num_cached_tokens for o in outs] == [32, 0]
+        assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids  # the same answer either way
+        for bad in ("", 5, "x" * 1025):
+            with pytest.raises(ValueError, match="cache_salt must be a non-empty string"):
+                llm.generate({"prompt": "hi", "cache_salt": bad}, GREEDY, use_tqdm=False)
+        assert_no_leaks(llm.engine)

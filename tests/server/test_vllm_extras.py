@@ -196,13 +196,38 @@ def test_return_tokens_as_token_ids(server):
     assert all(t["token"].startswith("token_id:") for e in content for t in e["top_logprobs"])
 
 
+def prefix_hits(server) -> float:
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    return sum(
+        float(line.split()[-1]) for line in text.splitlines() if line.startswith("kvflow:prefix_cache_hits_total")
+    )
+
+
+def test_cache_salt_separates_prefix_cache_hits(server):
+    ids = list(range(100, 160))  # three full blocks of 16 and some
+    before = prefix_hits(server)
+    first = complete(server, prompt=ids, cache_salt="tenant-a", max_tokens=4)
+    server.wait_engine_idle()
+    assert prefix_hits(server) == before
+    other = complete(server, prompt=ids, cache_salt="tenant-b", max_tokens=4)
+    server.wait_engine_idle()
+    assert prefix_hits(server) == before  # another salt: nothing shared
+    same = complete(server, prompt=ids, cache_salt="tenant-a", max_tokens=4)
+    server.wait_engine_idle()
+    assert prefix_hits(server) > before  # the same salt: its blocks again
+    assert first["choices"][0]["text"] == other["choices"][0]["text"] == same["choices"][0]["text"]
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "cache_salt": ""}, timeout=30)
+    assert r.status_code == 400 and "cache_salt must be a non-empty string" in r.text, r.text
+    assert r.json()["error"]["param"] == "cache_salt"
+
+
 @pytest.mark.parametrize(
     "path,field,asks,idle",
     [
         ("/v1/completions", "use_beam_search", True, False),
         ("/v1/completions", "length_penalty", 0.5, 1.0),
         ("/v1/completions", "bad_words", ["x"], []),
-        ("/v1/chat/completions", "cache_salt", "tenant-a", None),
+        ("/v1/chat/completions", "logits_processors", ["my.Processor"], []),
         ("/v1/chat/completions", "vllm_xargs", {"a": 1}, {}),
         ("/v1/chat/completions", "spaces_between_special_tokens", False, True),
         ("/v1/chat/completions", "echo", True, False),

@@ -86,7 +86,6 @@ _UNSUPPORTED_EXTRAS: dict[str, tuple[Any, ...]] = {
     "bad_words": (None, []),
     "logits_processors": (None, []),
     "vllm_xargs": (None, {}),
-    "cache_salt": (None,),
     "spaces_between_special_tokens": (True,),
     "mm_processor_kwargs": (None, {}),
 }
@@ -144,6 +143,8 @@ class _SamplingFields(BaseModel):
     return_token_ids: bool = False
     # vLLM's: logprobs name each token `token_id:N` (text that is not whole characters stays exact)
     return_tokens_as_token_ids: bool = False
+    # vLLM's: only requests with the same salt share prefix-cache blocks
+    cache_salt: str | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None  # type: ignore[valid-type]
     # vLLM's fields before `structured_outputs` (removed in vLLM 0.12, still sent by older

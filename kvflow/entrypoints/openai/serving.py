@@ -125,6 +125,7 @@ class OpenAIServing:
         arrival_time: float,
         client: str | None = None,
         lora_request: LoRARequest | None = None,
+        cache_salt: str | None = None,
     ) -> list[RequestHandle]:
         """Add one engine request per prompt; all or none (a failure aborts those already added)."""
         limit = self.llm.max_waiting_requests
@@ -141,7 +142,13 @@ class OpenAIServing:
         results = await asyncio.gather(
             *(
                 self.llm.add_request(
-                    rid, p, params, arrival_time=arrival_time, client=client, lora_request=lora_request
+                    rid,
+                    p,
+                    params,
+                    arrival_time=arrival_time,
+                    client=client,
+                    lora_request=lora_request,
+                    cache_salt=cache_salt,
                 )
                 for rid, p in zip(ids, prompts)
             ),

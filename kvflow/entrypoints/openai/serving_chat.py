@@ -132,7 +132,14 @@ class ServingChat(OpenAIServing):
         prompt_ids = self.chat_prompt_ids(req, tools)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         handles = await self.add_requests(
-            request_id, [prompt_ids], params, "messages", arrival, client_of(raw, req.user), self.lora_of(model)
+            request_id,
+            [prompt_ids],
+            params,
+            "messages",
+            arrival,
+            client_of(raw, req.user),
+            self.lora_of(model),
+            req.cache_salt,
         )
         created = now_s()
         if req.stream:

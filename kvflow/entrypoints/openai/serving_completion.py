@@ -46,7 +46,14 @@ class ServingCompletion(OpenAIServing):
         echo = [(p if isinstance(p, str) else self.decode(p)) if req.echo else "" for p in req.prompt]
         request_id = f"cmpl-{uuid.uuid4().hex}"
         handles = await self.add_requests(
-            request_id, prompt_ids, params, "prompt", arrival, client_of(raw, req.user), self.lora_of(model)
+            request_id,
+            prompt_ids,
+            params,
+            "prompt",
+            arrival,
+            client_of(raw, req.user),
+            self.lora_of(model),
+            req.cache_salt,
         )
         ctx = _Ctx(request_id, model, now_s(), req, echo)
         if req.stream:

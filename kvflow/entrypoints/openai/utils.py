@@ -196,6 +196,12 @@ _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)} | {
     "guided_choice",
     "guided_grammar",
     "guided_whitespace_pattern",
+    "allowed_token_ids",
+    "include_stop_str_in_output",
+    "truncate_prompt_tokens",
+    "cache_salt",
+    "chat_template_kwargs",
+    "continue_final_message",
 }
 
 
