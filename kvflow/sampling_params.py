@@ -17,6 +17,7 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias
 MAX_ALLOWED_TOKEN_IDS = 262144  # entries of allowed_token_ids (beyond any vocabulary served)
+MAX_BAD_WORDS, MAX_BAD_WORD_CHARS = 128, 256  # bad_words: words, and characters in one
 LOGIT_BIAS_LIMIT = 100.0  # |bias|, as OpenAI
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # int64, as vLLM
 # An expert trace (return_expert_trace) holds one entry per token and MoE layer: at most this many
@@ -50,6 +51,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # vLLM's: sample only among these token ids
     allowed_token_ids: list[int] | None = None
+    # vLLM's: words the output never contains as whole tokens (kvflow.sample.bad_words)
+    bad_words: list[str] | None = None
     # vLLM's: a stop string that ends the output stays at its end
     include_stop_str_in_output: bool = False
     # vLLM's: keep only the prompt's last N tokens (-1: the last max_model_len), dropping its start
@@ -72,8 +75,9 @@ class SamplingParams:
     # An embedding request (LLM.embed, /v1/embeddings): "last" | "mean" pools the prompt's final
     # hidden states; it ends after its prefill with `RequestOutput.embedding`, never sampling.
     pooling: str | None = None
-    # Filled by the engine: EOS ids of the model (not a user field).
+    # Filled by the engine: EOS ids of the model, the token sequences of bad_words (not user fields).
     _eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
+    _bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -140,6 +144,16 @@ class SamplingParams:
                 raise bad("allowed_token_ids", "a non-empty list of non-negative token ids")
             if len(ids) > MAX_ALLOWED_TOKEN_IDS:
                 raise ValueError(f"allowed_token_ids holds {len(ids)} ids; at most {MAX_ALLOWED_TOKEN_IDS} are allowed")
+        if self.bad_words is not None:
+            words = self.bad_words
+            if not isinstance(words, list) or any(not isinstance(w, str) or not w.strip() for w in words):
+                raise bad("bad_words", "a list of non-empty strings")
+            if len(words) > MAX_BAD_WORDS or any(len(w) > MAX_BAD_WORD_CHARS for w in words):
+                raise ValueError(
+                    f"bad_words holds at most {MAX_BAD_WORDS} words of at most {MAX_BAD_WORD_CHARS} characters each"
+                )
+            for w in words:
+                check_text(w, "bad_words")
         if self.truncate_prompt_tokens is not None and (
             not is_int(self.truncate_prompt_tokens)
             or not (self.truncate_prompt_tokens >= 1 or self.truncate_prompt_tokens == -1)

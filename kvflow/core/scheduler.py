@@ -422,7 +422,7 @@ class Scheduler:
     def _scheduled(self, req: Request, n: int) -> ScheduledSeq:
         start = req.num_computed_tokens
         p = req.params
-        wants_history = p.has_penalties or p.prompt_logprobs is not None
+        wants_history = p.has_penalties or p.prompt_logprobs is not None or bool(p._bad_words_token_ids)
         own = min(n, req.num_tokens - start)
         spec = req.spec_token_ids[: n - own]  # the budget may cut the drafts short
         if self.fairness is not None:

@@ -27,6 +27,7 @@ from kvflow.kv_transfer.base import KVConnectorScheduler
 from kvflow.lora.request import LoRARequest
 from kvflow.lora.stats import LoRAStats
 from kvflow.outputs import RequestMetrics, RequestOutput
+from kvflow.sample.bad_words import bad_word_sequences
 from kvflow.sampling_params import MAX_EXPERT_TRACE_ENTRIES, SamplingParams, check_text
 from kvflow.structured_output.manager import StructuredOutputManager, StructuredOutputStats
 from kvflow.utils.validation import is_int
@@ -409,8 +410,10 @@ class LLMEngine:
         )
         grammar = self._grammar(params)
         child_params = [params.for_child(i) for i in range(params.n)]
+        banned = self._bad_words(params)
         for p in child_params:
             p._eos_token_ids = self.eos_token_ids
+            p._bad_words_token_ids = banned
         self.output_processor.add_request(
             request_id,
             prompt if isinstance(prompt, str) else None,
@@ -471,6 +474,14 @@ class LLMEngine:
         """Adapters of the `running` or `waiting` requests, by name (the lora_requests_info gauge)."""
         reqs = self.scheduler.running if which == "running" else self.scheduler.waiting
         return sorted({r.lora.lora_name for r in reqs if r.lora is not None})
+
+    def _bad_words(self, params: SamplingParams) -> tuple[tuple[int, ...], ...]:
+        """bad_words as the token sequences they are banned as (kvflow.sample.bad_words)."""
+        if not params.bad_words:
+            return ()
+        if self.tokenizer is None:
+            raise ValueError("bad_words needs the model's tokenizer; this model has none")
+        return bad_word_sequences(params.bad_words, lambda text: self.tokenize(text, add_special_tokens=False))
 
     def _truncate(self, prompt_ids: list[int], keep: int | None) -> list[int]:
         """truncate_prompt_tokens (vLLM's): the prompt's last `keep` tokens (-1: max_model_len)."""

@@ -29,6 +29,7 @@ from kvflow.layers.linear_kernels import select_linear_backend
 from kvflow.models.decode_pass import native_decode_unsupported
 from kvflow.models.registry import causal_lm_class
 from kvflow.quantization.smoothquant import CALIBRATION_TEXT
+from kvflow.sample.bad_words import ban_bad_words
 from kvflow.sample.rejection_sampler import RejectionSampler
 from kvflow.sample.sampler import Sampler, SamplingBatch
 from kvflow.structured_output.manager import apply_bitmask
@@ -496,11 +497,13 @@ class ModelRunner:
     def _constrain(
         self, logits: torch.Tensor, seqs: list[ScheduledSeq], grammar: GrammarBitmask | None
     ) -> torch.Tensor:
-        """logit_bias, allowed_token_ids (the others get -inf), then the grammar's mask (disallowed
+        """logit_bias, allowed_token_ids (the others get -inf), bad_words, then the grammar's mask (disallowed
         tokens get -inf), on every row a sequence samples from (draft positions included), before
         the sampler or the verifier: both then see the same distribution, so speculative decoding
         stays exact under them."""
-        if grammar is not None or any(s.params.logit_bias or s.params.allowed_token_ids for s in seqs):
+        if grammar is not None or any(
+            s.params.logit_bias or s.params.allowed_token_ids or s.params._bad_words_token_ids for s in seqs
+        ):
             logits = logits.float()
         start = 0
         for s in seqs:
@@ -515,6 +518,10 @@ class ModelRunner:
                 kept = rows[:, ids].clone()
                 rows.fill_(float("-inf"))
                 rows[:, ids] = kept
+            if s.params._bad_words_token_ids:
+                ban_bad_words(
+                    logits[start : start + n], s.output_token_ids or (), s.spec_token_ids, s.params._bad_words_token_ids
+                )
             start += n
         if grammar is not None:
             apply_bitmask(logits, grammar)

@@ -196,6 +196,22 @@ def test_return_tokens_as_token_ids(server):
     assert all(t["token"].startswith("token_id:") for e in content for t in e["top_logprobs"])
 
 
+def test_bad_words(server):
+    # a word the plain greedy output writes as one token is never written under the ban
+    body = {"prompt": "The weather today", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    plain = post(server, "/v1/completions", {**body, "return_token_ids": True})["choices"][0]["token_ids"]
+    tok = server.hf_tokenizer
+    word = next(
+        w
+        for t in plain[2:]
+        if (w := tok.decode([t]).strip()).isalpha()
+        and [t] in (tok.encode(w, add_special_tokens=False), tok.encode(" " + w, add_special_tokens=False))
+    )
+    banned = {ids[0] for ids in (tok.encode(v, add_special_tokens=False) for v in (word, " " + word)) if len(ids) == 1}
+    out = post(server, "/v1/completions", {**body, "bad_words": [word], "return_token_ids": True})["choices"][0]
+    assert banned & set(plain) and not banned & set(out["token_ids"]), (word, plain, out["token_ids"])
+
+
 def prefix_hits(server) -> float:
     text = httpx.get(server.url + "/metrics", timeout=30).text
     return sum(
@@ -226,7 +242,7 @@ def test_cache_salt_separates_prefix_cache_hits(server):
     [
         ("/v1/completions", "use_beam_search", True, False),
         ("/v1/completions", "length_penalty", 0.5, 1.0),
-        ("/v1/completions", "bad_words", ["x"], []),
+        ("/v1/completions", "mm_processor_kwargs", {"fps": 1}, {}),
         ("/v1/chat/completions", "logits_processors", ["my.Processor"], []),
         ("/v1/chat/completions", "vllm_xargs", {"a": 1}, {}),
         ("/v1/chat/completions", "spaces_between_special_tokens", False, True),

@@ -83,7 +83,6 @@ _GUIDED = ("json", "regex", "choice", "grammar")  # guided_<kind>: vLLM's earlie
 _UNSUPPORTED_EXTRAS: dict[str, tuple[Any, ...]] = {
     "use_beam_search": (False,),
     "length_penalty": (1.0, 1),
-    "bad_words": (None, []),
     "logits_processors": (None, []),
     "vllm_xargs": (None, {}),
     "spaces_between_special_tokens": (True,),
@@ -137,6 +136,7 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
     # vLLM's: the prompt's and each choice's token ids in the response (streamed: each chunk's new
     # ids, the prompt's on a choice's first chunk with output)
@@ -197,6 +197,7 @@ class _SamplingFields(BaseModel):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words or None,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
             logit_bias=self._logit_bias(),
             structured_outputs=self._constraint(),

@@ -197,6 +197,7 @@ _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)} | {
     "guided_grammar",
     "guided_whitespace_pattern",
     "allowed_token_ids",
+    "bad_words",
     "include_stop_str_in_output",
     "truncate_prompt_tokens",
     "cache_salt",
