@@ -237,6 +237,29 @@ def test_cache_salt_separates_prefix_cache_hits(server):
     assert r.json()["error"]["param"] == "cache_salt"
 
 
+def test_chat_echo(server):
+    messages = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "My favourite is"}]
+    body = {
+        "messages": messages,
+        "add_generation_prompt": False,
+        "continue_final_message": True,
+        "max_tokens": 8,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    answer = post(server, "/v1/chat/completions", body)["choices"][0]["message"]["content"]
+    echoed = post(server, "/v1/chat/completions", {**body, "echo": True})["choices"][0]["message"]["content"]
+    assert echoed == "My favourite is" + answer
+    chunks = stream_chunks(server, "/v1/chat/completions", {**body, "echo": True})
+    assert "".join(ch["choices"][0]["delta"].get("content") or "" for ch in chunks if ch["choices"]) == echoed
+    # the last message is the user's: nothing to echo
+    user_only = {"messages": messages[:1], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    plain = post(server, "/v1/chat/completions", user_only)["choices"][0]["message"]["content"]
+    assert (
+        post(server, "/v1/chat/completions", {**user_only, "echo": True})["choices"][0]["message"]["content"] == plain
+    )
+
+
 @pytest.mark.parametrize(
     "path,field,asks,idle",
     [
@@ -246,7 +269,7 @@ def test_cache_salt_separates_prefix_cache_hits(server):
         ("/v1/chat/completions", "logits_processors", ["my.Processor"], []),
         ("/v1/chat/completions", "vllm_xargs", {"a": 1}, {}),
         ("/v1/chat/completions", "spaces_between_special_tokens", False, True),
-        ("/v1/chat/completions", "echo", True, False),
+        ("/v1/chat/completions", "documents", [{"title": "a", "text": "b"}], []),
         ("/v1/chat/completions", "chat_template", "{{ messages }}", None),
     ],
 )

@@ -90,7 +90,6 @@ _UNSUPPORTED_EXTRAS: dict[str, tuple[Any, ...]] = {
 }
 # ... and those of chat completions only
 _UNSUPPORTED_CHAT_EXTRAS: dict[str, tuple[Any, ...]] = {
-    "echo": (False,),
     "chat_template": (None,),
     "documents": (None, []),
 }
@@ -536,6 +535,9 @@ class ChatCompletionRequest(_SamplingFields):
     # new one; the special tokens (BOS) added to the rendered text, which usually holds them
     continue_final_message: bool = False
     add_special_tokens: bool = False
+    # vLLM's extra: the answer's content begins with the last message's when that is the
+    # assistant's (with continue_final_message: the whole message)
+    echo: bool = False
     # vLLM's extra: more variables for the chat template (Qwen3's {"enable_thinking": false})
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ChatTool] | None = Field(None, max_length=MAX_TOOLS)
@@ -579,6 +581,12 @@ class ChatCompletionRequest(_SamplingFields):
 
     def conversation(self) -> list[dict[str, Any]]:
         return [m.template_dict() for m in self.messages]
+
+    @property
+    def echoed(self) -> str:
+        """What `echo` puts before the answer: the last message's text if it is the assistant's."""
+        last = self.messages[-1]
+        return last.text() if self.echo and last.role == "assistant" else ""
 
     @property
     def effective_tool_choice(self) -> str | dict[str, Any]:

@@ -168,6 +168,8 @@ class ServingChat(OpenAIServing):
         choices = []
         for c in out.outputs:
             message, reason = _message(c, tools, self.reasoning)
+            if req.echoed:
+                message["content"] = req.echoed + (message["content"] or "")
             choices.append(
                 {
                     "index": c.index,
@@ -228,6 +230,9 @@ class ServingChat(OpenAIServing):
                         **extra,
                     }
                 )
+                if req.echoed:
+                    choice = {"index": i, "delta": {"content": req.echoed}, "logprobs": None, "finish_reason": None}
+                    yield sse({**base, "choices": [choice], **extra})
             async for _, out in merge_handles(handles):
                 n_prompt = len(out.prompt_token_ids)
                 for c in out.outputs:
