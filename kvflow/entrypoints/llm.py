@@ -15,7 +15,7 @@ from typing import Any
 from kvflow.config import EngineConfig
 from kvflow.engine.llm_engine import EngineStats, LLMEngine, check_cache_salt
 from kvflow.lora.request import LoRARequest
-from kvflow.models.chat_template import template_kwargs
+from kvflow.models.chat_template import check_continuation, template_kwargs
 from kvflow.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from kvflow.sampling_params import SamplingParams
 
@@ -135,14 +135,9 @@ class LLM:
         tok = self.engine.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise ValueError("this model has no chat template; use generate() with a plain prompt")
-        if continue_final_message:
-            if add_generation_prompt:
-                raise ValueError(
-                    "continue_final_message and add_generation_prompt cannot both be true; "
-                    "pass add_generation_prompt=False to continue the last message"
-                )
-            if not messages or messages[-1].get("role") != "assistant":
-                raise ValueError("continue_final_message needs the last message to be the assistant's")
+        check_continuation(
+            add_generation_prompt, continue_final_message, messages[-1].get("role") if messages else None
+        )
         return tok.apply_chat_template(
             messages,
             tokenize=False,

@@ -57,6 +57,20 @@ def template_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
     return dict(kwargs)
 
 
+def check_continuation(add_generation_prompt: bool, continue_final_message: bool, last_role: str | None) -> None:
+    """continue_final_message (the prompt ends inside the last message, which the output goes on
+    with) needs that message to be the assistant's, and no new assistant turn opened after it."""
+    if not continue_final_message:
+        return
+    if add_generation_prompt:
+        raise ValueError(
+            "continue_final_message and add_generation_prompt cannot both be true; "
+            "set add_generation_prompt to false to continue the last message"
+        )
+    if last_role != "assistant":
+        raise ValueError("continue_final_message needs the last message to be the assistant's")
+
+
 def renders_here(conversation: Any, tools: Any, kwargs: Mapping[str, Any]) -> bool:
     """Whether `render` gives transformers' result for this call (else: ask transformers)."""
     return (

@@ -2,9 +2,10 @@
 
 Responses are plain dicts built by the serving modules (their shapes follow OpenAI's API reference).
 Unknown fields are ignored, as OpenAI and vLLM do; fields OpenAI or vLLM know and kvflow does not
-implement are refused with 400 naming them whenever they ask for something. Ranges are checked by `SamplingParams` so that the offline
-API and the server report the same limits; pydantic checks types (strictly: JSON Schema's rules), the
-per-role message rules and the limits that exist only on the wire (top_logprobs, n, list lengths).
+implement are refused with 400 naming them whenever they ask for something. Ranges are checked by
+`SamplingParams` so that the offline API and the server report the same limits; pydantic checks
+types (strictly: JSON Schema's rules), the per-role message rules and the limits that exist only on
+the wire (top_logprobs, n, list lengths).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, create_model, field_validator, model_validator
 
 from kvflow.entrypoints.openai.utils import APIError
+from kvflow.models.chat_template import check_continuation
 from kvflow.sampling_params import MAX_N, SamplingParams
 from kvflow.structured_output.params import StructuredOutputsParams
 from kvflow.utils.validation import is_int
@@ -558,13 +560,7 @@ class ChatCompletionRequest(_SamplingFields):
         return _refuse_extras(body, _UNSUPPORTED_CHAT_EXTRAS)
 
     def to_sampling_params(self) -> SamplingParams:
-        if self.continue_final_message and self.add_generation_prompt:
-            raise ValueError(
-                "continue_final_message and add_generation_prompt cannot both be true; "
-                "set add_generation_prompt to false to continue the last message"
-            )
-        if self.continue_final_message and self.messages[-1].role != "assistant":
-            raise ValueError("continue_final_message needs the last message to be the assistant's")
+        check_continuation(self.add_generation_prompt, self.continue_final_message, self.messages[-1].role)
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
         for name in ("functions", "function_call"):
