@@ -102,6 +102,8 @@ def test_truncate_prompt_tokens(server):
     alone = complete(server, prompt=ids[-12:])
     assert cut["usage"]["prompt_tokens"] == 12
     assert cut["choices"][0]["text"] == alone["choices"][0]["text"]
+    echoed = complete(server, prompt=ids, truncate_prompt_tokens=12, echo=True)["choices"][0]["text"]
+    assert echoed == server.hf_tokenizer.decode(ids[-12:]) + alone["choices"][0]["text"]
     long = ids * (MAX_MODEL_LEN // len(ids) + 1)
     fits = complete(server, prompt=long, truncate_prompt_tokens=MAX_MODEL_LEN - 24)
     assert fits["usage"]["prompt_tokens"] == MAX_MODEL_LEN - 24

@@ -43,7 +43,11 @@ class ServingCompletion(OpenAIServing):
         model = self.model_name(req.model, allow_lora=True)
         params = sampling_params(req.to_sampling_params)
         prompt_ids = [self.tokenize(p, req.add_special_tokens) for p in req.prompt]
-        echo = [(p if isinstance(p, str) else self.decode(p)) if req.echo else "" for p in req.prompt]
+        if req.echo and req.truncate_prompt_tokens is not None:  # what is echoed is what the engine keeps
+            keep = self.llm.max_model_len if req.truncate_prompt_tokens == -1 else req.truncate_prompt_tokens
+            echo = [self.decode(ids[-keep:]) for ids in prompt_ids]
+        else:
+            echo = [(p if isinstance(p, str) else self.decode(p)) if req.echo else "" for p in req.prompt]
         request_id = f"cmpl-{uuid.uuid4().hex}"
         handles = await self.add_requests(
             request_id,
