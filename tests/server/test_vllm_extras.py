@@ -262,6 +262,44 @@ def test_chat_echo(server):
     )
 
 
+RAG_TEMPLATE = (
+    "{% if documents %}Documents:\n{% for d in documents %}[{{ d['title'] }}] {{ d['text'] }}\n{% endfor %}{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def rag_server(tiny_llama, tmp_path_factory):
+    import shutil
+
+    path = tmp_path_factory.mktemp("rag-model")
+    shutil.copytree(tiny_llama[0], path, dirs_exist_ok=True)
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.chat_template = RAG_TEMPLATE
+    tok.save_pretrained(path)
+    s = LiveServer(EngineConfig(model=str(path), num_kv_blocks=256, max_model_len=MAX_MODEL_LEN))
+    s.hf_tokenizer = tok
+    yield s
+    s.stop()
+
+
+def test_chat_documents_reach_the_template(rag_server):
+    messages = [{"role": "user", "content": "What colour is the sky?"}]
+    docs = [{"title": "Sky", "text": "The sky is blue."}, {"title": "Grass", "text": "Grass is green."}]
+    text = rag_server.hf_tokenizer.apply_chat_template(
+        messages, documents=docs, tokenize=False, add_generation_prompt=True
+    )
+    assert "[Grass] Grass is green." in text
+    greedy = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    chat = post(rag_server, "/v1/chat/completions", {"messages": messages, "documents": docs, **greedy})
+    ref = post(rag_server, "/v1/completions", {"prompt": text, "add_special_tokens": False, **greedy})
+    assert chat["usage"]["prompt_tokens"] == ref["usage"]["prompt_tokens"]
+    assert chat["choices"][0]["message"]["content"] == ref["choices"][0]["text"]
+    plain = post(rag_server, "/v1/chat/completions", {"messages": messages, **greedy})
+    assert plain["usage"]["prompt_tokens"] < chat["usage"]["prompt_tokens"]
+
+
 @pytest.mark.parametrize(
     "path,field,asks,idle",
     [
@@ -271,7 +309,7 @@ def test_chat_echo(server):
         ("/v1/chat/completions", "logits_processors", ["my.Processor"], []),
         ("/v1/chat/completions", "vllm_xargs", {"a": 1}, {}),
         ("/v1/chat/completions", "spaces_between_special_tokens", False, True),
-        ("/v1/chat/completions", "documents", [{"title": "a", "text": "b"}], []),
+        ("/v1/chat/completions", "length_penalty", 2.0, 1),
         ("/v1/chat/completions", "chat_template", "{{ messages }}", None),
     ],
 )

@@ -27,6 +27,7 @@ from kvflow.utils.validation import is_int
 MAX_PROMPTS = 256  # prompts in one /v1/completions request
 MAX_MESSAGES = 1024  # messages in one chat request
 MAX_TOOLS = 128  # tools in one chat request (OpenAI's limit)
+MAX_DOCUMENTS = 256  # documents in one chat request
 # Strict types: a JSON string is never taken for a number, nor true for 1 (JSON Schema's rules,
 # so the OpenAPI schema says exactly what is accepted). Unknown fields are ignored, as OpenAI does.
 _CONFIG = ConfigDict(extra="ignore", strict=True)
@@ -93,7 +94,6 @@ _UNSUPPORTED_EXTRAS: dict[str, tuple[Any, ...]] = {
 # ... and those of chat completions only
 _UNSUPPORTED_CHAT_EXTRAS: dict[str, tuple[Any, ...]] = {
     "chat_template": (None,),
-    "documents": (None, []),
 }
 
 
@@ -542,6 +542,8 @@ class ChatCompletionRequest(_SamplingFields):
     echo: bool = False
     # vLLM's extra: more variables for the chat template (Qwen3's {"enable_thinking": false})
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's extra: documents for a template that renders them (RAG templates: Command-R, Granite)
+    documents: list[dict[str, str]] | None = Field(None, max_length=MAX_DOCUMENTS)
     tools: list[ChatTool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True

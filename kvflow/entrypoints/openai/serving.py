@@ -92,10 +92,12 @@ class OpenAIServing:
         tools: list[dict[str, Any]] | None = None,
         variables: dict[str, Any] | None = None,
         continue_final_message: bool = False,
+        documents: list[dict[str, str]] | None = None,
     ) -> str:
         """The conversation as the model's template renders it; `variables`: the request's
         `chat_template_kwargs` (kvflow.models.chat_template.template_kwargs);
-        `continue_final_message`: ending inside the last message, as transformers renders it."""
+        `continue_final_message`: ending inside the last message, as transformers renders it;
+        `documents`: for a template that renders them (transformers' `documents`)."""
         tok = self.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
@@ -110,6 +112,7 @@ class OpenAIServing:
                 add_generation_prompt=add_generation_prompt,
                 **({"tools": tools} if tools else {}),
                 **({"continue_final_message": True} if continue_final_message else {}),
+                **({"documents": documents} if documents else {}),
                 **extra,
             )
         except Exception as e:  # jinja errors, raise_exception() in the template

@@ -94,6 +94,7 @@ class ServingChat(OpenAIServing):
             tools=template_tools,
             variables=req.chat_template_kwargs,
             continue_final_message=req.continue_final_message,
+            documents=req.documents,
         )
         # The template usually holds the special tokens (BOS etc.): not added again unless asked.
         return self.tokenize(text, add_special_tokens=req.add_special_tokens, param="messages")
