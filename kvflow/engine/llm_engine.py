@@ -84,6 +84,18 @@ class EngineStats:
 MAX_CACHE_SALT_CHARS = 1024
 
 
+def truncate_prompt(prompt_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """truncate_prompt_tokens (vLLM's): the prompt's last `keep` tokens (-1: max_model_len)."""
+    if keep is None:
+        return prompt_ids
+    if keep > max_model_len:
+        raise ValueError(
+            f"truncate_prompt_tokens ({keep}) is greater than max_model_len ({max_model_len}); "
+            "give at most max_model_len, or -1 for it"
+        )
+    return prompt_ids[-(max_model_len if keep == -1 else keep) :]
+
+
 def check_cache_salt(salt: object) -> None:
     """A cache salt is a non-empty string of at most MAX_CACHE_SALT_CHARS characters (or None)."""
     if salt is not None and (not isinstance(salt, str) or not salt or len(salt) > MAX_CACHE_SALT_CHARS):
@@ -386,7 +398,9 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        prompt_ids = self._truncate(self.tokenize(prompt, add_special_tokens), params.truncate_prompt_tokens)
+        prompt_ids = truncate_prompt(
+            self.tokenize(prompt, add_special_tokens), params.truncate_prompt_tokens, self.max_model_len
+        )
         self._validate_request(prompt_ids, params)
         self._check_lora(lora_request)
         check_cache_salt(cache_salt)
@@ -482,18 +496,6 @@ class LLMEngine:
         if self.tokenizer is None:
             raise ValueError("bad_words needs the model's tokenizer; this model has none")
         return bad_word_sequences(params.bad_words, lambda text: self.tokenize(text, add_special_tokens=False))
-
-    def _truncate(self, prompt_ids: list[int], keep: int | None) -> list[int]:
-        """truncate_prompt_tokens (vLLM's): the prompt's last `keep` tokens (-1: max_model_len)."""
-        if keep is None:
-            return prompt_ids
-        if keep > self.max_model_len:
-            raise ValueError(
-                f"truncate_prompt_tokens ({keep}) is greater than max_model_len ({self.max_model_len}); "
-                "give at most max_model_len, or -1 for it"
-            )
-        keep = self.max_model_len if keep == -1 else keep
-        return prompt_ids[-keep:]
 
     def _validate_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """What only the model knows: the vocabulary and the context length."""

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvflow.config import EngineConfig
-from kvflow.engine.llm_engine import EngineStats, LLMEngine, check_cache_salt
+from kvflow.engine.llm_engine import EngineStats, LLMEngine
 from kvflow.lora.request import LoRARequest
 from kvflow.models.chat_template import check_continuation, template_kwargs
 from kvflow.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
@@ -36,8 +36,7 @@ def _prompt_of(prompt: Prompt) -> tuple[str | list[int], str | None]:
     given = [k for k in _PROMPT_KEYS if k in prompt]
     if len(given) != 1:
         raise ValueError(f"a prompt dict holds exactly one of {list(_PROMPT_KEYS)}, got {sorted(prompt)}")
-    salt = prompt.get("cache_salt")
-    check_cache_salt(salt)
+    salt = prompt.get("cache_salt")  # (checked by the engine, as the server's)
     value = prompt[given[0]]
     if given[0] == "prompt" and not isinstance(value, str):
         raise ValueError(f"'prompt' must be a string, got {type(value).__name__}")

@@ -42,8 +42,11 @@ def ban_bad_words(
     rows: torch.Tensor, output: Sequence[int], drafts: Sequence[int], sequences: Sequence[tuple[int, ...]]
 ) -> None:
     """-inf, in place, for the banned tokens of a request's rows: row j samples (or verifies)
-    the token after `output` + drafts[:j]."""
+    the token after `output` + drafts[:j]. Only the last (longest sequence - 1) tokens matter, so
+    only those are read, however long the output."""
+    reach = max(len(s) for s in sequences) - 1
+    tail = list(output[max(0, len(output) - reach) :]) if reach else []
     for j in range(rows.shape[0]):
-        banned = banned_next(list(output) + list(drafts[:j]), sequences)
+        banned = banned_next(tail + list(drafts[:j]), sequences)
         if banned:
             rows[j, torch.tensor(banned, dtype=torch.long, device=rows.device)] = float("-inf")

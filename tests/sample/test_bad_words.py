@@ -25,6 +25,24 @@ def test_banned_next_is_every_token_that_would_complete_a_sequence():
         assert set(banned_next(output, seqs)) == expected, (output, seqs)
 
 
+def test_ban_bad_words_reads_only_the_tail_and_gets_the_same_bans():
+    # each row's bans against banned_next over the row's whole history (output + drafts before it)
+    import torch
+
+    from kvflow.sample.bad_words import ban_bad_words
+
+    rng = random.Random(1)
+    for _ in range(3000):  # (outputs shorter and longer than the longest sequence, 2 tokens: matches are common)
+        seqs = [tuple(rng.randrange(2) for _ in range(rng.randint(1, 5))) for _ in range(rng.randint(1, 3))]
+        output = [rng.randrange(2) for _ in range(rng.randint(0, 7))]
+        drafts = [rng.randrange(2) for _ in range(rng.randint(0, 3))]
+        rows = torch.zeros(len(drafts) + 1, 5)
+        ban_bad_words(rows, output, drafts, seqs)
+        for j in range(len(drafts) + 1):
+            got = {t for t in range(5) if rows[j, t] == float("-inf")}
+            assert got == set(banned_next(output + drafts[:j], seqs)), (seqs, output, drafts, j)
+
+
 def test_bad_word_sequences_bare_and_after_a_space():
     vocab = {"cat": [5], " cat": [9], "big dog": [7, 8], " big dog": [3, 8]}
     assert bad_word_sequences(["cat", "  big dog"], lambda text: vocab[text]) == ((5,), (9,), (7, 8), (3, 8))

@@ -226,7 +226,7 @@ class _SamplingFields(BaseModel):
                 "guided_whitespace_pattern is not supported; structured_outputs.disable_any_whitespace "
                 "gives JSON without free whitespace"
             )
-        legacy = {kind: v for kind in _GUIDED if (v := getattr(self, "guided_" + kind)) is not None}
+        legacy = self._guided()
         given = ["guided_" + kind for kind in legacy]
         if self.structured_outputs is not None:
             given.insert(0, "structured_outputs")
@@ -250,7 +250,11 @@ class _SamplingFields(BaseModel):
         guided_* one), if the request has one."""
         if self.structured_outputs is not None:
             return "structured_outputs"
-        return next(("guided_" + kind for kind in _GUIDED if getattr(self, "guided_" + kind) is not None), None)
+        return next(("guided_" + kind for kind in self._guided()), None)
+
+    def _guided(self) -> dict[str, Any]:
+        """The guided_<kind> fields given, by kind."""
+        return {kind: v for kind in _GUIDED if (v := getattr(self, "guided_" + kind)) is not None}
 
     @property
     def include_usage(self) -> bool:

@@ -11,6 +11,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from kvflow.engine.async_llm import RequestFailedError, RequestHandle
+from kvflow.engine.llm_engine import truncate_prompt
 from kvflow.entrypoints.openai.protocol import CompletionRequest
 from kvflow.entrypoints.openai.serving import (
     OpenAIServing,
@@ -43,11 +44,6 @@ class ServingCompletion(OpenAIServing):
         model = self.model_name(req.model, allow_lora=True)
         params = sampling_params(req.to_sampling_params)
         prompt_ids = [self.tokenize(p, req.add_special_tokens) for p in req.prompt]
-        if req.echo and req.truncate_prompt_tokens is not None:  # what is echoed is what the engine keeps
-            keep = self.llm.max_model_len if req.truncate_prompt_tokens == -1 else req.truncate_prompt_tokens
-            echo = [self.decode(ids[-keep:]) for ids in prompt_ids]
-        else:
-            echo = [(p if isinstance(p, str) else self.decode(p)) if req.echo else "" for p in req.prompt]
         request_id = f"cmpl-{uuid.uuid4().hex}"
         handles = await self.add_requests(
             request_id,
@@ -59,6 +55,11 @@ class ServingCompletion(OpenAIServing):
             self.lora_of(model),
             req.cache_salt,
         )
+        if req.echo and req.truncate_prompt_tokens is not None:  # what the engine kept (it took the value)
+            keep, limit = req.truncate_prompt_tokens, self.llm.max_model_len
+            echo = [self.decode(truncate_prompt(ids, keep, limit)) for ids in prompt_ids]
+        else:
+            echo = [(p if isinstance(p, str) else self.decode(p)) if req.echo else "" for p in req.prompt]
         ctx = _Ctx(request_id, model, now_s(), req, echo)
         if req.stream:
             return OwnedStreamingResponse(self._stream(ctx, handles), handles)
