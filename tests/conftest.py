@@ -211,6 +211,34 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt_ids) :].tolist()
 
 
+def hf_beams(
+    model, prompt_ids: list[int], width: int, max_new_tokens: int, stops: list[int], length_penalty=1.0, min_tokens=0
+) -> tuple[list[list[int]], list[float] | None]:
+    """HF's beam search (`generate(num_beams=width)`, its default early stopping): the `width`
+    beams best first, each cut after the stop token that ended it, and their scores (None for
+    width 1, which HF runs as greedy search and returns unscored)."""
+    with torch.no_grad():
+        g = model.generate(
+            torch.tensor([prompt_ids]),
+            num_beams=width,
+            num_return_sequences=width,
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=min_tokens,
+            do_sample=False,
+            eos_token_id=stops,
+            pad_token_id=0,
+            length_penalty=length_penalty,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+    beams = []
+    for seq in g.sequences:
+        out = seq[len(prompt_ids) :].tolist()
+        end = next((i + 1 for i, t in enumerate(out) if t in stops), len(out))  # HF pads after a stop
+        beams.append(out[:end])
+    return beams, (g.sequences_scores.tolist() if width > 1 else None)
+
+
 def engine_logits(llm, ids: list[int]) -> torch.Tensor:
     """The logits at every position of `ids`: one forward pass of an `LLM`'s own model (its
     kernels, whatever backend it chose) over a fresh block table (nothing else may be running)."""

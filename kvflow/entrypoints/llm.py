@@ -12,6 +12,7 @@ import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from kvflow.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from kvflow.config import EngineConfig
 from kvflow.engine.llm_engine import EngineStats, LLMEngine
 from kvflow.lora.request import LoRARequest
@@ -78,6 +79,56 @@ class LLM:
         parsed = [_prompt_of(p) for p in prompts]
         params, loras = _per_prompt(len(parsed), sampling_params, lora_request)
         return self._run([(p, sp, True, salt) for (p, salt), sp in zip(parsed, params)], use_tqdm, loras)
+
+    def beam_search(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[BeamSearchOutput]:
+        """Beam search per prompt, as vLLM's `LLM.beam_search` (kvflow.beam_search: HF
+        transformers' selection rules): each prompt's `params.beam_width` best finished beams,
+        best first. All prompts' beams run as one batch of one-token requests per step; prefix
+        caching (on by default) keeps what the beams share."""
+        if isinstance(prompts, (str, Mapping)) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        parsed = [_prompt_of(p) for p in prompts]
+        _, loras = _per_prompt(len(parsed), None, lora_request)
+        engine = self.engine
+        searches = [
+            BeamSearch(engine.tokenize(p), params, engine.eos_token_ids, engine.max_model_len) for p, _ in parsed
+        ]
+        step = searches[0].step_params() if searches else None
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(searches), desc="Beam search", unit="prompt", dynamic_ncols=True)
+        try:
+            while any(not s.done for s in searches):
+                owners = [(i, seq) for i, s in enumerate(searches) for seq in s.pending()]
+                outs = self._run(
+                    [(seq, step, False, parsed[i][1]) for i, seq in owners], False, [loras[i] for i, _ in owners]
+                )
+                failed = next((o for o in outs if o.error is not None), None)
+                if failed is not None:
+                    raise RuntimeError(f"beam search step request {failed.request_id} failed: {failed.error}")
+                for i, s in enumerate(searches):
+                    if not s.done:
+                        s.advance([o.outputs[0].logprobs[0] for (j, _), o in zip(owners, outs) if j == i])
+                        if s.done and bar is not None:
+                            bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+        tok = engine.tokenizer
+        decode = None if tok is None else (lambda ids, skip: tok.decode(ids, skip_special_tokens=skip))
+        return [s.result(decode) for s in searches]
 
     def embed(
         self, prompts: Prompt | Sequence[Prompt], pooling: str | None = None, use_tqdm: bool = True

@@ -303,13 +303,10 @@ def test_chat_documents_reach_the_template(rag_server):
 @pytest.mark.parametrize(
     "path,field,asks,idle",
     [
-        ("/v1/completions", "use_beam_search", True, False),
-        ("/v1/completions", "length_penalty", 0.5, 1.0),
         ("/v1/completions", "mm_processor_kwargs", {"fps": 1}, {}),
         ("/v1/chat/completions", "logits_processors", ["my.Processor"], []),
         ("/v1/chat/completions", "vllm_xargs", {"a": 1}, {}),
         ("/v1/chat/completions", "spaces_between_special_tokens", False, True),
-        ("/v1/chat/completions", "length_penalty", 2.0, 1),
         ("/v1/chat/completions", "chat_template", "{{ messages }}", None),
     ],
 )

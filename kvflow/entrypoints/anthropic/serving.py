@@ -29,11 +29,12 @@ from kvflow.entrypoints.openai.utils import (
     APIError,
     OwnedStreamingResponse,
     finish_unstreamed,
+    last_output,
     merge_handles,
     parse_body,
     sse_json,
 )
-from kvflow.outputs import CompletionOutput, RequestOutput
+from kvflow.outputs import CompletionOutput
 from kvflow.sampling_params import SamplingParams
 
 _ABORTED = "the request was aborted: the server is shutting down"
@@ -71,7 +72,7 @@ class ServingMessages:
         )
         if req.stream:
             return OwnedStreamingResponse(self._stream(message_id, model, len(prompt_ids), handles, fmt), handles)
-        out = await finish_unstreamed(raw, handles, _last_output(handles[0]))
+        out = await finish_unstreamed(raw, handles, last_output(handles[0]))
         if out is None:
             return Response(status_code=499)  # the client closed the connection
         c = out.outputs[0]
@@ -168,11 +169,3 @@ def _client(raw: Request, user_id: str | None) -> str | None:
     if client is None and key:
         return "key:" + hashlib.sha256(f"Bearer {key}".encode()).hexdigest()[:16]  # = the same key as Bearer
     return client
-
-
-async def _last_output(handle: RequestHandle) -> RequestOutput:
-    last = None
-    async for _, out in merge_handles([handle]):
-        last = out
-    assert last is not None
-    return last

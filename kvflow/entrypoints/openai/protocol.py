@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, create_model, field_validator, model_validator
 
+from kvflow.beam_search import BeamSearchParams
 from kvflow.entrypoints.openai.utils import APIError
 from kvflow.models.chat_template import check_continuation
 from kvflow.sampling_params import MAX_N, SamplingParams
@@ -84,8 +85,6 @@ _GUIDED = ("json", "regex", "choice", "grammar")  # guided_<kind>: vLLM's earlie
 # (which pass): any other value is refused with 400, since ignored the answer would look right
 # and not be what was asked.
 _UNSUPPORTED_EXTRAS: dict[str, tuple[Any, ...]] = {
-    "use_beam_search": (False,),
-    "length_penalty": (1.0, 1),
     "logits_processors": (None, []),
     "vllm_xargs": (None, {}),
     "spaces_between_special_tokens": (True,),
@@ -94,6 +93,29 @@ _UNSUPPORTED_EXTRAS: dict[str, tuple[Any, ...]] = {
 # ... and those of chat completions only
 _UNSUPPORTED_CHAT_EXTRAS: dict[str, tuple[Any, ...]] = {
     "chat_template": (None,),
+}
+
+
+# SamplingParams fields that beam search cannot honour (kvflow.beam_search), with the values that
+# ask for nothing: any other is refused with use_beam_search.
+_NOT_WITH_BEAM_SEARCH: dict[str, tuple[Any, ...]] = {
+    "top_p": (1.0,),
+    "top_k": (0, -1),
+    "min_p": (0.0,),
+    "presence_penalty": (0.0,),
+    "frequency_penalty": (0.0,),
+    "repetition_penalty": (1.0,),
+    "seed": (None,),
+    "stop": ([],),
+    "logit_bias": (None, {}),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "structured_outputs": (None,),
+    "prompt_logprobs": (None,),
+    "kv_transfer_params": (None,),
+    "return_expert_trace": (False,),
+    "ttft_slo_ms": (None,),
+    "tpot_slo_ms": (None,),
 }
 
 
@@ -170,6 +192,9 @@ class _SamplingFields(BaseModel):
     # vLLM's extra: every prompt token's logprob with this many top logprobs ("prompt_logprobs" on
     # a completion's choices, at the top of a chat completion); not with stream, as vLLM
     prompt_logprobs: int | None = None
+    # vLLM's extras: beam search with beam width n (kvflow.beam_search), scored with this penalty
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
     def _sampling(
         self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
@@ -207,6 +232,38 @@ class _SamplingFields(BaseModel):
             tpot_slo_ms=self.tpot_slo_ms,
             kv_transfer_params=self.kv_transfer_params,
             return_expert_trace=self.return_expert_trace,
+        )
+
+    def beam_search_params(self, params: SamplingParams) -> BeamSearchParams | None:
+        """With use_beam_search, the search's parameters (beam width n) taken from the request's
+        validated `params`; None without. Fields that shape sampling have no meaning when beams
+        are ranked by the model's log-probabilities: given, they are refused, not ignored."""
+        if not self.use_beam_search:
+            if self.length_penalty != 1.0:
+                raise ValueError("length_penalty applies only to beam search (use_beam_search: true)")
+            return None
+        if self.temperature not in (None, 0, 1):
+            raise ValueError(
+                "temperature does not apply to beam search (beams are ranked by the model's "
+                "log-probabilities); leave it out or give 0"
+            )
+        for name, idle in _NOT_WITH_BEAM_SEARCH.items():
+            if getattr(params, name) not in idle:
+                if name == "structured_outputs":
+                    name = self.constraint_field or "response_format"
+                elif name == "prompt_logprobs" and self.prompt_logprobs is None:
+                    name = "echo with logprobs"  # (the prompt's logprobs an echo asks for)
+                raise ValueError(f"{name} cannot be combined with use_beam_search; leave it out")
+        return BeamSearchParams(
+            beam_width=params.n,
+            max_tokens=params.max_tokens,
+            ignore_eos=params.ignore_eos,
+            length_penalty=self.length_penalty,
+            min_tokens=params.min_tokens,
+            stop_token_ids=list(params.stop_token_ids or []),
+            skip_special_tokens=params.skip_special_tokens,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+            logprobs=params.logprobs,
         )
 
     def _logit_bias(self) -> dict[int, float] | None:

@@ -21,6 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from kvflow.engine.async_llm import RequestFailedError, RequestHandle
+from kvflow.entrypoints.openai.beam_search import start_requests
 from kvflow.entrypoints.openai.protocol import ChatCompletionRequest
 from kvflow.entrypoints.openai.reasoning_parsers import ReasoningFormat, get_reasoning_format
 from kvflow.entrypoints.openai.serving import (
@@ -46,6 +47,7 @@ from kvflow.entrypoints.openai.utils import (
     OwnedStreamingResponse,
     finish_unstreamed,
     kv_transfer_fields,
+    last_output,
     merge_handles,
     parse_body,
     sse,
@@ -128,14 +130,19 @@ class ServingChat(OpenAIServing):
         req = await parse_body(raw, ChatCompletionRequest)
         model = self.model_name(req.model, allow_lora=True)
         params = sampling_params(req.to_sampling_params)
+        beams = sampling_params(lambda: req.beam_search_params(params))
         tools = self.tool_format_for(req, params)
+        if beams is not None and tools is not None:
+            raise APIError(400, "tools cannot be combined with use_beam_search", param="tools", code="invalid_value")
         self.constrain_after_reasoning(params)
         prompt_ids = self.chat_prompt_ids(req, tools)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        handles = await self.add_requests(
+        handles = await start_requests(
+            self,
             request_id,
             [prompt_ids],
             params,
+            beams,
             "messages",
             arrival,
             client_of(raw, req.user),
@@ -145,7 +152,7 @@ class ServingChat(OpenAIServing):
         created = now_s()
         if req.stream:
             return OwnedStreamingResponse(self._stream(request_id, model, created, req, handles, tools), handles)
-        finals = await finish_unstreamed(raw, handles, _last_output(handles[0]))
+        finals = await finish_unstreamed(raw, handles, last_output(handles[0]))
         if finals is None:
             return Response(status_code=499)  # the client closed the connection
         return JSONResponse(self._response(request_id, model, created, req, finals, tools))
@@ -345,11 +352,3 @@ def _generic_conversation(
 
 def _arguments_text(arguments: Any) -> str:
     return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-
-
-async def _last_output(handle: RequestHandle) -> RequestOutput:
-    last = None
-    async for _, out in merge_handles([handle]):
-        last = out
-    assert last is not None
-    return last

@@ -12,6 +12,7 @@ from starlette.responses import JSONResponse, Response
 
 from kvflow.engine.async_llm import RequestFailedError, RequestHandle
 from kvflow.engine.llm_engine import truncate_prompt
+from kvflow.entrypoints.openai.beam_search import start_requests
 from kvflow.entrypoints.openai.protocol import CompletionRequest
 from kvflow.entrypoints.openai.serving import (
     OpenAIServing,
@@ -44,11 +45,14 @@ class ServingCompletion(OpenAIServing):
         model = self.model_name(req.model, allow_lora=True)
         params = sampling_params(req.to_sampling_params)
         prompt_ids = [self.tokenize(p, req.add_special_tokens) for p in req.prompt]
+        beams = sampling_params(lambda: req.beam_search_params(params))
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        handles = await self.add_requests(
+        handles = await start_requests(
+            self,
             request_id,
             prompt_ids,
             params,
+            beams,
             "prompt",
             arrival,
             client_of(raw, req.user),

@@ -37,6 +37,7 @@ from kvflow.entrypoints.openai.utils import (
     APIError,
     OwnedStreamingResponse,
     finish_unstreamed,
+    last_output,
     merge_handles,
     parse_body,
     sse_json,
@@ -221,7 +222,7 @@ class ServingResponses:
         base = self._body(response_id, model, req, time.time())
         if req.stream:
             return OwnedStreamingResponse(self._stream(req, base, handles, tools, items), handles)
-        out = await finish_unstreamed(raw, handles, _last_output(handles[0]))
+        out = await finish_unstreamed(raw, handles, last_output(handles[0]))
         if out is None:
             return Response(status_code=499)  # the client closed the connection
         builder = OutputBuilder(tools)
@@ -348,11 +349,3 @@ def _chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
         return ChatCompletionRequest.model_validate(body)
     except ValidationError as e:
         raise validation_error(e) from None
-
-
-async def _last_output(handle: RequestHandle) -> RequestOutput:
-    last = None
-    async for _, out in merge_handles([handle]):
-        last = out
-    assert last is not None
-    return last

@@ -319,6 +319,15 @@ async def merge_handles(handles: Sequence[RequestHandle]) -> AsyncIterator[tuple
 T = TypeVar("T")
 
 
+async def last_output(handle: RequestHandle) -> RequestOutput:
+    """A request's finished output (RequestFailedError if the engine failed it)."""
+    last = None
+    async for _, out in merge_handles([handle]):
+        last = out
+    assert last is not None
+    return last
+
+
 async def finish_unstreamed(request: Request, handles: Sequence[RequestHandle], work: Awaitable[T]) -> T | None:
     """Run a non-streamed request to its end. None if the client went away (it is aborted); an
     engine failure becomes a 500. The requests are aborted however this ends (a no-op if done)."""
