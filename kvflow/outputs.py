@@ -123,3 +123,21 @@ class EmbeddingRequestOutput:
     prompt_token_ids: list[int]
     outputs: EmbeddingOutput
     finished: bool = True
+
+
+@dataclass
+class ScoringOutput:
+    """vLLM's `ScoringOutput`: a text pair's score (kvflow.entrypoints.scoring)."""
+
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """What `LLM.score` returns per pair, shaped like vLLM's: for an embedding model,
+    `prompt_token_ids` are the first text's tokens followed by the second's."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

@@ -211,6 +211,17 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt_ids) :].tolist()
 
 
+def hf_embedding(model, prompt: list[int], pooling: str) -> torch.Tensor:
+    """HF's final hidden states (after the final norm), pooled ("last" or "mean") and
+    L2-normalised, in float32."""
+    with torch.no_grad():
+        out = model(torch.tensor([prompt]), output_hidden_states=True)
+    last = out.hidden_states[-1][0].float()  # post-norm: HF's last entry is the final norm's output
+    assert torch.allclose(last, model.model(torch.tensor([prompt])).last_hidden_state[0].float(), atol=1e-6)
+    vec = last[-1] if pooling == "last" else last.mean(0)
+    return torch.nn.functional.normalize(vec, dim=0)
+
+
 def hf_beams(
     model, prompt_ids: list[int], width: int, max_new_tokens: int, stops: list[int], length_penalty=1.0, min_tokens=0
 ) -> tuple[list[list[int]], list[float] | None]:

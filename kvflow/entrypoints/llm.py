@@ -10,14 +10,22 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from kvflow.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from kvflow.config import EngineConfig
 from kvflow.engine.llm_engine import EngineStats, LLMEngine
+from kvflow.entrypoints.scoring import cosine, pair_indices
 from kvflow.lora.request import LoRARequest
 from kvflow.models.chat_template import check_continuation, template_kwargs
-from kvflow.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from kvflow.outputs import (
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
 from kvflow.sampling_params import SamplingParams
 
 Prompt = str | list[int] | Mapping[str, Any]
@@ -72,10 +80,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """`lora_request`: the LoRA adapter (engine started with enable_lora) every prompt runs
         under, or one per prompt (None: the base model)."""
-        if isinstance(prompts, (str, Mapping)) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]
+        prompts = _as_list(prompts)
         parsed = [_prompt_of(p) for p in prompts]
         params, loras = _per_prompt(len(parsed), sampling_params, lora_request)
         return self._run([(p, sp, True, salt) for (p, salt), sp in zip(parsed, params)], use_tqdm, loras)
@@ -91,10 +96,7 @@ class LLM:
         transformers' selection rules): each prompt's `params.beam_width` best finished beams,
         best first. All prompts' beams run as one batch of one-token requests per step; prefix
         caching (on by default) keeps what the beams share."""
-        if isinstance(prompts, (str, Mapping)) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]
+        prompts = _as_list(prompts)
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
         parsed = [_prompt_of(p) for p in prompts]
@@ -131,22 +133,49 @@ class LLM:
         return [s.result(decode) for s in searches]
 
     def embed(
-        self, prompts: Prompt | Sequence[Prompt], pooling: str | None = None, use_tqdm: bool = True
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling: str | None = None,
+        use_tqdm: bool = True,
+        truncate_prompt_tokens: int | None = None,
     ) -> list[EmbeddingRequestOutput]:
         """Embeddings, as vLLM's `LLM.embed`: per prompt the final hidden state (after the model's
         final norm), pooled by the last token or the mean over all tokens (`pooling`; default: the
         engine's `pooling` option) and L2-normalised, in `out.outputs.embedding`. The prompts run
-        through the engine as prefill-only requests (batched, chunked; no decode, no KV kept after)."""
-        if isinstance(prompts, (str, Mapping)) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]
+        through the engine as prefill-only requests (batched, chunked; no decode, no KV kept after).
+        `truncate_prompt_tokens`: keep each prompt's last N tokens (-1: max_model_len)."""
+        prompts = _as_list(prompts)
         params = self.engine.embedding_params(pooling)
+        if truncate_prompt_tokens is not None:
+            params = replace(params, truncate_prompt_tokens=truncate_prompt_tokens)
         results = self._run([(p, params, True, salt) for p, salt in map(_prompt_of, prompts)], use_tqdm)
         failed = next((r for r in results if r.error is not None or r.embedding is None), None)
         if failed is not None:
             raise RuntimeError(f"embedding request {failed.request_id} failed: {failed.error}")
         return [EmbeddingRequestOutput(r.request_id, r.prompt_token_ids, EmbeddingOutput(r.embedding)) for r in results]
+
+    def score(
+        self,
+        text_1: Prompt | Sequence[Prompt],
+        text_2: Prompt | Sequence[Prompt],
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+    ) -> list[ScoringRequestOutput]:
+        """Similarity scores, as vLLM's `LLM.score` for an embedding model: one text_1 against each
+        text_2, or pairwise, each the cosine of the two texts' embeddings (`embed`, the engine's
+        pooling; kvflow.entrypoints.scoring). One output per pair, in order."""
+        first, second = (_as_list(t) for t in (text_1, text_2))
+        pairs = pair_indices(len(first), len(second))
+        embedded = self.embed(first + second, use_tqdm=use_tqdm, truncate_prompt_tokens=truncate_prompt_tokens)
+        a, b = embedded[: len(first)], embedded[len(first) :]
+        return [
+            ScoringRequestOutput(
+                f"score-{k}",
+                ScoringOutput(cosine(a[i].outputs.embedding, b[j].outputs.embedding)),
+                a[i].prompt_token_ids + b[j].prompt_token_ids,
+            )
+            for k, (i, j) in enumerate(pairs)
+        ]
 
     def chat(
         self,
@@ -245,6 +274,13 @@ class LLM:
         """Release the engine: persist the prefix cache to the KV offload tiers (if configured), stop
         the KV connector and the worker processes, and leave the process group. Idempotent."""
         self._finalizer()
+
+
+def _as_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """One prompt (a string, token ids, a prompt dict) as a list of one; a list of them as is."""
+    if isinstance(prompts, (str, Mapping)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)
 
 
 def _per_prompt(

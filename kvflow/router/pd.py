@@ -20,7 +20,9 @@ COMPLETIONS_PATH = "/v1/completions"
 RESPONSES_PATH = "/v1/responses"
 MESSAGES_PATH = "/v1/messages"  # Anthropic's Messages API
 EMBEDDINGS_PATH = "/v1/embeddings"
-ROUTED_PATHS = (COMPLETIONS_PATH, CHAT_PATH, RESPONSES_PATH, MESSAGES_PATH, EMBEDDINGS_PATH)
+# vLLM's score and rerank APIs: embeddings too (no output tokens), routed by load alone
+SCORE_PATHS = ("/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank")
+ROUTED_PATHS = (COMPLETIONS_PATH, CHAT_PATH, RESPONSES_PATH, MESSAGES_PATH, EMBEDDINGS_PATH, *SCORE_PATHS)
 
 # What asks a producer engine to keep the prompt's KV for a decode engine (vLLM's field).
 REMOTE_DECODE = {"do_remote_decode": True}

@@ -29,6 +29,7 @@ from kvflow.router.pd import (
     EMBEDDINGS_PATH,
     MESSAGES_PATH,
     RESPONSES_PATH,
+    SCORE_PATHS,
     takes_prefill_step,
 )
 from kvflow.router.prefix_tree import PrefixTree, prompt_texts_scaled
@@ -316,9 +317,9 @@ _MAX_TOKENS_FIELDS = {
 def expected_output_tokens(path: str, body: dict[str, Any], prompts: int = 1) -> float:
     """The output tokens a request will make, as cache_aware counts them: per prompt and choice
     (`n`), its max_tokens (or max_completion_tokens, max_output_tokens) at most
-    `OUTPUT_TOKENS_CAP`, else `DEFAULT_OUTPUT_TOKENS`; none for embeddings. Completions without
-    max_tokens get OpenAI's default, 16."""
-    if path == EMBEDDINGS_PATH:
+    `OUTPUT_TOKENS_CAP`, else `DEFAULT_OUTPUT_TOKENS`; none for embeddings, scores and reranks.
+    Completions without max_tokens get OpenAI's default, 16."""
+    if path == EMBEDDINGS_PATH or path in SCORE_PATHS:
         return 0.0
     per = (
         COMPLETIONS_DEFAULT_MAX_TOKENS

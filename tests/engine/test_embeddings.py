@@ -9,22 +9,12 @@ import torch
 
 from kvflow import LLM, SamplingParams
 
-from conftest import assert_no_leaks
+from conftest import assert_no_leaks, hf_embedding
 
 
 def _prompts(seed: int, count: int, lo: int = 3, hi: int = 40) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(2, 500) for _ in range(rng.randint(lo, hi))] for _ in range(count)]
-
-
-def hf_embedding(model, prompt: list[int], pooling: str) -> torch.Tensor:
-    """HF's final hidden states (after the final norm), pooled and L2-normalised, in float32."""
-    with torch.no_grad():
-        out = model(torch.tensor([prompt]), output_hidden_states=True)
-    last = out.hidden_states[-1][0].float()  # post-norm: HF's last entry is the final norm's output
-    assert torch.allclose(last, model.model(torch.tensor([prompt])).last_hidden_state[0].float(), atol=1e-6)
-    vec = last[-1] if pooling == "last" else last.mean(0)
-    return torch.nn.functional.normalize(vec, dim=0)
 
 
 def _check(outs, prompts, hf, pooling):

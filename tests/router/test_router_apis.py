@@ -1,6 +1,6 @@
 """The router in front of two real engines, driven by the real `openai` and `anthropic` clients: the
 Responses API (a conversation continued across turns lands on the engine that stores it, retrieve and
-delete find it), Anthropic's Messages API (the x-api-key header reaches the engines) and embeddings
+delete find it), Anthropic's Messages API (the x-api-key header reaches the engines), embeddings, scores and reranks
 pass through the router as they are answered by one engine directly."""
 
 from __future__ import annotations
@@ -132,6 +132,23 @@ def test_embeddings_through_the_router(router, engines):
         routed = _openai(url).embeddings.create(model=engines[0].model, input=inputs)
         for a, b in zip(routed.data, direct.data, strict=True):
             assert a.embedding == pytest.approx(b.embedding, abs=1e-5)
+
+
+def test_score_and_rerank_through_the_router(router, engines):
+    url, _ = router
+    body = {"query": "a capital city", "documents": ["Paris is a city", "a fox", "Berlin"]}
+    direct = httpx.post(engines[1].url + "/v1/rerank", json=body, headers={"Authorization": f"Bearer {KEY}"}).json()
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        routed = httpx.post(url + path, json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+        assert routed.status_code == 200, routed.text
+        got = routed.json()["results"]
+        assert [x["index"] for x in got] == [x["index"] for x in direct["results"]]
+        assert [x["relevance_score"] for x in got] == pytest.approx([x["relevance_score"] for x in direct["results"]])
+    for path in ("/score", "/v1/score"):
+        routed = httpx.post(
+            url + path, json={"text_1": "a", "text_2": ["b", "c"]}, headers={"Authorization": f"Bearer {KEY}"}
+        )
+        assert routed.status_code == 200 and len(routed.json()["data"]) == 2, routed.text
 
 
 def test_prompt_texts_of_the_new_apis():

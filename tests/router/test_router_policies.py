@@ -453,3 +453,4 @@ def test_expected_output_tokens():
     assert out("/v1/responses", {"max_output_tokens": 7}) == 7
     assert out("/v1/messages", {"max_tokens": 9}) == 9
     assert out("/v1/embeddings", {"input": "a"}) == 0
+    assert out("/v1/rerank", {"query": "a", "documents": ["b"]}) == out("/score", {"max_tokens": 9}) == 0

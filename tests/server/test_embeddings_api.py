@@ -9,12 +9,11 @@ import base64
 import httpx
 import numpy as np
 import pytest
-import torch
 
 from kvflow.config import EngineConfig
 from kvflow.entrypoints.openai.protocol import MAX_PROMPTS
 
-from conftest import assert_no_leaks
+from conftest import assert_no_leaks, hf_embedding
 from server_utils import LiveServer
 
 pytestmark = pytest.mark.server
@@ -31,13 +30,6 @@ def server(request, tiny_llama):
     s.stop()
 
 
-def hf_embedding(model, ids: list[int], pooling: str) -> np.ndarray:
-    with torch.no_grad():
-        last = model(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0].float()
-    vec = last[-1] if pooling == "last" else last.mean(0)
-    return torch.nn.functional.normalize(vec, dim=0).numpy()
-
-
 def post(server, body: dict) -> httpx.Response:
     return httpx.post(server.url + "/v1/embeddings", json=body, timeout=60)
 
@@ -47,7 +39,7 @@ def test_sdk_float_and_base64_match_hf(server, tiny_llama):
     client = server.openai(timeout=60)
     tok = server.engine.tokenizer
     ids = [tok(t)["input_ids"] for t in TEXTS]
-    refs = [hf_embedding(hf, i, server.pooling) for i in ids]
+    refs = [hf_embedding(hf, i, server.pooling).numpy() for i in ids]
     for fmt in ("float", "base64"):
         res = client.embeddings.create(model=server.model, input=TEXTS, encoding_format=fmt)
         assert [d.index for d in res.data] == [0, 1]

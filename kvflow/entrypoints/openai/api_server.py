@@ -50,6 +50,8 @@ from kvflow.entrypoints.openai.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
+    RerankRequest,
+    ScoreRequest,
     TokenizeRequest,
 )
 from kvflow.entrypoints.openai.protocol_responses import ResponsesRequest
@@ -60,6 +62,7 @@ from kvflow.entrypoints.openai.serving_completion import ServingCompletion
 from kvflow.entrypoints.openai.serving_embedding import ServingEmbedding
 from kvflow.entrypoints.openai.serving_lora import adapter_cards, add_lora_routes
 from kvflow.entrypoints.openai.serving_responses import ServingResponses
+from kvflow.entrypoints.openai.serving_score import ServingScore
 from kvflow.entrypoints.openai.utils import APIError, parse_body, pydantic_error
 from kvflow.metrics import EngineMetrics
 from kvflow.tracing import INCOMING_TRACE, Tracer, trace_carrier
@@ -294,6 +297,7 @@ def build_app(
     llm.on_fatal = state.on_engine_dead
     completions = ServingCompletion(llm, served)
     embeddings = ServingEmbedding(llm, served, engine.config.pooling, engine.model_config.hidden_size)
+    scoring = ServingScore(embeddings)
     chat = ServingChat(llm, served, config.tool_call_parser, config.reasoning_parser)
     responses_api = ServingResponses(chat, ResponseStore(config.responses_store_size))
     if config.otlp_traces_endpoint is not None:
@@ -332,6 +336,8 @@ def build_app(
             CompletionRequest,
             ChatCompletionRequest,
             EmbeddingRequest,
+            ScoreRequest,
+            RerankRequest,
             ResponsesRequest,
             TokenizeRequest,
             DetokenizeRequest,
@@ -415,6 +421,22 @@ def build_app(
     @app.post("/v1/embeddings", openapi_extra=json_body(EmbeddingRequest), responses=responses(stream=False))
     async def create_embedding(request: Request) -> Response:
         return await embeddings.create(request)
+
+    # vLLM's score and rerank APIs (Jina's and Cohere's rerank shapes), from the model's embeddings;
+    # the first path of each is the one in the OpenAPI spec
+    for paths, handler, body in (
+        (("/score", "/v1/score"), scoring.score, ScoreRequest),
+        (("/rerank", "/v1/rerank", "/v2/rerank"), scoring.rerank, RerankRequest),
+    ):
+        for path in paths:
+            app.add_api_route(
+                path,
+                handler,
+                methods=["POST"],
+                openapi_extra=json_body(body),
+                responses=responses(stream=False),
+                include_in_schema=path == paths[0],
+            )
 
     app.include_router(anthropic_router(chat))  # /v1/messages, /v1/messages/count_tokens
 

@@ -407,6 +407,65 @@ class EmbeddingRequest(BaseModel):
             raise ValueError(str(e).replace("prompt", "input")) from None
 
 
+def _texts(v: Any, name: str) -> list[str]:
+    """A string or a non-empty list of strings (at most MAX_PROMPTS), as /score and /rerank take them."""
+    if isinstance(v, str):
+        return [v]
+    if not isinstance(v, list) or not all(isinstance(t, str) for t in v):
+        raise ValueError(f"{name} must be a string or a list of strings")
+    if not v:
+        raise ValueError(f"{name} must not be empty")
+    if len(v) > MAX_PROMPTS:
+        raise ValueError(f"{name} holds {len(v)} texts; at most {MAX_PROMPTS} are allowed in one request")
+    return list(v)
+
+
+class ScoreRequest(BaseModel):
+    """POST /score (vLLM's): the similarity of text_1 and text_2, one text against each of a list
+    or pairwise; with an embedding model, the cosine of their embeddings (kvflow.entrypoints.scoring)."""
+
+    model_config = _CONFIG
+    model: str | None = None
+    text_1: Annotated[
+        Any, WithJsonSchema({"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]})
+    ]
+    text_2: Annotated[
+        Any, WithJsonSchema({"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]})
+    ]
+    truncate_prompt_tokens: int | None = None
+    add_special_tokens: bool = True
+    user: str | None = None
+
+    @field_validator("text_1", "text_2", mode="before")
+    @classmethod
+    def _check_texts(cls, v: Any, info: Any) -> list[str]:
+        return _texts(v, info.field_name)
+
+
+class RerankDocument(BaseModel):
+    model_config = _CONFIG
+    text: str
+
+
+class RerankRequest(BaseModel):
+    """POST /rerank, /v1/rerank, /v2/rerank (vLLM's; Jina's and Cohere's shape): the documents
+    ranked by their score against the query, best first, the first top_n of them (0 or null:
+    all)."""
+
+    model_config = _CONFIG
+    model: str | None = None
+    query: str
+    documents: list[str | RerankDocument] = Field(min_length=1, max_length=MAX_PROMPTS)
+    top_n: int | None = Field(None, ge=0)
+    return_documents: bool = True
+    truncate_prompt_tokens: int | None = None
+    add_special_tokens: bool = True
+    user: str | None = None
+
+    def texts(self) -> list[str]:
+        return [d if isinstance(d, str) else d.text for d in self.documents]
+
+
 # ---- chat messages: OpenAI's per-role rules ----------------------------------------------------------
 class TextPart(BaseModel):
     model_config = _CONFIG

@@ -4,6 +4,7 @@ each input one prefill-only engine request."""
 from __future__ import annotations
 
 import base64
+import dataclasses
 import struct
 import time
 import uuid
@@ -14,7 +15,7 @@ from starlette.responses import JSONResponse, Response
 
 from kvflow.engine.async_llm import AsyncLLM, RequestHandle
 from kvflow.entrypoints.openai.protocol import EmbeddingRequest
-from kvflow.entrypoints.openai.serving import OpenAIServing, client_of
+from kvflow.entrypoints.openai.serving import OpenAIServing, client_of, sampling_params
 from kvflow.entrypoints.openai.utils import APIError, finish_unstreamed, merge_handles, parse_body
 from kvflow.outputs import RequestOutput
 from kvflow.sampling_params import SamplingParams
@@ -39,16 +40,9 @@ class ServingEmbedding(OpenAIServing):
                 code="invalid_value",
             )
         prompt_ids = [self.tokenize(p, req.add_special_tokens, param="input") for p in req.input]
-        request_id = f"embd-{uuid.uuid4().hex}"
-        handles = await self.add_requests(
-            request_id, prompt_ids, self.params, "input", arrival, client_of(raw, req.user)
-        )
-        finals = await finish_unstreamed(raw, handles, _collect(handles))
+        finals = await self.embed(raw, "embd", prompt_ids, "input", arrival, client_of(raw, req.user))
         if finals is None:
             return Response(status_code=499)  # the client closed the connection
-        for out in finals:
-            if out.error is not None or out.embedding is None:
-                raise APIError(500, out.error or "the model returned no embedding", code="engine_error")
         return JSONResponse(
             {
                 "object": "list",
@@ -63,6 +57,28 @@ class ServingEmbedding(OpenAIServing):
                 },
             }
         )
+
+    async def embed(
+        self,
+        raw: Request,
+        kind: str,
+        prompt_ids: list[list[int]],
+        param: str,
+        arrival: float,
+        client: str | None,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[RequestOutput] | None:
+        """The prompts' finished embedding requests, in order (None: the client went away, and
+        they were aborted); `kind` prefixes the request id; an engine failure is a 500."""
+        params = self.params
+        if truncate_prompt_tokens is not None:
+            params = sampling_params(lambda: dataclasses.replace(params, truncate_prompt_tokens=truncate_prompt_tokens))
+        handles = await self.add_requests(f"{kind}-{uuid.uuid4().hex}", prompt_ids, params, param, arrival, client)
+        finals = await finish_unstreamed(raw, handles, _collect(handles))
+        for out in finals or ():
+            if out.error is not None or out.embedding is None:
+                raise APIError(500, out.error or "the model returned no embedding", code="engine_error")
+        return finals
 
 
 def _encode(embedding: list[float], encoding_format: str) -> Any:
