@@ -105,6 +105,18 @@ class ThreadServer:
         assert not self.thread.is_alive(), "a test server thread did not stop"
 
 
+def post(server, path: str, body: dict) -> httpx.Response:
+    """POST a JSON body to a running server (a LiveServer or anything with `url`)."""
+    return httpx.post(server.url + path, json=body, timeout=60)
+
+
+def post_ok(server, path: str, body: dict) -> dict:
+    """`post`, asserting a 200, and its JSON."""
+    r = post(server, path, body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
 def wait_for(cond: Callable[[], bool], timeout: float, message: str, interval: float = 0.02) -> None:
     deadline = time.monotonic() + timeout
     while True:

@@ -7,6 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from kvflow.config.generation import check_source, read_override
 from kvflow.config.kv_events import KVEventsConfig
 from kvflow.config.kv_transfer import KVTransferConfig
 from kvflow.config.options import check_choices, option, positive
@@ -185,6 +186,17 @@ class EngineConfig:
         "token or by the mean over all its tokens (then L2-normalised)",
         choices=("last", "mean"),
     )
+    generation_config: str = option(
+        "auto",
+        "default sampling parameters of requests that leave them out: auto (the model folder's "
+        "generation_config.json: its temperature, top_p, top_k, min_p and repetition_penalty, as vLLM), "
+        "vllm (the API's own defaults), or a folder holding a generation_config.json",
+    )
+    override_generation_config: dict[str, Any] | None = option(
+        None,
+        "default sampling parameters as a JSON object, over --generation-config's, e.g. "
+        '\'{"temperature": 0.6, "top_p": 0.95}\' (keys: temperature, top_p, top_k, min_p, repetition_penalty)',
+    )
     default_ttft_slo_ms: float | None = option(None, "TTFT SLO of requests that give none, ms")
     default_tpot_slo_ms: float | None = option(None, "TPOT SLO of requests that give none, ms")
     max_queue_time_s: float | None = option(None, "a request not scheduled within this many seconds ends with an error")
@@ -236,6 +248,8 @@ class EngineConfig:
             raise ValueError(
                 f"structured_outputs_compile_timeout_s must be > 0, got {self.structured_outputs_compile_timeout_s}"
             )
+        check_source(self.generation_config)
+        self.override_generation_config = read_override(self.override_generation_config)
         if self.speculative_config is not None:
             self.speculative()  # validate now, with a message naming the key
         if (self.kv_offload_cpu_gb > 0 or self.kv_offload_disk_dir) and not self.enable_prefix_caching:

@@ -40,6 +40,13 @@ def json_object_fields(cls: type, value: Any, option: str) -> dict[str, Any]:
     """A JSON-object option (a dict, or its JSON text) as the keyword arguments of the dataclass
     `cls`: a ValueError naming `option` for text that is not JSON, a value that is not an object,
     or keys that `cls` has no field for (the valid ones listed)."""
+    return json_object(value, option, {f.name for f in dataclasses.fields(cls)})
+
+
+def json_object(value: Any, option: str, known: set[str]) -> dict[str, Any]:
+    """A JSON-object option (a dict, or its JSON text) whose keys are among `known`: a ValueError
+    naming `option` for text that is not JSON, a value that is not an object, or other keys (the
+    valid ones listed)."""
     if isinstance(value, str):
         try:
             value = json.loads(value)
@@ -47,7 +54,6 @@ def json_object_fields(cls: type, value: Any, option: str) -> dict[str, Any]:
             raise ValueError(f"{option} is not valid JSON: {e}") from None
     if not isinstance(value, dict):
         raise ValueError(f"{option} must be a JSON object, got {value!r}")
-    known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(value) - known)
     if unknown:
         raise ValueError(f"{option}: unknown key(s) {unknown}; valid keys: {sorted(known)}")

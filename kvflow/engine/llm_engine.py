@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from kvflow.config import QUANTIZED_KV_CACHE_DTYPES, EngineConfig
+from kvflow.config.generation import default_sampling
 from kvflow.core.attention_sinks import StreamingKV
 from kvflow.core.kv_cache_manager import KVCacheManager, cdiv
 from kvflow.core.kv_groups import kv_layout, refusal, requests_that_fit
@@ -124,6 +125,12 @@ class LLMEngine:
         self.max_model_len = self._resolve_max_model_len()
         self.streaming = self._streaming_kv()  # attention sinks (None: off)
         self.eos_token_ids = self._eos_ids(ckpt.generation_config)
+        # Requests' default sampling parameters (--generation-config): what a request leaves out
+        self.default_sampling = default_sampling(
+            config.generation_config, ckpt.generation_config, config.override_generation_config
+        )
+        if self.default_sampling:
+            logger.info("default sampling parameters from the generation config: %s", self.default_sampling)
 
         # The pool is sized from one rank's KV bytes per token (the worker's answer: under tensor
         # parallelism each rank holds its share of the KV heads); the runners then allocate it.
@@ -673,6 +680,10 @@ class LLMEngine:
                 if out is not None:
                     outputs.append(out)
         return outputs
+
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's default sampling parameters (--generation-config)."""
+        return SamplingParams(**self.default_sampling)
 
     def embedding_params(self, pooling: str | None = None) -> SamplingParams:
         """The params of an embedding request: pooling (default: the engine's --pooling), no sampling."""

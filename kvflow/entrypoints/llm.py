@@ -82,7 +82,7 @@ class LLM:
         under, or one per prompt (None: the base model)."""
         prompts = _as_list(prompts)
         parsed = [_prompt_of(p) for p in prompts]
-        params, loras = _per_prompt(len(parsed), sampling_params, lora_request)
+        params, loras = _per_prompt(len(parsed), self._params_or_default(sampling_params), lora_request)
         return self._run([(p, sp, True, salt) for (p, salt), sp in zip(parsed, params)], use_tqdm, loras)
 
     def beam_search(
@@ -195,7 +195,7 @@ class LLM:
         rendered by the template, their calls left in the text; `chat_template_kwargs`: more
         variables for the template (Qwen3's {"enable_thinking": False})."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        params, loras = _per_prompt(len(conversations), sampling_params, lora_request)
+        params, loras = _per_prompt(len(conversations), self._params_or_default(sampling_params), lora_request)
         prompts = [
             self.apply_chat_template(c, add_generation_prompt, chat_template_kwargs, continue_final_message, tools)
             for c in conversations
@@ -266,6 +266,16 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [results[i] for i in ids]
+
+    def _params_or_default(
+        self, sampling_params: SamplingParams | Sequence[SamplingParams] | None
+    ) -> SamplingParams | Sequence[SamplingParams]:
+        return self.get_default_sampling_params() if sampling_params is None else sampling_params
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` use when given no SamplingParams, as vLLM's: the API's
+        defaults with the model's generation_config.json recommendations (--generation-config)."""
+        return self.engine.default_sampling_params()
 
     def get_stats(self) -> EngineStats:
         return self.engine.get_stats()

@@ -15,7 +15,7 @@ import pytest
 from kvflow.config import EngineConfig
 
 from conftest import assert_no_leaks, hf_beams
-from server_utils import LiveServer
+from server_utils import LiveServer, post
 
 pytestmark = pytest.mark.server  # starts servers or worker processes: not in `make test-fast`
 
@@ -28,10 +28,6 @@ def server(tiny_llama):
     s.hf = tiny_llama[1]
     yield s
     s.stop()
-
-
-def post(server, path: str, body: dict) -> httpx.Response:
-    return httpx.post(server.url + path, json=body, timeout=60)
 
 
 def test_completions_are_hf_beams(server):

@@ -21,7 +21,7 @@ from kvflow.outputs import Logprob
 from kvflow.sampling_params import SamplingParams
 
 from conftest import assert_no_leaks, make_tokenizer
-from server_utils import LiveServer
+from server_utils import LiveServer, post
 
 pytestmark = pytest.mark.server  # starts servers or worker processes: not in `make test-fast`
 
@@ -41,10 +41,6 @@ def server(tiny_llama):
 def post_raw(server, path: str, raw: str) -> httpx.Response:
     """A JSON body written by hand (json.dumps cannot write a lone surrogate escape)."""
     return httpx.post(server.url + path, content=raw.encode(), headers={"Content-Type": "application/json"}, timeout=30)
-
-
-def post(server, path: str, body: dict) -> httpx.Response:
-    return httpx.post(server.url + path, json=body, timeout=60)
 
 
 def assert_error(r: httpx.Response, status: int, param=..., code=...) -> dict:

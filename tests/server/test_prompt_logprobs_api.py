@@ -4,13 +4,12 @@ against a full forward pass of HF transformers on the same weights."""
 
 from __future__ import annotations
 
-import httpx
 import pytest
 import torch
 
 from kvflow.config import EngineConfig
 
-from server_utils import LiveServer
+from server_utils import LiveServer, post
 
 pytestmark = pytest.mark.server
 
@@ -30,10 +29,6 @@ def _reference(hf, ids: list[int]) -> list[float]:
     with torch.no_grad():
         lp = torch.log_softmax(hf(torch.tensor([ids])).logits[0].double(), dim=-1)
     return [lp[p - 1, ids[p]].item() for p in range(1, len(ids))]
-
-
-def post(server, path: str, body: dict) -> httpx.Response:
-    return httpx.post(server.url + path, json=body, timeout=60)
 
 
 def test_completion_prompt_logprobs(served):

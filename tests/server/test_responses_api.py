@@ -20,7 +20,7 @@ from kvflow.entrypoints.openai.serving_responses import responses_param
 from kvflow.entrypoints.openai.utils import APIError
 
 from conftest import assert_no_leaks
-from server_utils import LiveServer
+from server_utils import LiveServer, post
 
 pytestmark = pytest.mark.server
 
@@ -60,10 +60,6 @@ def server(model_factory):
 @pytest.fixture(scope="module")
 def client(server):
     return server.openai(timeout=60)
-
-
-def post(server, path: str, body: dict) -> httpx.Response:
-    return httpx.post(server.url + path, json=body, timeout=60)
 
 
 def prompt_tokens(server, messages: list[dict]) -> int:

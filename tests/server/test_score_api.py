@@ -5,7 +5,6 @@ and cuts at top_n; bad input is a 400 naming the field; nothing is left in the e
 
 from __future__ import annotations
 
-import httpx
 import pytest
 import torch
 
@@ -13,7 +12,7 @@ from kvflow import LLM
 from kvflow.config import EngineConfig
 
 from conftest import assert_no_leaks, hf_embedding
-from server_utils import LiveServer
+from server_utils import LiveServer, post
 
 pytestmark = pytest.mark.server
 
@@ -38,10 +37,6 @@ def server(tiny_llama):
 def ref_score(server, a: str, b: str) -> float:
     ea, eb = (hf_embedding(server.hf, server.tok.encode(t), "last").double() for t in (a, b))
     return torch.nn.functional.cosine_similarity(ea, eb, dim=0).item()
-
-
-def post(server, path: str, body: dict) -> httpx.Response:
-    return httpx.post(server.url + path, json=body, timeout=60)
 
 
 @pytest.mark.parametrize("path", ["/score", "/v1/score"])

@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 
 from kvflow.config import EngineConfig
 
-from server_utils import LiveServer
+from server_utils import LiveServer, post_ok
 
 pytestmark = pytest.mark.server  # starts servers or worker processes: not in `make test-fast`
 
@@ -28,14 +28,8 @@ def server(tiny_llama):
     s.stop()
 
 
-def post(server, path: str, body: dict) -> dict:
-    r = httpx.post(server.url + path, json=body, timeout=60)
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
 def complete(server, **body) -> dict:
-    return post(server, "/v1/completions", {"max_tokens": 24, "temperature": 0, "ignore_eos": True, **body})
+    return post_ok(server, "/v1/completions", {"max_tokens": 24, "temperature": 0, "ignore_eos": True, **body})
 
 
 def test_include_stop_str_in_output(server):
@@ -86,7 +80,7 @@ def test_allowed_token_ids(server):
     assert out["choices"][0]["text"] == tok.decode([best])
     for seed in range(3):
         body = {"prompt": "Once upon a time", "max_tokens": 12, "temperature": 1.0, "seed": seed, "ignore_eos": True}
-        r = post(server, "/v1/completions", {**body, "allowed_token_ids": allowed, "logprobs": 0})
+        r = post_ok(server, "/v1/completions", {**body, "allowed_token_ids": allowed, "logprobs": 0})
         generated = r["choices"][0]["logprobs"]["tokens"]
         assert all(tok.convert_tokens_to_string([t]) in {tok.decode([a]) for a in allowed} for t in generated), (
             generated
@@ -108,7 +102,9 @@ def test_truncate_prompt_tokens(server):
     fits = complete(server, prompt=long, truncate_prompt_tokens=MAX_MODEL_LEN - 24)
     assert fits["usage"]["prompt_tokens"] == MAX_MODEL_LEN - 24
     for bad, fragment in ((MAX_MODEL_LEN + 1, "greater than max_model_len"), (0, "a positive integer, or -1")):
-        r = httpx.post(server.url + "/v1/completions", json={"prompt": ids, "truncate_prompt_tokens": bad}, timeout=30)
+        r = httpx.post(
+            server.url + "/v1/completions", json={"prompt": ids, "truncate_prompt_tokens": bad}, timeout=30
+        )
         assert r.status_code == 400 and fragment in r.text, r.text
 
 
@@ -117,7 +113,7 @@ def test_continue_final_message(server):
     tok = server.hf_tokenizer
     text = tok.apply_chat_template(messages, tokenize=False, continue_final_message=True)
     assert text.rstrip().endswith("My favourite is")
-    chat = post(
+    chat = post_ok(
         server,
         "/v1/chat/completions",
         {
@@ -150,8 +146,8 @@ def test_return_token_ids(server):
     # the ids are the engine's: the prompt's as /tokenize gives them, the output's decode to the text
     tok = server.hf_tokenizer
     body = {"prompt": "The weather today", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
-    c = post(server, "/v1/completions", {**body, "return_token_ids": True})["choices"][0]
-    assert c["prompt_token_ids"] == post(server, "/tokenize", {"prompt": "The weather today"})["tokens"]
+    c = post_ok(server, "/v1/completions", {**body, "return_token_ids": True})["choices"][0]
+    assert c["prompt_token_ids"] == post_ok(server, "/tokenize", {"prompt": "The weather today"})["tokens"]
     # (a character cut by the last token: transformers decodes it as U+FFFD, the server leaves it out)
     assert len(c["token_ids"]) == 12 and tok.decode(c["token_ids"]).rstrip("\ufffd") == c["text"].rstrip("\ufffd")
     chunks = stream_chunks(server, "/v1/completions", {**body, "return_token_ids": True})
@@ -159,11 +155,11 @@ def test_return_token_ids(server):
     assert [ch["choices"][0].get("prompt_token_ids") for ch in chunks if "prompt_token_ids" in ch["choices"][0]] == [
         c["prompt_token_ids"]
     ]
-    assert "token_ids" not in post(server, "/v1/completions", body)["choices"][0]
+    assert "token_ids" not in post_ok(server, "/v1/completions", body)["choices"][0]
     messages = [{"role": "user", "content": "Say something."}]
     chat_body = {"messages": messages, "max_tokens": 12, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
-    r = post(server, "/v1/chat/completions", chat_body)
-    assert r["prompt_token_ids"] == post(server, "/tokenize", {"messages": messages})["tokens"]
+    r = post_ok(server, "/v1/chat/completions", chat_body)
+    assert r["prompt_token_ids"] == post_ok(server, "/tokenize", {"messages": messages})["tokens"]
     ids = r["choices"][0]["token_ids"]
     assert len(ids) == r["usage"]["completion_tokens"] == 12
     chunks = stream_chunks(server, "/v1/chat/completions", chat_body)
@@ -173,13 +169,13 @@ def test_return_token_ids(server):
 
 def test_return_tokens_as_token_ids(server):
     body = {"prompt": "The weather today", "max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 3}
-    c = post(server, "/v1/completions", {**body, "return_token_ids": True, "return_tokens_as_token_ids": True})
+    c = post_ok(server, "/v1/completions", {**body, "return_token_ids": True, "return_tokens_as_token_ids": True})
     c = c["choices"][0]
     assert c["logprobs"]["tokens"] == [f"token_id:{t}" for t in c["token_ids"]]
     assert all(k.startswith("token_id:") for top in c["logprobs"]["top_logprobs"] for k in top)
-    plain = post(server, "/v1/completions", body)["choices"][0]["logprobs"]
+    plain = post_ok(server, "/v1/completions", body)["choices"][0]["logprobs"]
     assert plain["token_logprobs"] == c["logprobs"]["token_logprobs"]
-    chat = post(
+    chat = post_ok(
         server,
         "/v1/chat/completions",
         {
@@ -201,7 +197,7 @@ def test_return_tokens_as_token_ids(server):
 def test_bad_words(server):
     # a word the plain greedy output writes as one token is never written under the ban
     body = {"prompt": "The weather today", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
-    plain = post(server, "/v1/completions", {**body, "return_token_ids": True})["choices"][0]["token_ids"]
+    plain = post_ok(server, "/v1/completions", {**body, "return_token_ids": True})["choices"][0]["token_ids"]
     tok = server.hf_tokenizer
     word = next(
         w
@@ -210,7 +206,7 @@ def test_bad_words(server):
         and [t] in (tok.encode(w, add_special_tokens=False), tok.encode(" " + w, add_special_tokens=False))
     )
     banned = {ids[0] for ids in (tok.encode(v, add_special_tokens=False) for v in (word, " " + word)) if len(ids) == 1}
-    out = post(server, "/v1/completions", {**body, "bad_words": [word], "return_token_ids": True})["choices"][0]
+    out = post_ok(server, "/v1/completions", {**body, "bad_words": [word], "return_token_ids": True})["choices"][0]
     assert banned & set(plain) and not banned & set(out["token_ids"]), (word, plain, out["token_ids"])
 
 
@@ -249,16 +245,17 @@ def test_chat_echo(server):
         "temperature": 0,
         "ignore_eos": True,
     }
-    answer = post(server, "/v1/chat/completions", body)["choices"][0]["message"]["content"]
-    echoed = post(server, "/v1/chat/completions", {**body, "echo": True})["choices"][0]["message"]["content"]
+    answer = post_ok(server, "/v1/chat/completions", body)["choices"][0]["message"]["content"]
+    echoed = post_ok(server, "/v1/chat/completions", {**body, "echo": True})["choices"][0]["message"]["content"]
     assert echoed == "My favourite is" + answer
     chunks = stream_chunks(server, "/v1/chat/completions", {**body, "echo": True})
     assert "".join(ch["choices"][0]["delta"].get("content") or "" for ch in chunks if ch["choices"]) == echoed
     # the last message is the user's: nothing to echo
     user_only = {"messages": messages[:1], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
-    plain = post(server, "/v1/chat/completions", user_only)["choices"][0]["message"]["content"]
+    plain = post_ok(server, "/v1/chat/completions", user_only)["choices"][0]["message"]["content"]
     assert (
-        post(server, "/v1/chat/completions", {**user_only, "echo": True})["choices"][0]["message"]["content"] == plain
+        post_ok(server, "/v1/chat/completions", {**user_only, "echo": True})["choices"][0]["message"]["content"]
+        == plain
     )
 
 
@@ -292,11 +289,11 @@ def test_chat_documents_reach_the_template(rag_server):
     )
     assert "[Grass] Grass is green." in text
     greedy = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
-    chat = post(rag_server, "/v1/chat/completions", {"messages": messages, "documents": docs, **greedy})
-    ref = post(rag_server, "/v1/completions", {"prompt": text, "add_special_tokens": False, **greedy})
+    chat = post_ok(rag_server, "/v1/chat/completions", {"messages": messages, "documents": docs, **greedy})
+    ref = post_ok(rag_server, "/v1/completions", {"prompt": text, "add_special_tokens": False, **greedy})
     assert chat["usage"]["prompt_tokens"] == ref["usage"]["prompt_tokens"]
     assert chat["choices"][0]["message"]["content"] == ref["choices"][0]["text"]
-    plain = post(rag_server, "/v1/chat/completions", {"messages": messages, **greedy})
+    plain = post_ok(rag_server, "/v1/chat/completions", {"messages": messages, **greedy})
     assert plain["usage"]["prompt_tokens"] < chat["usage"]["prompt_tokens"]
 
 

@@ -63,7 +63,7 @@ class ServingMessages:
         arrival = time.monotonic()
         req = await parse_body(raw, MessagesRequest)
         model = self.chat.model_name(req.model)
-        params = sampling_params(req)
+        params = self.chat.with_model_defaults(sampling_params(req), req)
         fmt, prompt_ids = self._prompt(req, params)
         message_id = f"msg_{uuid.uuid4().hex}"
         user = req.metadata.user_id if req.metadata is not None else None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import dataclasses
 import functools
 import math
 import time
@@ -119,6 +120,14 @@ class OpenAIServing:
             raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
 
     # ---- requests ----------------------------------------------------------------------------------
+    def with_model_defaults(self, params: SamplingParams, req: Any) -> SamplingParams:
+        """`params` with the model's default sampling parameters (--generation-config) for the
+        fields the request `req` (a pydantic model) left out or sent as null, as vLLM applies a
+        model's generation_config.json. The sampling fields share their names across the APIs."""
+        given = {name for name in req.model_fields_set if getattr(req, name, None) is not None}
+        defaults = {k: v for k, v in self.llm.engine.default_sampling.items() if k not in given}
+        return dataclasses.replace(params, **defaults) if defaults else params
+
     async def add_requests(
         self,
         request_id: str,

@@ -131,6 +131,8 @@ class ServingChat(OpenAIServing):
         model = self.model_name(req.model, allow_lora=True)
         params = sampling_params(req.to_sampling_params)
         beams = sampling_params(lambda: req.beam_search_params(params))
+        if beams is None:
+            params = self.with_model_defaults(params, req)
         tools = self.tool_format_for(req, params)
         if beams is not None and tools is not None:
             raise APIError(400, "tools cannot be combined with use_beam_search", param="tools", code="invalid_value")

@@ -46,6 +46,8 @@ class ServingCompletion(OpenAIServing):
         params = sampling_params(req.to_sampling_params)
         prompt_ids = [self.tokenize(p, req.add_special_tokens) for p in req.prompt]
         beams = sampling_params(lambda: req.beam_search_params(params))
+        if beams is None:
+            params = self.with_model_defaults(params, req)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         handles = await start_requests(
             self,

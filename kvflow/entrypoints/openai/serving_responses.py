@@ -211,7 +211,7 @@ class ServingResponses:
             raise APIError(400, "input is required (or previous_response_id)", param="input")
         with _as_responses_params():
             chat_req = _chat_request(req.chat_body(list(history)))
-            params = sampling_params(chat_req.to_sampling_params)
+            params = self.chat.with_model_defaults(sampling_params(chat_req.to_sampling_params), chat_req)
             tools = self.chat.tool_format_for(chat_req, params)
             prompt_ids = self.chat.chat_prompt_ids(chat_req, tools)
             response_id = "resp_" + uuid.uuid4().hex
