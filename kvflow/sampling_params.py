@@ -47,6 +47,9 @@ class SamplingParams:
     # (`RequestOutput.prompt_logprobs`); the request then computes its whole prompt (no prefix hit).
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # vLLM's; only a slow tokenizer puts spaces between special tokens, and kvflow loads fast
+    # tokenizers only (their decode is the same either way): accepted, with nothing to change
+    spaces_between_special_tokens: bool = True
     # token id -> added to its logit before sampling (OpenAI's logit_bias; -100 bans a token)
     logit_bias: dict[int, float] | None = None
     # vLLM's: sample only among these token ids

@@ -12,6 +12,7 @@ from kvflow.config.kv_events import KVEventsConfig
 from kvflow.config.kv_transfer import KVTransferConfig
 from kvflow.config.options import check_choices, option, positive
 from kvflow.config.speculative import SpeculativeConfig
+from kvflow.models.chat_template import read_chat_template
 
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZATIONS = (None, "int8", "int4")
@@ -186,6 +187,11 @@ class EngineConfig:
         "token or by the mean over all its tokens (then L2-normalised)",
         choices=("last", "mean"),
     )
+    chat_template: str | None = option(
+        None,
+        "the chat template (a Jinja file's path, or the template itself) instead of the model's own: "
+        "for a model without one, or a template with tool support (as vLLM's --chat-template)",
+    )
     generation_config: str = option(
         "auto",
         "default sampling parameters of requests that leave them out: auto (the model folder's "
@@ -248,6 +254,8 @@ class EngineConfig:
             raise ValueError(
                 f"structured_outputs_compile_timeout_s must be > 0, got {self.structured_outputs_compile_timeout_s}"
             )
+        if self.chat_template is not None:
+            read_chat_template(self.chat_template)  # validate now: a file or a template that compiles
         check_source(self.generation_config)
         self.override_generation_config = read_override(self.override_generation_config)
         if self.speculative_config is not None:

@@ -60,6 +60,11 @@ class ServerConfig:
         "prompt); unset: the output is all content",
         choices=(None, *REASONING_PARSERS),
     )
+    trust_request_chat_template: bool = option(
+        False,
+        "accept a chat request's own `chat_template` (vLLM's extra); off, such a request is refused (400): "
+        "a template is code the server runs (in Jinja's sandbox)",
+    )
     responses_store_size: int = option(
         1024,
         "Responses API: how many responses (those with store: true) are kept in memory for "

@@ -27,6 +27,7 @@ from kvflow.kv_events.events import KVEventBatch, KVEventSink
 from kvflow.kv_transfer.base import KVConnectorScheduler
 from kvflow.lora.request import LoRARequest
 from kvflow.lora.stats import LoRAStats
+from kvflow.models.chat_template import read_chat_template
 from kvflow.outputs import RequestMetrics, RequestOutput
 from kvflow.sample.bad_words import bad_word_sequences
 from kvflow.sampling_params import MAX_EXPERT_TRACE_ENTRIES, SamplingParams, check_text
@@ -122,6 +123,10 @@ class LLMEngine:
         self.model_path = ckpt.path
         self.model_config = ckpt.model_config
         self.tokenizer = ckpt.tokenizer
+        if config.chat_template is not None:
+            if self.tokenizer is None:
+                raise ValueError("chat_template: this model has no tokenizer to render a chat template with")
+            self.tokenizer.chat_template = read_chat_template(config.chat_template)
         self.max_model_len = self._resolve_max_model_len()
         self.streaming = self._streaming_kv()  # attention sinks (None: off)
         self.eos_token_ids = self._eos_ids(ckpt.generation_config)

@@ -187,17 +187,21 @@ class LLM:
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        chat_template: str | None = None,
     ) -> list[RequestOutput]:
         """One conversation or a list of them through the model's chat template, as vLLM's
         `LLM.chat`: `sampling_params` and `lora_request` as `generate` takes them;
         `continue_final_message` ends the prompt inside the last (assistant) message, which the
         output continues (with add_generation_prompt=False); `tools` (JSON function schemas) are
         rendered by the template, their calls left in the text; `chat_template_kwargs`: more
-        variables for the template (Qwen3's {"enable_thinking": False})."""
+        variables for the template (Qwen3's {"enable_thinking": False}); `chat_template`: a Jinja
+        template to render with instead of the model's (or the `chat_template` engine option's)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         params, loras = _per_prompt(len(conversations), self._params_or_default(sampling_params), lora_request)
         prompts = [
-            self.apply_chat_template(c, add_generation_prompt, chat_template_kwargs, continue_final_message, tools)
+            self.apply_chat_template(
+                c, add_generation_prompt, chat_template_kwargs, continue_final_message, tools, chat_template
+            )
             for c in conversations
         ]
         # The template already holds the special tokens (BOS etc.): do not add them twice.
@@ -210,10 +214,13 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
+        chat_template: str | None = None,
     ) -> str:
         tok = self.engine.tokenizer
-        if tok is None or not getattr(tok, "chat_template", None):
-            raise ValueError("this model has no chat template; use generate() with a plain prompt")
+        if tok is None or (chat_template is None and not getattr(tok, "chat_template", None)):
+            raise ValueError(
+                "this model has no chat template; use generate() with a plain prompt, or give chat_template"
+            )
         check_continuation(
             add_generation_prompt, continue_final_message, messages[-1].get("role") if messages else None
         )
@@ -223,6 +230,7 @@ class LLM:
             add_generation_prompt=add_generation_prompt,
             **({"continue_final_message": True} if continue_final_message else {}),
             **({"tools": tools} if tools else {}),
+            **({"chat_template": chat_template} if chat_template is not None else {}),
             **template_kwargs(chat_template_kwargs),
         )
 

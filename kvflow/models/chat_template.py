@@ -40,6 +40,27 @@ _NOT_VARIABLES = _HF_ONLY | {"conversation", "messages", "tools", "add_generatio
 MAX_TEMPLATE_KWARGS = 64
 
 
+def read_chat_template(value: str, option: str = "chat_template") -> str:
+    """vLLM's --chat-template: a file's path or the template itself, as its text; a ValueError
+    naming `option` when it is neither, or does not compile (with jinja's line and message)."""
+    import os
+
+    import jinja2
+
+    if os.path.isfile(os.path.expanduser(value)):
+        with open(os.path.expanduser(value), encoding="utf-8") as f:
+            text = f.read()
+    elif "{{" in value or "{%" in value:
+        text = value
+    else:
+        raise ValueError(f"{option} {value[:200]!r} is neither a file nor a Jinja template")
+    try:
+        _compile(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"{option}: the template does not compile (line {e.lineno}: {e.message})") from None
+    return text
+
+
 def template_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
     """A request's extra template variables (vLLM's `chat_template_kwargs`, e.g. Qwen3's
     `enable_thinking`), checked: a name that is one of apply_chat_template's own parameters would

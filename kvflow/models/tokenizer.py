@@ -56,7 +56,7 @@ class FastTokenizer:
             raise ValueError("FastTokenizer does not implement clean_up_tokenization_spaces / split_special_tokens")
         self._backend = backend
         self._state = state
-        for name in (*_SPECIAL, "add_bos_token", "add_eos_token", "chat_template"):
+        for name in (*_SPECIAL, "add_bos_token", "add_eos_token"):
             setattr(self, name, state[name])
         self.special_tokens_map: dict[str, Any] = dict(state["special_tokens_map"])
         self.all_special_tokens: list[str] = list(state["all_special_tokens"])
@@ -72,6 +72,17 @@ class FastTokenizer:
     @property
     def state(self) -> dict[str, Any]:
         return self._state
+
+    @property
+    def chat_template(self) -> Any:
+        return self._state["chat_template"]
+
+    @chat_template.setter
+    def chat_template(self, value: Any) -> None:
+        # (kept in the state, so a copy -- the server's, a worker's -- renders with it too)
+        self._state = {**self._state, "chat_template": value}
+        with self._hf_lock:
+            self._hf = None
 
     # ---- ids ---------------------------------------------------------------------------------------
     @property

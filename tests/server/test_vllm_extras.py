@@ -102,9 +102,7 @@ def test_truncate_prompt_tokens(server):
     fits = complete(server, prompt=long, truncate_prompt_tokens=MAX_MODEL_LEN - 24)
     assert fits["usage"]["prompt_tokens"] == MAX_MODEL_LEN - 24
     for bad, fragment in ((MAX_MODEL_LEN + 1, "greater than max_model_len"), (0, "a positive integer, or -1")):
-        r = httpx.post(
-            server.url + "/v1/completions", json={"prompt": ids, "truncate_prompt_tokens": bad}, timeout=30
-        )
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": ids, "truncate_prompt_tokens": bad}, timeout=30)
         assert r.status_code == 400 and fragment in r.text, r.text
 
 
@@ -303,8 +301,6 @@ def test_chat_documents_reach_the_template(rag_server):
         ("/v1/completions", "mm_processor_kwargs", {"fps": 1}, {}),
         ("/v1/chat/completions", "logits_processors", ["my.Processor"], []),
         ("/v1/chat/completions", "vllm_xargs", {"a": 1}, {}),
-        ("/v1/chat/completions", "spaces_between_special_tokens", False, True),
-        ("/v1/chat/completions", "chat_template", "{{ messages }}", None),
     ],
 )
 def test_unimplemented_extras_are_refused_when_they_ask_for_something(server, path, field, asks, idle):
@@ -314,3 +310,51 @@ def test_unimplemented_extras_are_refused_when_they_ask_for_something(server, pa
     assert r.status_code == 400, r.text
     assert f"{field} is not supported" in r.json()["error"]["message"], r.text
     assert httpx.post(server.url + path, json={**body, field: idle}, timeout=30).status_code == 200
+
+
+def _chunks(server, path: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", server.url + path, json={**body, "stream": True}, timeout=60) as r:
+        return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+
+
+def test_cached_tokens_and_continuous_usage(server):
+    """usage.prompt_tokens_details.cached_tokens (OpenAI's) counts the prompt's tokens found in the
+    prefix cache: none the first time, every whole 16-token block but the last token's the second;
+    vLLM's continuous_usage_stats puts the usage so far on every chunk."""
+    prompt = [7 + (i * 37) % 480 for i in range(70)]  # 70 tokens: 4 whole blocks before the last token
+    body = {"prompt": prompt, "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    first = post_ok(server, "/v1/completions", body)["usage"]
+    again = post_ok(server, "/v1/completions", body)["usage"]
+    assert first["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert again["prompt_tokens_details"] == {"cached_tokens": (70 - 1) // 16 * 16}
+    messages = [{"role": "user", "content": "Tell me about the weather in Paris today, in detail. " * 4}]
+    chat = {"messages": messages, "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    post_ok(server, "/v1/chat/completions", chat)
+    used = post_ok(server, "/v1/chat/completions", chat)["usage"]
+    assert used["prompt_tokens_details"]["cached_tokens"] == (used["prompt_tokens"] - 1) // 16 * 16 > 0
+
+    options = {"stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    for path, request in (("/v1/completions", body), ("/v1/chat/completions", chat)):
+        chunks = _chunks(server, path, {**request, **options})
+        with_choices = [c for c in chunks if c["choices"]]
+        counts = [c["usage"]["completion_tokens"] for c in with_choices if c["usage"] is not None]
+        assert counts == sorted(counts) and counts[-1] == 5, counts
+        # every chunk but chat's first (the role, before any token) carries the usage so far
+        assert len(counts) == len(with_choices) - (path == "/v1/chat/completions")
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5
+        assert chunks[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        plain = _chunks(server, path, {**request, "stream_options": {"include_usage": True}})
+        assert all(c["usage"] is None for c in plain if c["choices"])  # (without it: null until the end)
+
+
+def test_spaces_between_special_tokens(server):
+    """Fast tokenizers (the only kind kvflow loads) decode special tokens the same with or without
+    spaces between them: the text is the tokenizer's own decode either way."""
+    tok = server.hf_tokenizer
+    body = {"prompt": "<|im_start|>user", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    body.update(skip_special_tokens=False, return_token_ids=True, logit_bias={"0": 100, "2": 100, "3": 100})
+    for spaces in (True, False):
+        out = post_ok(server, "/v1/completions", {**body, "spaces_between_special_tokens": spaces})["choices"][0]
+        assert set(out["token_ids"]) <= {0, 2, 3} and len(out["token_ids"]) == 12
+        want = tok.decode(out["token_ids"], skip_special_tokens=False, spaces_between_special_tokens=spaces)
+        assert out["text"] == want

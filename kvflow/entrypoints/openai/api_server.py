@@ -298,7 +298,9 @@ def build_app(
     completions = ServingCompletion(llm, served)
     embeddings = ServingEmbedding(llm, served, engine.config.pooling, engine.model_config.hidden_size)
     scoring = ServingScore(embeddings)
-    chat = ServingChat(llm, served, config.tool_call_parser, config.reasoning_parser)
+    chat = ServingChat(
+        llm, served, config.tool_call_parser, config.reasoning_parser, config.trust_request_chat_template
+    )
     responses_api = ServingResponses(chat, ResponseStore(config.responses_store_size))
     if config.otlp_traces_endpoint is not None:
         state.tracer = Tracer("kvflow-engine", config.otlp_traces_endpoint)

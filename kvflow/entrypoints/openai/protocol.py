@@ -29,6 +29,7 @@ MAX_PROMPTS = 256  # prompts in one /v1/completions request
 MAX_MESSAGES = 1024  # messages in one chat request
 MAX_TOOLS = 128  # tools in one chat request (OpenAI's limit)
 MAX_DOCUMENTS = 256  # documents in one chat request
+MAX_CHAT_TEMPLATE_CHARS = 256 * 1024  # a request's own chat template (with --trust-request-chat-template)
 # Strict types: a JSON string is never taken for a number, nor true for 1 (JSON Schema's rules,
 # so the OpenAPI schema says exactly what is accepted). Unknown fields are ignored, as OpenAI does.
 _CONFIG = ConfigDict(extra="ignore", strict=True)
@@ -37,6 +38,8 @@ _CONFIG = ConfigDict(extra="ignore", strict=True)
 class StreamOptions(BaseModel):
     model_config = _CONFIG
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk carries the usage so far
+    continuous_usage_stats: bool = False
 
 
 class JsonSchemaFormat(BaseModel):
@@ -87,14 +90,8 @@ _GUIDED = ("json", "regex", "choice", "grammar")  # guided_<kind>: vLLM's earlie
 _UNSUPPORTED_EXTRAS: dict[str, tuple[Any, ...]] = {
     "logits_processors": (None, []),
     "vllm_xargs": (None, {}),
-    "spaces_between_special_tokens": (True,),
     "mm_processor_kwargs": (None, {}),
 }
-# ... and those of chat completions only
-_UNSUPPORTED_CHAT_EXTRAS: dict[str, tuple[Any, ...]] = {
-    "chat_template": (None,),
-}
-
 
 # SamplingParams fields that beam search cannot honour (kvflow.beam_search), with the values that
 # ask for nothing: any other is refused with use_beam_search.
@@ -157,6 +154,7 @@ class _SamplingFields(BaseModel):
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
@@ -221,6 +219,7 @@ class _SamplingFields(BaseModel):
             logprobs=logprobs,
             prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words or None,
@@ -316,6 +315,11 @@ class _SamplingFields(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's continuous_usage_stats: each chunk's `usage` the counts so far (not null)."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
 
 Prompt = str | list[int]
@@ -664,6 +668,9 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     # vLLM's extra: documents for a template that renders them (RAG templates: Command-R, Granite)
     documents: list[dict[str, str]] | None = Field(None, max_length=MAX_DOCUMENTS)
+    # vLLM's extra: this request's own chat template (a server started with
+    # --trust-request-chat-template only; refused otherwise, as vLLM)
+    chat_template: str | None = Field(None, max_length=MAX_CHAT_TEMPLATE_CHARS)
     tools: list[ChatTool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -675,11 +682,6 @@ class ChatCompletionRequest(_SamplingFields):
     @classmethod
     def _check_messages(cls, v: Any) -> Any:
         return check_messages(v)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _unsupported_in_chat(cls, body: Any) -> Any:
-        return _refuse_extras(body, _UNSUPPORTED_CHAT_EXTRAS)
 
     def to_sampling_params(self) -> SamplingParams:
         check_continuation(self.add_generation_prompt, self.continue_final_message, self.messages[-1].role)

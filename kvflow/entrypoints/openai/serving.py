@@ -94,14 +94,20 @@ class OpenAIServing:
         variables: dict[str, Any] | None = None,
         continue_final_message: bool = False,
         documents: list[dict[str, str]] | None = None,
+        template: str | None = None,
     ) -> str:
         """The conversation as the model's template renders it; `variables`: the request's
         `chat_template_kwargs` (kvflow.models.chat_template.template_kwargs);
         `continue_final_message`: ending inside the last message, as transformers renders it;
-        `documents`: for a template that renders them (transformers' `documents`)."""
+        `documents`: for a template that renders them (transformers' `documents`); `template`: a
+        request's own chat template instead of the model's."""
         tok = self.tokenizer
-        if tok is None or not getattr(tok, "chat_template", None):
-            raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
+        if tok is None or (template is None and not getattr(tok, "chat_template", None)):
+            raise APIError(
+                400,
+                "this model has no chat template; use /v1/completions (or start the server with --chat-template)",
+                param="messages",
+            )
         try:
             extra = template_kwargs(variables)
         except ValueError as e:
@@ -114,10 +120,12 @@ class OpenAIServing:
                 **({"tools": tools} if tools else {}),
                 **({"continue_final_message": True} if continue_final_message else {}),
                 **({"documents": documents} if documents else {}),
+                **({"chat_template": template} if template is not None else {}),
                 **extra,
             )
         except Exception as e:  # jinja errors, raise_exception() in the template
-            raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
+            param = "messages" if template is None else "chat_template"
+            raise APIError(400, f"the chat template rejected the messages: {e}", param=param) from None
 
     # ---- requests ----------------------------------------------------------------------------------
     def with_model_defaults(self, params: SamplingParams, req: Any) -> SamplingParams:

@@ -62,9 +62,15 @@ from kvflow.structured_output.params import StructuredOutputsParams
 
 class ServingChat(OpenAIServing):
     def __init__(
-        self, llm, served_model_name: str, tool_call_parser: str = "auto", reasoning_parser: str | None = None
+        self,
+        llm,
+        served_model_name: str,
+        tool_call_parser: str = "auto",
+        reasoning_parser: str | None = None,
+        trust_request_chat_template: bool = False,
     ) -> None:
         super().__init__(llm, served_model_name)
+        self.trust_request_chat_template = trust_request_chat_template
         template = getattr(self.tokenizer, "chat_template", None)
         self.tool_format = get_tool_format(tool_call_parser, template if isinstance(template, str) else None)
         self.reasoning: ReasoningFormat | None = get_reasoning_format(reasoning_parser)
@@ -90,6 +96,13 @@ class ServingChat(OpenAIServing):
             template_tools = req.tool_dicts()
         elif tools is not None:
             conversation = _generic_conversation(conversation, tools, req)
+        if req.chat_template is not None and not self.trust_request_chat_template:
+            raise APIError(
+                400,
+                "chat_template in a request is refused: this server was not started with --trust-request-chat-template",
+                param="chat_template",
+                code="invalid_value",
+            )
         text = self.apply_chat_template(
             conversation,
             req.add_generation_prompt,
@@ -97,6 +110,7 @@ class ServingChat(OpenAIServing):
             variables=req.chat_template_kwargs,
             continue_final_message=req.continue_final_message,
             documents=req.documents,
+            template=req.chat_template,
         )
         # The template usually holds the special tokens (BOS etc.): not added again unless asked.
         return self.tokenize(text, add_special_tokens=req.add_special_tokens, param="messages")
@@ -197,7 +211,9 @@ class ServingChat(OpenAIServing):
             "created": created,
             "model": model,
             "choices": choices,
-            "usage": usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs)),
+            "usage": usage(
+                len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs), out.num_cached_tokens
+            ),
             **kv_transfer_fields([out]),
             **({} if req.prompt_logprobs is None else {"prompt_logprobs": prompt_logprobs_field(out.prompt_logprobs)}),
             **({"prompt_token_ids": list(out.prompt_token_ids)} if req.return_token_ids else {}),
@@ -222,7 +238,7 @@ class ServingChat(OpenAIServing):
         sent_text = [0] * req.n
         sent_tokens = [0] * req.n
         finished = [False] * req.n
-        n_prompt = 0
+        n_prompt = cached = 0
         prompt_ids_sent = not req.return_token_ids
         try:
             for i in range(req.n):  # the role first, before any token
@@ -244,7 +260,7 @@ class ServingChat(OpenAIServing):
                     choice = {"index": i, "delta": {"content": req.echoed}, "logprobs": None, "finish_reason": None}
                     yield sse({**base, "choices": [choice], **extra})
             async for _, out in merge_handles(handles):
-                n_prompt = len(out.prompt_token_ids)
+                n_prompt, cached = len(out.prompt_token_ids), out.num_cached_tokens
                 for c in out.outputs:
                     i = c.index
                     if finished[i]:
@@ -290,9 +306,11 @@ class ServingChat(OpenAIServing):
                         finished[i] = True
                         final.update(kv_transfer_fields([out]))  # on the chunk with finish_reason
                     sent_text[i], sent_tokens[i] = len(c.text), len(c.token_ids)
+                    if req.continuous_usage:
+                        extra = {"usage": usage(n_prompt, sum(sent_tokens), cached)}
                     yield sse({**base, "choices": [choice], **extra, **final})
             if req.include_usage:
-                yield sse({**base, "choices": [], "usage": usage(n_prompt, sum(sent_tokens))})
+                yield sse({**base, "choices": [], "usage": usage(n_prompt, sum(sent_tokens), cached)})
         except RequestFailedError as e:
             yield sse_error(str(e))
         yield SSE_DONE

@@ -124,13 +124,14 @@ class ServingCompletion(OpenAIServing):
                 choices.append(self._choice(ctx, pi, out, c, prefix + c.text, 0, True))
         n_prompt = sum(len(o.prompt_token_ids) for o in finals)
         n_out = sum(len(c.token_ids) for o in finals for c in o.outputs)
+        cached = sum(o.num_cached_tokens for o in finals)
         return {
             "id": ctx.request_id,
             "object": "text_completion",
             "created": ctx.created,
             "model": ctx.model,
             "choices": choices,
-            "usage": usage(n_prompt, n_out),
+            "usage": usage(n_prompt, n_out, cached),
             **kv_transfer_fields(finals),
         }
 
@@ -142,9 +143,15 @@ class ServingCompletion(OpenAIServing):
         sent_tokens: dict[int, int] = {}
         finished: set[int] = set()
         prompt_tokens: dict[int, int] = {}
+        cached: dict[int, int] = {}
+
+        def used() -> dict[str, Any]:
+            return usage(sum(prompt_tokens.values()), sum(sent_tokens.values()), sum(cached.values()))
+
         try:
             async for pi, out in merge_handles(handles):
                 prompt_tokens[pi] = len(out.prompt_token_ids)
+                cached[pi] = out.num_cached_tokens
                 for c in out.outputs:
                     idx = pi * req.n + c.index
                     if idx in finished:
@@ -166,11 +173,11 @@ class ServingCompletion(OpenAIServing):
                     final = kv_transfer_fields([out]) if c.finished else {}  # on the chunk with finish_reason
                     if c.finished:
                         finished.add(idx)
+                    if req.continuous_usage:
+                        extra = {"usage": used()}
                     yield sse({**base, "choices": [choice], **extra, **final})
             if req.include_usage:
-                yield sse(
-                    {**base, "choices": [], "usage": usage(sum(prompt_tokens.values()), sum(sent_tokens.values()))}
-                )
+                yield sse({**base, "choices": [], "usage": used()})
         except RequestFailedError as e:
             yield sse_error(str(e))
         yield SSE_DONE

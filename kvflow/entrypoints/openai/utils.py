@@ -352,12 +352,17 @@ def kv_transfer_fields(outputs: Sequence[RequestOutput]) -> dict[str, Any]:
     return {}
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
+    """OpenAI's usage; `cached_tokens`: the prompt tokens found in the prefix cache, as OpenAI's
+    prompt_tokens_details reports its prompt caching."""
+    out: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return out
 
 
 def safe_logprob(x: float) -> float:
