@@ -42,6 +42,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "engine step exits 1. --data-parallel-size N serves N engine replicas behind one "
         "router (--router-policy).",
     )
+    p.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="the model, as --model gives it (vLLM's `vllm serve MODEL`): a HF model folder or a .gguf file",
+    )
     add_dataclass_args(p, ServerConfig, "server options")
     add_engine_args(p)
     p.add_argument(
@@ -57,6 +64,10 @@ def run_serve(args: argparse.Namespace) -> int:
     from kvflow.config import ServerConfig
 
     logging.getLogger("kvflow").setLevel(args.log_level.upper())
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise SystemExit(f"kvflow serve: the model is given twice: {args.model_tag!r} and --model {args.model!r}")
+        args.model = args.model_tag
     if args.api_key is None and os.environ.get("KVFLOW_API_KEY"):
         args.api_key = os.environ["KVFLOW_API_KEY"]
     server_config = dataclass_from_args(ServerConfig, args)  # validate before loading the model
@@ -81,7 +92,7 @@ def run_serve(args: argparse.Namespace) -> int:
     # Loaded, warmed up and stepped on one thread (see kvflow.engine.engine_thread for why).
     engine_thread = EngineThread()
     engine = engine_thread.call(lambda: LLMEngine(engine_config))
-    name = server_config.served_model_name or engine.model_name
+    name = (server_config.served_model_name or [engine.model_name])[0]
 
     def ready(url: str) -> None:
         print(f"kvflow: serving {name} at {url} (OpenAI API under {url}/v1; Ctrl-C or SIGTERM to stop)", flush=True)

@@ -24,8 +24,10 @@ class ServerConfig:
         "require 'Authorization: Bearer KEY' on every API route (/health and /metrics stay open); "
         "also read from $KVFLOW_API_KEY",
     )
-    served_model_name: str | None = option(
-        None, "the model name clients send and /v1/models lists (default: the model's name)"
+    served_model_name: list[str] | None = option(
+        None,
+        "the model name(s) clients send and /v1/models lists (space- or comma-separated; default: the "
+        "model's name); a request may name any of them, responses name the first (as vLLM)",
     )
     max_waiting_requests: int = option(
         512, "admission control: past this many waiting sequences, requests get 503 + Retry-After"
@@ -107,6 +109,12 @@ class ServerConfig:
     )
 
     def __post_init__(self) -> None:
+        if isinstance(self.served_model_name, str):
+            self.served_model_name = [self.served_model_name]
+        if self.served_model_name is not None and (
+            not self.served_model_name or not all(isinstance(n, str) and n for n in self.served_model_name)
+        ):
+            raise ValueError(f"served_model_name must be one or more non-empty names, got {self.served_model_name!r}")
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         positive("data_parallel_size", self.data_parallel_size)

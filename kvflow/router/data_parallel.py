@@ -352,7 +352,8 @@ def serve_data_parallel(
             print(f"kvflow: error: {e}", file=sys.stderr, flush=True)
             return 1
 
-        name = server_config.served_model_name or _served_name(specs[0].url, server_config.api_key) or "the model"
+        names = server_config.served_model_name
+        name = names[0] if names else _served_name(specs[0].url, server_config.api_key) or "the model"
         app = build_router_app(router_config)
         add_replica_routes(app, replicas, server_config.router_policy)
         if server_config.allowed_origins:  # as a single server's (api_server.build_app)

@@ -780,8 +780,7 @@ def test_sigterm_subprocess(tiny_llama, tmp_path):
             "-m",
             "kvflow.cli.main",
             "serve",
-            "--model",
-            tiny_llama[0],
+            tiny_llama[0],  # (positional, as `vllm serve MODEL`)
             "--port",
             str(port),
             "--num-kv-blocks",
@@ -868,3 +867,34 @@ def test_engine_fault_exits_process(tiny_llama):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_the_model_given_twice_is_refused(tiny_llama):
+    from kvflow.cli.main import main
+
+    with pytest.raises(SystemExit, match="the model is given twice"):
+        main(["serve", tiny_llama[0], "--model", tiny_llama[0] + "-other"])
+
+
+def test_several_served_model_names(tiny_llama):
+    """vLLM's --served-model-name a b: a request may name either; responses name the first."""
+    from server_utils import post, post_ok
+
+    s = LiveServer(
+        EngineConfig(model=tiny_llama[0], num_kv_blocks=32, max_model_len=64),
+        ServerConfig(served_model_name=["main", "alias"]),
+    )
+    try:
+        body = {"prompt": "hi", "max_tokens": 2, "temperature": 0}
+        assert post_ok(s, "/v1/completions", {**body, "model": "alias"})["model"] == "main"
+        chat = {"model": "alias", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        assert post_ok(s, "/v1/chat/completions", chat)["model"] == "main"
+        listed = httpx.get(s.url + "/v1/models").json()["data"]
+        assert [m["id"] for m in listed] == ["main", "alias"]
+        assert httpx.get(s.url + "/v1/models/alias").json()["id"] == "alias"
+        missing = post(s, "/v1/completions", {**body, "model": "other"})
+        assert missing.status_code == 404 and "`main`, `alias`" in missing.json()["error"]["message"]
+    finally:
+        s.stop()
+    with pytest.raises(ValueError, match="served_model_name must be one or more non-empty names"):
+        ServerConfig(served_model_name=[""])

@@ -292,7 +292,8 @@ def build_app(
         log_interval_s=config.log_interval_s,
         engine_thread=engine_thread,
     )
-    served = config.served_model_name or engine.model_name
+    names = config.served_model_name or [engine.model_name]
+    served = names[0]
     state = ServerState(llm, config, metrics, served, exit_action or _default_exit)
     llm.on_fatal = state.on_engine_dead
     completions = ServingCompletion(llm, served)
@@ -308,6 +309,8 @@ def build_app(
         role = kv.kv_role if kv is not None else "engine"
         for serving in (completions, embeddings, chat):  # (responses and messages go through chat)
             serving.tracer, serving.trace_role = state.tracer, role
+    for serving in (completions, embeddings, chat):  # (scores, responses and messages go through these)
+        serving.aliases = tuple(names[1:])
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -390,27 +393,30 @@ def build_app(
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    def model_card() -> dict[str, Any]:
-        return {
-            "id": served,
-            "object": "model",
-            "created": state.created,
-            "owned_by": "kvflow",
-            "root": getattr(engine, "model_path", served),
-            "parent": None,
-            "max_model_len": llm.max_model_len,
-        }
+    def model_cards() -> list[dict[str, Any]]:
+        """The served model under each of its names, then the loaded LoRA adapters."""
+        base = [
+            {
+                "id": name,
+                "object": "model",
+                "created": state.created,
+                "owned_by": "kvflow",
+                "root": getattr(engine, "model_path", served),
+                "parent": None,
+                "max_model_len": llm.max_model_len,
+            }
+            for name in names
+        ]
+        return [*base, *adapter_cards(llm, served, state.created)]
 
     @app.get("/v1/models", responses=responses())
     async def list_models() -> Response:
-        return JSONResponse({"object": "list", "data": [model_card(), *adapter_cards(llm, served, state.created)]})
+        return JSONResponse({"object": "list", "data": model_cards()})
 
     @app.get("/v1/models/{model_id:path}", responses=responses())
     async def get_model(model_id: str = Path(examples=[served])) -> Response:
         completions.model_name(model_id, allow_lora=True)
-        return JSONResponse(
-            next(c for c in [model_card(), *adapter_cards(llm, served, state.created)] if c["id"] == model_id)
-        )
+        return JSONResponse(next(c for c in model_cards() if c["id"] == model_id))
 
     @app.post("/v1/completions", openapi_extra=json_body(CompletionRequest), responses=responses(stream=True))
     async def create_completion(request: Request) -> Response:

@@ -28,6 +28,8 @@ _TRACE_TASKS: set[asyncio.Task] = set()
 class OpenAIServing:
     # --otlp-traces-endpoint: a span per engine request (set by build_app; None: off)
     tracer: Tracer | None = None
+    # --served-model-name's other names, which requests may send too (set by build_app)
+    aliases: tuple[str, ...] = ()
     trace_role = "engine"
 
     def __init__(self, llm: AsyncLLM, served_model_name: str) -> None:
@@ -37,14 +39,15 @@ class OpenAIServing:
         self.token_bytes = None if llm.tokenizer is None else TokenBytes(llm.tokenizer)
 
     def model_name(self, requested: str | None, allow_lora: bool = False) -> str:
-        """The model a request names: the served model, or (`allow_lora`) a loaded LoRA adapter."""
-        if requested is not None and requested != self.served_model_name:
+        """The model a request names: the served model (by any of its names; the first is
+        returned), or (`allow_lora`) a loaded LoRA adapter."""
+        if requested is not None and requested != self.served_model_name and requested not in self.aliases:
             if allow_lora and requested in self.loras():
                 return requested
-            adapters = "".join(f", `{n}`" for n in self.loras())
+            others = "".join(f", `{n}`" for n in (*self.aliases, *self.loras()))
             raise APIError(
                 404,
-                f"the model `{requested}` does not exist; this server serves `{self.served_model_name}`{adapters}",
+                f"the model `{requested}` does not exist; this server serves `{self.served_model_name}`{others}",
                 param="model",
                 code="model_not_found",
             )
