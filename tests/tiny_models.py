@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from conftest import make_tokenizer
+from conftest import VOCAB_SIZE, make_tokenizer
 
 
 def save_tiny_model(path: Path, model_cls, config, seed: int, norms: tuple[float, float] = (1.0, 0.2)):
@@ -49,3 +49,81 @@ def tiny_gemmas(tmp_path_factory, config_of: Callable[[str], dict], seed: int) -
         return cache[family]
 
     return get
+
+
+# ---- the dense families' shared checks (tests/models/test_<family>.py) ----------------------------
+# A tiny dense config: 2 layers, GQA (4 heads over 2 KV heads), the test tokenizer's vocabulary.
+TINY_DENSE = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    bos_token_id=0,
+    eos_token_id=1,
+    pad_token_id=0,
+    initializer_range=0.1,
+    tie_word_embeddings=False,
+)
+
+
+def shared_prefix_prompts(n: int, lo: int, hi: int, seed: int = 9) -> list[list[int]]:
+    """`n` prompts of one common 8-token prefix and lo..hi random tokens of their own."""
+    import random
+
+    rng = random.Random(seed)
+    shared = [rng.randrange(2, VOCAB_SIZE) for _ in range(8)]
+    return [shared + [rng.randrange(2, VOCAB_SIZE) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def check_greedy_matches_hf(path: str, hf, backend: str, max_tokens: int = 16) -> None:
+    """Five prompts through 4-token blocks, 8-token steps (prefill in chunks of several prompts) and
+    20 KV blocks (preemption), after the first prompt alone (a prefix-cache hit): HF's greedy tokens
+    on attention `backend` ("torch" or "native"; skipped where the native kernels cannot be built)."""
+    import pytest
+
+    from kvflow import LLM, SamplingParams
+    from kvflow.attention.backends.cpu import native_unsupported
+
+    from conftest import assert_no_leaks, hf_greedy
+
+    if backend == "native":
+        why = native_unsupported(torch.device("cpu"), torch.float32, 4, 2, 16)
+        if why is not None:
+            pytest.skip(f"the native kernels cannot be built here: {why}")
+    greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    prompts = shared_prefix_prompts(5, 4, 20)
+    llm = LLM(
+        path, num_kv_blocks=20, max_model_len=64, block_size=4, max_num_batched_tokens=8, attention_backend=backend
+    )
+    first = llm.generate([prompts[0]], greedy, use_tqdm=False)
+    outs = llm.generate(prompts, greedy, use_tqdm=False)
+    stats = llm.get_stats()
+    assert stats.prefix_cache_hits > 0 and stats.num_preemptions > 0
+    assert first[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == hf_greedy(hf, p, max_tokens)
+    assert_no_leaks(llm.engine)
+
+
+def check_prefill_logits_match_hf(path: str, hf, chunk: int) -> None:
+    """Every position's logits of a 37-token prompt computed `chunk` tokens at a time: HF's."""
+    from conftest import kvflow_prefill_logits
+
+    prompt = shared_prefix_prompts(1, 29, 29, seed=2)[0]
+    ours = kvflow_prefill_logits(path, prompt, chunk)
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0].float()
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
+
+
+def check_bfloat16_close_to_float32(path: str) -> None:
+    """bfloat16 weights and activations: logits within bf16's rounding of the float32 model's."""
+    from conftest import kvflow_prefill_logits
+
+    prompt = shared_prefix_prompts(1, 20, 20, seed=4)[0]
+    f32 = kvflow_prefill_logits(path, prompt, 7)
+    bf16 = kvflow_prefill_logits(path, prompt, 7, dtype=torch.bfloat16)
+    assert ((bf16 - f32).abs().amax() / f32.abs().amax()) < 0.05

@@ -18,6 +18,8 @@ GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # Llama-shaped families with a twist of their own (kvflow.models.phi3, kvflow.models.olmo2): Phi-3's
 # fused checkpoint projections and LongRoPE, OLMo 2's norms after attention and MLP.
 PHI3_OLMO2_ARCHITECTURES = ("Phi3ForCausalLM", "Olmo2ForCausalLM")
+# IBM Granite (3.x): the Llama decoder with four scalars (kvflow.models.granite; `GraniteConfig`).
+GRANITE_ARCHITECTURES = ("GraniteForCausalLM",)
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -26,6 +28,7 @@ SUPPORTED_ARCHITECTURES = (
     *MOE_ARCHITECTURES,
     *GEMMA_ARCHITECTURES,
     *PHI3_OLMO2_ARCHITECTURES,
+    *GRANITE_ARCHITECTURES,
 )
 # Families whose configs carry a sliding window they only use when `use_sliding_window` is set.
 _QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
@@ -59,6 +62,19 @@ class RopeConfig:
     # LongRoPE: per-frequency divisors below original_max_position_embeddings (short) and from it on (long).
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
+class GraniteConfig:
+    """Granite's scalars over the Llama shape (HF transformers' modeling_granite.py): the
+    embeddings times `embedding_multiplier`, each sublayer's output times `residual_multiplier`
+    before its residual add, `attention_multiplier` as the attention's softmax scale (not
+    head_dim ** -0.5), and the logits divided by `logits_scaling`."""
+
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float = 1.0
+    logits_scaling: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -138,6 +154,7 @@ class ModelConfig:
     # takes `sliding_window`. Gemma 2 / 3 mix local (windowed) and global layers (HF `layer_types`).
     layer_windows: tuple[int | None, ...] = ()
     gemma: GemmaConfig | None = None  # Gemma 2 / 3 (kvflow.models.gemma); None: another family
+    granite: GraniteConfig | None = None  # Granite (kvflow.models.granite); None: another family
 
     @property
     def is_moe(self) -> bool:
@@ -210,7 +227,25 @@ class ModelConfig:
         )
         if arch in PHI3_OLMO2_ARCHITECTURES:
             return _with_phi3_olmo2(config, cfg)
+        if arch in GRANITE_ARCHITECTURES:
+            return replace(config, granite=_granite_from_hf(cfg))
         return _with_gemma(config, cfg) if gemma else config
+
+
+def _granite_from_hf(cfg: dict[str, Any]) -> GraniteConfig:
+    for name in ("attention_bias", "mlp_bias"):
+        if cfg.get(name, False):
+            raise ValueError(
+                f"GraniteForCausalLM with {name}=true is not supported (biases on o_proj or the MLP); "
+                "kvflow's attention takes q/k/v biases only"
+            )
+    values = {}
+    for name in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling"):
+        value = float(cfg.get(name, 1.0))
+        if not value > 0 or value == float("inf"):
+            raise ValueError(f"GraniteForCausalLM: {name} must be a finite number > 0, got {cfg.get(name)!r}")
+        values[name] = value
+    return GraniteConfig(**values)
 
 
 def _clip_qkv(cfg: dict[str, Any]) -> float | None:

@@ -210,7 +210,7 @@ class NativeDecode:
             block_size=attention.block_size,
             window=model.layers[0].window or 0,  # (every layer's: see native_decode_unsupported)
             eps=cfg.rms_norm_eps,
-            scale=cfg.head_dim**-0.5,
+            scale=model.layers[0].scale,  # (head_dim ** -0.5, or Granite's attention_multiplier)
             qk_norm=0 if not cfg.qk_norm else PER_HEAD if cfg.qk_norm_per_head else WHOLE,
         )
         self.max_rows = max_rows(model)

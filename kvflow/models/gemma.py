@@ -126,11 +126,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
         """input_ids, positions: [T] -> final hidden states [T, hidden]; `layer_meta` as
         LlamaForCausalLM.forward's (per layer its KV group's metadata). No native decode pass:
         `decode_pass` refuses Gemma layers."""
-        x = (
-            F.embedding(input_ids, self.embed_tokens)
-            if self._embed_kernel is None
-            else self._embed_kernel.rows(input_ids)
-        ) * self.embed_scale
+        x = self.embed(input_ids) * self.embed_scale
         rope = self.rotary.lookup(positions)
         local = rope if self.rotary_local is None else self.rotary_local.lookup(positions)
         for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):

@@ -347,11 +347,7 @@ class LlamaForCausalLM(torch.nn.Module):
         """input_ids, positions: [T] -> final hidden states [T, hidden]. `layer_meta`: per layer its
         KV group's metadata (a hybrid KV layout: each group has its own block tables); None: `meta`
         for every layer."""
-        x = (
-            F.embedding(input_ids, self.embed_tokens)
-            if self._embed_kernel is None
-            else self._embed_kernel.rows(input_ids)
-        )
+        x = self.embed(input_ids)
         cos, sin_signed = self.rotary.lookup(positions)
         fused = self.native_decode
         group = (
@@ -363,6 +359,14 @@ class LlamaForCausalLM(torch.nn.Module):
             for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
                 x = layer(x, cos, sin_signed, kv, meta if layer_meta is None else layer_meta[i])
         return self.norm(x)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The input embeddings of `input_ids` [T] -> [T, hidden] (a family may scale them)."""
+        return (
+            F.embedding(input_ids, self.embed_tokens)
+            if self._embed_kernel is None
+            else self._embed_kernel.rows(input_ids)
+        )
 
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor | None:
         """Logits [rows, vocab], in float32 or (`float32=False`, one rank) as the lm_head gives them:

@@ -8,7 +8,7 @@ from kvflow.models.llama import LlamaForCausalLM
 
 def causal_lm_class(cfg: ModelConfig) -> type[LlamaForCausalLM]:
     """The Mixture-of-Experts decoder for a model with experts (Mixtral, Qwen2-MoE, Qwen3-MoE,
-    OLMoE), the Gemma decoder for Gemma 2 / 3, Phi-3's and OLMo 2's, else the Llama decoder (Llama, Mistral, Qwen2, Qwen3)."""
+    OLMoE), the Gemma decoder for Gemma 2 / 3, Phi-3's, OLMo 2's and Granite's, else the Llama decoder (Llama, Mistral, Qwen2, Qwen3)."""
     if cfg.moe is not None:
         from kvflow.models.moe import MoeForCausalLM
 
@@ -21,6 +21,10 @@ def causal_lm_class(cfg: ModelConfig) -> type[LlamaForCausalLM]:
         from kvflow.models.phi3 import Phi3ForCausalLM
 
         return Phi3ForCausalLM
+    if cfg.granite is not None:
+        from kvflow.models.granite import GraniteForCausalLM
+
+        return GraniteForCausalLM
     if cfg.architecture == "Olmo2ForCausalLM":
         from kvflow.models.olmo2 import Olmo2ForCausalLM
 

@@ -6,21 +6,26 @@ prefill logits; bfloat16 near float32; the refusals of what is not there."""
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import save_tiny_model
+from tiny_models import (
+    TINY_DENSE,
+    check_bfloat16_close_to_float32,
+    check_greedy_matches_hf,
+    check_prefill_logits_match_hf,
+    save_tiny_model,
+    shared_prefix_prompts,
+)
 
 from kvflow import LLM, SamplingParams
-from kvflow.attention.backends.cpu import native_unsupported
 from kvflow.config import ModelConfig
 from kvflow.layers.linear_kernels import int8_available
 from kvflow.models.olmo2 import Olmo2ForCausalLM
 from kvflow.models.registry import causal_lm_class
 
-from conftest import VOCAB_SIZE, assert_no_leaks, hf_greedy, kvflow_prefill_logits
+from conftest import assert_no_leaks, hf_greedy
 from gguf_files import add_folder_tokenizer
 
 MAX_TOKENS = 16
@@ -33,20 +38,7 @@ def make_olmo2(path, **overrides):
     from transformers import Olmo2Config
     from transformers import Olmo2ForCausalLM as HFOlmo2
 
-    cfg = dict(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        bos_token_id=0,
-        eos_token_id=1,
-        pad_token_id=0,
-        initializer_range=0.1,
-        tie_word_embeddings=False,
-    )
+    cfg = dict(TINY_DENSE)
     cfg.update(overrides)
     return save_tiny_model(path, HFOlmo2, Olmo2Config(**cfg), seed=4321)
 
@@ -55,12 +47,6 @@ def make_olmo2(path, **overrides):
 def olmo2(tmp_path_factory):
     path = tmp_path_factory.mktemp("olmo2")
     return str(path), make_olmo2(path)
-
-
-def _prompts(n: int, lo: int, hi: int, seed: int = 9) -> list[list[int]]:
-    rng = random.Random(seed)
-    shared = [rng.randrange(2, VOCAB_SIZE) for _ in range(8)]
-    return [shared + [rng.randrange(2, VOCAB_SIZE) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
 def test_config_reads_as_hf(olmo2):
@@ -78,49 +64,16 @@ def test_config_reads_as_hf(olmo2):
 
 @pytest.mark.parametrize("backend", ["torch", "native"])
 def test_greedy_matches_hf(olmo2, backend):
-    """Five prompts through 4-token blocks, 8-token steps (prefill in chunks of several prompts) and
-    20 KV blocks (preemption), after the first prompt alone (a prefix-cache hit): HF's greedy tokens."""
-    if backend == "native":
-        why = native_unsupported(torch.device("cpu"), torch.float32, 4, 2, 16)
-        if why is not None:
-            pytest.skip(f"the native kernels cannot be built here: {why}")
-    path, hf = olmo2
-    prompts = _prompts(5, 4, 20)
-    llm = LLM(
-        path,
-        num_kv_blocks=20,
-        max_model_len=64,
-        block_size=4,
-        max_num_batched_tokens=8,
-        attention_backend=backend,
-    )
-    first = llm.generate([prompts[0]], GREEDY, use_tqdm=False)
-    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
-    stats = llm.get_stats()
-    assert stats.prefix_cache_hits > 0 and stats.num_preemptions > 0
-    assert first[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
-    for p, o in zip(prompts, outs):
-        assert o.outputs[0].token_ids == hf_greedy(hf, p, MAX_TOKENS)
-    assert_no_leaks(llm.engine)
+    check_greedy_matches_hf(*olmo2, backend, MAX_TOKENS)
 
 
 @pytest.mark.parametrize("chunk", [1000, 5])
 def test_prefill_logits_match_hf(olmo2, chunk):
-    path, hf = olmo2
-    prompt = _prompts(1, 29, 29, seed=2)[0]
-    ours = kvflow_prefill_logits(path, prompt, chunk)
-    with torch.no_grad():
-        ref = hf(torch.tensor([prompt])).logits[0].float()
-    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
+    check_prefill_logits_match_hf(*olmo2, chunk)
 
 
 def test_bfloat16_close_to_float32(olmo2):
-    """bfloat16 weights and activations: logits within bf16's rounding of the float32 model's."""
-    path, _ = olmo2
-    prompt = _prompts(1, 20, 20, seed=4)[0]
-    f32 = kvflow_prefill_logits(path, prompt, 7)
-    bf16 = kvflow_prefill_logits(path, prompt, 7, dtype=torch.bfloat16)
-    assert ((bf16 - f32).abs().amax() / f32.abs().amax()) < 0.05
+    check_bfloat16_close_to_float32(olmo2[0])
 
 
 def test_refusals(olmo2):
@@ -193,7 +146,7 @@ def test_gguf_greedy_matches_hf(olmo2, tmp_path):
     write_olmo2_gguf(gguf_path, path)
     llm = LLM(str(gguf_path), num_kv_blocks=32, max_model_len=64, block_size=4, max_num_batched_tokens=8)
     assert llm.engine.model_config.architecture == "Olmo2ForCausalLM"
-    prompts = _prompts(3, 4, 20, seed=5)
+    prompts = shared_prefix_prompts(3, 4, 20, seed=5)
     for p, o in zip(prompts, llm.generate(prompts, GREEDY, use_tqdm=False)):
         assert o.outputs[0].token_ids == hf_greedy(hf, p, MAX_TOKENS)
     assert_no_leaks(llm.engine)

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from tiny_models import save_tiny_model
+from tiny_models import TINY_DENSE, save_tiny_model
 
 from kvflow import LLM, SamplingParams
 from kvflow.config import ModelConfig
@@ -46,20 +46,7 @@ def make_phi3(path, **overrides):
     from transformers import Phi3Config
     from transformers import Phi3ForCausalLM as HFPhi3
 
-    cfg = dict(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        bos_token_id=0,
-        eos_token_id=1,
-        pad_token_id=0,
-        initializer_range=0.1,
-        tie_word_embeddings=False,
-    )
+    cfg = dict(TINY_DENSE)
     cfg.update(overrides)
     return save_tiny_model(path, HFPhi3, Phi3Config(**cfg), seed=1234)
 

@@ -1,0 +1,60 @@
+"""IBM Granite (HF `GraniteForCausalLM`): the Llama decoder with four scalars (`GraniteConfig`).
+
+Two of them fold into weights at load, so Granite runs every Llama path (the native decode pass,
+the int8 and bf16 kernels) unchanged: each sublayer's output is scaled by `residual_multiplier`
+before its residual add, which is o_proj's and down_proj's weights scaled by it (the same product
+up to float rounding); the softmax scale is `attention_multiplier` (each layer's `scale`). The
+other two are one multiply each: the embeddings times `embedding_multiplier` (the table may be
+the tied lm_head, so it is not folded), the logits divided by `logits_scaling`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from kvflow.attention.backend import AttentionBackend
+from kvflow.config import ModelConfig
+from kvflow.distributed.parallel import TPGroup
+from kvflow.models.llama import LlamaForCausalLM
+
+_RESIDUAL_PROJECTIONS = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+
+
+class GraniteForCausalLM(LlamaForCausalLM):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        attention: AttentionBackend,
+        max_positions: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        tp: TPGroup | None = None,
+    ) -> None:
+        if cfg.granite is None:
+            raise ValueError(f"{cfg.architecture} is not a Granite model: it is LlamaForCausalLM's")
+        super().__init__(cfg, attention, max_positions, dtype, device, tp)
+        for layer in self.layers:
+            layer.scale = cfg.granite.attention_multiplier
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return super().embed(input_ids) * self.cfg.granite.embedding_multiplier
+
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor | None:
+        logits = super().compute_logits(hidden, float32)
+        return None if logits is None else logits / self.cfg.granite.logits_scaling
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(self._residual_scaled(weights))
+
+    def _residual_scaled(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        factor = self.cfg.granite.residual_multiplier
+        for name, tensor in weights:
+            if name.endswith(_RESIDUAL_PROJECTIONS) and factor != 1.0:
+                if type(tensor) is not torch.Tensor:
+                    raise ValueError(
+                        f"{self.cfg.architecture}: {name} is stored quantized; kvflow folds Granite's "
+                        "residual_multiplier into float weights only (load the float checkpoint)"
+                    )
+                tensor = (tensor.float() * factor).to(tensor.dtype)  # (the dtype the checkpoint stores)
+            yield name, tensor
