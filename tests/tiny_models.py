@@ -78,9 +78,9 @@ def shared_prefix_prompts(n: int, lo: int, hi: int, seed: int = 9) -> list[list[
     return [shared + [rng.randrange(2, VOCAB_SIZE) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
-def check_greedy_matches_hf(path: str, hf, backend: str, max_tokens: int = 16) -> None:
+def check_greedy_matches_hf(path: str, hf, backend: str, max_tokens: int = 16, num_kv_blocks: int = 20) -> None:
     """Five prompts through 4-token blocks, 8-token steps (prefill in chunks of several prompts) and
-    20 KV blocks (preemption), after the first prompt alone (a prefix-cache hit): HF's greedy tokens
+    few KV blocks (preemption), after the first prompt alone (a prefix-cache hit): HF's greedy tokens
     on attention `backend` ("torch" or "native"; skipped where the native kernels cannot be built)."""
     import pytest
 
@@ -96,7 +96,12 @@ def check_greedy_matches_hf(path: str, hf, backend: str, max_tokens: int = 16) -
     greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     prompts = shared_prefix_prompts(5, 4, 20)
     llm = LLM(
-        path, num_kv_blocks=20, max_model_len=64, block_size=4, max_num_batched_tokens=8, attention_backend=backend
+        path,
+        num_kv_blocks=num_kv_blocks,
+        max_model_len=64,
+        block_size=4,
+        max_num_batched_tokens=8,
+        attention_backend=backend,
     )
     first = llm.generate([prompts[0]], greedy, use_tqdm=False)
     outs = llm.generate(prompts, greedy, use_tqdm=False)

@@ -20,6 +20,7 @@ GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 PHI3_OLMO2_ARCHITECTURES = ("Phi3ForCausalLM", "Olmo2ForCausalLM")
 # IBM Granite (3.x): the Llama decoder with four scalars (kvflow.models.granite; `GraniteConfig`).
 GRANITE_ARCHITECTURES = ("GraniteForCausalLM",)
+# SmolLM3: the Llama decoder with no rotary on some layers (NoPE; `ModelConfig.rope_layers`).
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -29,6 +30,7 @@ SUPPORTED_ARCHITECTURES = (
     *GEMMA_ARCHITECTURES,
     *PHI3_OLMO2_ARCHITECTURES,
     *GRANITE_ARCHITECTURES,
+    "SmolLM3ForCausalLM",
 )
 # Families whose configs carry a sliding window they only use when `use_sliding_window` is set.
 _QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
@@ -155,6 +157,8 @@ class ModelConfig:
     layer_windows: tuple[int | None, ...] = ()
     gemma: GemmaConfig | None = None  # Gemma 2 / 3 (kvflow.models.gemma); None: another family
     granite: GraniteConfig | None = None  # Granite (kvflow.models.granite); None: another family
+    # Per decoder layer, whether it rotates q and k (SmolLM3's NoPE layers do not). Empty: all do.
+    rope_layers: tuple[bool, ...] = ()
 
     @property
     def is_moe(self) -> bool:
@@ -163,6 +167,10 @@ class ModelConfig:
     def window_of(self, layer: int) -> int | None:
         """The attention window of decoder layer `layer` (None: it attends to the whole context)."""
         return self.layer_windows[layer] if self.layer_windows else self.sliding_window
+
+    def uses_rope(self, layer: int) -> bool:
+        """Whether decoder layer `layer` applies the rotary embedding to q and k."""
+        return self.rope_layers[layer] if self.rope_layers else True
 
     @property
     def is_hybrid(self) -> bool:
@@ -229,6 +237,8 @@ class ModelConfig:
             return _with_phi3_olmo2(config, cfg)
         if arch in GRANITE_ARCHITECTURES:
             return replace(config, granite=_granite_from_hf(cfg))
+        if arch == "SmolLM3ForCausalLM":
+            return _with_smollm3(config, cfg)
         return _with_gemma(config, cfg) if gemma else config
 
 
@@ -246,6 +256,26 @@ def _granite_from_hf(cfg: dict[str, Any]) -> GraniteConfig:
             raise ValueError(f"GraniteForCausalLM: {name} must be a finite number > 0, got {cfg.get(name)!r}")
         values[name] = value
     return GraniteConfig(**values)
+
+
+def _with_smollm3(config: ModelConfig, cfg: dict[str, Any]) -> ModelConfig:
+    """SmolLM3 (HF modeling_smollm3.py): `no_rope_layers[i]` 1 where layer i rotates q and k, 0
+    where it does not (NoPE; by default every fourth layer); the window only with
+    `use_sliding_window`, on the `layer_types` "sliding_attention" layers."""
+    if cfg.get("mlp_bias", False):
+        raise ValueError("SmolLM3ForCausalLM with mlp_bias=true is not supported")
+    n = config.num_layers
+    flags = cfg.get("no_rope_layers")
+    if flags is None:
+        interval = int(cfg.get("no_rope_layer_interval", 4))
+        flags = [int((i + 1) % interval != 0) for i in range(n)]
+    if len(flags) != n or any(f not in (0, 1) for f in flags):
+        raise ValueError(f"SmolLM3ForCausalLM: no_rope_layers must hold a 0 or 1 for each of the {n} layers")
+    windows: tuple[int | None, ...] = ()
+    if cfg.get("use_sliding_window", False) and cfg.get("sliding_window"):
+        types = cfg.get("layer_types") or ["sliding_attention"] * n
+        windows = tuple(int(cfg["sliding_window"]) if t == "sliding_attention" else None for t in types)
+    return replace(config, rope_layers=tuple(bool(f) for f in flags), sliding_window=None, layer_windows=windows)
 
 
 def _clip_qkv(cfg: dict[str, Any]) -> float | None:

@@ -65,6 +65,8 @@ class DecoderLayer(torch.nn.Module):
         # Set by LlamaForCausalLM.prepare: kernels that apply the norms and the activation themselves
         # (int8, native fp32); rotary runs natively where it can (the same code as the decode pass).
         self.fused_prologue = False
+        # Whether this layer rotates q and k (set by the model: SmolLM3's NoPE layers do not)
+        self.rope = True
         self.apply_rotary: RotaryFn = apply_rotary_
         # Set by LlamaForCausalLM.prepare: q/k norms by the native function the decode pass runs
         # (kvflow.kernels.cpu.qk_norm; float32 on the CPU's native backends), then the native rotary.
@@ -173,6 +175,9 @@ class LlamaForCausalLM(torch.nn.Module):
         )
         for i, layer in enumerate(self.layers):
             layer.window = cfg.window_of(i)
+            layer.rope = cfg.uses_rope(i)
+            if not layer.rope:
+                layer.apply_rotary = _no_rotary
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.lm_head = (
             None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, device)
@@ -230,7 +235,7 @@ class LlamaForCausalLM(torch.nn.Module):
         )
         for layer in self.layers:
             layer.fused_prologue = backend in FUSED_PROLOGUE
-            layer.apply_rotary = rotary
+            layer.apply_rotary = rotary if layer.rope else _no_rotary
             layer.native_qk_norm = native_qk and rotary is not apply_rotary_ and layer.llama_attention
         if self.embed_blocks is not None:
             # A block-quantized embedding lives in a block kernel (repacked, or read in place);
@@ -491,6 +496,10 @@ class LlamaForCausalLM(torch.nn.Module):
         if p.shape != tensor.shape:
             raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(p.shape)}")
         p.data.copy_(tensor)
+
+
+def _no_rotary(qk: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> None:
+    """A NoPE layer's rotary: q and k stay as projected."""
 
 
 def _name(layer: torch.nn.Module, child: torch.nn.Module) -> str:

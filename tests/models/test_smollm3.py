@@ -1,0 +1,72 @@
+"""SmolLM3 against HF transformers on the same tiny random weights: the Llama decoder whose every
+fourth layer rotates neither q nor k (NoPE). Greedy tokens through chunked prefill, preemption and
+a prefix-cache hit on each CPU attention backend, prefill logits, bfloat16 near float32, the
+sliding-window variant (`use_sliding_window`), and how its config is read."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from tiny_models import (
+    TINY_DENSE,
+    check_bfloat16_close_to_float32,
+    check_greedy_matches_hf,
+    check_prefill_logits_match_hf,
+    save_tiny_model,
+)
+
+from kvflow.config import ModelConfig
+from kvflow.models.llama import LlamaForCausalLM
+from kvflow.models.registry import causal_lm_class
+
+
+def make_smollm3(path, **overrides):
+    from transformers import SmolLM3Config, SmolLM3ForCausalLM
+
+    cfg = dict(TINY_DENSE, num_hidden_layers=4)  # (layer 3 without rotary: HF's default interval of 4)
+    cfg.update(overrides)
+    return save_tiny_model(path, SmolLM3ForCausalLM, SmolLM3Config(**cfg), seed=1357)
+
+
+@pytest.fixture(scope="module", params=["full", "sliding"])
+def smollm3(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp("smollm3")
+    extra = {}
+    if request.param == "sliding":  # every other layer within an 8-token window
+        extra = dict(use_sliding_window=True, sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2)
+    return str(path), make_smollm3(path, **extra)
+
+
+def test_config_reads_as_hf(smollm3):
+    path, hf = smollm3
+    raw = json.loads((Path(path) / "config.json").read_text())
+    cfg = ModelConfig.from_hf_config(raw)
+    assert causal_lm_class(cfg) is LlamaForCausalLM
+    assert [cfg.uses_rope(i) for i in range(4)] == [bool(f) for f in hf.config.no_rope_layers] == [1, 1, 1, 0]
+    windows = [cfg.window_of(i) for i in range(4)]
+    assert windows == ([8, None, 8, None] if raw.get("use_sliding_window") else [None] * 4)
+    # without no_rope_layers: HF's default from the interval
+    dropped = {k: v for k, v in raw.items() if k != "no_rope_layers"} | {"no_rope_layer_interval": 2}
+    assert [ModelConfig.from_hf_config(dropped).uses_rope(i) for i in range(4)] == [True, False, True, False]
+    with pytest.raises(ValueError, match="no_rope_layers must hold a 0 or 1 for each of the 4 layers"):
+        ModelConfig.from_hf_config({**raw, "no_rope_layers": [1, 1]})
+    with pytest.raises(ValueError, match="mlp_bias=true is not supported"):
+        ModelConfig.from_hf_config({**raw, "mlp_bias": True})
+
+
+@pytest.mark.parametrize("backend", ["torch", "native"])
+def test_greedy_matches_hf(smollm3, backend):
+    # (the sliding variant's two KV groups: windowed layers hold only their window, as more blocks)
+    sliding = ModelConfig.from_hf_config(json.loads((Path(smollm3[0]) / "config.json").read_text())).is_hybrid
+    check_greedy_matches_hf(*smollm3, backend, num_kv_blocks=24 if sliding else 20)
+
+
+@pytest.mark.parametrize("chunk", [1000, 5])
+def test_prefill_logits_match_hf(smollm3, chunk):
+    check_prefill_logits_match_hf(*smollm3, chunk)
+
+
+def test_bfloat16_close_to_float32(smollm3):
+    check_bfloat16_close_to_float32(smollm3[0])
