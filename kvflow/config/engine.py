@@ -7,12 +7,12 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from kvflow.config.chat_template import chat_template_text
 from kvflow.config.generation import check_source, read_override
 from kvflow.config.kv_events import KVEventsConfig
 from kvflow.config.kv_transfer import KVTransferConfig
 from kvflow.config.options import check_choices, option, positive
 from kvflow.config.speculative import SpeculativeConfig
-from kvflow.models.chat_template import read_chat_template
 
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZATIONS = (None, "int8", "int4")
@@ -255,7 +255,7 @@ class EngineConfig:
                 f"structured_outputs_compile_timeout_s must be > 0, got {self.structured_outputs_compile_timeout_s}"
             )
         if self.chat_template is not None:
-            read_chat_template(self.chat_template)  # validate now: a file or a template that compiles
+            chat_template_text(self.chat_template)  # a file or a template (the engine compiles it)
         check_source(self.generation_config)
         self.override_generation_config = read_override(self.override_generation_config)
         if self.speculative_config is not None:

@@ -8,6 +8,7 @@ taken: a request's output length stays its own max_tokens (or the context)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,11 +30,14 @@ SOURCES = ("auto", "vllm")  # or a folder holding a generation_config.json
 
 def read_override(value: Any) -> dict[str, Any] | None:
     """--override-generation-config as a dict of SamplingParams fields (None: none), or a
-    ValueError naming the option and the keys it takes."""
+    ValueError naming the option and the keys it takes (their ranges are SamplingParams', checked
+    when the engine starts: `default_sampling`)."""
     if value is None:
         return None
     value = json_object(value, "override_generation_config", set(SAMPLING_KEYS))
-    _check({SAMPLING_KEYS[k]: v for k, v in value.items()}, "override_generation_config")
+    bad = sorted(k for k, v in value.items() if isinstance(v, bool) or not isinstance(v, (int, float)))
+    if bad:
+        raise ValueError(f"override_generation_config: {bad[0]} must be a number, got {value[bad[0]]!r}")
     return {SAMPLING_KEYS[k]: v for k, v in value.items()}
 
 
@@ -47,11 +51,15 @@ def check_source(source: str) -> None:
 
 
 def default_sampling(
-    source: str, model_generation_config: dict[str, Any], override: dict[str, Any] | None
+    source: str,
+    model_generation_config: dict[str, Any],
+    override: dict[str, Any] | None,
+    check: Callable[[dict[str, Any]], None],
 ) -> dict[str, Any]:
     """The default sampling parameters (SamplingParams fields) for requests that leave them out:
     from the model's generation config (`source` auto), none (vllm), or a folder's file; then the
-    override's. Raises ValueError naming the file's key when a value is out of range."""
+    override's. `check(values)` (SamplingParams' own validation) raises on a value out of range:
+    re-raised naming where the value came from."""
     if source == "auto":
         found, origin = model_generation_config, "the model's generation_config.json"
     elif source == "vllm":
@@ -64,15 +72,9 @@ def default_sampling(
         for key, field in SAMPLING_KEYS.items()
         if key in found and found[key] is not None and found[key] != _HF_DEFAULTS[key]
     }
-    _check(defaults, origin)
-    defaults.update(override or {})
-    return defaults
-
-
-def _check(values: dict[str, Any], origin: str) -> None:
-    from kvflow.sampling_params import SamplingParams
-
-    try:
-        SamplingParams(**values)
-    except ValueError as e:
-        raise ValueError(f"{origin}: {e}") from None
+    for values, where in ((defaults, origin), (override or {}, "override_generation_config")):
+        try:
+            check(values)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+    return {**defaults, **(override or {})}

@@ -132,7 +132,10 @@ class LLMEngine:
         self.eos_token_ids = self._eos_ids(ckpt.generation_config)
         # Requests' default sampling parameters (--generation-config): what a request leaves out
         self.default_sampling = default_sampling(
-            config.generation_config, ckpt.generation_config, config.override_generation_config
+            config.generation_config,
+            ckpt.generation_config,
+            config.override_generation_config,
+            lambda values: SamplingParams(**values),
         )
         if self.default_sampling:
             logger.info("default sampling parameters from the generation config: %s", self.default_sampling)

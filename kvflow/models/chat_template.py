@@ -17,6 +17,8 @@ from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
+from kvflow.config.chat_template import chat_template_text
+
 # apply_chat_template's own parameters that change what it does beyond rendering one conversation.
 _HF_ONLY = frozenset(
     {
@@ -41,19 +43,12 @@ MAX_TEMPLATE_KWARGS = 64
 
 
 def read_chat_template(value: str, option: str = "chat_template") -> str:
-    """vLLM's --chat-template: a file's path or the template itself, as its text; a ValueError
-    naming `option` when it is neither, or does not compile (with jinja's line and message)."""
-    import os
-
+    """vLLM's --chat-template: a file's path or the template itself (`chat_template_text`), as its
+    text; a ValueError naming `option` when it is neither, or does not compile (with jinja's line
+    and message)."""
     import jinja2
 
-    if os.path.isfile(os.path.expanduser(value)):
-        with open(os.path.expanduser(value), encoding="utf-8") as f:
-            text = f.read()
-    elif "{{" in value or "{%" in value:
-        text = value
-    else:
-        raise ValueError(f"{option} {value[:200]!r} is neither a file nor a Jinja template")
+    text = chat_template_text(value, option)
     try:
         _compile(text)
     except jinja2.TemplateSyntaxError as e:

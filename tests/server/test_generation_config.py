@@ -98,12 +98,18 @@ def test_bad_generation_configs_are_clear_errors(recommending_model, tmp_path):
     path, _ = recommending_model
     for kwargs, fragment in (
         ({"override_generation_config": {"temprature": 0.5}}, "unknown key(s) ['temprature']; valid keys"),
-        ({"override_generation_config": {"temperature": -1}}, "override_generation_config: temperature"),
+        (
+            {"override_generation_config": {"temperature": "hot"}},
+            "override_generation_config: temperature must be a number",
+        ),
         ({"override_generation_config": "{nope"}, "override_generation_config is not valid JSON"),
         ({"generation_config": str(tmp_path)}, "holds none"),
     ):
         with pytest.raises(ValueError, match=re.escape(fragment)):
             EngineConfig(model=path, **kwargs)
+    # values out of SamplingParams' ranges: refused when the engine starts, naming where they came from
+    with pytest.raises(ValueError, match="override_generation_config: temperature"):
+        LLM(path, num_kv_blocks=64, max_model_len=128, override_generation_config={"temperature": -1})
     (tmp_path / "generation_config.json").write_text(json.dumps({"top_p": 2.0}))
     with pytest.raises(ValueError, match="generation_config.json: top_p"):
         LLM(path, num_kv_blocks=64, max_model_len=128, generation_config=str(tmp_path))
