@@ -71,11 +71,11 @@ logger = logging.getLogger("kvflow.router")
 TOKENIZE_TIMEOUT_S = 2.0
 
 # Client headers the engines need; the rest (host, content-length, hop-by-hop) are the router's.
-_FORWARDED_HEADERS = ("authorization", "x-api-key", "anthropic-version")
+_FORWARDED_HEADERS = ("authorization", "x-api-key", "anthropic-version", "x-request-id")
 # Stored responses whose engine the router found (response id -> backend), the most recent kept.
 RESPONSE_HOMES_KEPT = 4096
 # Upstream headers a client may act on: the body's type, and when to retry an overloaded engine.
-_RELAYED_HEADERS = ("content-type", "retry-after")
+_RELAYED_HEADERS = ("content-type", "retry-after", "x-request-id")
 
 
 def error_body(message: str, *, code: str, status: int) -> dict[str, Any]:

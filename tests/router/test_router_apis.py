@@ -146,9 +146,13 @@ def test_score_and_rerank_through_the_router(router, engines):
         assert [x["relevance_score"] for x in got] == pytest.approx([x["relevance_score"] for x in direct["results"]])
     for path in ("/score", "/v1/score"):
         routed = httpx.post(
-            url + path, json={"text_1": "a", "text_2": ["b", "c"]}, headers={"Authorization": f"Bearer {KEY}"}
+            url + path,
+            json={"text_1": "a", "text_2": ["b", "c"]},
+            headers={"Authorization": f"Bearer {KEY}", "X-Request-Id": f"r{len(path)}"},
         )
         assert routed.status_code == 200 and len(routed.json()["data"]) == 2, routed.text
+        # the client's X-Request-Id reaches the engine and comes back
+        assert routed.json()["id"] == f"score-r{len(path)}" and routed.headers["x-request-id"] == f"r{len(path)}"
 
 
 def test_prompt_texts_of_the_new_apis():

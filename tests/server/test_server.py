@@ -898,3 +898,42 @@ def test_several_served_model_names(tiny_llama):
         s.stop()
     with pytest.raises(ValueError, match="served_model_name must be one or more non-empty names"):
         ServerConfig(served_model_name=[""])
+
+
+def test_x_request_id(server):
+    """vLLM's X-Request-Id: the response's id carries the client's, /debug/requests finds the
+    request under it, the header comes back; one id twice in flight is a 400; a malformed one too."""
+    from server_utils import post
+
+    body = {"prompt": "hello", "max_tokens": 3, "temperature": 0}
+    r = httpx.post(server.url + "/v1/completions", json=body, headers={"X-Request-Id": "trace-42.a:b"}, timeout=30)
+    assert r.status_code == 200 and r.json()["id"] == "cmpl-trace-42.a:b"
+    assert r.headers["x-request-id"] == "trace-42.a:b"
+    steps = httpx.get(server.url + "/debug/requests/cmpl-trace-42.a:b", timeout=30)
+    assert steps.status_code == 200, steps.text
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    r = httpx.post(server.url + "/v1/chat/completions", json=chat, headers={"X-Request-Id": "c1"}, timeout=30)
+    assert r.json()["id"] == "chatcmpl-c1" and r.headers["x-request-id"] == "c1"
+    assert "x-request-id" not in post(server, "/v1/completions", body).headers
+    bad = httpx.post(server.url + "/v1/completions", json=body, headers={"X-Request-Id": "a b"}, timeout=30)
+    assert bad.status_code == 400 and "X-Request-Id" in bad.json()["error"]["message"]
+
+    async def twice():
+        long = {**body, "max_tokens": 200, "ignore_eos": True, "stream": True}
+        async with httpx.AsyncClient(timeout=60) as c:
+            async with c.stream(
+                "POST", server.url + "/v1/completions", json=long, headers={"X-Request-Id": "dup"}
+            ) as s:
+                first = None
+                async for line in s.aiter_lines():
+                    if line.startswith("data: {"):
+                        break  # the first request is in flight
+                second = await c.post(server.url + "/v1/completions", json=body, headers={"X-Request-Id": "dup"})
+                first = s.status_code
+        return first, second
+
+    first, second = asyncio.run(twice())
+    assert first == 200 and second.status_code == 400 and "already in use" in second.json()["error"]["message"]
+    server.wait_engine_idle()
+    again = httpx.post(server.url + "/v1/completions", json=body, headers={"X-Request-Id": "dup"}, timeout=30)
+    assert again.status_code == 200  # (free again once the first ended)

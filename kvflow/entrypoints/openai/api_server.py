@@ -63,7 +63,7 @@ from kvflow.entrypoints.openai.serving_embedding import ServingEmbedding
 from kvflow.entrypoints.openai.serving_lora import adapter_cards, add_lora_routes
 from kvflow.entrypoints.openai.serving_responses import ServingResponses
 from kvflow.entrypoints.openai.serving_score import ServingScore
-from kvflow.entrypoints.openai.utils import APIError, parse_body, pydantic_error
+from kvflow.entrypoints.openai.utils import REQUEST_ID_HEADER, APIError, parse_body, pydantic_error
 from kvflow.metrics import EngineMetrics
 from kvflow.tracing import INCOMING_TRACE, Tracer, trace_carrier
 from kvflow.utils.http import url_host
@@ -188,6 +188,9 @@ class GateMiddleware:
             if body is None:
                 return
             receive = _replay(body, receive)
+        rid = headers.get("x-request-id")
+        if rid is not None and REQUEST_ID_HEADER.fullmatch(rid):
+            send = _with_header(send, b"x-request-id", rid.encode("latin-1"))  # (vLLM's echo)
         state.request_started()
         # the caller's trace context, for the spans of the engine requests this HTTP request adds
         trace = None if state.tracer is None else INCOMING_TRACE.set(trace_carrier(headers))
@@ -223,6 +226,17 @@ class GateMiddleware:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)
+
+
+def _with_header(send: Send, name: bytes, value: bytes) -> Send:
+    """`send` adding one header to the response's start."""
+
+    async def sending(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", []), (name, value)]}
+        await send(message)
+
+    return sending
 
 
 def _too_large(size: int | None, limit: int) -> Response:

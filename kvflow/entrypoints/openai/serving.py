@@ -9,12 +9,13 @@ import dataclasses
 import functools
 import math
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvflow.engine.async_llm import AsyncLLM, EngineDeadError, EngineOverloadedError, RequestHandle
 from kvflow.engine.detokenizer import TokenBytes
-from kvflow.entrypoints.openai.utils import APIError, abort_all, safe_logprob, value_error
+from kvflow.entrypoints.openai.utils import REQUEST_ID_HEADER, APIError, abort_all, safe_logprob, value_error
 from kvflow.lora.request import LoRARequest
 from kvflow.models.chat_template import template_kwargs
 from kvflow.outputs import Logprob, RequestOutput
@@ -195,6 +196,19 @@ class OpenAIServing:
         if isinstance(err, EngineDeadError):
             raise APIError(503, str(err), code="engine_dead")
         raise err
+
+
+def request_id_of(raw: Any, prefix: str) -> str:
+    """The id of an HTTP request's engine requests (and of its response): `prefix-` and the
+    client's X-Request-Id header, as vLLM takes it (so logs, traces and /debug/requests/{id} carry
+    the client's own id), else a random one. Two requests in flight under one id: the second is a
+    400 (the engine's)."""
+    given = raw.headers.get("x-request-id")
+    if given is None:
+        return f"{prefix}-{uuid.uuid4().hex}"
+    if not REQUEST_ID_HEADER.fullmatch(given):
+        raise APIError(400, "the X-Request-Id header must be 1 to 128 letters, digits or '._:-'", code="invalid_value")
+    return f"{prefix}-{given}"
 
 
 def client_of(raw: Any, user: str | None) -> str | None:

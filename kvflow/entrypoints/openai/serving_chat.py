@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -31,6 +30,7 @@ from kvflow.entrypoints.openai.serving import (
     expert_trace_fields,
     now_s,
     prompt_logprobs_field,
+    request_id_of,
     sampling_params,
 )
 from kvflow.entrypoints.openai.tool_parsers import (
@@ -152,7 +152,7 @@ class ServingChat(OpenAIServing):
             raise APIError(400, "tools cannot be combined with use_beam_search", param="tools", code="invalid_value")
         self.constrain_after_reasoning(params)
         prompt_ids = self.chat_prompt_ids(req, tools)
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        request_id = request_id_of(raw, "chatcmpl")
         handles = await start_requests(
             self,
             request_id,

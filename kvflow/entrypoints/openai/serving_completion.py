@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -22,6 +21,7 @@ from kvflow.entrypoints.openai.serving import (
     expert_trace_fields,
     now_s,
     prompt_logprobs_field,
+    request_id_of,
     sampling_params,
 )
 from kvflow.entrypoints.openai.utils import (
@@ -48,7 +48,7 @@ class ServingCompletion(OpenAIServing):
         beams = sampling_params(lambda: req.beam_search_params(params))
         if beams is None:
             params = self.with_model_defaults(params, req)
-        request_id = f"cmpl-{uuid.uuid4().hex}"
+        request_id = request_id_of(raw, "cmpl")
         handles = await start_requests(
             self,
             request_id,

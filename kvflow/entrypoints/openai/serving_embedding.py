@@ -7,7 +7,6 @@ import base64
 import dataclasses
 import struct
 import time
-import uuid
 from typing import Any
 
 from starlette.requests import Request
@@ -15,7 +14,7 @@ from starlette.responses import JSONResponse, Response
 
 from kvflow.engine.async_llm import AsyncLLM, RequestHandle
 from kvflow.entrypoints.openai.protocol import EmbeddingRequest
-from kvflow.entrypoints.openai.serving import OpenAIServing, client_of, sampling_params
+from kvflow.entrypoints.openai.serving import OpenAIServing, client_of, request_id_of, sampling_params
 from kvflow.entrypoints.openai.utils import APIError, finish_unstreamed, merge_handles, parse_body
 from kvflow.outputs import RequestOutput
 from kvflow.sampling_params import SamplingParams
@@ -40,7 +39,8 @@ class ServingEmbedding(OpenAIServing):
                 code="invalid_value",
             )
         prompt_ids = [self.tokenize(p, req.add_special_tokens, param="input") for p in req.input]
-        finals = await self.embed(raw, "embd", prompt_ids, "input", arrival, client_of(raw, req.user))
+        request_id = request_id_of(raw, "embd")
+        finals = await self.embed(raw, request_id, prompt_ids, "input", arrival, client_of(raw, req.user))
         if finals is None:
             return Response(status_code=499)  # the client closed the connection
         return JSONResponse(
@@ -61,7 +61,7 @@ class ServingEmbedding(OpenAIServing):
     async def embed(
         self,
         raw: Request,
-        kind: str,
+        request_id: str,
         prompt_ids: list[list[int]],
         param: str,
         arrival: float,
@@ -69,11 +69,11 @@ class ServingEmbedding(OpenAIServing):
         truncate_prompt_tokens: int | None = None,
     ) -> list[RequestOutput] | None:
         """The prompts' finished embedding requests, in order (None: the client went away, and
-        they were aborted); `kind` prefixes the request id; an engine failure is a 500."""
+        they were aborted), under `request_id` (`request_id_of`); an engine failure is a 500."""
         params = self.params
         if truncate_prompt_tokens is not None:
             params = sampling_params(lambda: dataclasses.replace(params, truncate_prompt_tokens=truncate_prompt_tokens))
-        handles = await self.add_requests(f"{kind}-{uuid.uuid4().hex}", prompt_ids, params, param, arrival, client)
+        handles = await self.add_requests(request_id, prompt_ids, params, param, arrival, client)
         finals = await finish_unstreamed(raw, handles, _collect(handles))
         for out in finals or ():
             if out.error is not None or out.embedding is None:

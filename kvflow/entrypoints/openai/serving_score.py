@@ -4,14 +4,13 @@ model's embeddings (kvflow.entrypoints.scoring), each distinct text one embeddin
 from __future__ import annotations
 
 import time
-import uuid
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from kvflow.entrypoints.openai.protocol import RerankRequest, ScoreRequest
-from kvflow.entrypoints.openai.serving import client_of, now_s
+from kvflow.entrypoints.openai.serving import client_of, now_s, request_id_of
 from kvflow.entrypoints.openai.serving_embedding import ServingEmbedding
 from kvflow.entrypoints.openai.utils import APIError, parse_body
 from kvflow.entrypoints.scoring import cosine, pair_indices
@@ -21,7 +20,9 @@ class ServingScore:
     def __init__(self, embeddings: ServingEmbedding) -> None:
         self.embeddings = embeddings
 
-    async def _embed(self, raw: Request, kind: str, fields: list[tuple[str, list[str]]], req: Any, arrival: float):
+    async def _embed(
+        self, raw: Request, request_id: str, fields: list[tuple[str, list[str]]], req: Any, arrival: float
+    ):
         """The embeddings of every text of the (field name, texts) groups, in order, and their
         token counts (None: the client went away). A text too long for the context is a 400 naming
         its field (unless truncate_prompt_tokens cuts it)."""
@@ -42,7 +43,7 @@ class ServingScore:
                     )
                 ids.append(tokens)
         finals = await e.embed(
-            raw, kind, ids, fields[0][0], arrival, client_of(raw, req.user), req.truncate_prompt_tokens
+            raw, request_id, ids, fields[0][0], arrival, client_of(raw, req.user), req.truncate_prompt_tokens
         )
         if finals is None:
             return None
@@ -56,7 +57,8 @@ class ServingScore:
             pairs = pair_indices(len(req.text_1), len(req.text_2))
         except ValueError as e:
             raise APIError(400, str(e), param="text_1", code="invalid_value") from None
-        embedded = await self._embed(raw, "score", [("text_1", req.text_1), ("text_2", req.text_2)], req, arrival)
+        request_id = request_id_of(raw, "score")
+        embedded = await self._embed(raw, request_id, [("text_1", req.text_1), ("text_2", req.text_2)], req, arrival)
         if embedded is None:
             return Response(status_code=499)  # the client closed the connection
         vectors, counts = embedded
@@ -64,7 +66,7 @@ class ServingScore:
         tokens = sum(counts)
         return JSONResponse(
             {
-                "id": f"score-{uuid.uuid4().hex}",
+                "id": request_id,
                 "object": "list",
                 "created": now_s(),
                 "model": model,
@@ -81,7 +83,8 @@ class ServingScore:
         req = await parse_body(raw, RerankRequest)
         model = self.embeddings.model_name(req.model)
         documents = req.texts()
-        embedded = await self._embed(raw, "rerank", [("query", [req.query]), ("documents", documents)], req, arrival)
+        request_id = request_id_of(raw, "rerank")
+        embedded = await self._embed(raw, request_id, [("query", [req.query]), ("documents", documents)], req, arrival)
         if embedded is None:
             return Response(status_code=499)  # the client closed the connection
         vectors, counts = embedded
@@ -99,7 +102,7 @@ class ServingScore:
         ]
         return JSONResponse(
             {
-                "id": f"rerank-{uuid.uuid4().hex}",
+                "id": request_id,
                 "model": model,
                 "usage": {"total_tokens": sum(counts)},
                 "results": results,

@@ -32,6 +32,10 @@ _TYPES = {
 }
 
 
+# A client's X-Request-Id header (vLLM's): its engine requests' ids carry it, and responses echo it.
+REQUEST_ID_HEADER = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
 class APIError(Exception):
     """Becomes `{"error": {"message", "type", "param", "code"}}` with this HTTP status."""
 
