@@ -255,6 +255,21 @@ def add_folder_tokenizer(w: gguf.GGUFWriter, hf_dir: Path, cfg: dict) -> None:
     w.add_eos_token_id(cfg["eos_token_id"])
 
 
+def add_folder_header(w: gguf.GGUFWriter, hf_dir: Path, cfg: dict) -> None:
+    """A dense HF folder's shape (context, widths, layers, heads, rope base, norm eps, vocabulary) as
+    llama.cpp's converter writes it under the file's architecture, and its tokenizer."""
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_rope_freq_base(float(cfg["rope_parameters"]["rope_theta"]))
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_vocab_size(cfg["vocab_size"])
+    add_folder_tokenizer(w, hf_dir, cfg)
+
+
 def write_moe_gguf(
     path,
     hf_dir,

@@ -271,10 +271,11 @@ _MOE_ARCHS: dict[str, tuple[str, str, bool]] = {
     "olmoe": ("OlmoeForCausalLM", "olmoe", False),
 }
 # llama.cpp's dense architectures besides `llama`: the HF family each is (NEOX rotary, as HF's: Q/K
-# rows as stored).
+# rows as stored; but `granite`, which llama.cpp converts as llama: _PERMUTED_QK).
 _DENSE_ARCHS: dict[str, tuple[str, str]] = {
     "olmo2": ("Olmo2ForCausalLM", "olmo2"),
     "phi3": ("Phi3ForCausalLM", "phi3"),
+    "granite": ("GraniteForCausalLM", "granite"),
     "gemma2": ("Gemma2ForCausalLM", "gemma2"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
 }
@@ -289,7 +290,14 @@ _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 _PHI3_ROPE_FACTORS = {"rope_factors_short.weight": "short_factor", "rope_factors_long.weight": "long_factor"}
 SUPPORTED_ARCHS = (*_MOE_ARCHS, *_DENSE_ARCHS)  # (`llama` dense or with experts)
 # Families whose Q/K rows llama.cpp permuted (its LLaMA rotary); the others use NEOX's, which is HF's.
-_PERMUTED_QK = ("LlamaForCausalLM", "MixtralForCausalLM")
+_PERMUTED_QK = ("LlamaForCausalLM", "MixtralForCausalLM", "GraniteForCausalLM")
+# Granite's scalars: the HF config key each GGUF key holds (llama.cpp's names).
+_GRANITE_KEYS = {
+    "embedding_scale": "embedding_multiplier",
+    "residual_scale": "residual_multiplier",
+    "attention.scale": "attention_multiplier",
+    "logit_scale": "logits_scaling",
+}
 # Families that size an expert by `moe_intermediate_size` (their dense layers by `intermediate_size`).
 _QWEN_MOE = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
@@ -381,6 +389,8 @@ def _build_config(
         _add_phi3(path, cfg, key, rope_factors or {})
     if arch in _GEMMA_ARCHS:
         _add_gemma(path, cfg, key, arch)
+    if arch == "granite":
+        cfg.update({hf: float(key(name)) for name, hf in _GRANITE_KEYS.items() if key(name) is not None})
     return cfg
 
 
@@ -832,7 +842,7 @@ def _index(path: str, with_tokenizer: bool) -> gguf_cache.GGUFIndex:
         raise ValueError(
             f"{path}: GGUF architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHS)} "
             "(llama dense or with experts, the Mixture-of-Experts qwen2moe, qwen3moe and olmoe, olmo2, phi3, "
-            "gemma2 and gemma3)"
+            "granite, gemma2 and gemma3)"
         )
 
     by_name = {t.name: t for t in reader.tensors}

@@ -54,7 +54,8 @@ class GraniteForCausalLM(LlamaForCausalLM):
                 if type(tensor) is not torch.Tensor:
                     raise ValueError(
                         f"{self.cfg.architecture}: {name} is stored quantized; kvflow folds Granite's "
-                        "residual_multiplier into float weights only (load the float checkpoint)"
+                        "residual_multiplier into float weights only (load the float checkpoint, or for "
+                        "a GGUF file give --gguf-weights dequantize)"
                     )
                 tensor = (tensor.float() * factor).to(tensor.dtype)  # (the dtype the checkpoint stores)
             yield name, tensor

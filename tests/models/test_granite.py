@@ -76,8 +76,12 @@ def test_logprobs_of_every_decode_step_are_hfs(granite, backend):
     if backend == "native" and native_unsupported(torch.device("cpu"), torch.float32, 4, 2, 16) is not None:
         pytest.skip("the native kernels cannot be built here")
     path, hf = granite
+    _check_step_logprobs(LLM(path, num_kv_blocks=64, max_model_len=64, attention_backend=backend), hf)
+
+
+def _check_step_logprobs(llm, hf, tol: float = 1e-4) -> None:
+    """Each step's top-3 logprobs of three 10-token greedy outputs: HF's (float64) over the same tokens."""
     prompts = shared_prefix_prompts(3, 10, 14, seed=3)
-    llm = LLM(path, num_kv_blocks=64, max_model_len=64, attention_backend=backend)
     params = SamplingParams(temperature=0.0, max_tokens=10, logprobs=3, ignore_eos=True)
     for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
         c = out.outputs[0]
@@ -86,7 +90,7 @@ def test_logprobs_of_every_decode_step_are_hfs(granite, backend):
         ref = torch.log_softmax(logits, dim=-1)
         for step, entry in enumerate(c.logprobs):
             for token, lp in entry.items():
-                assert lp.logprob == pytest.approx(ref[len(prompt) - 1 + step, token].item(), abs=1e-4)
+                assert lp.logprob == pytest.approx(ref[len(prompt) - 1 + step, token].item(), abs=tol)
 
 
 def test_refusals(granite):
@@ -97,3 +101,81 @@ def test_refusals(granite):
             ModelConfig.from_hf_config({**base, name: True})
     with pytest.raises(ValueError, match=r"logits_scaling must be a finite number > 0"):
         ModelConfig.from_hf_config({**base, "logits_scaling": 0})
+
+
+def write_granite_gguf(path, hf_dir, qtype=None) -> None:
+    """The tiny HF Granite in `hf_dir` as llama.cpp's converter writes it (architecture `granite`:
+    llama's tensors with Q/K rows permuted, the four scalars as `granite.embedding_scale`,
+    `residual_scale`, `attention.scale`, `logit_scale`), in F32, or with its projections in `qtype`."""
+    import gguf
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    from gguf_files import Q, _put, add_folder_header, llama_cpp_permute
+
+    hf_dir = Path(hf_dir)
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    t = {k: v.astype("float32") for k, v in load_file(str(hf_dir / "model.safetensors")).items()}
+    w = gguf.GGUFWriter(str(path), "granite")
+    add_folder_header(w, hf_dir, cfg)
+    w.add_embedding_scale(cfg["embedding_multiplier"])
+    w.add_residual_scale(cfg["residual_multiplier"])
+    w.add_attention_scale(cfg["attention_multiplier"])
+    w.add_logit_scale(cfg["logits_scaling"])
+    w.add_tensor("token_embd.weight", t["model.embed_tokens.weight"])
+    heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]}
+    names = {
+        "attn_norm": "input_layernorm",
+        "attn_q": "self_attn.q_proj",
+        "attn_k": "self_attn.k_proj",
+        "attn_v": "self_attn.v_proj",
+        "attn_output": "self_attn.o_proj",
+        "ffn_norm": "post_attention_layernorm",
+        "ffn_gate": "mlp.gate_proj",
+        "ffn_up": "mlp.up_proj",
+        "ffn_down": "mlp.down_proj",
+    }
+    for i in range(cfg["num_hidden_layers"]):
+        for gguf_name, hf_name in names.items():
+            data = t[f"model.layers.{i}.{hf_name}.weight"]
+            if gguf_name in heads:
+                data = llama_cpp_permute(data, heads[gguf_name])
+            quantized = qtype is not None and data.ndim == 2
+            _put(w, f"blk.{i}.{gguf_name}.weight", np.ascontiguousarray(data), qtype if quantized else Q.F32)
+    w.add_tensor("output_norm.weight", t["model.norm.weight"])
+    if "lm_head.weight" in t:
+        w.add_tensor("output.weight", t["lm_head.weight"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_gguf_greedy_matches_hf(granite, tmp_path):
+    """A `granite` GGUF (F32) loads as Granite with its scalars: HF's greedy tokens. With quantized
+    projections, the residual fold needs float weights: refused as stored, run dequantized."""
+    from kvflow import LLM, SamplingParams
+
+    from conftest import assert_no_leaks, hf_greedy
+    from gguf_files import Q
+
+    path, hf = granite
+    gguf_path = tmp_path / "granite.gguf"
+    write_granite_gguf(gguf_path, path)
+    llm = LLM(str(gguf_path), num_kv_blocks=32, max_model_len=64, block_size=4, max_num_batched_tokens=8)
+    got = llm.engine.model_config.granite  # (the scalars are float32 in the file)
+    assert (got.embedding_multiplier, got.residual_multiplier) == pytest.approx((12.0, 0.22))
+    assert (got.attention_multiplier, got.logits_scaling) == pytest.approx((0.05, 8.0))
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = shared_prefix_prompts(3, 4, 20, seed=5)
+    for p, o in zip(prompts, llm.generate(prompts, greedy, use_tqdm=False)):
+        assert o.outputs[0].token_ids == hf_greedy(hf, p, 12)
+    _check_step_logprobs(llm, hf, tol=1e-3)  # (the file's float32 scalars: 0.22 is 0.2199999988)
+    assert_no_leaks(llm.engine)
+    quantized = tmp_path / "granite-q8.gguf"
+    write_granite_gguf(quantized, path, Q.Q8_0)
+    with pytest.raises(ValueError, match="stored quantized.*--gguf-weights dequantize"):
+        LLM(str(quantized), num_kv_blocks=32, max_model_len=64)
+    LLM(str(quantized), num_kv_blocks=32, max_model_len=64, gguf_weights="dequantize").generate(
+        prompts[:1], greedy, use_tqdm=False
+    )

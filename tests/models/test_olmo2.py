@@ -26,7 +26,7 @@ from kvflow.models.olmo2 import Olmo2ForCausalLM
 from kvflow.models.registry import causal_lm_class
 
 from conftest import assert_no_leaks, hf_greedy
-from gguf_files import add_folder_tokenizer
+from gguf_files import add_folder_header
 
 MAX_TOKENS = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -104,16 +104,7 @@ def write_olmo2_gguf(path, hf_dir) -> None:
     t = {k: v.astype("float32") for k, v in load_file(str(hf_dir / "model.safetensors")).items()}
     w = gguf.GGUFWriter(str(path), "olmo2")
     w.add_name("Tiny OLMo 2")
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_rope_freq_base(float(cfg["rope_parameters"]["rope_theta"]))
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_vocab_size(cfg["vocab_size"])
-    add_folder_tokenizer(w, hf_dir, cfg)
+    add_folder_header(w, hf_dir, cfg)
     w.add_tensor("token_embd.weight", t["model.embed_tokens.weight"])
     names = {
         "attn_q": "self_attn.q_proj",
