@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvflow.outputs import Logprob
 from kvflow.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -192,15 +193,15 @@ class BeamSearch:
             self.improvable = best > self.finished[-1].score
         self.done = at_limit or not running or not self.improvable
 
-    def result(self, decode=None) -> BeamSearchOutput:
-        """The finished beams, best first; `decode(token_ids, skip_special_tokens) -> str` (the
-        tokenizer's) fills their text, a stop token's only with include_stop_str_in_output."""
+    def result(self, tokenizer: Any = None) -> BeamSearchOutput:
+        """The finished beams, best first, their text decoded by `tokenizer` (if given), a stop
+        token's text only with include_stop_str_in_output."""
         if not self.done:
             raise RuntimeError("the beam search has not finished")
         seqs = list(self.finished)
-        if decode is not None:
+        if tokenizer is not None:
             p = self.params
             for s in seqs:
                 ids = s.tokens if s.stop_reason is None or p.include_stop_str_in_output else s.tokens[:-1]
-                s.text = decode(ids, p.skip_special_tokens)
+                s.text = tokenizer.decode(ids, skip_special_tokens=p.skip_special_tokens)
         return BeamSearchOutput(seqs, list(self.prompt))

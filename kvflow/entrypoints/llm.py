@@ -128,9 +128,7 @@ class LLM:
         finally:
             if bar is not None:
                 bar.close()
-        tok = engine.tokenizer
-        decode = None if tok is None else (lambda ids, skip: tok.decode(ids, skip_special_tokens=skip))
-        return [s.result(decode) for s in searches]
+        return [s.result(engine.tokenizer) for s in searches]
 
     def embed(
         self,

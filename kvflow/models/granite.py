@@ -15,27 +15,18 @@ import torch
 
 from kvflow.attention.backend import AttentionBackend
 from kvflow.config import ModelConfig
-from kvflow.distributed.parallel import TPGroup
-from kvflow.models.llama import LlamaForCausalLM
+from kvflow.models.llama import DecoderLayer, LlamaForCausalLM
 
 _RESIDUAL_PROJECTIONS = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
 
 
 class GraniteForCausalLM(LlamaForCausalLM):
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        attention: AttentionBackend,
-        max_positions: int,
-        dtype: torch.dtype,
-        device: torch.device,
-        tp: TPGroup | None = None,
-    ) -> None:
-        if cfg.granite is None:
-            raise ValueError(f"{cfg.architecture} is not a Granite model: it is LlamaForCausalLM's")
-        super().__init__(cfg, attention, max_positions, dtype, device, tp)
-        for layer in self.layers:
-            layer.scale = cfg.granite.attention_multiplier
+    def _decoder_layer(
+        self, index: int, cfg: ModelConfig, attention: AttentionBackend, dtype: torch.dtype, device: torch.device
+    ) -> DecoderLayer:
+        layer = super()._decoder_layer(index, cfg, attention, dtype, device)
+        layer.scale = cfg.granite.attention_multiplier
+        return layer
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return super().embed(input_ids) * self.cfg.granite.embedding_multiplier

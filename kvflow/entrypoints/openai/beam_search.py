@@ -38,14 +38,8 @@ class BeamSearchHandle:
         self.step = step
         self.handles: list[RequestHandle] = [first]
         self.add = add  # add_requests' other arguments (prompt_param, arrival time, client, ...)
-        self.on_finished = None  # (RequestHandle's; a search's steps are traced as engine requests)
         self._aborted = False
         self._consumed = False
-        self._done = False
-
-    @property
-    def finished(self) -> bool:
-        return self._done
 
     def abort(self) -> None:
         self._aborted = True
@@ -80,14 +74,11 @@ class BeamSearchHandle:
                 except APIError as e:  # (a later step: the response has begun, so no status of its own)
                     raise RequestFailedError(f"beam search step {n}: {e.message}") from None
         finally:
-            self._done = True
             abort_all(self.handles)
         return self._output()
 
     def _output(self) -> RequestOutput:
-        tok = self.serving.tokenizer
-        decode = None if tok is None else (lambda ids, skip: tok.decode(ids, skip_special_tokens=skip))
-        result = self.search.result(decode)
+        result = self.search.result(self.serving.tokenizer)
         keep_logprobs = self.search.params.logprobs is not None
         outputs = [
             CompletionOutput(

@@ -33,7 +33,7 @@ class ServingScore:
             for i, text in enumerate(texts):
                 tokens = e.tokenize(text, req.add_special_tokens, param=name)
                 if req.truncate_prompt_tokens is None and len(tokens) >= limit:
-                    where = name if len(texts) == 1 and name == "query" else f"{name}[{i}]"
+                    where = name if name == "query" else f"{name}[{i}]"  # (a query is one text)
                     raise APIError(
                         400,
                         f"{where} has {len(tokens)} tokens but max_model_len is {limit}; at most "
