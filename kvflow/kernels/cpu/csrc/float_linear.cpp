@@ -432,6 +432,10 @@ void unpack(const FloatWeight& p, T* dst) {
     for (int c = 0; c < p.k; c++) dst[(long)row * p.k + c] = w[packed_index(p, row, c)];
 }
 
+/* uint32 pairs from one input row to the next in the workspace: whole cache lines plus one, so a
+ * tile's rows fall in different L1 sets (2^k-byte strides put them all in a few sets). */
+inline long pair_stride(int kp) { return ((kp + 1) / 2 + 15) / 16 * 16 + 16; }
+
 thread_local FloatWorkspace t_work;  // per calling thread (the engine's), reused across calls
 
 }  // namespace
@@ -472,7 +476,7 @@ void FloatWorkspace::reserve(int m, int kp) {
   v.resize(std::max(v.size(), (size_t)m * kp));
   // (rows rounded up to whole AMX row blocks: their tiles load 16 rows; what the extra ones hold is
   // never stored)
-  if (BF16_DOT) pairs.resize(std::max(pairs.size(), (size_t)(m + 15) / 16 * 16 * ((kp + 1) / 2)));
+  if (BF16_DOT) pairs.resize(std::max(pairs.size(), (size_t)(m + 15) / 16 * 16 * pair_stride(kp)));
 }
 
 void float_linear_team(const FloatWeight& p, const float* x, long ldx, int m, int kind, const float* norm_w,
@@ -485,6 +489,7 @@ void float_linear_team(const FloatWeight& p, const float* x, long ldx, int m, in
     float* rows = w.v.data();
     uint32_t* pairs = w.pairs.data();
     const int np = p.kp / 2;
+    const long ldp = pair_stride(p.kp);
 #pragma omp for schedule(static)
     for (int i = 0; i < m; i++) {
       const float* src = x + i * ldx;
@@ -504,11 +509,11 @@ void float_linear_team(const FloatWeight& p, const float* x, long ldx, int m, in
       if (dot)
         for (int c = 0; c < np; c++) {
           const uint32_t lo = f32_to_bf16(src[2 * c]), hi = 2 * c + 1 < k ? f32_to_bf16(src[2 * c + 1]) : 0u;
-          pairs[(long)i * np + c] = lo | hi << 16;
+          pairs[i * ldp + c] = lo | hi << 16;
         }
     }
     const bool own = kind != NONE || p.act != ACT_NONE;  // rows rewritten into the workspace
-    in = Rows{own ? rows : x, own ? (long)k : ldx, pairs, np};
+    in = Rows{own ? rows : x, own ? (long)k : ldx, pairs, ldp};
   }
   const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
   // Contiguous ranges of panel groups, one per thread.
