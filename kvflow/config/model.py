@@ -64,6 +64,13 @@ class RopeConfig:
     # LongRoPE: per-frequency divisors below original_max_position_embeddings (short) and from it on (long).
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
+    # The share of each head that rotates (Phi-4-mini: 0.75): its first int(head_dim * factor)
+    # features, as HF's Phi-3 does; the rest pass through unrotated.
+    partial_rotary_factor: float = 1.0
+
+    def rotary_dim(self, head_dim: int) -> int:
+        """How many features of each head rotate (HF: int(head_dim * partial_rotary_factor))."""
+        return int(head_dim * self.partial_rotary_factor)
 
 
 @dataclass(frozen=True)
@@ -225,7 +232,7 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=qkv_bias,
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM"),
-            rope=_rope_from_hf(_gemma_global_rope(cfg, arch) if gemma else cfg),
+            rope=_rope_from_hf(_gemma_global_rope(cfg, arch) if gemma else cfg, phi3=arch == "Phi3ForCausalLM"),
             sliding_window=sliding,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
@@ -404,11 +411,19 @@ def _with_gemma(config: ModelConfig, cfg: dict[str, Any]) -> ModelConfig:
 
 def _with_phi3_olmo2(config: ModelConfig, cfg: dict[str, Any]) -> ModelConfig:
     """`config` with what Phi-3 and OLMo 2 read besides the Llama fields (HF transformers'
-    configuration_phi3.py / configuration_olmo2.py): Phi-3's rope, where `su` and `yarn` are
-    LongRoPE; OLMo 2's q/k norms over the whole q and k projections."""
+    configuration_phi3.py / configuration_olmo2.py): Phi-3's partial rotary (its rope, where `su`
+    and `yarn` are LongRoPE, read by `_rope_from_hf`) checked against its head size; OLMo 2's q/k
+    norms over the whole q and k projections."""
     arch = config.architecture
     if arch == "Phi3ForCausalLM":
-        return replace(config, rope=_rope_from_hf(cfg, phi3=True))
+        rope = config.rope
+        rotary = rope.rotary_dim(config.head_dim)
+        if rotary < 2 or rotary % 2:
+            raise ValueError(
+                f"partial_rotary_factor {rope.partial_rotary_factor} rotates {rotary} of head_dim "
+                f"{config.head_dim} features; it must rotate an even number of them, at least 2"
+            )
+        return config
     if cfg.get("attention_bias", False):
         raise ValueError(f"{arch} with attention_bias=true (biases on q/k/v and o_proj) is not supported")
     # (HF's OLMo 2 attends to the whole context: a `sliding_window` in its config is not used)
@@ -428,11 +443,14 @@ def _rope_from_hf(cfg: dict[str, Any], phi3: bool = False) -> RopeConfig:
         rope_type = "longrope"
     if rope_type not in ROPE_TYPES:
         raise ValueError(f"unsupported rope scaling type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
-    partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
-    if partial is not None and float(partial) != 1.0:
+    partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+    partial = 1.0 if partial is None else partial
+    if not isinstance(partial, (int, float)) or not 0 < float(partial) <= 1:
+        raise ValueError(f"partial_rotary_factor must be a number in (0, 1], got {partial!r}")
+    if float(partial) != 1.0 and not phi3:
         raise ValueError(
-            f"partial_rotary_factor={partial} (rotary on part of each head) is not supported; "
-            "kvflow rotates whole heads (partial_rotary_factor 1.0)"
+            f"partial_rotary_factor={partial} (rotary on part of each head) is supported for "
+            "Phi3ForCausalLM only (HF's other families here rotate whole heads)"
         )
     max_pos = int(cfg.get("max_position_embeddings", 2048))
     original = params.get("original_max_position_embeddings")
@@ -444,7 +462,7 @@ def _rope_from_hf(cfg: dict[str, Any], phi3: bool = False) -> RopeConfig:
         # YaRN and LongRoPE without a factor: the context's growth over the original one.
         factor = max_pos / int(original) if rope_type in ("yarn", "longrope") else 1.0
     if rope_type == "longrope":
-        _check_longrope(params, cfg)
+        _check_longrope(params, cfg, float(partial))
     attention_factor = params.get("attention_factor")
     return RopeConfig(
         theta=float(theta),
@@ -462,18 +480,22 @@ def _rope_from_hf(cfg: dict[str, Any], phi3: bool = False) -> RopeConfig:
         mscale_all_dim=params.get("mscale_all_dim"),
         short_factor=tuple(float(f) for f in params.get("short_factor") or ()),
         long_factor=tuple(float(f) for f in params.get("long_factor") or ()),
+        partial_rotary_factor=float(partial),
     )
 
 
-def _check_longrope(params: dict[str, Any], cfg: dict[str, Any]) -> None:
-    """LongRoPE needs one short and one long factor per rotary frequency (head_dim / 2 of them)."""
+def _check_longrope(params: dict[str, Any], cfg: dict[str, Any], partial: float) -> None:
+    """LongRoPE needs one short and one long factor per rotary frequency (half the rotated features
+    of a head: head_dim / 2, or int(head_dim x partial_rotary_factor) / 2)."""
     heads = cfg.get("num_attention_heads")
     head_dim = cfg.get("head_dim") or (cfg["hidden_size"] // heads if heads and cfg.get("hidden_size") else None)
     for key in ("short_factor", "long_factor"):
         factors = params.get(key)
         if not isinstance(factors, list) or not all(isinstance(f, (int, float)) for f in factors):
             raise ValueError(f"longrope rope scaling needs {key} as a list of numbers, got {factors!r}")
-        if head_dim is not None and len(factors) != head_dim // 2:
-            raise ValueError(
-                f"longrope {key} has {len(factors)} entries; it needs head_dim / 2 = {head_dim // 2} (one per frequency)"
-            )
+        if head_dim is None:
+            continue
+        need = int(head_dim * partial) // 2
+        if len(factors) != need:
+            what = "head_dim / 2" if partial == 1.0 else f"int(head_dim x partial_rotary_factor {partial}) / 2"
+            raise ValueError(f"longrope {key} has {len(factors)} entries; it needs {what} = {need} (one per frequency)")

@@ -102,16 +102,46 @@ def rope_tables(head_dim: int, max_positions: int, rope: RopeConfig) -> tuple[to
     with the long ones when it grows past that length. kvflow picks once, by the context it serves:
     the long factors when `max_positions` (max_model_len) is past the original context, else the
     short ones -- HF's choice for every sequence that starts past the original context, and for
-    every sequence when the context stays within it (docs/models.md)."""
+    every sequence when the context stays within it (docs/models.md).
+
+    Partial rotary (`rope.partial_rotary_factor` < 1): the rotated features sit where
+    `partial_rotary_order` puts them, each half's first rotary_dim / 2 places; the others take
+    cos 1 and sin 0, so every rotary path (torch, native, the decode pass) leaves them as they are."""
     long = rope.scaling_type == "longrope" and max_positions > rope.original_max_position_embeddings
+    rotary = rope.rotary_dim(head_dim)
     positions = torch.arange(max_positions, dtype=torch.float32)
-    freqs = torch.outer(positions, inverse_frequencies(head_dim, rope, long=long))
-    emb = torch.cat((freqs, freqs), dim=-1)
-    cos, sin = emb.cos(), emb.sin()
+    freqs = torch.outer(positions, inverse_frequencies(rotary, rope, long=long))
     scale = attention_factor(rope)
+    cos, sin = freqs.cos(), freqs.sin()
     if scale != 1.0:
         cos, sin = cos * scale, sin * scale
-    return cos, sin
+    still = (max_positions, (head_dim - rotary) // 2)  # (the unrotated places of each half)
+    cos = torch.cat((cos, torch.ones(still)), dim=-1)
+    sin = torch.cat((sin, torch.zeros(still)), dim=-1)
+    return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+
+
+def partial_rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """Where a head's features go for rotate-half over the whole head to rotate only its first
+    `rotary_dim` (HF's partial rotary: pairs (i, i + rotary_dim / 2)): new feature j is old feature
+    order[j]. The rotated halves move to the first rotary_dim / 2 places of each half of the head,
+    the unrotated features fill the rest. Applied to the rows of q_proj and k_proj (and anything per
+    feature of q and k) at load: q . k is the same sum over the features in another order, and v,
+    hence the attention's output, is untouched."""
+    half, still = rotary_dim // 2, (head_dim - rotary_dim) // 2
+    r, p = torch.arange(rotary_dim), torch.arange(rotary_dim, head_dim)
+    return torch.cat((r[:half], p[:still], r[half:], p[still:]))
+
+
+def to_partial_rotary_rows(rows: torch.Tensor, head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """The rows (dim 0: heads x head_dim, e.g. a q or k projection's weight or bias) with each
+    head's features in `partial_rotary_order`."""
+    if rotary_dim == head_dim:
+        return rows
+    order = partial_rotary_order(head_dim, rotary_dim)
+    heads = rows.shape[0] // head_dim
+    index = (torch.arange(heads).unsqueeze(1) * head_dim + order).reshape(-1)
+    return rows.index_select(0, index)
 
 
 class RotaryEmbedding(torch.nn.Module):

@@ -329,12 +329,22 @@ def _build_config(
         if len(set(n_kv)) != 1:
             raise ValueError(f"{path}: per-layer KV head counts {n_kv} are not supported")
         n_kv = n_kv[0]
-    head_dim = key("attention.key_length") or key("rope.dimension_count") or hidden // n_head
+    rotary = key("rope.dimension_count")
+    if arch == "phi3":  # (Phi-4-mini rotates 96 of its 128 features: n_rot is not the head size)
+        head_dim = key("attention.key_length") or hidden // n_head
+    else:
+        head_dim = key("attention.key_length") or rotary or hidden // n_head
     vocab = key("vocab_size")  # else: the embedding's row count (filled in by the caller), else the token count
     if vocab is None and "token_embd.weight" not in tensor_names and "tokenizer.ggml.tokens" in meta:
         vocab = len(meta["tokenizer.ggml.tokens"])
     rope_theta = float(key("rope.freq_base", 10000.0))
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": rope_theta}
+    if rotary is not None and int(rotary) != head_dim:  # (refused by the config but for phi3)
+        rope["partial_rotary_factor"] = int(rotary) / head_dim
+        if int(head_dim * rope["partial_rotary_factor"]) != int(rotary):
+            raise ValueError(
+                f"{path}: rope.dimension_count {rotary} of head size {head_dim} is not a factor kvflow can hold"
+            )
     scaling_type = key("rope.scaling.type")
     factor = key("rope.scaling.factor")
     if scaling_type is None and key("rope.scale_linear") is not None:  # older files

@@ -1,7 +1,12 @@
 """Phi-3 (HF `Phi3ForCausalLM`): the Llama decoder, with q/k/v and gate/up already fused in the
 checkpoint (`self_attn.qkv_proj`, `mlp.gate_up_proj`, in the row order kvflow fuses them itself:
 q | k | v and gate | up). Its rope (LongRoPE: `su` / `longrope` scaling) is the rotary layer's
-(kvflow.layers.rotary); its sliding window, if the config sets one, the attention backends'."""
+(kvflow.layers.rotary); its sliding window, if the config sets one, the attention backends'.
+
+Phi-4-mini rotates the first 3/4 of each head only (`partial_rotary_factor`): its q and k rows are
+reordered per head at load (`to_partial_rotary_rows`) so that rotate-half over the whole head,
+with cos 1 and sin 0 on the unrotated features, is HF's rotation; every attention path runs it
+unchanged."""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ import re
 import torch
 
 from kvflow.distributed.parallel import shard_weight
+from kvflow.layers.rotary import to_partial_rotary_rows
 from kvflow.models.llama import LlamaForCausalLM
 from kvflow.quantization.gguf_blocks import BlockQuantized
 
@@ -30,6 +36,8 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         index, field = int(m.group(1)), m.group(2)
         size = self.tp.size
         target = "qkv_proj" if "qkv_proj" in name else "gate_up_proj"
+        if target == "qkv_proj":
+            tensor = self._rotary_layout(name, tensor)
         if isinstance(tensor, BlockQuantized):  # (a GGUF's blocks, as stored: kept for the block kernels)
             if size > 1:
                 tensor = tensor.dequantize()  # (each rank's rows, cut from the float weight below)
@@ -38,12 +46,7 @@ class Phi3ForCausalLM(LlamaForCausalLM):
                 loaded.add(f"layers.{index}.{target}.{field}")
                 return True
         if target == "qkv_proj":
-            q, kv = self.cfg.num_heads * self.cfg.head_dim * size, self.cfg.num_kv_heads * self.cfg.head_dim * size
-            if tensor.shape[0] != q + 2 * kv:
-                raise ValueError(
-                    f"weight {name!r} has {tensor.shape[0]} rows; the config's q/k/v heads make {q + 2 * kv}"
-                )
-            parts = zip(("q_proj", "k_proj", "v_proj"), tensor.split((q, kv, kv), dim=0))
+            parts = zip(("q_proj", "k_proj", "v_proj"), tensor.split(self._qkv_rows(name, tensor), dim=0))
         else:
             inter = self.cfg.intermediate_size * size
             if tensor.shape[0] != 2 * inter:
@@ -56,3 +59,24 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         self._copy({} if param is None else {key: param}, key, local)
         loaded.add(key)
         return True
+
+    def _qkv_rows(self, name: str, tensor: torch.Tensor | BlockQuantized) -> tuple[int, int, int]:
+        """The q, k and v rows of a whole (unsharded) fused qkv_proj; ValueError if it has others."""
+        size, d = self.tp.size, self.cfg.head_dim
+        q, kv = self.cfg.num_heads * d * size, self.cfg.num_kv_heads * d * size
+        rows = (tensor.data if isinstance(tensor, BlockQuantized) else tensor).shape[0]
+        if rows != q + 2 * kv:
+            raise ValueError(f"weight {name!r} has {rows} rows; the config's q/k/v heads make {q + 2 * kv}")
+        return q, kv, kv
+
+    def _rotary_layout(self, name: str, tensor: torch.Tensor | BlockQuantized) -> torch.Tensor | BlockQuantized:
+        """A fused qkv_proj weight or bias with its q and k rows in the partial rotary's order (as it
+        is when every feature rotates)."""
+        d = self.cfg.head_dim
+        rotary = self.cfg.rope.rotary_dim(d)
+        if rotary == d:
+            return tensor
+        rows = tensor.data if isinstance(tensor, BlockQuantized) else tensor  # (blocks: whole rows move)
+        q, k, v = rows.split(self._qkv_rows(name, tensor), dim=0)
+        rows = torch.cat((to_partial_rotary_rows(q, d, rotary), to_partial_rotary_rows(k, d, rotary), v), dim=0)
+        return tensor.with_rows(rows) if isinstance(tensor, BlockQuantized) else rows

@@ -1,7 +1,8 @@
 """Phi-3 against HF transformers on the same tiny random weights: its fused checkpoint projections
 (`qkv_proj`, `gate_up_proj`), LongRoPE with its short factors (a context within
-`original_max_position_embeddings`) and its long ones (prompts past it), and a sliding window;
-greedy tokens through chunked prefill and a prefix-cache hit, prefill logits, tensor parallelism,
+`original_max_position_embeddings`) and its long ones (prompts past it), a sliding window, and
+Phi-4-mini's partial rotary (`partial_rotary_factor` 0.75); greedy tokens through chunked prefill
+and a prefix-cache hit, prefill logits, the native decode pass, GGUF files, tensor parallelism,
 and the refusals of what is not there."""
 
 from __future__ import annotations
@@ -32,11 +33,21 @@ LONGROPE = {
     "short_factor": [1.0 + 0.1 * i for i in range(HEAD_DIM // 2)],
     "long_factor": [1.0 + 0.7 * i for i in range(HEAD_DIM // 2)],
 }
+PARTIAL = 0.75  # (Phi-4-mini's): 12 of each head's 16 features rotate, 6 frequencies
+ROTARY = int(HEAD_DIM * PARTIAL)
+PARTIAL_LONGROPE = {
+    "rope_type": "longrope",
+    "short_factor": [1.0 + 0.2 * i for i in range(ROTARY // 2)],
+    "long_factor": [1.0 + 0.9 * i for i in range(ROTARY // 2)],
+    "partial_rotary_factor": PARTIAL,
+}
 VARIANTS = {
     "plain": {},
     "longrope": dict(original_max_position_embeddings=ORIGINAL, rope_scaling=LONGROPE),
     "su": dict(original_max_position_embeddings=ORIGINAL, rope_scaling={**LONGROPE, "rope_type": "su"}),
     "sliding_window": dict(sliding_window=8),
+    "partial": dict(partial_rotary_factor=PARTIAL),
+    "partial-longrope": dict(original_max_position_embeddings=ORIGINAL, rope_scaling=PARTIAL_LONGROPE),
 }
 
 
@@ -88,6 +99,7 @@ def test_config_reads_as_hf(phi3):
             assert list(cfg.rope.long_factor) == pytest.approx(rope["long_factor"])
             # (HF's default factor: the context's growth over the original one)
             assert cfg.rope.factor == pytest.approx(hf.config.max_position_embeddings / ORIGINAL)
+        assert cfg.rope.partial_rotary_factor == rope.get("partial_rotary_factor", 1.0)
 
 
 # (variant, prompt lengths, max_model_len): LongRoPE within its original context (HF's short
@@ -98,6 +110,8 @@ CASES = {
     "longrope-short": ("longrope", (10, ORIGINAL - MAX_TOKENS), ORIGINAL),
     "longrope-long": ("longrope", (ORIGINAL + 1, ORIGINAL + 12), 64),
     "su-long": ("su", (ORIGINAL + 1, ORIGINAL + 12), 64),
+    "partial": ("partial", (12, 22), 64),
+    "partial-longrope-long": ("partial-longrope", (ORIGINAL + 1, ORIGINAL + 12), 64),
 }
 
 
@@ -118,7 +132,7 @@ def test_greedy_matches_hf(phi3, case):
     assert_no_leaks(llm.engine)
 
 
-@pytest.mark.parametrize("variant", ["plain", "longrope", "sliding_window"])
+@pytest.mark.parametrize("variant", ["plain", "longrope", "sliding_window", "partial-longrope"])
 @pytest.mark.parametrize("chunk", [1000, 5])
 def test_prefill_logits_match_hf(phi3, variant, chunk):
     """Prompt logits, whole or 5 tokens at a time through the paged cache of a 128-token context (a
@@ -134,16 +148,29 @@ def test_prefill_logits_match_hf(phi3, variant, chunk):
 def test_refusals(phi3):
     path, _ = phi3("plain")
     base = _config(path)
-    with pytest.raises(ValueError, match=r"partial_rotary_factor=0\.75 .*not supported"):
+    llama = {**base, "architectures": ["LlamaForCausalLM"], "model_type": "llama"}
+    with pytest.raises(ValueError, match=r"partial_rotary_factor=0\.75 .*Phi3ForCausalLM only"):
         ModelConfig.from_hf_config(
-            {**base, "rope_parameters": {**base["rope_parameters"], "partial_rotary_factor": 0.75}}
+            {**llama, "rope_parameters": {**base["rope_parameters"], "partial_rotary_factor": 0.75}}
         )
-    with pytest.raises(ValueError, match=r"partial_rotary_factor=0\.5 .*not supported"):  # (older configs: top level)
-        ModelConfig.from_hf_config({**base, "rope_parameters": None, "partial_rotary_factor": 0.5})
+    with pytest.raises(
+        ValueError, match=r"partial_rotary_factor=0\.5 .*Phi3ForCausalLM only"
+    ):  # (older configs: top level)
+        ModelConfig.from_hf_config({**llama, "rope_parameters": None, "partial_rotary_factor": 0.5})
+    with pytest.raises(ValueError, match=r"rotates 9 of head_dim 16 features; it must rotate an even number"):
+        ModelConfig.from_hf_config({**base, "rope_parameters": None, "partial_rotary_factor": 0.5625})
+    with pytest.raises(ValueError, match=r"partial_rotary_factor must be a number in \(0, 1\], got 1\.5"):
+        ModelConfig.from_hf_config({**base, "rope_parameters": None, "partial_rotary_factor": 1.5})
     base = {**base, "rope_parameters": None}
     short = {**LONGROPE, "short_factor": [1.0, 1.0]}
     with pytest.raises(ValueError, match=r"short_factor has 2 entries; it needs head_dim / 2 = 8"):
         ModelConfig.from_hf_config({**base, "rope_scaling": short})
+    with pytest.raises(
+        ValueError, match=r"long_factor has 8 entries; it needs int\(head_dim x partial_rotary_factor 0\.75\) / 2 = 6"
+    ):
+        ModelConfig.from_hf_config(
+            {**base, "rope_scaling": {**LONGROPE, "short_factor": [1.0] * 6, "partial_rotary_factor": 0.75}}
+        )
     with pytest.raises(ValueError, match=r"long_factor as a list of numbers"):
         ModelConfig.from_hf_config({**base, "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 8}})
     with pytest.raises(
@@ -152,12 +179,54 @@ def test_refusals(phi3):
         ModelConfig.from_hf_config({**base, "rope_scaling": {"rope_type": "ntk", "factor": 2.0}})
 
 
+def test_partial_rotary_order_is_hfs_rotation():
+    """HF's partial rotary (rotate-half over the first rotary_dim features, the rest passed
+    through) of random q at random positions, against kvflow's tables with the features reordered
+    by `partial_rotary_order`: the same vectors, reordered, up to rounding; q . k unchanged."""
+    from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb
+
+    from kvflow.config import RopeConfig
+    from kvflow.layers.rotary import apply_rotary_, inverse_frequencies, partial_rotary_order, rope_tables
+
+    d, rotary, positions = 16, 12, torch.tensor([0, 3, 17, 40])
+    rope = RopeConfig(theta=500.0, partial_rotary_factor=rotary / d)
+    g = torch.Generator().manual_seed(5)
+    q, k = torch.randn(len(positions), 3, d, generator=g, dtype=torch.float64).unbind(1)[:2]
+    freqs = torch.outer(positions.double(), inverse_frequencies(rotary, rope).double())
+    emb = torch.cat((freqs, freqs), dim=-1)
+    hf_q, hf_k = apply_rotary_pos_emb(q.unsqueeze(1), k.unsqueeze(1), emb.cos(), emb.sin())
+    order = partial_rotary_order(d, rotary)
+    assert sorted(order.tolist()) == list(range(d))
+    cos, sin = (t.double()[positions] for t in rope_tables(d, 64, rope))
+    sin_signed = torch.cat((-sin[:, : d // 2], sin[:, d // 2 :]), dim=-1)
+    ours_q = apply_rotary_(q[:, order].unsqueeze(1).clone(), cos.unsqueeze(1), sin_signed.unsqueeze(1))
+    ours_k = apply_rotary_(k[:, order].unsqueeze(1).clone(), cos.unsqueeze(1), sin_signed.unsqueeze(1))
+    torch.testing.assert_close(ours_q, hf_q[..., order], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close((ours_q * ours_k).sum(-1), (hf_q * hf_k).sum(-1), rtol=1e-6, atol=1e-6)
+    assert not torch.allclose(hf_q[..., :rotary], q.unsqueeze(1)[..., :rotary])  # (it did rotate)
+
+
+def test_partial_rotary_through_the_native_decode_pass(phi3, monkeypatch):
+    """With the native kernels every decode step runs in the fused decode pass, whose rotary reads
+    the same tables: HF's greedy tokens."""
+    monkeypatch.setenv("KVFLOW_LINEAR_BACKEND", "native")
+    path, hf = phi3("partial-longrope")
+    llm = LLM(path, num_kv_blocks=64, max_model_len=64, block_size=4, kernel_autotune="off")
+    if llm.engine.runner.model.native_decode is None:
+        pytest.fail("the native decode pass is unavailable here (the native library could not be built)")
+    prompts = _prompts(3, ORIGINAL + 1, ORIGINAL + 8, seed=21)
+    for p, o in zip(prompts, llm.generate(prompts, GREEDY, use_tqdm=False)):
+        assert o.outputs[0].token_ids == hf_greedy(hf, p, MAX_TOKENS)
+    assert_no_leaks(llm.engine)
+
+
 @pytest.mark.slow
 @pytest.mark.server  # worker processes
 def test_tp2_matches_hf(phi3):
-    """Two ranks, each with its share of the fused q/k/v and gate/up rows: HF's greedy tokens, with
-    LongRoPE's long factors, chunked prefill and a prefix-cache hit."""
-    path, hf = phi3("longrope")
+    """Two ranks, each with its share of the fused q/k/v and gate/up rows (q/k in the partial
+    rotary's order): HF's greedy tokens, with LongRoPE's long factors, chunked prefill and a
+    prefix-cache hit."""
+    path, hf = phi3("partial-longrope")
     prompts = _prompts(3, ORIGINAL + 1, ORIGINAL + 12, seed=11)
     llm = LLM(path, max_model_len=64, block_size=4, tensor_parallel_size=2, max_num_batched_tokens=16)
     try:
@@ -193,11 +262,11 @@ def write_phi3_gguf(path, hf_dir, qtype=None) -> None:
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(cfg["num_attention_heads"])
     w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_rope_dimension_count(HEAD_DIM)
+    rope = cfg["rope_parameters"]
+    w.add_rope_dimension_count(int(HEAD_DIM * rope.get("partial_rotary_factor", 1.0)))
     w.add_rope_freq_base(float(cfg["rope_parameters"]["rope_theta"]))
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_sliding_window(cfg.get("sliding_window") or 0)
-    rope = cfg["rope_parameters"]
     if rope["rope_type"] == "longrope":
         original = cfg["original_max_position_embeddings"]
         scale = cfg["max_position_embeddings"] / original
@@ -234,10 +303,11 @@ def write_phi3_gguf(path, hf_dir, qtype=None) -> None:
     w.close()
 
 
-@pytest.mark.parametrize("case", ["longrope-long", "sliding_window"])
+@pytest.mark.parametrize("case", ["longrope-long", "sliding_window", "partial-longrope-long"])
 def test_gguf_greedy_matches_hf(phi3, tmp_path, case):
-    """A `phi3` GGUF (F32) loads as Phi-3, its LongRoPE factors and window read from the file: HF's
-    greedy tokens, through chunked prefill."""
+    """A `phi3` GGUF (F32) loads as Phi-3, its LongRoPE factors, window and rotary dimensions
+    (`rope.dimension_count` below the head size: partial rotary) read from the file: HF's greedy
+    tokens, through chunked prefill."""
     variant, (lo, hi), max_model_len = CASES[case]
     path, hf = phi3(variant)
     gguf_path = tmp_path / "phi3.gguf"
@@ -246,26 +316,41 @@ def test_gguf_greedy_matches_hf(phi3, tmp_path, case):
     mc = llm.engine.model_config
     assert mc.architecture == "Phi3ForCausalLM" and mc.sliding_window == hf.config.sliding_window
     assert mc.rope.scaling_type == hf.config.rope_parameters["rope_type"]
+    assert mc.rope.rotary_dim(mc.head_dim) == int(HEAD_DIM * hf.config.rope_parameters["partial_rotary_factor"])
     prompts = _prompts(3, lo, hi, seed=13)
     for p, o in zip(prompts, llm.generate(prompts, GREEDY, use_tqdm=False)):
         assert o.outputs[0].token_ids == hf_greedy(hf, p, MAX_TOKENS)
     assert_no_leaks(llm.engine)
 
 
-def test_gguf_blocks_match_float_load(phi3, tmp_path):
-    """Q8_0 fused projections run in their blocks (the fused weights kept as stored) and give the
-    tokens of the same file's weights dequantized to float."""
+@pytest.mark.parametrize("variant", ["longrope", "partial-longrope"])
+def test_gguf_blocks_match_float_load(phi3, tmp_path, variant):
+    """Q8_0 fused projections run in their blocks (the fused weights kept as stored, a partial
+    rotary's q/k rows reordered as whole rows of blocks) and give the same file's weights
+    dequantized to float: every step's logprobs within the blocks' int8 rounding of the inputs,
+    the tokens the same up to a step whose two best were that close."""
     import gguf
 
-    path, _ = phi3("longrope")
+    path, _ = phi3(variant)
     gguf_path = tmp_path / "phi3-q8.gguf"
     write_phi3_gguf(gguf_path, path, qtype=gguf.GGMLQuantizationType.Q8_0)
     prompts = _prompts(2, ORIGINAL + 1, ORIGINAL + 8, seed=14)
     outs = {}
     # (float32 K/V on both: the block path's bfloat16 default is not what is compared here)
     opts = dict(num_kv_blocks=64, max_model_len=64, block_size=4, kv_cache_dtype="float32")
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
     for weights in ("native", "dequantize"):
         llm = LLM(str(gguf_path), gguf_weights=weights, **opts)
         assert llm.engine.model_config.rope.scaling_type == "longrope"
-        outs[weights] = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
-    assert outs["native"] == outs["dequantize"]
+        outs[weights] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    tol = 0.08  # (Q8_0 x Q8_0 dot products against float ones: up to ~0.04 seen on these prompts)
+    for blocks, floats in zip(outs["native"], outs["dequantize"]):
+        for step, (a, b) in enumerate(zip(blocks.token_ids, floats.token_ids)):
+            mine, ref = blocks.logprobs[step], floats.logprobs[step]
+            assert b in mine, step  # (the float path's token among the blocks' two best)
+            for token in set(mine) & set(ref):
+                assert abs(mine[token].logprob - ref[token].logprob) < tol, (step, token)
+            if a != b:
+                best = sorted((lp.logprob for lp in ref.values()), reverse=True)
+                assert best[0] - best[1] < 2 * tol, step  # (a near tie flipped)
+                break
