@@ -1,4 +1,5 @@
-"""Random PEFT LoRA adapters on a tiny model, for the LoRA tests (tests/lora, tests/server)."""
+"""Random PEFT LoRA adapters on a tiny model, for the LoRA tests (tests/lora, tests/server, and the
+families that transform weights at load: tests/models)."""
 
 from __future__ import annotations
 
@@ -17,9 +18,9 @@ ADAPTERS = {
 
 
 def base_model(path: str):
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    return LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
 def make_adapter(base_path: str, out: str, rank: int, targets: list[str], seed: int, **extra) -> str:

@@ -54,6 +54,13 @@ class ProjectionShape:
 
     in_features: int
     parts: tuple[tuple[str, int], ...]
+    # Per part, a factor the model folded into the base weight at load (Granite's residual
+    # multiplier in o_proj and down_proj); empty: none. HF scales the whole projection's output,
+    # the adapter's update included, so the update is scaled by it too.
+    folded: tuple[float, ...] = ()
+
+    def folded_scale(self, index: int) -> float:
+        return self.folded[index] if self.folded else 1.0
 
     @property
     def out_features(self) -> int:
@@ -203,7 +210,7 @@ def load_adapter(
         if expected_r != r:
             raise ValueError(f"{where}: {mod} has rank {r} in its weights but {expected_r} in {CONFIG_FILE}")
         alpha = _pattern_value(alpha_pattern, mod, default_alpha)
-        scaling = alpha / math.sqrt(r) if rslora else alpha / r
+        scaling = (alpha / math.sqrt(r) if rslora else alpha / r) * shape.folded_scale(index)
         top_rank = max(top_rank, r)
         parts_by_proj.setdefault((layer, fused), {})[module] = (a, b, scaling)
     for (layer, fused), parts in parts_by_proj.items():

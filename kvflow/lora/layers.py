@@ -86,7 +86,8 @@ def base_shapes(model: torch.nn.Module) -> BaseShapes:
                 parts = (("gate_proj", half), ("up_proj", half))
             else:
                 parts = ((proj, lin.out_features),)
-            per[proj] = ProjectionShape(lin.in_features, parts)
+            folded = tuple(model.folded_scale(part) for part, _ in parts)
+            per[proj] = ProjectionShape(lin.in_features, parts, () if set(folded) == {1.0} else folded)
         shapes.append(per)
     return shapes
 

@@ -3,9 +3,10 @@
 Two of them fold into weights at load, so Granite runs every Llama path (the native decode pass,
 the int8 and bf16 kernels) unchanged: each sublayer's output is scaled by `residual_multiplier`
 before its residual add, which is o_proj's and down_proj's weights scaled by it (the same product
-up to float rounding); the softmax scale is `attention_multiplier` (each layer's `scale`). The
-other two are one multiply each: the embeddings times `embedding_multiplier` (the table may be
-the tied lm_head, so it is not folded), the logits divided by `logits_scaling`."""
+up to float rounding; a LoRA adapter's update to them is scaled alike: `folded_scale`); the
+softmax scale is `attention_multiplier` (each layer's `scale`). The other two are one multiply
+each: the embeddings times `embedding_multiplier` (the table may be the tied lm_head, so it is
+not folded), the logits divided by `logits_scaling`."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from kvflow.config import ModelConfig
 from kvflow.models.llama import DecoderLayer, LlamaForCausalLM
 
 _RESIDUAL_PROJECTIONS = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+_RESIDUAL_MODULES = ("o_proj", "down_proj")  # (the HF modules of those weights, as LoRA adapters name them)
 
 
 class GraniteForCausalLM(LlamaForCausalLM):
@@ -34,6 +36,9 @@ class GraniteForCausalLM(LlamaForCausalLM):
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor | None:
         logits = super().compute_logits(hidden, float32)
         return None if logits is None else logits / self.cfg.granite.logits_scaling
+
+    def folded_scale(self, module: str) -> float:
+        return self.cfg.granite.residual_multiplier if module in _RESIDUAL_MODULES else 1.0
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(self._residual_scaled(weights))

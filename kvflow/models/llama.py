@@ -441,6 +441,12 @@ class LlamaForCausalLM(torch.nn.Module):
         if pending or missing:
             raise ValueError(f"checkpoint is missing weights: {sorted(missing | set(pending))[:8]}")
 
+    def folded_scale(self, module: str) -> float:
+        """The factor `load_weights` folds into HF module `module`'s weight (e.g. "o_proj"): 1 here;
+        a family that folds one (Granite) says so, and a LoRA adapter's update to that module is
+        scaled by it too (kvflow.lora)."""
+        return 1.0
+
     def _load_family_weight(self, name: str, tensor: torch.Tensor, loaded: set[str]) -> bool:
         """A weight that only a subclass's family has (`name` without the "model." prefix): load
         it, add the names of the parameters it completes to `loaded`, and return True; False
