@@ -18,6 +18,7 @@ import json
 import math
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -40,6 +41,13 @@ FUSED_PARTS: dict[str, tuple[str, ...]] = {
     "gate_up_proj": ("gate_proj", "up_proj"),
     "down_proj": ("down_proj",),
 }
+# HF modules that some checkpoints already fuse (Phi-3's `qkv_proj`, `gate_up_proj`): an adapter on
+# one holds one A and the whole projection's B, whose rows split into the parts.
+FUSED_MODULES = ("qkv_proj", "gate_up_proj")
+# B's rows for a part (an HF module name, e.g. "o_proj") as the model holds that module's weight
+# rows: what its load did to them (Granite scales o_proj and down_proj; a partial rotary reorders
+# q and k), done to the update too (the model's `adapter_rows`).
+AdapterRows = Callable[[str, torch.Tensor], torch.Tensor]
 _KEY = re.compile(
     r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_(A|B)(?:\.[\w-]+)?\.weight$"
 )
@@ -54,13 +62,6 @@ class ProjectionShape:
 
     in_features: int
     parts: tuple[tuple[str, int], ...]
-    # Per part, a factor the model folded into the base weight at load (Granite's residual
-    # multiplier in o_proj and down_proj); empty: none. HF scales the whole projection's output,
-    # the adapter's update included, so the update is scaled by it too.
-    folded: tuple[float, ...] = ()
-
-    def folded_scale(self, index: int) -> float:
-        return self.folded[index] if self.folded else 1.0
 
     @property
     def out_features(self) -> int:
@@ -149,9 +150,11 @@ def load_adapter(
     path: str,
     shapes: BaseShapes,
     max_rank: int,
+    rows: AdapterRows | None = None,
 ) -> LoRAAdapter:
     """Read and check the PEFT adapter at `path` against the base model's `shapes`; ValueError
-    naming the module for an unknown module, a shape that does not fit, a rank > `max_rank`."""
+    naming the module for an unknown module, a shape that does not fit, a rank > `max_rank`.
+    `rows`: the model's `adapter_rows` (None: B's rows as they are)."""
     where = f"LoRA adapter {name!r} ({path})"
     if not os.path.isdir(path):
         raise ValueError(f"{where}: not a folder")
@@ -160,6 +163,7 @@ def load_adapter(
     default_r, default_alpha = cfg.get("r", 8), cfg.get("lora_alpha", 8)
     rank_pattern, alpha_pattern = cfg.get("rank_pattern") or {}, cfg.get("alpha_pattern") or {}
     rslora = bool(cfg.get("use_rslora", False))
+    known = (*PART_OF, *FUSED_MODULES)
     # (layer, hf module) -> {"A": tensor, "B": tensor}
     found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     full_names: dict[tuple[int, str], str] = {}
@@ -167,19 +171,20 @@ def load_adapter(
         m = _KEY.match(key)
         if m is None:
             raise ValueError(
-                f"{where}: unknown module {key!r}; LoRA is supported on the decoder layers' {', '.join(PART_OF)} only"
+                f"{where}: unknown module {key!r}; LoRA is supported on the decoder layers' {', '.join(known)} only"
             )
         layer, module, which = int(m.group(1)), m.group(2), m.group(3)
-        if module not in PART_OF:
+        if module not in known:
             raise ValueError(
-                f"{where}: unknown module {module!r} in {key!r}; LoRA is supported on {', '.join(PART_OF)} only"
+                f"{where}: unknown module {module!r} in {key!r}; LoRA is supported on {', '.join(known)} only"
             )
         if layer >= len(shapes):
             raise ValueError(f"{where}: {key!r} is for layer {layer}, the base model has {len(shapes)} layers")
-        if PART_OF[module][0] not in shapes[layer]:
+        fused = module if module in FUSED_MODULES else PART_OF[module][0]
+        if fused not in shapes[layer]:
             raise ValueError(f"{where}: the base model's layer {layer} has no {module} ({key!r})")
         found.setdefault((layer, module), {})[which] = t
-        section = "self_attn" if PART_OF[module][0] in ("qkv_proj", "o_proj") else "mlp"
+        section = "self_attn" if fused in ("qkv_proj", "o_proj") else "mlp"
         full_names[(layer, module)] = f"model.layers.{layer}.{section}.{module}"
     if not found:
         raise ValueError(f"{where}: {WEIGHTS_FILES[0]} holds no LoRA weights")
@@ -191,9 +196,11 @@ def load_adapter(
         if set(ab) != {"A", "B"}:
             raise ValueError(f"{where}: {mod} has lora_{''.join(ab)} without lora_{'B' if 'A' in ab else 'A'}")
         a, b = ab["A"], ab["B"]
-        fused, index = PART_OF[module]
+        whole = module in FUSED_MODULES
+        fused, index = (module, None) if whole else PART_OF[module]
         shape = shapes[layer][fused]
-        in_f, out_f = shape.in_features, shape.parts[index][1]
+        in_f = shape.in_features
+        out_f = shape.out_features if whole else shape.parts[index][1]
         if a.dim() != 2 or b.dim() != 2:
             raise ValueError(
                 f"{where}: {mod}: lora_A / lora_B must be matrices, got {tuple(a.shape)} / {tuple(b.shape)}"
@@ -210,12 +217,19 @@ def load_adapter(
         if expected_r != r:
             raise ValueError(f"{where}: {mod} has rank {r} in its weights but {expected_r} in {CONFIG_FILE}")
         alpha = _pattern_value(alpha_pattern, mod, default_alpha)
-        scaling = (alpha / math.sqrt(r) if rslora else alpha / r) * shape.folded_scale(index)
+        scaling = alpha / math.sqrt(r) if rslora else alpha / r
         top_rank = max(top_rank, r)
-        parts_by_proj.setdefault((layer, fused), {})[module] = (a, b, scaling)
+        # (a fused module: every part shares its A and takes its own rows of B)
+        split = b.split([n for _, n in shape.parts]) if whole else (b,)
+        names = [part for part, _ in shape.parts] if whole else [module]
+        got = parts_by_proj.setdefault((layer, fused), {})
+        for part, rows_b in zip(names, split):
+            if part in got:
+                raise ValueError(f"{where}: {part} of layer {layer} is adapted twice (as {module} and on its own)")
+            got[part] = (a, rows_b if rows is None else rows(part, rows_b), scaling)
     for (layer, fused), parts in parts_by_proj.items():
         weights[layer][fused] = [
             None if part not in parts else _part(*parts[part]) for part, _ in shapes[layer][fused].parts
         ]
-    modules = sorted({m for _, m in found}, key=list(PART_OF).index)
+    modules = sorted({m for _, m in found}, key=list(known).index)
     return LoRAAdapter(name, int_id, path, weights, top_rank, modules)

@@ -86,8 +86,7 @@ def base_shapes(model: torch.nn.Module) -> BaseShapes:
                 parts = (("gate_proj", half), ("up_proj", half))
             else:
                 parts = ((proj, lin.out_features),)
-            folded = tuple(model.folded_scale(part) for part, _ in parts)
-            per[proj] = ProjectionShape(lin.in_features, parts, () if set(folded) == {1.0} else folded)
+            per[proj] = ProjectionShape(lin.in_features, parts)
         shapes.append(per)
     return shapes
 

@@ -13,7 +13,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from kvflow.kernels.cpu.lora import LoRAProjection, LoRARows
-from kvflow.lora.adapter import BaseShapes, LoRAAdapter, load_adapter
+from kvflow.lora.adapter import AdapterRows, BaseShapes, LoRAAdapter, load_adapter
 from kvflow.lora.layers import LoRABatch
 from kvflow.lora.request import LoRARequest
 
@@ -33,9 +33,11 @@ class LoRAManager:
         max_cpu_loras: int,
         max_lora_rank: int,
         batch: LoRABatch,
+        rows: AdapterRows | None = None,
     ) -> None:
-        """`batch`: the one the projections read; its slots are created here."""
-        self.shapes, self.batch = shapes, batch
+        """`batch`: the one the projections read; its slots are created here. `rows`: the model's
+        `adapter_rows` (what its load did to a module's weight rows, done to an adapter's B)."""
+        self.shapes, self.batch, self.rows = shapes, batch, rows
         self.max_loras, self.max_cpu_loras, self.max_lora_rank = max_loras, max_cpu_loras, max_lora_rank
         self.cpu: OrderedDict[int, LoRAAdapter] = OrderedDict()  # int id -> adapter, LRU first
         self.resident: OrderedDict[int, tuple[int, LoRAAdapter]] = OrderedDict()  # int id -> (slot, adapter)
@@ -57,7 +59,9 @@ class LoRAManager:
             return held
         if held is not None:
             self.remove(lora.lora_int_id)  # the id now names another adapter
-        adapter = load_adapter(lora.lora_name, lora.lora_int_id, lora.lora_path, self.shapes, self.max_lora_rank)
+        adapter = load_adapter(
+            lora.lora_name, lora.lora_int_id, lora.lora_path, self.shapes, self.max_lora_rank, self.rows
+        )
         self.counters.loads += 1
         self.cpu[lora.lora_int_id] = adapter
         while len(self.cpu) > self.max_cpu_loras:

@@ -3,7 +3,7 @@
 Two of them fold into weights at load, so Granite runs every Llama path (the native decode pass,
 the int8 and bf16 kernels) unchanged: each sublayer's output is scaled by `residual_multiplier`
 before its residual add, which is o_proj's and down_proj's weights scaled by it (the same product
-up to float rounding; a LoRA adapter's update to them is scaled alike: `folded_scale`); the
+up to float rounding; a LoRA adapter's update to them is scaled alike: `adapter_rows`); the
 softmax scale is `attention_multiplier` (each layer's `scale`). The other two are one multiply
 each: the embeddings times `embedding_multiplier` (the table may be the tied lm_head, so it is
 not folded), the logits divided by `logits_scaling`."""
@@ -37,8 +37,8 @@ class GraniteForCausalLM(LlamaForCausalLM):
         logits = super().compute_logits(hidden, float32)
         return None if logits is None else logits / self.cfg.granite.logits_scaling
 
-    def folded_scale(self, module: str) -> float:
-        return self.cfg.granite.residual_multiplier if module in _RESIDUAL_MODULES else 1.0
+    def adapter_rows(self, module: str, b: torch.Tensor) -> torch.Tensor:
+        return b * self.cfg.granite.residual_multiplier if module in _RESIDUAL_MODULES else b
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(self._residual_scaled(weights))

@@ -441,11 +441,11 @@ class LlamaForCausalLM(torch.nn.Module):
         if pending or missing:
             raise ValueError(f"checkpoint is missing weights: {sorted(missing | set(pending))[:8]}")
 
-    def folded_scale(self, module: str) -> float:
-        """The factor `load_weights` folds into HF module `module`'s weight (e.g. "o_proj"): 1 here;
-        a family that folds one (Granite) says so, and a LoRA adapter's update to that module is
-        scaled by it too (kvflow.lora)."""
-        return 1.0
+    def adapter_rows(self, module: str, b: torch.Tensor) -> torch.Tensor:
+        """A LoRA adapter's B for HF module `module` (e.g. "o_proj", [out, r]) with its rows as
+        `load_weights` left that module's weight rows: as they are here; a family that scales or
+        reorders a weight at load (Granite, Phi-3's partial rotary) does the same to B (kvflow.lora)."""
+        return b
 
     def _load_family_weight(self, name: str, tensor: torch.Tensor, loaded: set[str]) -> bool:
         """A weight that only a subclass's family has (`name` without the "model." prefix): load

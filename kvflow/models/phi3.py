@@ -6,7 +6,7 @@ q | k | v and gate | up). Its rope (LongRoPE: `su` / `longrope` scaling) is the 
 Phi-4-mini rotates the first 3/4 of each head only (`partial_rotary_factor`): its q and k rows are
 reordered per head at load (`to_partial_rotary_rows`) so that rotate-half over the whole head,
 with cos 1 and sin 0 on the unrotated features, is HF's rotation; every attention path runs it
-unchanged."""
+unchanged (and a LoRA adapter's q and k rows are reordered alike: `adapter_rows`)."""
 
 from __future__ import annotations
 
@@ -59,6 +59,10 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         self._copy({} if param is None else {key: param}, key, local)
         loaded.add(key)
         return True
+
+    def adapter_rows(self, module: str, b: torch.Tensor) -> torch.Tensor:
+        d = self.cfg.head_dim
+        return to_partial_rotary_rows(b, d, self.cfg.rope.rotary_dim(d)) if module in ("q_proj", "k_proj") else b
 
     def _qkv_rows(self, name: str, tensor: torch.Tensor | BlockQuantized) -> tuple[int, int, int]:
         """The q, k and v rows of a whole (unsharded) fused qkv_proj; ValueError if it has others."""

@@ -232,7 +232,12 @@ class ModelRunner:
 
             self.lora_batch = LoRABatch()
             self.lora = LoRAManager(
-                base_shapes(self.model), config.max_loras, config.cpu_loras, config.max_lora_rank, self.lora_batch
+                base_shapes(self.model),
+                config.max_loras,
+                config.cpu_loras,
+                config.max_lora_rank,
+                self.lora_batch,
+                getattr(self.model, "adapter_rows", None),
             )
             attach(self.model, self.lora_batch)  # (after every kernel choice: wraps the final kernels)
         if self.device.type == "cpu":

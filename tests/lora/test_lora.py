@@ -173,8 +173,18 @@ def test_bad_adapters_are_refused_at_load(tiny_llama, adapters, tmp_path):
         t["base_model.model.lm_head.lora_A.weight"] = torch.zeros(4, 64)
         return t, c
 
+    def twice(t, c):  # (q_proj adapted on its own and within a fused qkv_proj)
+        a = t[key]
+        t[key.replace("q_proj", "qkv_proj")] = a.clone()
+        t[key.replace("q_proj", "qkv_proj").replace("lora_A", "lora_B")] = torch.zeros(64 + 2 * 32, a.shape[0])
+        return t, c
+
     cases = {
         "wrong shape": (_corrupt(adapters["qv4"], str(tmp_path / "shape"), wrong_shape), "layers.1.self_attn.q_proj"),
+        "adapted twice": (
+            _corrupt(adapters["qv4"], str(tmp_path / "twice"), twice),
+            "q_proj of layer 1 is adapted twice",
+        ),
         "unknown module": (_corrupt(adapters["qv4"], str(tmp_path / "unknown"), unknown), "lm_head"),
         "rank too large": (adapters["mlp16"], "rank 16, above --max-lora-rank 8"),
         "not a folder": (str(tmp_path / "missing"), "not a folder"),

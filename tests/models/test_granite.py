@@ -96,8 +96,8 @@ def _check_step_logprobs(llm, hf, tol: float = 1e-4) -> None:
 
 def test_lora_matches_peft_merged(tmp_path, monkeypatch):
     """An adapter on every projection (o_proj and down_proj among them, whose base weights carry
-    the folded residual multiplier): each row's greedy tokens are HF's with the adapter merged by
-    peft, on the per-layer path and through the native decode pass."""
+    the folded residual multiplier, and so must its update): each row's greedy tokens are HF's
+    with the adapter merged by peft, on the per-layer path and through the native decode pass."""
     peft = pytest.importorskip("peft")
     from lora_utils import base_model, make_adapter
 

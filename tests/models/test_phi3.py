@@ -220,6 +220,32 @@ def test_partial_rotary_through_the_native_decode_pass(phi3, monkeypatch):
     assert_no_leaks(llm.engine)
 
 
+@pytest.mark.parametrize("backend", ["dense", "native"])
+def test_lora_matches_peft_merged(phi3, tmp_path, monkeypatch, backend):
+    """A PEFT adapter as PEFT makes them for Phi-3 (on the fused `qkv_proj` and `gate_up_proj`, and
+    `o_proj`, `down_proj`) over Phi-4-mini's partial rotary (the adapter's q/k rows reordered as the
+    model's): HF's greedy tokens with the adapter merged by peft, on the per-layer path and
+    through the native decode pass."""
+    peft = pytest.importorskip("peft")
+    from lora_utils import base_model, make_adapter
+
+    from kvflow import LoRARequest
+
+    path, _ = phi3("partial-longrope")
+    targets = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+    adapter = make_adapter(path, str(tmp_path / "adapter"), 4, targets, seed=5, lora_alpha=8)
+    merged = peft.PeftModel.from_pretrained(base_model(path), adapter).merge_and_unload().eval()
+    prompts = _prompts(3, ORIGINAL + 1, ORIGINAL + 8, seed=17)
+    expected = [hf_greedy(merged, p, MAX_TOKENS) for p in prompts]
+    assert expected != [hf_greedy(base_model(path), p, MAX_TOKENS) for p in prompts]  # (it changes the model)
+    monkeypatch.setenv("KVFLOW_LINEAR_BACKEND", backend)
+    llm = LLM(path, num_kv_blocks=64, max_model_len=64, enable_lora=True, kernel_autotune="off")
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=LoRARequest("a", 1, adapter))
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert_no_leaks(llm.engine)
+    llm.shutdown()
+
+
 @pytest.mark.slow
 @pytest.mark.server  # worker processes
 def test_tp2_matches_hf(phi3):
