@@ -89,6 +89,8 @@ _QWEN_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
 def make_model(path, arch: str = "llama", **overrides):
     """Save a random tiny model of the given family (with a tokenizer) to `path`."""
     from transformers import (
+        GraniteConfig,
+        GraniteForCausalLM,
         LlamaConfig,
         LlamaForCausalLM,
         MistralConfig,
@@ -137,6 +139,18 @@ def make_model(path, arch: str = "llama", **overrides):
         ),
         "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, dict(_QWEN_MOE, tie_word_embeddings=True, head_dim=16)),
         "olmoe": (OlmoeConfig, OlmoeForCausalLM, dict(num_experts=4, num_experts_per_tok=2)),
+        # (Granite 3's kind of scalars: tests/models/test_granite.py)
+        "granite": (
+            GraniteConfig,
+            GraniteForCausalLM,
+            dict(
+                tie_word_embeddings=False,
+                embedding_multiplier=12.0,
+                residual_multiplier=0.22,
+                attention_multiplier=0.05,
+                logits_scaling=8.0,
+            ),
+        ),
     }
     config_cls, model_cls, extra = families[arch]
     torch.manual_seed(1234)

@@ -3,7 +3,8 @@
 Two of them fold into weights at load, so Granite runs every Llama path (the native decode pass,
 the int8 and bf16 kernels) unchanged: each sublayer's output is scaled by `residual_multiplier`
 before its residual add, which is o_proj's and down_proj's weights scaled by it (the same product
-up to float rounding; a LoRA adapter's update to them is scaled alike: `adapter_rows`); the
+up to float rounding; weights kept quantized, GGUF blocks or a checkpoint's packed format, through
+their scales; a LoRA adapter's update to them is scaled alike: `adapter_rows`); the
 softmax scale is `attention_multiplier` (each layer's `scale`). The other two are one multiply
 each: the embeddings times `embedding_multiplier` (the table may be the tied lm_head, so it is
 not folded), the logits divided by `logits_scaling`."""
@@ -17,6 +18,8 @@ import torch
 from kvflow.attention.backend import AttentionBackend
 from kvflow.config import ModelConfig
 from kvflow.models.llama import DecoderLayer, LlamaForCausalLM
+from kvflow.quantization.gguf_blocks import BlockQuantized
+from kvflow.quantization.packed_weights import STORED_TYPES
 
 _RESIDUAL_PROJECTIONS = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
 _RESIDUAL_MODULES = ("o_proj", "down_proj")  # (the HF modules of those weights, as LoRA adapters name them)
@@ -47,11 +50,8 @@ class GraniteForCausalLM(LlamaForCausalLM):
         factor = self.cfg.granite.residual_multiplier
         for name, tensor in weights:
             if name.endswith(_RESIDUAL_PROJECTIONS) and factor != 1.0:
-                if type(tensor) is not torch.Tensor:
-                    raise ValueError(
-                        f"{self.cfg.architecture}: {name} is stored quantized; kvflow folds Granite's "
-                        "residual_multiplier into float weights only (load the float checkpoint, or for "
-                        "a GGUF file give --gguf-weights dequantize)"
-                    )
-                tensor = (tensor.float() * factor).to(tensor.dtype)  # (the dtype the checkpoint stores)
+                if isinstance(tensor, (BlockQuantized, *STORED_TYPES)):  # (quantized as stored: its scales)
+                    tensor = tensor.scaled(factor)
+                else:
+                    tensor = (tensor.float() * factor).to(tensor.dtype)  # (the dtype the checkpoint stores)
             yield name, tensor

@@ -21,16 +21,19 @@ class BlockFormat:
     ggml_type: int  # gguf.GGMLQuantizationType's value
     block_values: int
     block_bytes: int
+    # Byte offsets in a block of the fp16 numbers that every value it holds is linear in (d; Q4_1's
+    # m, Q4_K's dmin): scaling them all scales the block (`BlockQuantized.scaled`).
+    fp16_scales: tuple[int, ...] = (0,)
 
 
 FORMATS: dict[str, BlockFormat] = {
     f.name: f
     for f in (
         BlockFormat("Q4_0", 2, 32, 18),
-        BlockFormat("Q4_1", 3, 32, 20),
+        BlockFormat("Q4_1", 3, 32, 20, (0, 2)),
         BlockFormat("Q8_0", 8, 32, 34),
-        BlockFormat("Q4_K", 12, 256, 144),
-        BlockFormat("Q6_K", 14, 256, 210),
+        BlockFormat("Q4_K", 12, 256, 144, (0, 2)),
+        BlockFormat("Q6_K", 14, 256, 210, (208,)),
     )
 }
 
@@ -72,6 +75,19 @@ class BlockQuantized:
 
     def dequantize(self) -> torch.Tensor:
         return dequantize_rows(self.format, self.data)
+
+    def scaled(self, factor: float) -> BlockQuantized:
+        """The weight times `factor`, still in blocks: each block's fp16 scales multiplied (in
+        float32, rounded to fp16: within 2^-11 of the exact product, relative). ValueError when a
+        scale would leave fp16's range."""
+        blocks = self.data.reshape(-1, self.format.block_bytes).clone()
+        for at in self.format.fp16_scales:
+            old = blocks[:, at : at + 2].contiguous().view(torch.float16).float()
+            new = old * factor
+            if not torch.isfinite(new).all() or new.abs().max() > torch.finfo(torch.float16).max:
+                raise ValueError(f"{self.format.name} blocks scaled by {factor}: a block scale leaves fp16's range")
+            blocks[:, at : at + 2] = new.half().view(torch.uint8).reshape(-1, 2)
+        return self.with_rows(blocks.reshape(self.data.shape))
 
 
 def _f16(b: torch.Tensor, start: int) -> torch.Tensor:

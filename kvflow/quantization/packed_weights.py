@@ -69,6 +69,9 @@ class Int8Rows:
     def cat(parts: list[Int8Rows]) -> Int8Rows:
         return Int8Rows(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]))
 
+    def scaled(self, factor: float) -> Int8Rows:
+        return Int8Rows(self.q, self.scale * factor)
+
 
 @dataclass
 class Fp8Rows:
@@ -87,6 +90,9 @@ class Fp8Rows:
     def cat(parts: list[Fp8Rows]) -> Fp8Rows:
         return Fp8Rows(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]), parts[0].activations)
 
+    def scaled(self, factor: float) -> Fp8Rows:
+        return Fp8Rows(self.q, self.scale * factor, self.activations)
+
 
 @dataclass
 class GroupedBlocks:
@@ -104,8 +110,12 @@ class GroupedBlocks:
     def shape(self) -> tuple[int, int]:
         return sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]
 
+    def scaled(self, factor: float) -> GroupedBlocks:
+        offsets = None if self.offsets is None else self.offsets * factor
+        return GroupedBlocks([p.scaled(factor) for p in self.parts], self.perm, offsets, self.group)
 
-STORED_TYPES = (Int8Rows, GroupedBlocks, Fp8Rows)
+
+STORED_TYPES = (Int8Rows, GroupedBlocks, Fp8Rows)  # (each has `scaled(factor)`: the weight times factor)
 
 
 def fuse_stored(name: str, parts: list) -> list[BlockQuantized] | Int8Rows | GroupedBlocks | Fp8Rows:

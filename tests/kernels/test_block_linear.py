@@ -201,6 +201,25 @@ def test_round_to_nearest_matches_gguf(name):
     assert np.mean(deq == ref) > 0.95
 
 
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_scaled_blocks_are_the_weight_times_the_factor(name):
+    """`BlockQuantized.scaled` (Granite's residual multiplier folded into blocks as stored) against
+    gguf-py's own dequantization of the unscaled blocks times the factor, in float64: each value
+    within the fp16 rounding of its block's scales (2^-11 relative of each term), far below what
+    a scale left unscaled (Q4_1's m, Q4_K's dmin) would be off by."""
+    blocks = random_blocks(name, 8, 512, seed=3)  # (random scales and mins: Q4_1 / Q4_K's m not 0)
+    data = blocks.data.reshape(-1)
+    for factor in (0.22, 3.5):
+        got = blocks.scaled(factor).dequantize().double()
+        ref = torch.from_numpy(gguf.quants.dequantize(data.numpy(), Q[name]).astype(np.float64)).reshape(8, -1)
+        per_block = ref.abs().reshape(-1, 32).amax(1, keepdim=True).expand(-1, 32).reshape(ref.shape)
+        err = (got - factor * ref).abs()
+        assert (err <= 2.0**-9 * factor * per_block + 1e-9).all(), (factor, err.max().item())
+        assert not torch.equal(got, factor * ref) or name == "Q8_0"  # (fp16 rounding shows somewhere)
+    with pytest.raises(ValueError, match="leaves fp16's range"):
+        blocks.scaled(1e9)
+
+
 # ---- in the engine ----------------------------------------------------------------------------------
 
 

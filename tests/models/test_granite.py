@@ -15,6 +15,7 @@ import torch
 from tiny_models import (
     TINY_DENSE,
     check_bfloat16_close_to_float32,
+    check_blocks_follow_floats,
     check_greedy_matches_hf,
     check_prefill_logits_match_hf,
     save_tiny_model,
@@ -180,12 +181,10 @@ def write_granite_gguf(path, hf_dir, qtype=None) -> None:
 
 
 def test_gguf_greedy_matches_hf(granite, tmp_path):
-    """A `granite` GGUF (F32) loads as Granite with its scalars: HF's greedy tokens. With quantized
-    projections, the residual fold needs float weights: refused as stored, run dequantized."""
+    """A `granite` GGUF (F32) loads as Granite with its scalars: HF's greedy tokens."""
     from kvflow import LLM, SamplingParams
 
     from conftest import assert_no_leaks, hf_greedy
-    from gguf_files import Q
 
     path, hf = granite
     gguf_path = tmp_path / "granite.gguf"
@@ -200,10 +199,16 @@ def test_gguf_greedy_matches_hf(granite, tmp_path):
         assert o.outputs[0].token_ids == hf_greedy(hf, p, 12)
     _check_step_logprobs(llm, hf, tol=1e-3)  # (the file's float32 scalars: 0.22 is 0.2199999988)
     assert_no_leaks(llm.engine)
-    quantized = tmp_path / "granite-q8.gguf"
-    write_granite_gguf(quantized, path, Q.Q8_0)
-    with pytest.raises(ValueError, match="stored quantized.*--gguf-weights dequantize"):
-        LLM(str(quantized), num_kv_blocks=32, max_model_len=64)
-    LLM(str(quantized), num_kv_blocks=32, max_model_len=64, gguf_weights="dequantize").generate(
-        prompts[:1], greedy, use_tqdm=False
-    )
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
+def test_gguf_blocks_follow_floats(granite, tmp_path, qtype):
+    """Quantized projections run as stored, the residual multiplier folded into o_proj's and
+    down_proj's block scales: they follow the same file dequantized to float (where it is folded
+    in float32)."""
+    from gguf_files import Q
+
+    path, _ = granite
+    quantized = tmp_path / f"granite-{qtype}.gguf"
+    write_granite_gguf(quantized, path, Q[qtype])
+    check_blocks_follow_floats(str(quantized), shared_prefix_prompts(3, 4, 20, seed=5), 12)

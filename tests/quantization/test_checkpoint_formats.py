@@ -318,9 +318,13 @@ def check_model(
     max_new: int = 12,
     act=("block", 127),
     extras=None,
+    folded: dict[str, float] | None = None,
 ) -> LLM:
     """`ref_sd`: the format's float weights; `held_sd`: the same with the rounding the kernel
-    format adds (Q4_1's fp16 offset), what the kernels compute with."""
+    format adds (Q4_1's fp16 offset), what the kernels compute with. `folded`: modules (e.g.
+    "mlp.down_proj") whose kernels hold the weight times a factor (Granite's residual multiplier,
+    folded into the stored scales: each rounded to fp16 again, 2^-11 of every product more)."""
+    folded = folded or {}
     llm = LLM(path, max_model_len=128, num_kv_blocks=32)
     runner = llm.engine.runner
     assert runner.linear_backend == "gguf"
@@ -337,12 +341,19 @@ def check_model(
         ):
             kernel = getattr(layer, proj).kernel
             seen.add(type(kernel))
-            w_ref = torch.cat([ref_sd[f"model.layers.{i}.{n}.weight"] for n in names])
+            w_ref = torch.cat([ref_sd[f"model.layers.{i}.{n}.weight"] * folded.get(n, 1.0) for n in names])
             x = torch.randn(5, w_ref.shape[1], generator=gen)
             with torch.inference_mode():
                 y = kernel(x)
             err = (y.double() - x.double() @ w_ref.double().t()).abs()
             bound = _kernel_bound(kernel, w_ref, x)
+            if names[0] in folded:
+                bound = bound + 2.0**-11 * x.double().abs() @ w_ref.double().abs().t()
+                # (what the kernel computes with, over the factor HF's model multiplies back)
+                held_sd = {
+                    **held_sd,
+                    f"model.layers.{i}.{names[0]}.weight": kernel.dequantized_weight() / folded[names[0]],
+                }
             assert (err <= bound).all(), f"layer {i} {proj}: error {err.max():.3g} over bound"
     assert seen == kinds, seen
     if seen in ({BlockQuantKernel}, {Int8Kernel}):  # one native kernel family: decode steps run as one call
@@ -531,6 +542,45 @@ def test_awq_gemm(base, tmp_path):
     path, ref, held, extras = awq_checkpoint(src, tmp_path / "awq", sd)
     check_model(path, hf, ref, held, {GroupedInputKernel}, extras=extras)
     assert packed_ratio(path) <= 1.15
+
+
+@pytest.mark.parametrize("fmt", ["gptq-sym-32", "gptq-asym-32", "gptq-asym-128", "w8a8"])
+def test_granite_residual_multiplier_folds_into_stored_scales(model_factory, tmp_path, fmt):
+    """A quantized Granite: o_proj's and down_proj's kernels hold their weights times the residual
+    multiplier, through the stored format's scales (GGUF blocks' fp16 scales -- Q4_0, Q4_1 --, a
+    group offset beside them, W8A8's per-channel scales), against HF's Granite on the reference
+    weights, which multiplies the sublayers' outputs itself."""
+    src, hf = model_factory("granite", **SHAPE)
+    sd = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    factor = hf.config.residual_multiplier
+    folded = {"self_attn.o_proj": factor, "mlp.down_proj": factor}
+    if fmt == "w8a8":
+        acts = dict(num_bits=8, type="int", symmetric=True, strategy="token", dynamic=True)
+        weights = dict(num_bits=8, type="int", symmetric=True, strategy="channel")
+        path, ref, held, _ = ct_checkpoint(src, tmp_path / "w8a8", sd, "int-quantized", weights, acts)
+        steps = 127 if activation_qparams()[1] == 128 else 63
+        check_model(path, hf, ref, held, {Int8Kernel}, act=("token", steps), folded=folded)
+        return
+    _, sym, group = fmt.split("-")
+    path, ref, held, extras = gptq_checkpoint(src, tmp_path / "gptq", sd, 4, int(group), sym == "sym", False)
+    kinds = {GroupedInputKernel} if group == "128" else {BlockQuantKernel}
+    check_model(path, hf, ref, held, kinds, extras=extras, folded=folded)
+
+
+def test_fp8_rows_scaled_are_the_weight_times_the_factor():
+    """(The FP8 format's `scaled`, which a quantized Granite's o_proj / down_proj take, against
+    the weight dequantized in float64 times the factor.)"""
+    from kvflow.quantization.packed_weights import Fp8Rows
+
+    g = torch.Generator().manual_seed(2)
+    w = Fp8Rows((torch.randn(6, 32, generator=g) * 100).to(torch.float8_e4m3fn), torch.rand(6, generator=g) + 0.5)
+    s = w.scaled(0.22)
+
+    def value(rows: Fp8Rows) -> torch.Tensor:
+        return rows.q.double() * rows.scale.double()[:, None]
+
+    torch.testing.assert_close(value(s), 0.22 * value(w), rtol=1e-7, atol=0)
+    assert s.activations == w.activations
 
 
 # ---- refusals ------------------------------------------------------------------------------------
