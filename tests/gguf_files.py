@@ -270,6 +270,56 @@ def add_folder_header(w: gguf.GGUFWriter, hf_dir: Path, cfg: dict) -> None:
     add_folder_tokenizer(w, hf_dir, cfg)
 
 
+def write_dense_gguf(path, hf_dir, arch: str, qtype: Q = Q.F32) -> None:
+    """Write the tiny dense HF model in `hf_dir` as llama.cpp's convert_hf_to_gguf writes `arch`
+    (`qwen2`: q/k/v biases; `qwen3`: per-head q/k norms, `attention.key_length`; Q/K rows as HF holds
+    them, llama.cpp rotating these the NEOX way), the projections in `qtype`, tied embeddings as
+    no `output` tensor, and the folder's byte-level BPE tokenizer padded to the vocabulary."""
+    from safetensors.numpy import load_file
+
+    hf_dir = Path(hf_dir)
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    t = {k: v.astype(np.float32) for k, v in load_file(str(hf_dir / "model.safetensors")).items()}
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(f"Tiny {arch}")
+    add_folder_header(w, hf_dir, cfg)
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_tensor("token_embd.weight", t["model.embed_tokens.weight"])
+    names = {
+        "attn_q": "self_attn.q_proj",
+        "attn_k": "self_attn.k_proj",
+        "attn_v": "self_attn.v_proj",
+        "attn_output": "self_attn.o_proj",
+        "ffn_gate": "mlp.gate_proj",
+        "ffn_up": "mlp.up_proj",
+        "ffn_down": "mlp.down_proj",
+    }
+    norms = {
+        "attn_norm": "input_layernorm",
+        "ffn_norm": "post_attention_layernorm",
+        "attn_q_norm": "self_attn.q_norm",
+        "attn_k_norm": "self_attn.k_norm",
+    }
+    for i in range(cfg["num_hidden_layers"]):
+        p, m = f"blk.{i}.", f"model.layers.{i}."
+        for gguf_name, hf_name in names.items():
+            _put(w, f"{p}{gguf_name}.weight", t[f"{m}{hf_name}.weight"], qtype)
+            if f"{m}{hf_name}.bias" in t:
+                w.add_tensor(f"{p}{gguf_name}.bias", t[f"{m}{hf_name}.bias"])
+        for gguf_name, hf_name in norms.items():
+            if f"{m}{hf_name}.weight" in t:
+                w.add_tensor(f"{p}{gguf_name}.weight", t[f"{m}{hf_name}.weight"])
+    w.add_tensor("output_norm.weight", t["model.norm.weight"])
+    if "lm_head.weight" in t and not cfg.get("tie_word_embeddings"):
+        w.add_tensor("output.weight", t["lm_head.weight"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def write_moe_gguf(
     path,
     hf_dir,

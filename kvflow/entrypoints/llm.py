@@ -71,6 +71,10 @@ class LLM:
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    def get_tokenizer(self) -> Any:
+        """The model's tokenizer (vLLM's name for `tokenizer`)."""
+        return self.engine.tokenizer
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],

@@ -16,8 +16,9 @@ What a GGUF does differently from a Hugging Face checkpoint:
 * llama.cpp's converter permutes the rows of the Q and K projections of its `llama` architecture
   (Mixtral included) so that each rotary pair is interleaved (rows 2i, 2i+1) instead of split in
   halves (rows i, i + head_dim/2). `_unpermute_rows` undoes it per head, so the weights work with
-  the usual "rotate half" rotary embedding. (`qwen2moe`, `qwen3moe` and `olmoe` use llama.cpp's
-  NEOX rotary, which is HF's: their rows are stored as HF holds them.)
+  the usual "rotate half" rotary embedding. (`qwen2`, `qwen3`, `qwen2moe`, `qwen3moe`, `olmoe` and
+  the other dense families use llama.cpp's NEOX rotary, which is HF's: their rows are stored as HF
+  holds them.)
 * llama.cpp's converter stores Gemma's (`gemma2`, `gemma3`) norm weights as 1 + w, its norm being
   plain x * w; the 1 is taken off here, so they are HF's w for the (1 + w) norm of kvflow.models.gemma.
 * A MoE layer's experts are three 3-D tensors, `ffn_{gate,up,down}_exps` of GGUF dims
@@ -273,6 +274,8 @@ _MOE_ARCHS: dict[str, tuple[str, str, bool]] = {
 # llama.cpp's dense architectures besides `llama`: the HF family each is (NEOX rotary, as HF's: Q/K
 # rows as stored; but `granite`, which llama.cpp converts as llama: _PERMUTED_QK).
 _DENSE_ARCHS: dict[str, tuple[str, str]] = {
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
     "olmo2": ("Olmo2ForCausalLM", "olmo2"),
     "phi3": ("Phi3ForCausalLM", "phi3"),
     "granite": ("GraniteForCausalLM", "granite"),
@@ -567,7 +570,7 @@ def _expected_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
         "self_attn.v_proj.weight": (kv, h),
         "self_attn.o_proj.weight": (h, q),
     }
-    if arch == "Qwen3MoeForCausalLM":  # q/k norms per head
+    if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):  # q/k norms per head
         attention.update({"self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)})
     elif arch == "OlmoeForCausalLM":  # q/k norms over the whole projections
         attention.update({"self_attn.q_norm.weight": (q,), "self_attn.k_norm.weight": (kv,)})
@@ -851,8 +854,8 @@ def _index(path: str, with_tokenizer: bool) -> gguf_cache.GGUFIndex:
     if arch not in SUPPORTED_ARCHS:
         raise ValueError(
             f"{path}: GGUF architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHS)} "
-            "(llama dense or with experts, the Mixture-of-Experts qwen2moe, qwen3moe and olmoe, olmo2, phi3, "
-            "granite, gemma2 and gemma3)"
+            "(llama dense or with experts, qwen2, qwen3, the Mixture-of-Experts qwen2moe, qwen3moe and olmoe, "
+            "olmo2, phi3, granite, gemma2 and gemma3)"
         )
 
     by_name = {t.name: t for t in reader.tensors}
