@@ -20,6 +20,11 @@ GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 PHI3_OLMO2_ARCHITECTURES = ("Phi3ForCausalLM", "Olmo2ForCausalLM")
 # IBM Granite (3.x): the Llama decoder with four scalars (kvflow.models.granite; `GraniteConfig`).
 GRANITE_ARCHITECTURES = ("GraniteForCausalLM",)
+# GLM-4 (0414): the Llama decoder with norms after attention and MLP too, fused gate/up, and
+# rotary on half of each head in interleaved pairs (kvflow.models.glm4).
+GLM4_ARCHITECTURES = ("Glm4ForCausalLM",)
+# Families whose HF code rotates part of each head (`partial_rotary_factor`; kvflow.layers.rotary).
+PARTIAL_ROTARY_ARCHITECTURES = ("Phi3ForCausalLM", *GLM4_ARCHITECTURES)
 # SmolLM3: the Llama decoder with no rotary on some layers (NoPE; `ModelConfig.rope_layers`).
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -30,6 +35,7 @@ SUPPORTED_ARCHITECTURES = (
     *GEMMA_ARCHITECTURES,
     *PHI3_OLMO2_ARCHITECTURES,
     *GRANITE_ARCHITECTURES,
+    *GLM4_ARCHITECTURES,
     "SmolLM3ForCausalLM",
 )
 # Families whose configs carry a sliding window they only use when `use_sliding_window` is set.
@@ -232,7 +238,11 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=qkv_bias,
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM"),
-            rope=_rope_from_hf(_gemma_global_rope(cfg, arch) if gemma else cfg, phi3=arch == "Phi3ForCausalLM"),
+            rope=_rope_from_hf(
+                _gemma_global_rope(cfg, arch) if gemma else cfg,
+                phi3=arch == "Phi3ForCausalLM",
+                partial=arch in PARTIAL_ROTARY_ARCHITECTURES,
+            ),
             sliding_window=sliding,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
@@ -240,6 +250,12 @@ class ModelConfig:
             clip_qkv=_clip_qkv(cfg) if arch == "OlmoeForCausalLM" else None,
             moe=_moe_from_hf(arch, cfg) if arch in MOE_ARCHITECTURES else None,
         )
+        rotary = config.rope.rotary_dim(head_dim)
+        if rotary < 2 or rotary % 2:
+            raise ValueError(
+                f"partial_rotary_factor {config.rope.partial_rotary_factor} rotates {rotary} of head_dim "
+                f"{head_dim} features; it must rotate an even number of them, at least 2"
+            )
         if arch in PHI3_OLMO2_ARCHITECTURES:
             return _with_phi3_olmo2(config, cfg)
         if arch in GRANITE_ARCHITECTURES:
@@ -411,18 +427,11 @@ def _with_gemma(config: ModelConfig, cfg: dict[str, Any]) -> ModelConfig:
 
 def _with_phi3_olmo2(config: ModelConfig, cfg: dict[str, Any]) -> ModelConfig:
     """`config` with what Phi-3 and OLMo 2 read besides the Llama fields (HF transformers'
-    configuration_phi3.py / configuration_olmo2.py): Phi-3's partial rotary (its rope, where `su`
-    and `yarn` are LongRoPE, read by `_rope_from_hf`) checked against its head size; OLMo 2's q/k
-    norms over the whole q and k projections."""
+    configuration_phi3.py / configuration_olmo2.py): nothing more for Phi-3 (its rope, where `su`
+    and `yarn` are LongRoPE, is `_rope_from_hf`'s); OLMo 2's q/k norms over the whole q and k
+    projections."""
     arch = config.architecture
     if arch == "Phi3ForCausalLM":
-        rope = config.rope
-        rotary = rope.rotary_dim(config.head_dim)
-        if rotary < 2 or rotary % 2:
-            raise ValueError(
-                f"partial_rotary_factor {rope.partial_rotary_factor} rotates {rotary} of head_dim "
-                f"{config.head_dim} features; it must rotate an even number of them, at least 2"
-            )
         return config
     if cfg.get("attention_bias", False):
         raise ValueError(f"{arch} with attention_bias=true (biases on q/k/v and o_proj) is not supported")
@@ -430,9 +439,10 @@ def _with_phi3_olmo2(config: ModelConfig, cfg: dict[str, Any]) -> ModelConfig:
     return replace(config, qk_norm=True, qk_norm_per_head=False, sliding_window=None, layer_windows=())
 
 
-def _rope_from_hf(cfg: dict[str, Any], phi3: bool = False) -> RopeConfig:
+def _rope_from_hf(cfg: dict[str, Any], phi3: bool = False, partial: bool = False) -> RopeConfig:
     """The rope of a HF config, with the defaults HF transformers' `standardize_rope_params` fills
-    in. `phi3`: Phi-3's names, where `su` and `yarn` mean LongRoPE."""
+    in. `phi3`: Phi-3's names, where `su` and `yarn` mean LongRoPE; `partial`: a family whose HF code
+    honours `partial_rotary_factor` (refused for the others)."""
     # transformers >= 5 writes `rope_parameters`; older configs use rope_theta + rope_scaling.
     params = dict(cfg.get("rope_parameters") or {})
     scaling = cfg.get("rope_scaling") or {}
@@ -443,14 +453,14 @@ def _rope_from_hf(cfg: dict[str, Any], phi3: bool = False) -> RopeConfig:
         rope_type = "longrope"
     if rope_type not in ROPE_TYPES:
         raise ValueError(f"unsupported rope scaling type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
-    partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
-    partial = 1.0 if partial is None else partial
-    if not isinstance(partial, (int, float)) or not 0 < float(partial) <= 1:
-        raise ValueError(f"partial_rotary_factor must be a number in (0, 1], got {partial!r}")
-    if float(partial) != 1.0 and not phi3:
+    share = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+    share = 1.0 if share is None else share
+    if not isinstance(share, (int, float)) or not 0 < float(share) <= 1:
+        raise ValueError(f"partial_rotary_factor must be a number in (0, 1], got {share!r}")
+    if float(share) != 1.0 and not partial:
         raise ValueError(
-            f"partial_rotary_factor={partial} (rotary on part of each head) is supported for "
-            "Phi3ForCausalLM only (HF's other families here rotate whole heads)"
+            f"partial_rotary_factor={share} (rotary on part of each head) is supported for "
+            f"{' and '.join(PARTIAL_ROTARY_ARCHITECTURES)} only (HF's other families here rotate whole heads)"
         )
     max_pos = int(cfg.get("max_position_embeddings", 2048))
     original = params.get("original_max_position_embeddings")
@@ -462,7 +472,7 @@ def _rope_from_hf(cfg: dict[str, Any], phi3: bool = False) -> RopeConfig:
         # YaRN and LongRoPE without a factor: the context's growth over the original one.
         factor = max_pos / int(original) if rope_type in ("yarn", "longrope") else 1.0
     if rope_type == "longrope":
-        _check_longrope(params, cfg, float(partial))
+        _check_longrope(params, cfg, float(share))
     attention_factor = params.get("attention_factor")
     return RopeConfig(
         theta=float(theta),
@@ -480,7 +490,7 @@ def _rope_from_hf(cfg: dict[str, Any], phi3: bool = False) -> RopeConfig:
         mscale_all_dim=params.get("mscale_all_dim"),
         short_factor=tuple(float(f) for f in params.get("short_factor") or ()),
         long_factor=tuple(float(f) for f in params.get("long_factor") or ()),
-        partial_rotary_factor=float(partial),
+        partial_rotary_factor=float(share),
     )
 
 

@@ -121,24 +121,28 @@ def rope_tables(head_dim: int, max_positions: int, rope: RopeConfig) -> tuple[to
     return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
 
 
-def partial_rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
+def partial_rotary_order(head_dim: int, rotary_dim: int, interleaved: bool = False) -> torch.Tensor:
     """Where a head's features go for rotate-half over the whole head to rotate only its first
-    `rotary_dim` (HF's partial rotary: pairs (i, i + rotary_dim / 2)): new feature j is old feature
-    order[j]. The rotated halves move to the first rotary_dim / 2 places of each half of the head,
-    the unrotated features fill the rest. Applied to the rows of q_proj and k_proj (and anything per
-    feature of q and k) at load: q . k is the same sum over the features in another order, and v,
-    hence the attention's output, is untouched."""
+    `rotary_dim` as HF does (pairs (i, i + rotary_dim / 2); `interleaved`, GLM's: pairs (2i, 2i + 1)):
+    new feature j is old feature order[j]. Each pair's two features move to places j and
+    j + head_dim / 2 (j < rotary_dim / 2, the pair's frequency), the unrotated features fill the
+    rest. Applied to the rows of q_proj and k_proj (and anything per feature of q and k) at load:
+    q . k is the same sum over the features in another order, and v, hence the attention's output,
+    is untouched."""
     half, still = rotary_dim // 2, (head_dim - rotary_dim) // 2
     r, p = torch.arange(rotary_dim), torch.arange(rotary_dim, head_dim)
-    return torch.cat((r[:half], p[:still], r[half:], p[still:]))
+    first, second = (r[0::2], r[1::2]) if interleaved else (r[:half], r[half:])
+    return torch.cat((first, p[:still], second, p[still:]))
 
 
-def to_partial_rotary_rows(rows: torch.Tensor, head_dim: int, rotary_dim: int) -> torch.Tensor:
+def to_partial_rotary_rows(
+    rows: torch.Tensor, head_dim: int, rotary_dim: int, interleaved: bool = False
+) -> torch.Tensor:
     """The rows (dim 0: heads x head_dim, e.g. a q or k projection's weight or bias) with each
     head's features in `partial_rotary_order`."""
-    if rotary_dim == head_dim:
+    if rotary_dim == head_dim and not interleaved:
         return rows
-    order = partial_rotary_order(head_dim, rotary_dim)
+    order = partial_rotary_order(head_dim, rotary_dim, interleaved)
     heads = rows.shape[0] // head_dim
     index = (torch.arange(heads).unsqueeze(1) * head_dim + order).reshape(-1)
     return rows.index_select(0, index)

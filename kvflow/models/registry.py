@@ -8,7 +8,8 @@ from kvflow.models.llama import LlamaForCausalLM
 
 def causal_lm_class(cfg: ModelConfig) -> type[LlamaForCausalLM]:
     """The Mixture-of-Experts decoder for a model with experts (Mixtral, Qwen2-MoE, Qwen3-MoE,
-    OLMoE), the Gemma decoder for Gemma 2 / 3, Phi-3's, OLMo 2's and Granite's, else the Llama decoder (Llama, Mistral, Qwen2, Qwen3)."""
+    OLMoE), the Gemma decoder for Gemma 2 / 3, Phi-3's, GLM-4's, OLMo 2's and Granite's, else the Llama
+    decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM3)."""
     if cfg.moe is not None:
         from kvflow.models.moe import MoeForCausalLM
 
@@ -17,6 +18,10 @@ def causal_lm_class(cfg: ModelConfig) -> type[LlamaForCausalLM]:
         from kvflow.models.gemma import GemmaForCausalLM
 
         return GemmaForCausalLM
+    if cfg.architecture == "Glm4ForCausalLM":
+        from kvflow.models.glm4 import Glm4ForCausalLM
+
+        return Glm4ForCausalLM
     if cfg.architecture == "Phi3ForCausalLM":
         from kvflow.models.phi3 import Phi3ForCausalLM
 

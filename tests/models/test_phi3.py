@@ -149,12 +149,12 @@ def test_refusals(phi3):
     path, _ = phi3("plain")
     base = _config(path)
     llama = {**base, "architectures": ["LlamaForCausalLM"], "model_type": "llama"}
-    with pytest.raises(ValueError, match=r"partial_rotary_factor=0\.75 .*Phi3ForCausalLM only"):
+    with pytest.raises(ValueError, match=r"partial_rotary_factor=0\.75 .*Phi3ForCausalLM and Glm4ForCausalLM only"):
         ModelConfig.from_hf_config(
             {**llama, "rope_parameters": {**base["rope_parameters"], "partial_rotary_factor": 0.75}}
         )
     with pytest.raises(
-        ValueError, match=r"partial_rotary_factor=0\.5 .*Phi3ForCausalLM only"
+        ValueError, match=r"partial_rotary_factor=0\.5 .*Phi3ForCausalLM and Glm4ForCausalLM only"
     ):  # (older configs: top level)
         ModelConfig.from_hf_config({**llama, "rope_parameters": None, "partial_rotary_factor": 0.5})
     with pytest.raises(ValueError, match=r"rotates 9 of head_dim 16 features; it must rotate an even number"):
