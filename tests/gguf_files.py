@@ -272,9 +272,11 @@ def add_folder_header(w: gguf.GGUFWriter, hf_dir: Path, cfg: dict) -> None:
 
 def write_dense_gguf(path, hf_dir, arch: str, qtype: Q = Q.F32) -> None:
     """Write the tiny dense HF model in `hf_dir` as llama.cpp's convert_hf_to_gguf writes `arch`
-    (`qwen2`: q/k/v biases; `qwen3`: per-head q/k norms, `attention.key_length`; Q/K rows as HF holds
-    them, llama.cpp rotating these the NEOX way), the projections in `qtype`, tied embeddings as
-    no `output` tensor, and the folder's byte-level BPE tokenizer padded to the vocabulary."""
+    (`qwen2`: q/k/v biases; `qwen3`: per-head q/k norms; `glm4`: the fused gate_up_proj as `ffn_up`,
+    its norms as `ffn_norm` (before the MLP), `post_attention_norm` and `post_ffw_norm`, the rotated
+    features as `rope.dimension_count`; `attention.key_length` always; Q/K rows as HF holds them,
+    llama.cpp rotating these families as HF does), the projections in `qtype`, tied embeddings as no
+    `output` tensor, and the folder's byte-level BPE tokenizer padded to the vocabulary."""
     from safetensors.numpy import load_file
 
     hf_dir = Path(hf_dir)
@@ -286,6 +288,9 @@ def write_dense_gguf(path, hf_dir, arch: str, qtype: Q = Q.F32) -> None:
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
+    rope = cfg.get("rope_parameters") or {}
+    if "partial_rotary_factor" in rope:
+        w.add_rope_dimension_count(int(head_dim * rope["partial_rotary_factor"]))
     w.add_tensor("token_embd.weight", t["model.embed_tokens.weight"])
     names = {
         "attn_q": "self_attn.q_proj",
@@ -302,6 +307,10 @@ def write_dense_gguf(path, hf_dir, arch: str, qtype: Q = Q.F32) -> None:
         "attn_q_norm": "self_attn.q_norm",
         "attn_k_norm": "self_attn.k_norm",
     }
+    if arch == "glm4":
+        del names["ffn_gate"]
+        names["ffn_up"] = "mlp.gate_up_proj"
+        norms.update({"post_attention_norm": "post_self_attn_layernorm", "post_ffw_norm": "post_mlp_layernorm"})
     for i in range(cfg["num_hidden_layers"]):
         p, m = f"blk.{i}.", f"model.layers.{i}."
         for gguf_name, hf_name in names.items():

@@ -276,6 +276,7 @@ _MOE_ARCHS: dict[str, tuple[str, str, bool]] = {
 _DENSE_ARCHS: dict[str, tuple[str, str]] = {
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "glm4": ("Glm4ForCausalLM", "glm4"),  # (llama.cpp rotates its interleaved pairs as HF: rows as stored)
     "olmo2": ("Olmo2ForCausalLM", "olmo2"),
     "phi3": ("Phi3ForCausalLM", "phi3"),
     "granite": ("GraniteForCausalLM", "granite"),
@@ -333,7 +334,7 @@ def _build_config(
             raise ValueError(f"{path}: per-layer KV head counts {n_kv} are not supported")
         n_kv = n_kv[0]
     rotary = key("rope.dimension_count")
-    if arch == "phi3":  # (Phi-4-mini rotates 96 of its 128 features: n_rot is not the head size)
+    if arch in ("phi3", "glm4"):  # (Phi-4-mini rotates 96 of its 128 features, GLM-4 half: n_rot is not the head size)
         head_dim = key("attention.key_length") or hidden // n_head
     else:
         head_dim = key("attention.key_length") or rotary or hidden // n_head
@@ -482,6 +483,22 @@ def _add_phi3(path: str, cfg: dict[str, Any], key, rope_factors: dict[str, list[
     cfg.pop("rope_scaling", None)
 
 
+# GLM-4's norms by llama.cpp's names: its ffn_norm is HF's post_attention_layernorm (before the MLP),
+# its post_attention_norm HF's post_self_attn_layernorm (on the attention output), its post_ffw_norm
+# HF's post_mlp_layernorm.
+_GLM4_NORMS = {
+    "ffn_norm": "post_attention_layernorm",
+    "post_attention_norm": "post_self_attn_layernorm",
+    "post_ffw_norm": "post_mlp_layernorm",
+}
+
+
+def _glm4_norm_name(gguf_name: str, hf: str) -> str:
+    """`hf` (the generic mapping of GGUF tensor `gguf_name`) as GLM-4 names that norm."""
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", gguf_name)
+    return f"model.layers.{m.group(1)}.{_GLM4_NORMS[m.group(2)]}.weight" if m and m.group(2) in _GLM4_NORMS else hf
+
+
 def _is_moe(meta: dict[str, Any], tensor_names: set[str], arch: str) -> bool:
     """A Mixture-of-Experts file: an expert count, expert tensors, or a MoE-only architecture."""
     return bool(
@@ -574,6 +591,8 @@ def _expected_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
         attention.update({"self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)})
     elif arch == "OlmoeForCausalLM":  # q/k norms over the whole projections
         attention.update({"self_attn.q_norm.weight": (q,), "self_attn.k_norm.weight": (kv,)})
+    elif arch == "Glm4ForCausalLM":  # a norm after each sublayer too
+        attention.update({"post_self_attn_layernorm.weight": (h,), "post_mlp_layernorm.weight": (h,)})
     elif arch == "Phi3ForCausalLM":  # q/k/v fused as stored
         for part in ("q", "k", "v"):
             del attention[f"self_attn.{part}_proj.weight"]
@@ -592,7 +611,7 @@ def _expected_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
             }
         )
     dense = {"mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f)}
-    if arch == "Phi3ForCausalLM":  # gate and up fused as stored (llama.cpp's ffn_up holds both)
+    if arch in ("Phi3ForCausalLM", "Glm4ForCausalLM"):  # gate and up fused as stored (llama.cpp's ffn_up holds both)
         dense = {"mlp.gate_up_proj.weight": (2 * f, h), "mlp.down_proj.weight": (h, f)}
     routed = dense
     if "num_experts" in cfg:
@@ -688,6 +707,9 @@ _PRE_SPLITS = {
             "jina-v5-nano",
             "dbrx",
             "smaug-bpe",
+            "chatglm-bpe",
+            "glm4",
+            "glm5",
         ),
         _LLAMA3_SPLIT,
     ),
@@ -855,7 +877,7 @@ def _index(path: str, with_tokenizer: bool) -> gguf_cache.GGUFIndex:
         raise ValueError(
             f"{path}: GGUF architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHS)} "
             "(llama dense or with experts, qwen2, qwen3, the Mixture-of-Experts qwen2moe, qwen3moe and olmoe, "
-            "olmo2, phi3, granite, gemma2 and gemma3)"
+            "olmo2, phi3, glm4, granite, gemma2 and gemma3)"
         )
 
     by_name = {t.name: t for t in reader.tensors}
@@ -887,8 +909,10 @@ def _index(path: str, with_tokenizer: bool) -> gguf_cache.GGUFIndex:
         if t.name in _IGNORED_TENSORS or (arch == "phi3" and t.name in _PHI3_ROPE_FACTORS):
             continue
         hf = _hf_name(t.name, cfg["num_hidden_layers"])
-        if arch == "phi3" and hf is not None:  # (its ffn_up is gate and up, fused)
+        if arch in ("phi3", "glm4") and hf is not None:  # (their ffn_up is gate and up, fused)
             hf = hf.replace(".mlp.up_proj.", ".mlp.gate_up_proj.")
+        if arch == "glm4" and hf is not None:
+            hf = _glm4_norm_name(t.name, hf)
         if arch in _GEMMA_ARCHS and hf is not None and t.name.endswith(".ffn_norm.weight"):
             # Gemma's ffn_norm is the norm before the feed-forward; post_attention_norm is HF's
             # post_attention_layernorm (on the attention output)

@@ -2,7 +2,8 @@
 after each sublayer, the fused gate_up_proj, q/k/v biases and rotary on half of each head in
 interleaved pairs (q/k rows reordered at load); greedy tokens through chunked prefill, preemption
 and a prefix-cache hit on each CPU attention backend, prefill logits, bfloat16 near float32, a
-LoRA adapter against peft's merged model, two tensor-parallel ranks, and the refusals."""
+LoRA adapter against peft's merged model, two tensor-parallel ranks, GGUF files (llama.cpp's
+`glm4`: F32 against HF, Q8_0 blocks against the dequantized file), and the refusals."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 from tiny_models import (
     TINY_DENSE,
     check_bfloat16_close_to_float32,
+    check_blocks_follow_floats,
     check_greedy_matches_hf,
     check_prefill_logits_match_hf,
     save_tiny_model,
@@ -26,6 +28,7 @@ from kvflow.models.glm4 import Glm4ForCausalLM
 from kvflow.models.registry import causal_lm_class
 
 from conftest import assert_no_leaks, hf_greedy
+from gguf_files import Q, write_dense_gguf
 
 MAX_TOKENS = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -113,6 +116,25 @@ def test_tensor_parallel_matches_hf(glm4):
         assert_no_leaks(llm.engine)
     finally:
         llm.shutdown()
+
+
+def test_gguf_greedy_matches_hf(glm4, tmp_path):
+    """llama.cpp's `glm4` (rows as HF holds them, `rope.dimension_count` = the rotated features, its
+    norms by llama.cpp's names): HF's greedy tokens from the F32 file; a Q8_0 file on its blocks
+    follows the same file dequantized."""
+    path, hf = glm4
+    f32 = tmp_path / "glm4.gguf"
+    write_dense_gguf(f32, path, "glm4")
+    llm = LLM(str(f32), num_kv_blocks=64, max_model_len=64, block_size=4, max_num_batched_tokens=8)
+    mc = llm.engine.model_config
+    assert mc.architecture == "Glm4ForCausalLM" and mc.rope.rotary_dim(mc.head_dim) == 8
+    prompts = shared_prefix_prompts(3, 4, 20, seed=5)
+    for p, o in zip(prompts, llm.generate(prompts, GREEDY, use_tqdm=False)):
+        assert o.outputs[0].token_ids == hf_greedy(hf, p, MAX_TOKENS)
+    assert_no_leaks(llm.engine)
+    q8 = tmp_path / "glm4-q8.gguf"
+    write_dense_gguf(q8, path, "glm4", Q.Q8_0)
+    check_blocks_follow_floats(str(q8), prompts, MAX_TOKENS)
 
 
 def test_refusals(glm4, tmp_path):
