@@ -275,7 +275,8 @@ def write_dense_gguf(path, hf_dir, arch: str, qtype: Q = Q.F32) -> None:
     (`qwen2`: q/k/v biases; `qwen3`: per-head q/k norms; `glm4`: the fused gate_up_proj as `ffn_up`,
     its norms as `ffn_norm` (before the MLP), `post_attention_norm` and `post_ffw_norm`, the rotated
     features as `rope.dimension_count`; `attention.key_length` always; Q/K rows as HF holds them,
-    llama.cpp rotating these families as HF does), the projections in `qtype`, tied embeddings as no
+    llama.cpp rotating these families as HF does, but `smollm3`'s, converted as llama's: permuted),
+    the projections in `qtype`, tied embeddings as no
     `output` tensor, and the folder's byte-level BPE tokenizer padded to the vocabulary."""
     from safetensors.numpy import load_file
 
@@ -311,10 +312,14 @@ def write_dense_gguf(path, hf_dir, arch: str, qtype: Q = Q.F32) -> None:
         del names["ffn_gate"]
         names["ffn_up"] = "mlp.gate_up_proj"
         norms.update({"post_attention_norm": "post_self_attn_layernorm", "post_ffw_norm": "post_mlp_layernorm"})
+    heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]}
     for i in range(cfg["num_hidden_layers"]):
         p, m = f"blk.{i}.", f"model.layers.{i}."
         for gguf_name, hf_name in names.items():
-            _put(w, f"{p}{gguf_name}.weight", t[f"{m}{hf_name}.weight"], qtype)
+            data = t[f"{m}{hf_name}.weight"]
+            if arch == "smollm3" and gguf_name in heads:  # (converted as llama: rows permuted)
+                data = llama_cpp_permute(data, heads[gguf_name])
+            _put(w, f"{p}{gguf_name}.weight", np.ascontiguousarray(data), qtype)
             if f"{m}{hf_name}.bias" in t:
                 w.add_tensor(f"{p}{gguf_name}.bias", t[f"{m}{hf_name}.bias"])
         for gguf_name, hf_name in norms.items():

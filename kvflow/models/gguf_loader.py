@@ -277,6 +277,9 @@ _DENSE_ARCHS: dict[str, tuple[str, str]] = {
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
     "glm4": ("Glm4ForCausalLM", "glm4"),  # (llama.cpp rotates its interleaved pairs as HF: rows as stored)
+    # SmolLM3: converted as llama (Q/K rows permuted); llama.cpp fixes its NoPE layers at every
+    # fourth (il + 1) % 4 == 0, HF's default (`no_rope_layer_interval` 4), which the config keeps.
+    "smollm3": ("SmolLM3ForCausalLM", "smollm3"),
     "olmo2": ("Olmo2ForCausalLM", "olmo2"),
     "phi3": ("Phi3ForCausalLM", "phi3"),
     "granite": ("GraniteForCausalLM", "granite"),
@@ -294,7 +297,7 @@ _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 _PHI3_ROPE_FACTORS = {"rope_factors_short.weight": "short_factor", "rope_factors_long.weight": "long_factor"}
 SUPPORTED_ARCHS = (*_MOE_ARCHS, *_DENSE_ARCHS)  # (`llama` dense or with experts)
 # Families whose Q/K rows llama.cpp permuted (its LLaMA rotary); the others use NEOX's, which is HF's.
-_PERMUTED_QK = ("LlamaForCausalLM", "MixtralForCausalLM", "GraniteForCausalLM")
+_PERMUTED_QK = ("LlamaForCausalLM", "MixtralForCausalLM", "GraniteForCausalLM", "SmolLM3ForCausalLM")
 # Granite's scalars: the HF config key each GGUF key holds (llama.cpp's names).
 _GRANITE_KEYS = {
     "embedding_scale": "embedding_multiplier",
@@ -877,7 +880,7 @@ def _index(path: str, with_tokenizer: bool) -> gguf_cache.GGUFIndex:
         raise ValueError(
             f"{path}: GGUF architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHS)} "
             "(llama dense or with experts, qwen2, qwen3, the Mixture-of-Experts qwen2moe, qwen3moe and olmoe, "
-            "olmo2, phi3, glm4, granite, gemma2 and gemma3)"
+            "olmo2, phi3, glm4, granite, smollm3, gemma2 and gemma3)"
         )
 
     by_name = {t.name: t for t in reader.tensors}

@@ -12,9 +12,11 @@ import pytest
 from tiny_models import (
     TINY_DENSE,
     check_bfloat16_close_to_float32,
+    check_blocks_follow_floats,
     check_greedy_matches_hf,
     check_prefill_logits_match_hf,
     save_tiny_model,
+    shared_prefix_prompts,
 )
 
 from kvflow.config import ModelConfig
@@ -70,3 +72,29 @@ def test_prefill_logits_match_hf(smollm3, chunk):
 
 def test_bfloat16_close_to_float32(smollm3):
     check_bfloat16_close_to_float32(smollm3[0])
+
+
+def test_gguf_greedy_matches_hf(tmp_path):
+    """llama.cpp's `smollm3` (converted as llama: Q/K rows permuted; no rotary on every fourth
+    layer, fixed in llama.cpp as HF's default): HF's greedy tokens from the F32 file; a Q8_0 file
+    on its blocks follows the same file dequantized."""
+    from kvflow import LLM, SamplingParams
+
+    from conftest import assert_no_leaks, hf_greedy
+    from gguf_files import Q, write_dense_gguf
+
+    path = tmp_path / "hf"
+    hf = make_smollm3(path)  # (full attention: llama.cpp's smollm3 has no window)
+    f32 = tmp_path / "smollm3.gguf"
+    write_dense_gguf(f32, path, "smollm3")
+    llm = LLM(str(f32), num_kv_blocks=64, max_model_len=64, block_size=4, max_num_batched_tokens=8)
+    mc = llm.engine.model_config
+    assert mc.architecture == "SmolLM3ForCausalLM" and [mc.uses_rope(i) for i in range(4)] == [True] * 3 + [False]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = shared_prefix_prompts(3, 4, 20, seed=5)
+    for p, o in zip(prompts, llm.generate(prompts, greedy, use_tqdm=False)):
+        assert o.outputs[0].token_ids == hf_greedy(hf, p, 12)
+    assert_no_leaks(llm.engine)
+    q8 = tmp_path / "smollm3-q8.gguf"
+    write_dense_gguf(q8, path, "smollm3", Q.Q8_0)
+    check_blocks_follow_floats(str(q8), prompts, 12)
