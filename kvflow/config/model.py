@@ -37,6 +37,7 @@ SUPPORTED_ARCHITECTURES = (
     *GRANITE_ARCHITECTURES,
     *GLM4_ARCHITECTURES,
     "SmolLM3ForCausalLM",
+    "Ernie4_5ForCausalLM",  # (interleaved rotary pairs: kvflow.models.ernie4_5)
 )
 # Families whose configs carry a sliding window they only use when `use_sliding_window` is set.
 _QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
@@ -214,6 +215,11 @@ class ModelConfig:
             raise ValueError(
                 "Qwen2MoeForCausalLM with use_sliding_window=true (a window on some layers only, by "
                 "max_window_layers) is not supported; kvflow runs one attention window for all layers"
+            )
+        if arch == "Ernie4_5ForCausalLM" and cfg.get("use_bias", False):
+            raise ValueError(
+                "Ernie4_5ForCausalLM with use_bias=true (biases on every projection, o_proj and the MLP "
+                "among them) is not supported; kvflow's attention takes q/k/v biases only"
             )
         if arch in ("Qwen3MoeForCausalLM", "OlmoeForCausalLM") and cfg.get("attention_bias", False):
             raise ValueError(

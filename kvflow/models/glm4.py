@@ -7,16 +7,15 @@ differences (HF transformers' modeling_glm4.py):
 * gate and up fused in the checkpoint (`mlp.gate_up_proj`, gate first), loaded as Phi-3's are;
 * rotary on the first `partial_rotary_factor` (0.5) of each head, in interleaved pairs (features
   2i and 2i + 1 at frequency i): q's and k's rows are reordered per head at load
-  (`partial_rotary_order(interleaved=True)`) so that kvflow's rotate-half, with cos 1 and sin 0
-  on the features that do not rotate, is that rotation on every attention path.
+  (kvflow.models.qk_layout) so that kvflow's rotate-half, with cos 1 and sin 0 on the features
+  that do not rotate, is that rotation on every attention path.
 
 q/k/v carry biases (`attention_bias`), o_proj none. The layers run on the per-layer path (the
 native decode pass runs the Llama layer, without the post-norms)."""
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -24,12 +23,9 @@ import torch.nn.functional as F
 from kvflow.attention.backend import AttentionBackend, AttentionMetadata, LayerKVCache
 from kvflow.config import ModelConfig
 from kvflow.layers.norm import RMSNorm
-from kvflow.layers.rotary import to_partial_rotary_rows
 from kvflow.models.llama import DecoderLayer
 from kvflow.models.phi3 import Phi3ForCausalLM
-from kvflow.quantization.gguf_blocks import BlockQuantized
-
-_QK_ROWS = re.compile(r"(?:model\.)?layers\.\d+\.self_attn\.([qk])_proj\.(?:weight|bias)")
+from kvflow.models.qk_layout import qk_rows, with_qk_rows
 
 
 class Glm4DecoderLayer(DecoderLayer):
@@ -78,25 +74,10 @@ class Glm4ForCausalLM(Phi3ForCausalLM):
         return Glm4DecoderLayer(cfg, attention, dtype, device)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().load_weights(self._rotary_rows(weights))
+        super().load_weights(with_qk_rows(self.cfg, weights, interleaved=True))
 
     def adapter_rows(self, module: str, b: torch.Tensor) -> torch.Tensor:
-        return self._rotary_order(b) if module in ("q_proj", "k_proj") else b
-
-    def _rotary_rows(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in weights:
-            if _QK_ROWS.fullmatch(name):
-                if isinstance(tensor, BlockQuantized):
-                    tensor = tensor.with_rows(self._rotary_order(tensor.data))
-                elif type(tensor) is torch.Tensor:
-                    tensor = self._rotary_order(tensor)
-                else:  # (the loader refuses GLM-4's quantized checkpoints before this)
-                    raise ValueError(f"{name}: kvflow reorders GLM-4's q/k rows in float or GGUF-block weights only")
-            yield name, tensor
-
-    def _rotary_order(self, rows: torch.Tensor) -> torch.Tensor:
-        d = self.cfg.head_dim
-        return to_partial_rotary_rows(rows, d, self.cfg.rope.rotary_dim(d), interleaved=True)
+        return qk_rows(self.cfg, b, interleaved=True) if module in ("q_proj", "k_proj") else b
 
     def apply_smoothing(self, act_amax: dict[str, torch.Tensor], alpha: float = 0.0) -> None:
         raise ValueError(

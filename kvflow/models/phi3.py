@@ -4,7 +4,7 @@ q | k | v and gate | up). Its rope (LongRoPE: `su` / `longrope` scaling) is the 
 (kvflow.layers.rotary); its sliding window, if the config sets one, the attention backends'.
 
 Phi-4-mini rotates the first 3/4 of each head only (`partial_rotary_factor`): its q and k rows are
-reordered per head at load (`to_partial_rotary_rows`) so that rotate-half over the whole head,
+reordered per head at load (kvflow.models.qk_layout) so that rotate-half over the whole head,
 with cos 1 and sin 0 on the unrotated features, is HF's rotation; every attention path runs it
 unchanged (and a LoRA adapter's q and k rows are reordered alike: `adapter_rows`)."""
 
@@ -15,8 +15,8 @@ import re
 import torch
 
 from kvflow.distributed.parallel import shard_weight
-from kvflow.layers.rotary import to_partial_rotary_rows
 from kvflow.models.llama import LlamaForCausalLM
+from kvflow.models.qk_layout import qk_rows
 from kvflow.quantization.gguf_blocks import BlockQuantized
 
 _FUSED_KEY = re.compile(r"layers\.(\d+)\.(?:self_attn\.qkv_proj|mlp\.gate_up_proj)\.(weight|bias)")
@@ -61,8 +61,7 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         return True
 
     def adapter_rows(self, module: str, b: torch.Tensor) -> torch.Tensor:
-        d = self.cfg.head_dim
-        return to_partial_rotary_rows(b, d, self.cfg.rope.rotary_dim(d)) if module in ("q_proj", "k_proj") else b
+        return qk_rows(self.cfg, b, interleaved=False) if module in ("q_proj", "k_proj") else b
 
     def _qkv_rows(self, name: str, tensor: torch.Tensor | BlockQuantized) -> tuple[int, int, int]:
         """The q, k and v rows of a whole (unsharded) fused qkv_proj; ValueError if it has others."""
@@ -76,11 +75,9 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     def _rotary_layout(self, name: str, tensor: torch.Tensor | BlockQuantized) -> torch.Tensor | BlockQuantized:
         """A fused qkv_proj weight or bias with its q and k rows in the partial rotary's order (as it
         is when every feature rotates)."""
-        d = self.cfg.head_dim
-        rotary = self.cfg.rope.rotary_dim(d)
-        if rotary == d:
+        if self.cfg.rope.rotary_dim(self.cfg.head_dim) == self.cfg.head_dim:
             return tensor
         rows = tensor.data if isinstance(tensor, BlockQuantized) else tensor  # (blocks: whole rows move)
         q, k, v = rows.split(self._qkv_rows(name, tensor), dim=0)
-        rows = torch.cat((to_partial_rotary_rows(q, d, rotary), to_partial_rotary_rows(k, d, rotary), v), dim=0)
+        rows = torch.cat((qk_rows(self.cfg, q, False), qk_rows(self.cfg, k, False), v), dim=0)
         return tensor.with_rows(rows) if isinstance(tensor, BlockQuantized) else rows
