@@ -23,6 +23,9 @@ GRANITE_ARCHITECTURES = ("GraniteForCausalLM",)
 # GLM-4 (0414): the Llama decoder with norms after attention and MLP too, fused gate/up, and
 # rotary on half of each head in interleaved pairs (kvflow.models.glm4).
 GLM4_ARCHITECTURES = ("Glm4ForCausalLM",)
+# Cohere's Command R (v1: CohereForCausalLM) and Command R7B / A (Cohere2ForCausalLM): one LayerNorm
+# feeding attention and MLP in parallel, interleaved rotary, scaled logits (kvflow.models.cohere).
+COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")
 # Families whose HF code rotates part of each head (`partial_rotary_factor`; kvflow.layers.rotary).
 PARTIAL_ROTARY_ARCHITECTURES = ("Phi3ForCausalLM", *GLM4_ARCHITECTURES)
 # SmolLM3: the Llama decoder with no rotary on some layers (NoPE; `ModelConfig.rope_layers`).
@@ -36,6 +39,7 @@ SUPPORTED_ARCHITECTURES = (
     *PHI3_OLMO2_ARCHITECTURES,
     *GRANITE_ARCHITECTURES,
     *GLM4_ARCHITECTURES,
+    *COHERE_ARCHITECTURES,
     "SmolLM3ForCausalLM",
     "Ernie4_5ForCausalLM",  # (interleaved rotary pairs: kvflow.models.ernie4_5)
 )
@@ -91,6 +95,13 @@ class GraniteConfig:
     residual_multiplier: float = 1.0
     attention_multiplier: float = 1.0
     logits_scaling: float = 1.0
+
+
+@dataclass(frozen=True)
+class CohereConfig:
+    """Cohere's scalar over its layer shape (kvflow.models.cohere): the logits times `logit_scale`."""
+
+    logit_scale: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -171,6 +182,7 @@ class ModelConfig:
     layer_windows: tuple[int | None, ...] = ()
     gemma: GemmaConfig | None = None  # Gemma 2 / 3 (kvflow.models.gemma); None: another family
     granite: GraniteConfig | None = None  # Granite (kvflow.models.granite); None: another family
+    cohere: CohereConfig | None = None  # Command R / R7B (kvflow.models.cohere); None: another family
     # Per decoder layer, whether it rotates q and k (SmolLM3's NoPE layers do not). Empty: all do.
     rope_layers: tuple[bool, ...] = ()
 
@@ -268,6 +280,8 @@ class ModelConfig:
             return replace(config, granite=_granite_from_hf(cfg))
         if arch == "SmolLM3ForCausalLM":
             return _with_smollm3(config, cfg)
+        if arch in COHERE_ARCHITECTURES:
+            return _with_cohere(config, cfg)
         return _with_gemma(config, cfg) if gemma else config
 
 
@@ -305,6 +319,48 @@ def _with_smollm3(config: ModelConfig, cfg: dict[str, Any]) -> ModelConfig:
         types = cfg.get("layer_types") or ["sliding_attention"] * n
         windows = tuple(int(cfg["sliding_window"]) if t == "sliding_attention" else None for t in types)
     return replace(config, rope_layers=tuple(bool(f) for f in flags), sliding_window=None, layer_windows=windows)
+
+
+def _with_cohere(config: ModelConfig, cfg: dict[str, Any]) -> ModelConfig:
+    """Command R (HF modeling_cohere.py) and R7B / A (modeling_cohere2.py): the LayerNorm's eps
+    (`layer_norm_eps`), `logit_scale`; Cohere 2's `layer_types`: its sliding layers attend within
+    `sliding_window` and rotate q and k, its full-attention layers do neither (NoPE)."""
+    arch = config.architecture
+    if cfg.get("use_qk_norm", False):
+        raise ValueError(f"{arch} with use_qk_norm=true (Command R+'s q/k LayerNorms) is not supported")
+    if cfg.get("attention_bias", False):
+        raise ValueError(
+            f"{arch} with attention_bias=true (biases on q/k/v and o_proj) is not supported; "
+            "kvflow's attention takes q/k/v biases only"
+        )
+    scale = float(cfg.get("logit_scale", 1.0))
+    if not scale > 0 or scale == float("inf"):
+        raise ValueError(f"{arch}: logit_scale must be a finite number > 0, got {cfg.get('logit_scale')!r}")
+    config = replace(
+        config,
+        rms_norm_eps=float(cfg.get("layer_norm_eps", 1e-5)),  # (the LayerNorm's)
+        attention_bias=False,
+        cohere=CohereConfig(logit_scale=scale),
+    )
+    if arch == "CohereForCausalLM":
+        return replace(config, sliding_window=None, layer_windows=())
+    n, window = config.num_layers, cfg.get("sliding_window")
+    types = cfg.get("layer_types")
+    if types is None:  # (older configs: every `sliding_window_pattern`-th layer global)
+        pattern = int(cfg.get("sliding_window_pattern", 4))
+        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)]
+    if len(types) != n or any(t not in ("sliding_attention", "full_attention") for t in types):
+        raise ValueError(
+            f"{arch}: layer_types must name sliding_attention or full_attention for each of the {n} layers"
+        )
+    # (HF: a layer rotates q and k exactly when it has a window)
+    local = [t == "sliding_attention" and window is not None for t in types]
+    return replace(
+        config,
+        sliding_window=None,
+        layer_windows=tuple(int(window) if w else None for w in local),
+        rope_layers=tuple(local),
+    )
 
 
 def _clip_qkv(cfg: dict[str, Any]) -> float | None:

@@ -1,4 +1,5 @@
-"""RMSNorm, computed in float32 as HF does, whatever the model dtype (kvflow.kernels.norm.rms_norm)."""
+"""RMSNorm, computed in float32 as HF does, whatever the model dtype (kvflow.kernels.norm.rms_norm);
+Gemma's offset RMSNorm; Cohere's LayerNorm without a bias."""
 
 from __future__ import annotations
 
@@ -61,3 +62,20 @@ class OffsetRMSNorm(RMSNorm):
             return rms_norm(x, w, self.eps)
         xf = x.float()
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * w).to(x.dtype)
+
+
+class LayerNorm(torch.nn.Module):
+    """LayerNorm without a bias, in float32 as HF's CohereLayerNorm: (x - mean) * rsqrt(var + eps) *
+    w, rounded to x's dtype at the end. (No native kernel fuses it: its models run it in torch.)"""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(size, dtype=dtype, device=device), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        mean = h.mean(-1, keepdim=True)
+        centred = h - mean
+        h = centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * h).to(x.dtype)

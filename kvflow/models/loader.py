@@ -114,7 +114,7 @@ def _load_hf_folder(path: Path, tokenizer_path: str | None, with_tokenizer: bool
         from kvflow.quantization.checkpoint_formats import parse_quantization_config
 
         quant = parse_quantization_config(hf_config["quantization_config"])
-        if model_config.is_moe or hf_config.get("model_type") in ("phi3", "glm4", "ernie4_5"):
+        if model_config.is_moe or hf_config.get("model_type") in ("phi3", "glm4", "ernie4_5", "cohere", "cohere2"):
             raise ValueError(
                 f"{quant.label} checkpoints of {hf_config.get('model_type')!r} models are not supported yet "
                 "(quantized HF checkpoints run for dense models with separate q/k/v and gate/up projections)"

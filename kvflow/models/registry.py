@@ -8,8 +8,8 @@ from kvflow.models.llama import LlamaForCausalLM
 
 def causal_lm_class(cfg: ModelConfig) -> type[LlamaForCausalLM]:
     """The Mixture-of-Experts decoder for a model with experts (Mixtral, Qwen2-MoE, Qwen3-MoE,
-    OLMoE), the Gemma decoder for Gemma 2 / 3, Phi-3's, GLM-4's, ERNIE 4.5's, OLMo 2's and Granite's, else the Llama
-    decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM3)."""
+    OLMoE), the Gemma decoder for Gemma 2 / 3, Cohere's, ERNIE 4.5's, GLM-4's, Phi-3's, Granite's and
+    OLMo 2's, else the Llama decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM3)."""
     if cfg.moe is not None:
         from kvflow.models.moe import MoeForCausalLM
 
@@ -18,6 +18,10 @@ def causal_lm_class(cfg: ModelConfig) -> type[LlamaForCausalLM]:
         from kvflow.models.gemma import GemmaForCausalLM
 
         return GemmaForCausalLM
+    if cfg.cohere is not None:
+        from kvflow.models.cohere import CohereForCausalLM
+
+        return CohereForCausalLM
     if cfg.architecture == "Ernie4_5ForCausalLM":
         from kvflow.models.ernie4_5 import Ernie4_5ForCausalLM
 
