@@ -277,15 +277,15 @@ def test_unsupported_tensor_type(tmp_path, qtype, tensor):
 
 
 def test_non_llama_architecture(tmp_path):
-    path = tmp_path / "qwen.gguf"
-    w = gguf.GGUFWriter(str(path), "qwen2")
+    path = tmp_path / "falcon.gguf"
+    w = gguf.GGUFWriter(str(path), "falcon")
     w.add_block_count(1)
     w.add_tensor("token_embd.weight", np.zeros((4, 32), dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    _expect_value_error(path, "'qwen2' is not supported", "supported: llama, qwen2moe, qwen3moe, olmoe")
+    _expect_value_error(path, "'falcon' is not supported", "supported: llama, qwen2moe, qwen3moe, olmoe, qwen2, qwen3")
 
 
 def test_default_model_missing(monkeypatch):
