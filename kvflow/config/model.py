@@ -16,8 +16,9 @@ MOE_ARCHITECTURES = (
 # Gemma 2 and Gemma 3 (text): their own decoder (kvflow.models.gemma); what differs is `GemmaConfig`.
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # Llama-shaped families with a twist of their own (kvflow.models.phi3, kvflow.models.olmo2): Phi-3's
-# fused checkpoint projections and LongRoPE, OLMo 2's norms after attention and MLP.
-PHI3_OLMO2_ARCHITECTURES = ("Phi3ForCausalLM", "Olmo2ForCausalLM")
+# fused checkpoint projections and LongRoPE, OLMo 2's norms after attention and MLP (OLMo 3: with
+# sliding-window layers).
+PHI3_OLMO2_ARCHITECTURES = ("Phi3ForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM")
 # IBM Granite (3.x): the Llama decoder with four scalars (kvflow.models.granite; `GraniteConfig`).
 GRANITE_ARCHITECTURES = ("GraniteForCausalLM",)
 # GLM-4 (0414): the Llama decoder with norms after attention and MLP too, fused gate/up, and
@@ -149,7 +150,6 @@ class GemmaConfig:
     query_pre_attn_scalar: float  # attention scale = query_pre_attn_scalar ** -0.5
     attn_logit_softcapping: float | None  # scores -> tanh(scores / cap) * cap before the softmax
     final_logit_softcapping: float | None  # the same on the logits
-    rope_local: RopeConfig  # the rope of sliding-window layers (Gemma 3: base 10k; Gemma 2: the global one)
 
 
 @dataclass
@@ -185,6 +185,9 @@ class ModelConfig:
     cohere: CohereConfig | None = None  # Command R / R7B (kvflow.models.cohere); None: another family
     # Per decoder layer, whether it rotates q and k (SmolLM3's NoPE layers do not). Empty: all do.
     rope_layers: tuple[bool, ...] = ()
+    # The rope of the sliding-window layers where it is not `rope` (Gemma 3: base 10k; OLMo 3: no
+    # YaRN); None: every layer rotates by `rope`.
+    rope_local: RopeConfig | None = None
 
     @property
     def is_moe(self) -> bool:
@@ -469,10 +472,12 @@ def _with_gemma(config: ModelConfig, cfg: dict[str, Any]) -> ModelConfig:
         return None if cap is None else float(cap)
 
     gemma2 = arch == "Gemma2ForCausalLM"
+    local = _gemma_local_rope(cfg, arch)
     return replace(
         config,
         sliding_window=None if window is None else int(window),
         layer_windows=windows,
+        rope_local=None if local == config.rope else local,
         qk_norm=not gemma2,  # Gemma 3: RMSNorm (1 + w) on each head of q and k
         qk_norm_per_head=True,
         gemma=GemmaConfig(
@@ -482,23 +487,45 @@ def _with_gemma(config: ModelConfig, cfg: dict[str, Any]) -> ModelConfig:
             # it to the attention: it is not applied there, so it is not here.
             attn_logit_softcapping=_cap("attn_logit_softcapping", 50.0) if gemma2 else None,
             final_logit_softcapping=_cap("final_logit_softcapping", 30.0 if gemma2 else None),
-            rope_local=_gemma_local_rope(cfg, arch),
         ),
     )
 
 
 def _with_phi3_olmo2(config: ModelConfig, cfg: dict[str, Any]) -> ModelConfig:
     """`config` with what Phi-3 and OLMo 2 read besides the Llama fields (HF transformers'
-    configuration_phi3.py / configuration_olmo2.py): nothing more for Phi-3 (its rope, where `su`
-    and `yarn` are LongRoPE, is `_rope_from_hf`'s); OLMo 2's q/k norms over the whole q and k
-    projections."""
+    configuration_phi3.py / configuration_olmo2.py / configuration_olmo3.py): nothing more for Phi-3
+    (its rope, where `su` and `yarn` are LongRoPE, is `_rope_from_hf`'s); OLMo 2's and 3's q/k norms
+    over the whole q and k projections; OLMo 3's windows and ropes per layer type."""
     arch = config.architecture
     if arch == "Phi3ForCausalLM":
         return config
     if cfg.get("attention_bias", False):
         raise ValueError(f"{arch} with attention_bias=true (biases on q/k/v and o_proj) is not supported")
-    # (HF's OLMo 2 attends to the whole context: a `sliding_window` in its config is not used)
-    return replace(config, qk_norm=True, qk_norm_per_head=False, sliding_window=None, layer_windows=())
+    config = replace(config, qk_norm=True, qk_norm_per_head=False, sliding_window=None, layer_windows=())
+    if arch == "Olmo2ForCausalLM":  # (HF's OLMo 2 attends to the whole context: a `sliding_window` is not used)
+        return config
+    # OLMo 3: `layer_types` (default: three sliding layers to one full), the sliding ones within
+    # `sliding_window`; a rope per layer type, HF putting an old config's `rope_scaling` (YaRN) on the
+    # full-attention layers only, `rope_theta` on both.
+    n, window = config.num_layers, cfg.get("sliding_window")
+    types = cfg.get("layer_types") or ["full_attention" if (i + 1) % 4 == 0 else "sliding_attention" for i in range(n)]
+    if len(types) != n or any(t not in ("sliding_attention", "full_attention") for t in types):
+        raise ValueError(
+            f"{arch}: layer_types must name sliding_attention or full_attention for each of the {n} layers"
+        )
+    params = cfg.get("rope_parameters") or {}
+    if "full_attention" in params:
+        full = {**cfg, "rope_scaling": None, "rope_parameters": params["full_attention"]}
+        local = {**cfg, "rope_scaling": None, "rope_parameters": params.get("sliding_attention")}
+    else:
+        full, local = cfg, {**cfg, "rope_scaling": None, "rope_parameters": None}
+    rope, rope_local = _rope_from_hf(full), _rope_from_hf(local)
+    return replace(
+        config,
+        layer_windows=tuple(int(window) if t == "sliding_attention" and window else None for t in types),
+        rope=rope,
+        rope_local=None if rope_local == rope else rope_local,
+    )
 
 
 def _rope_from_hf(cfg: dict[str, Any], phi3: bool = False, partial: bool = False) -> RopeConfig:

@@ -107,6 +107,8 @@ def native_decode_unsupported(model: torch.nn.Module) -> str | None:
             return why
     if cfg.gemma is not None:  # (the pass runs the Llama layer: no post-norms, GeGLU or soft-cap)
         return "Gemma layers run on the per-layer path"
+    if model.rotary_local is not None:
+        return "layers rotating by two rotary tables (local and global) run on the per-layer path"
     if not all(layer.rope for layer in model.layers):
         return "layers without rotary (SmolLM3's NoPE layers) run on the per-layer path"
     if len({layer.window for layer in model.layers}) > 1:

@@ -25,7 +25,7 @@ from kvflow.attention.backend import AttentionBackend, AttentionMetadata, LayerK
 from kvflow.config import ModelConfig
 from kvflow.distributed.parallel import TPGroup
 from kvflow.layers.norm import OffsetRMSNorm
-from kvflow.layers.rotary import RotaryEmbedding, apply_rotary_
+from kvflow.layers.rotary import apply_rotary_
 from kvflow.models.llama import DecoderLayer, LlamaForCausalLM
 
 
@@ -50,7 +50,6 @@ class GemmaDecoderLayer(DecoderLayer):
         self.q_norm = norm(cfg.head_dim) if cfg.qk_norm else None
         self.k_norm = norm(cfg.head_dim) if cfg.qk_norm else None
         self.act = _gelu_tanh if gemma.hidden_act == "gelu_pytorch_tanh" else F.silu
-        self.local_rope = False  # rotated by the model's local table (Gemma 3's sliding layers)
 
     def forward(
         self,
@@ -96,43 +95,17 @@ class GemmaForCausalLM(LlamaForCausalLM):
         if cfg.gemma is None:
             raise ValueError(f"{cfg.architecture} is not a Gemma model: it is LlamaForCausalLM's")
         super().__init__(cfg, attention, max_positions, dtype, device, tp)
-        gemma = cfg.gemma
         self.norm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         # HF: embedding * tensor(sqrt(hidden)).to(dtype), i.e. the factor rounded to the model dtype.
         self.embed_scale = torch.tensor(cfg.hidden_size**0.5, dtype=dtype, device=device)
-        # Gemma 3's sliding layers rotate by a table of their own (another base, no scaling); Gemma 2's
-        # use the global one.
-        self.rotary_local = (
-            RotaryEmbedding(cfg.head_dim, max_positions, gemma.rope_local, dtype, device)
-            if gemma.rope_local != cfg.rope
-            else None
-        )
-        for i, layer in enumerate(self.layers):
-            layer.local_rope = self.rotary_local is not None and cfg.window_of(i) is not None
 
     def _decoder_layer(
         self, index: int, cfg: ModelConfig, attention: AttentionBackend, dtype: torch.dtype, device: torch.device
     ) -> DecoderLayer:
         return GemmaDecoderLayer(cfg, attention, dtype, device)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[LayerKVCache],
-        meta: AttentionMetadata,
-        layer_meta: list[AttentionMetadata] | None = None,
-    ) -> torch.Tensor:
-        """input_ids, positions: [T] -> final hidden states [T, hidden]; `layer_meta` as
-        LlamaForCausalLM.forward's (per layer its KV group's metadata). No native decode pass:
-        `decode_pass` refuses Gemma layers."""
-        x = self.embed(input_ids) * self.embed_scale
-        rope = self.rotary.lookup(positions)
-        local = rope if self.rotary_local is None else self.rotary_local.lookup(positions)
-        for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
-            cos, sin_signed = local if layer.local_rope else rope
-            x = layer(x, cos, sin_signed, kv, meta if layer_meta is None else layer_meta[i])
-        return self.norm(x)
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return super().embed(input_ids) * self.embed_scale
 
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor | None:
         logits = super().compute_logits(hidden, float32)

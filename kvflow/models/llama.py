@@ -65,8 +65,10 @@ class DecoderLayer(torch.nn.Module):
         # Set by LlamaForCausalLM.prepare: kernels that apply the norms and the activation themselves
         # (int8, native fp32); rotary runs natively where it can (the same code as the decode pass).
         self.fused_prologue = False
-        # Whether this layer rotates q and k (set by the model: SmolLM3's NoPE layers do not)
+        # Whether this layer rotates q and k (set by the model: SmolLM3's NoPE layers do not), and
+        # whether by the model's table for sliding-window layers (`rotary_local`)
         self.rope = True
+        self.local_rope = False
         self.apply_rotary: RotaryFn = apply_rotary_
         # Set by LlamaForCausalLM.prepare: q/k norms by the native function the decode pass runs
         # (kvflow.kernels.cpu.qk_norm; float32 on the CPU's native backends), then the native rotary.
@@ -183,6 +185,14 @@ class LlamaForCausalLM(torch.nn.Module):
             None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, device)
         )
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope, dtype, device)
+        # The sliding-window layers' own table, where their rope differs (Gemma 3, OLMo 3)
+        self.rotary_local = (
+            None
+            if cfg.rope_local is None
+            else RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_local, dtype, device)
+        )
+        for i, layer in enumerate(self.layers):
+            layer.local_rope = self.rotary_local is not None and cfg.window_of(i) is not None
         self._row_parallel()  # from the start: a pass before `prepare` (int8 calibration) sums ranks too
         # The logits projection; set by `prepare` (tied models: a kernel over embed_tokens).
         self.logits_kernel: LinearKernel | None = None
@@ -353,8 +363,9 @@ class LlamaForCausalLM(torch.nn.Module):
         KV group's metadata (a hybrid KV layout: each group has its own block tables); None: `meta`
         for every layer."""
         x = self.embed(input_ids)
-        cos, sin_signed = self.rotary.lookup(positions)
-        fused = self.native_decode
+        rope = cos, sin_signed = self.rotary.lookup(positions)
+        local = rope if self.rotary_local is None else self.rotary_local.lookup(positions)
+        fused = self.native_decode  # (None where layers rotate by two tables: decode_pass)
         group = (
             self.attention.decode_group(meta)
             if fused is not None and layer_meta is None and x.shape[0] <= fused.max_rows
@@ -362,7 +373,7 @@ class LlamaForCausalLM(torch.nn.Module):
         )
         if group is None or not fused(x, cos, sin_signed, kv_caches, meta.slot_mapping, group):
             for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
-                x = layer(x, cos, sin_signed, kv, meta if layer_meta is None else layer_meta[i])
+                x = layer(x, *(local if layer.local_rope else rope), kv, meta if layer_meta is None else layer_meta[i])
         return self.norm(x)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

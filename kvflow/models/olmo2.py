@@ -1,7 +1,10 @@
 """OLMo 2 (HF `Olmo2ForCausalLM`): the Llama decoder with its norms moved. No norm before attention
 or MLP; RMSNorm on the attention output (`post_attention_layernorm`) and on the MLP output
 (`post_feedforward_layernorm`), each before its residual add; q and k RMSNormed over their whole
-projections (not per head), as OLMoE does (HF transformers' modeling_olmo2.py)."""
+projections (not per head), as OLMoE does (HF transformers' modeling_olmo2.py). OLMo 3
+(`Olmo3ForCausalLM`, modeling_olmo3.py) is the same layer with sliding-window layers beside full
+ones, each kind with its own rope (YaRN on the full layers only): `ModelConfig.layer_windows` and
+`rope_local`, which the base model serves."""
 
 from __future__ import annotations
 

@@ -374,7 +374,7 @@ class ModelRunner:
                 f"({rope.original_max_position_embeddings}), got {max_model_len}"
             )
         rotary = getattr(self.model, "rotary", None)
-        if rotary is None or not hasattr(rotary, "sin_signed"):
+        if rotary is None or not hasattr(rotary, "sin_signed") or getattr(self.model, "rotary_local", None) is not None:
             raise ValueError(
                 f"attention sinks need a model with one rotary table for every layer; "
                 f"{model_config.architecture} has none kvflow can re-rotate keys with"

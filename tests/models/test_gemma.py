@@ -98,7 +98,7 @@ def test_config_reads_as_hf_builds_it(gemma, family):
     else:
         assert windows == [WINDOW] * 5 + [None, WINDOW]
         assert (cfg.rope.theta, cfg.rope.scaling_type, cfg.rope.factor) == (1_000_000.0, "linear", 4.0)
-        assert cfg.gemma.rope_local.theta == 10_000.0 and cfg.gemma.rope_local.scaling_type == "default"
+        assert cfg.rope_local.theta == 10_000.0 and cfg.rope_local.scaling_type == "default"
         assert cfg.gemma.attn_logit_softcapping is None  # (HF's Gemma3Attention does not apply it)
 
 

@@ -165,11 +165,11 @@ def test_gguf_config_and_norms(gemma, family, tmp_path):
     assert ckpt.hf_config["tie_word_embeddings"] and "lm_head.weight" not in ckpt.tensors
     if family == "gemma2":
         assert cfg.gemma.attn_logit_softcapping == hf.config.attn_logit_softcapping and not cfg.qk_norm
-        assert cfg.rope.theta == hf.config.rope_parameters["rope_theta"] and cfg.gemma.rope_local == cfg.rope
+        assert cfg.rope.theta == hf.config.rope_parameters["rope_theta"] and cfg.rope_local is None
     else:
         assert cfg.gemma.attn_logit_softcapping is None and cfg.qk_norm
         assert (cfg.rope.theta, cfg.rope.scaling_type, cfg.rope.factor) == (1_000_000.0, "linear", 4.0)
-        assert cfg.gemma.rope_local.theta == 10_000.0 and cfg.gemma.rope_local.scaling_type == "default"
+        assert cfg.rope_local.theta == 10_000.0 and cfg.rope_local.scaling_type == "default"
     state = hf.state_dict()
     norms = [k for k in state if k.endswith("norm.weight")]
     assert norms and set(norms) <= set(ckpt.tensors)
