@@ -14,8 +14,6 @@ The layers run on the per-layer path (the native decode pass runs the Llama laye
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 import torch.nn.functional as F
 
@@ -24,7 +22,7 @@ from kvflow.config import ModelConfig
 from kvflow.distributed.parallel import TPGroup
 from kvflow.layers.norm import LayerNorm
 from kvflow.models.llama import DecoderLayer, LlamaForCausalLM
-from kvflow.models.qk_layout import qk_rows, with_qk_rows
+from kvflow.models.qk_layout import InterleavedRotaryRows
 
 
 class CohereDecoderLayer(DecoderLayer):
@@ -66,7 +64,7 @@ class CohereDecoderLayer(DecoderLayer):
         return self.o_proj.kernel(attn, residual)
 
 
-class CohereForCausalLM(LlamaForCausalLM):
+class CohereForCausalLM(InterleavedRotaryRows, LlamaForCausalLM):
     """CohereForCausalLM and Cohere2ForCausalLM (see the top of the file)."""
 
     def __init__(
@@ -87,12 +85,6 @@ class CohereForCausalLM(LlamaForCausalLM):
         self, index: int, cfg: ModelConfig, attention: AttentionBackend, dtype: torch.dtype, device: torch.device
     ) -> DecoderLayer:
         return CohereDecoderLayer(cfg, attention, dtype, device)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().load_weights(with_qk_rows(self.cfg, weights, interleaved=True))
-
-    def adapter_rows(self, module: str, b: torch.Tensor) -> torch.Tensor:
-        return qk_rows(self.cfg, b, interleaved=True) if module in ("q_proj", "k_proj") else b
 
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor | None:
         logits = super().compute_logits(hidden, float32)

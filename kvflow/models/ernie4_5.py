@@ -6,17 +6,9 @@ it is."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
-import torch
-
 from kvflow.models.llama import LlamaForCausalLM
-from kvflow.models.qk_layout import qk_rows, with_qk_rows
+from kvflow.models.qk_layout import InterleavedRotaryRows
 
 
-class Ernie4_5ForCausalLM(LlamaForCausalLM):
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().load_weights(with_qk_rows(self.cfg, weights, interleaved=True))
-
-    def adapter_rows(self, module: str, b: torch.Tensor) -> torch.Tensor:
-        return qk_rows(self.cfg, b, interleaved=True) if module in ("q_proj", "k_proj") else b
+class Ernie4_5ForCausalLM(InterleavedRotaryRows, LlamaForCausalLM):
+    """The Llama decoder, its q/k rows in the interleaved rotary's order (see the top of the file)."""

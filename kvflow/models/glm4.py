@@ -15,8 +15,6 @@ native decode pass runs the Llama layer, without the post-norms)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 import torch.nn.functional as F
 
@@ -25,7 +23,7 @@ from kvflow.config import ModelConfig
 from kvflow.layers.norm import RMSNorm
 from kvflow.models.llama import DecoderLayer
 from kvflow.models.phi3 import Phi3ForCausalLM
-from kvflow.models.qk_layout import qk_rows, with_qk_rows
+from kvflow.models.qk_layout import InterleavedRotaryRows
 
 
 class Glm4DecoderLayer(DecoderLayer):
@@ -65,19 +63,13 @@ class Glm4DecoderLayer(DecoderLayer):
         return x + self.post_self_attn_layernorm.forward(self.o_proj.kernel(attn))
 
 
-class Glm4ForCausalLM(Phi3ForCausalLM):
+class Glm4ForCausalLM(InterleavedRotaryRows, Phi3ForCausalLM):
     """GLM-4's layers; its fused gate_up_proj loaded as Phi-3's (see the top of the file)."""
 
     def _decoder_layer(
         self, index: int, cfg: ModelConfig, attention: AttentionBackend, dtype: torch.dtype, device: torch.device
     ) -> DecoderLayer:
         return Glm4DecoderLayer(cfg, attention, dtype, device)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().load_weights(with_qk_rows(self.cfg, weights, interleaved=True))
-
-    def adapter_rows(self, module: str, b: torch.Tensor) -> torch.Tensor:
-        return qk_rows(self.cfg, b, interleaved=True) if module in ("q_proj", "k_proj") else b
 
     def apply_smoothing(self, act_amax: dict[str, torch.Tensor], alpha: float = 0.0) -> None:
         raise ValueError(

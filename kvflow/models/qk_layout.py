@@ -41,3 +41,17 @@ def with_qk_rows(
                     f"{name}: kvflow reorders {cfg.architecture}'s q/k rows in float or GGUF-block weights only"
                 )
         yield name, tensor
+
+
+class InterleavedRotaryRows:
+    """For a decoder class whose HF family rotates interleaved pairs (GLM-4, ERNIE 4.5, Cohere):
+    q/k rows reordered at load, and a LoRA update's q/k rows alike. Put before the decoder class
+    it extends (`class X(InterleavedRotaryRows, LlamaForCausalLM)`)."""
+
+    cfg: ModelConfig
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(with_qk_rows(self.cfg, weights, interleaved=True))  # type: ignore[misc]
+
+    def adapter_rows(self, module: str, b: torch.Tensor) -> torch.Tensor:
+        return qk_rows(self.cfg, b, interleaved=True) if module in ("q_proj", "k_proj") else b
