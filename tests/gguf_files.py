@@ -440,3 +440,61 @@ def write_moe_gguf(
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def write_olmo2_gguf(path, hf_dir) -> None:
+    """The tiny HF OLMo 2 or 3 in `hf_dir` as llama.cpp's convert_hf_to_gguf writes it (architecture
+    `olmo2`: no `attn_norm`, `post_attention_norm` / `post_ffw_norm` on the sublayers' outputs,
+    whole-projection `attn_q_norm` / `attn_k_norm`, Q/K rows as HF holds them: NEOX rotary; OLMo 3:
+    `attention.sliding_window` with the layers' `sliding_window_pattern`, and the full layers' YaRN
+    as `rope.scaling.*`), in F32, with the folder's byte-level BPE tokenizer padded to the
+    vocabulary."""
+    from safetensors.numpy import load_file
+
+    hf_dir = Path(hf_dir)
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    t = {k: v.astype("float32") for k, v in load_file(str(hf_dir / "model.safetensors")).items()}
+    w = gguf.GGUFWriter(str(path), "olmo2")
+    w.add_name("Tiny OLMo")
+    ropes = cfg["rope_parameters"]
+    rope = ropes.get("full_attention", ropes)  # (OLMo 3: a rope per layer type; the converter writes the full one's)
+    add_folder_header(w, hf_dir, {**cfg, "rope_parameters": rope})
+    if cfg.get("sliding_window"):
+        w.add_sliding_window(cfg["sliding_window"])
+        w.add_sliding_window_pattern([kind == "sliding_attention" for kind in cfg["layer_types"]])
+        local = ropes["sliding_attention"]["rope_theta"]
+        if local != rope["rope_theta"]:  # (llama.cpp's olmo2 reads it; the converter writes none)
+            w.add_rope_freq_base_swa(local)
+    if rope.get("rope_type") == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        if rope.get("attention_factor") is not None:
+            w.add_rope_scaling_yarn_attn_factor(rope["attention_factor"])
+        if rope.get("beta_fast") is not None:
+            w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        if rope.get("beta_slow") is not None:
+            w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+    w.add_tensor("token_embd.weight", t["model.embed_tokens.weight"])
+    names = {
+        "attn_q": "self_attn.q_proj",
+        "attn_k": "self_attn.k_proj",
+        "attn_v": "self_attn.v_proj",
+        "attn_output": "self_attn.o_proj",
+        "attn_q_norm": "self_attn.q_norm",
+        "attn_k_norm": "self_attn.k_norm",
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_gate": "mlp.gate_proj",
+        "ffn_up": "mlp.up_proj",
+        "ffn_down": "mlp.down_proj",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    }
+    for i in range(cfg["num_hidden_layers"]):
+        for gguf_name, hf_name in names.items():
+            w.add_tensor(f"blk.{i}.{gguf_name}.weight", t[f"model.layers.{i}.{hf_name}.weight"])
+    w.add_tensor("output_norm.weight", t["model.norm.weight"])
+    w.add_tensor("output.weight", t["lm_head.weight"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

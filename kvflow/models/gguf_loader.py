@@ -298,6 +298,12 @@ _PHI3_ROPE_FACTORS = {"rope_factors_short.weight": "short_factor", "rope_factors
 SUPPORTED_ARCHS = (*_MOE_ARCHS, *_DENSE_ARCHS)  # (`llama` dense or with experts)
 # Families whose Q/K rows llama.cpp permuted (its LLaMA rotary); the others use NEOX's, which is HF's.
 _PERMUTED_QK = ("LlamaForCausalLM", "MixtralForCausalLM", "GraniteForCausalLM", "SmolLM3ForCausalLM")
+# YaRN's parameters: the HF rope key each GGUF key holds (llama.cpp's converter writes them).
+_YARN_KEYS = {
+    "yarn_attn_factor": "attention_factor",
+    "yarn_beta_fast": "beta_fast",
+    "yarn_beta_slow": "beta_slow",
+}
 # Granite's scalars: the HF config key each GGUF key holds (llama.cpp's names).
 _GRANITE_KEYS = {
     "embedding_scale": "embedding_multiplier",
@@ -362,6 +368,10 @@ def _build_config(
         original = key("rope.scaling.original_context_length")
         if original is not None:
             scaling["original_max_position_embeddings"] = int(original)
+        if scaling_type == "yarn":  # (the converter's keys for HF's YaRN parameters, where written)
+            for name, hf_name in _YARN_KEYS.items():
+                if key(f"rope.scaling.{name}") is not None:
+                    scaling[hf_name] = float(key(f"rope.scaling.{name}"))
         rope.update(scaling)
     if "rope_freqs.weight" in tensor_names:
         logger.warning(
@@ -408,7 +418,33 @@ def _build_config(
         _add_gemma(path, cfg, key, arch)
     if arch == "granite":
         cfg.update({hf: float(key(name)) for name, hf in _GRANITE_KEYS.items() if key(name) is not None})
+    if arch == "olmo2" and key("attention.sliding_window"):
+        _add_olmo3(cfg, key)
     return cfg
+
+
+def _add_olmo3(cfg: dict[str, Any], key) -> None:
+    """OLMo 3, which llama.cpp converts as `olmo2` with a sliding window: its layer types from
+    `attention.sliding_window_pattern` (default: every fourth layer global), the full layers' rope
+    with the file's scaling (YaRN), the sliding layers' plain (base `rope.freq_base_swa`, else the
+    same base), as llama.cpp's olmo2 graph rotates them."""
+    n = cfg["num_hidden_layers"]
+    pattern = key("attention.sliding_window_pattern")
+    if isinstance(pattern, list):
+        sliding = [bool(p) for p in pattern]
+    else:  # (an int: every pattern-th layer global; absent: 4, llama.cpp's default for olmo2)
+        period = int(pattern or 4)
+        sliding = [(i + 1) % period != 0 for i in range(n)]
+    full = cfg.pop("rope_parameters")
+    cfg.pop("rope_scaling", None)
+    local = {"rope_type": "default", "rope_theta": float(key("rope.freq_base_swa", full["rope_theta"]))}
+    cfg.update(
+        architectures=["Olmo3ForCausalLM"],
+        model_type="olmo3",
+        sliding_window=int(key("attention.sliding_window")),
+        layer_types=["sliding_attention" if s else "full_attention" for s in sliding],
+        rope_parameters={"full_attention": full, "sliding_attention": local},
+    )
 
 
 def _add_gemma(path: str, cfg: dict[str, Any], key, arch: str) -> None:
@@ -604,7 +640,10 @@ def _expected_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
         attention.update({"pre_feedforward_layernorm.weight": (h,), "post_feedforward_layernorm.weight": (h,)})
         if arch == "Gemma3ForCausalLM":
             attention.update({"self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)})
-    elif arch == "Olmo2ForCausalLM":  # no input norm; whole-projection q/k norms; a norm on each output
+    elif arch in (
+        "Olmo2ForCausalLM",
+        "Olmo3ForCausalLM",
+    ):  # no input norm; whole-projection q/k norms; a norm on each output
         del attention["input_layernorm.weight"]
         attention.update(
             {

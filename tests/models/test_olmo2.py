@@ -26,7 +26,7 @@ from kvflow.models.olmo2 import Olmo2ForCausalLM
 from kvflow.models.registry import causal_lm_class
 
 from conftest import assert_no_leaks, hf_greedy
-from gguf_files import add_folder_header
+from gguf_files import write_olmo2_gguf
 
 MAX_TOKENS = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -89,45 +89,6 @@ def test_refusals(olmo2):
     if int8_available():
         with pytest.raises(ValueError, match=r"int8 quantization does not reach Olmo2ForCausalLM"):
             LLM(path, max_model_len=32, quantization="int8")
-
-
-def write_olmo2_gguf(path, hf_dir) -> None:
-    """The tiny HF OLMo 2 in `hf_dir` as llama.cpp's convert_hf_to_gguf writes it (architecture
-    `olmo2`: no `attn_norm`, `post_attention_norm` / `post_ffw_norm` on the sublayers' outputs,
-    whole-projection `attn_q_norm` / `attn_k_norm`, Q/K rows as HF holds them: NEOX rotary), in F32,
-    with the folder's byte-level BPE tokenizer padded to the vocabulary."""
-    import gguf
-    from safetensors.numpy import load_file
-
-    hf_dir = Path(hf_dir)
-    cfg = json.loads((hf_dir / "config.json").read_text())
-    t = {k: v.astype("float32") for k, v in load_file(str(hf_dir / "model.safetensors")).items()}
-    w = gguf.GGUFWriter(str(path), "olmo2")
-    w.add_name("Tiny OLMo 2")
-    add_folder_header(w, hf_dir, cfg)
-    w.add_tensor("token_embd.weight", t["model.embed_tokens.weight"])
-    names = {
-        "attn_q": "self_attn.q_proj",
-        "attn_k": "self_attn.k_proj",
-        "attn_v": "self_attn.v_proj",
-        "attn_output": "self_attn.o_proj",
-        "attn_q_norm": "self_attn.q_norm",
-        "attn_k_norm": "self_attn.k_norm",
-        "post_attention_norm": "post_attention_layernorm",
-        "ffn_gate": "mlp.gate_proj",
-        "ffn_up": "mlp.up_proj",
-        "ffn_down": "mlp.down_proj",
-        "post_ffw_norm": "post_feedforward_layernorm",
-    }
-    for i in range(cfg["num_hidden_layers"]):
-        for gguf_name, hf_name in names.items():
-            w.add_tensor(f"blk.{i}.{gguf_name}.weight", t[f"model.layers.{i}.{hf_name}.weight"])
-    w.add_tensor("output_norm.weight", t["model.norm.weight"])
-    w.add_tensor("output.weight", t["lm_head.weight"])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
 
 
 def test_gguf_greedy_matches_hf(olmo2, tmp_path):

@@ -2,8 +2,8 @@
 layer (norms after each sublayer, whole-projection q/k norms) with three 8-token sliding-window
 layers to one full-attention layer, YaRN on the full layer's rotary only (a second table for the
 sliding ones). Greedy tokens through chunked prefill, preemption and a prefix-cache hit on each CPU
-attention backend, prefill logits past the window, bfloat16 near float32, and an old-format config
-read as HF reads it."""
+attention backend, prefill logits past the window, bfloat16 near float32, an old-format config
+read as HF reads it, and the GGUF file llama.cpp converts it to (`olmo2` with a sliding window)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from tiny_models import (
     check_greedy_matches_hf,
     check_prefill_logits_match_hf,
     save_tiny_model,
+    shared_prefix_prompts,
 )
 
 from kvflow.config import ModelConfig
@@ -71,3 +72,23 @@ def test_prefill_logits_match_hf(olmo3, chunk):
 
 def test_bfloat16_close_to_float32(olmo3):
     check_bfloat16_close_to_float32(olmo3[0])
+
+
+def test_gguf_greedy_matches_hf(olmo3, tmp_path):
+    from kvflow import LLM, SamplingParams
+
+    from conftest import assert_no_leaks, hf_greedy
+    from gguf_files import write_olmo2_gguf
+
+    path, hf = olmo3
+    gguf_path = tmp_path / "olmo3.gguf"
+    write_olmo2_gguf(gguf_path, path)
+    llm = LLM(str(gguf_path), num_kv_blocks=64, max_model_len=64, block_size=4, max_num_batched_tokens=8)
+    mc = llm.engine.model_config
+    assert mc.architecture == "Olmo3ForCausalLM" and [mc.window_of(i) for i in range(4)] == [8, 8, 8, None]
+    assert (mc.rope.scaling_type, mc.rope_local.theta) == ("yarn", 5_000.0)
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = shared_prefix_prompts(3, 4, 20, seed=5)
+    for p, o in zip(prompts, llm.generate(prompts, greedy, use_tqdm=False)):
+        assert o.outputs[0].token_ids == hf_greedy(hf, p, 12)
+    assert_no_leaks(llm.engine)
