@@ -265,7 +265,10 @@ def add_folder_header(w: gguf.GGUFWriter, hf_dir: Path, cfg: dict) -> None:
     w.add_head_count(cfg["num_attention_heads"])
     w.add_head_count_kv(cfg["num_key_value_heads"])
     w.add_rope_freq_base(float(cfg["rope_parameters"]["rope_theta"]))
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    if "layer_norm_eps" in cfg:  # (Cohere's LayerNorm)
+        w.add_layer_norm_eps(cfg["layer_norm_eps"])
+    else:
+        w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_vocab_size(cfg["vocab_size"])
     add_folder_tokenizer(w, hf_dir, cfg)
 
@@ -274,7 +277,8 @@ def write_dense_gguf(path, hf_dir, arch: str, qtype: Q = Q.F32) -> None:
     """Write the tiny dense HF model in `hf_dir` as llama.cpp's convert_hf_to_gguf writes `arch`
     (`qwen2`: q/k/v biases; `qwen3`: per-head q/k norms; `glm4`: the fused gate_up_proj as `ffn_up`,
     its norms as `ffn_norm` (before the MLP), `post_attention_norm` and `post_ffw_norm`, the rotated
-    features as `rope.dimension_count`; `attention.key_length` always; Q/K rows as HF holds them,
+    features as `rope.dimension_count`; `command-r` / `cohere2`: `logit_scale`, the LayerNorm's
+    eps, Command R7B's window and layer pattern; `attention.key_length` always; Q/K rows as HF holds them,
     llama.cpp rotating these families as HF does, but `smollm3`'s, converted as llama's: permuted),
     the projections in `qtype`, tied embeddings as no
     `output` tensor, and the folder's byte-level BPE tokenizer padded to the vocabulary."""
@@ -312,6 +316,11 @@ def write_dense_gguf(path, hf_dir, arch: str, qtype: Q = Q.F32) -> None:
         del names["ffn_gate"]
         names["ffn_up"] = "mlp.gate_up_proj"
         norms.update({"post_attention_norm": "post_self_attn_layernorm", "post_ffw_norm": "post_mlp_layernorm"})
+    if arch in ("command-r", "cohere2"):
+        w.add_logit_scale(cfg["logit_scale"])
+        if arch == "cohere2":
+            w.add_sliding_window(cfg["sliding_window"])
+            w.add_sliding_window_pattern([kind == "sliding_attention" for kind in cfg["layer_types"]])
     heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]}
     for i in range(cfg["num_hidden_layers"]):
         p, m = f"blk.{i}.", f"model.layers.{i}."

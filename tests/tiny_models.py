@@ -134,14 +134,16 @@ def check_bfloat16_close_to_float32(path: str) -> None:
     assert ((bf16 - f32).abs().amax() / f32.abs().amax()) < 0.05
 
 
-def check_blocks_follow_floats(path: str, prompts: list[list[int]], max_tokens: int = 16, tol: float = 0.08) -> None:
+def check_blocks_follow_floats(
+    path: str, prompts: list[list[int]], max_tokens: int = 16, tol: float = 0.08, num_kv_blocks: int = 64
+) -> None:
     """A GGUF file with quantized projections run on its blocks against the same file dequantized
     to float: every step's logprobs within `tol` (the blocks' int8 rounding of the inputs: up to
     ~0.04 seen on the tiny models), the tokens the same up to a step whose two best were that close."""
     from kvflow import LLM, SamplingParams
 
     # (float32 K/V on both: the block path's bfloat16 default is not what is compared here)
-    opts = dict(num_kv_blocks=64, max_model_len=64, block_size=4, kv_cache_dtype="float32")
+    opts = dict(num_kv_blocks=num_kv_blocks, max_model_len=64, block_size=4, kv_cache_dtype="float32")
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
     outs = {}
     for weights in ("native", "dequantize"):

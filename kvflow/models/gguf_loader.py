@@ -280,6 +280,9 @@ _DENSE_ARCHS: dict[str, tuple[str, str]] = {
     # SmolLM3: converted as llama (Q/K rows permuted); llama.cpp fixes its NoPE layers at every
     # fourth (il + 1) % 4 == 0, HF's default (`no_rope_layer_interval` 4), which the config keeps.
     "smollm3": ("SmolLM3ForCausalLM", "smollm3"),
+    # Cohere (rows as stored: llama.cpp rotates their interleaved pairs as HF does)
+    "command-r": ("CohereForCausalLM", "cohere"),
+    "cohere2": ("Cohere2ForCausalLM", "cohere2"),
     "olmo2": ("Olmo2ForCausalLM", "olmo2"),
     "phi3": ("Phi3ForCausalLM", "phi3"),
     "granite": ("GraniteForCausalLM", "granite"),
@@ -420,7 +423,20 @@ def _build_config(
         cfg.update({hf: float(key(name)) for name, hf in _GRANITE_KEYS.items() if key(name) is not None})
     if arch == "olmo2" and key("attention.sliding_window"):
         _add_olmo3(cfg, key)
+    if arch in ("command-r", "cohere2"):
+        _add_cohere(cfg, key, arch)
     return cfg
+
+
+def _add_cohere(cfg: dict[str, Any], key, arch: str) -> None:
+    """Command R's keys (`logit_scale`, the LayerNorm's `attention.layer_norm_epsilon`) and Command
+    R7B's (`cohere2`) window: its sliding layers by `attention.sliding_window_pattern`, else every
+    fourth layer global, as llama.cpp reads them."""
+    cfg["logit_scale"] = float(key("logit_scale", 1.0))
+    cfg["layer_norm_eps"] = float(key("attention.layer_norm_epsilon", 1e-5))
+    if arch == "cohere2":
+        cfg["sliding_window"] = int(key("attention.sliding_window", required=True))
+        cfg["layer_types"] = _layer_types(cfg["num_hidden_layers"], key("attention.sliding_window_pattern"))
 
 
 def _add_olmo3(cfg: dict[str, Any], key) -> None:
@@ -428,13 +444,6 @@ def _add_olmo3(cfg: dict[str, Any], key) -> None:
     `attention.sliding_window_pattern` (default: every fourth layer global), the full layers' rope
     with the file's scaling (YaRN), the sliding layers' plain (base `rope.freq_base_swa`, else the
     same base), as llama.cpp's olmo2 graph rotates them."""
-    n = cfg["num_hidden_layers"]
-    pattern = key("attention.sliding_window_pattern")
-    if isinstance(pattern, list):
-        sliding = [bool(p) for p in pattern]
-    else:  # (an int: every pattern-th layer global; absent: 4, llama.cpp's default for olmo2)
-        period = int(pattern or 4)
-        sliding = [(i + 1) % period != 0 for i in range(n)]
     full = cfg.pop("rope_parameters")
     cfg.pop("rope_scaling", None)
     local = {"rope_type": "default", "rope_theta": float(key("rope.freq_base_swa", full["rope_theta"]))}
@@ -442,9 +451,19 @@ def _add_olmo3(cfg: dict[str, Any], key) -> None:
         architectures=["Olmo3ForCausalLM"],
         model_type="olmo3",
         sliding_window=int(key("attention.sliding_window")),
-        layer_types=["sliding_attention" if s else "full_attention" for s in sliding],
+        layer_types=_layer_types(cfg["num_hidden_layers"], key("attention.sliding_window_pattern")),
         rope_parameters={"full_attention": full, "sliding_attention": local},
     )
+
+
+def _layer_types(n: int, pattern: Any) -> list[str]:
+    """HF's `layer_types` from llama.cpp's `attention.sliding_window_pattern`: a bool per layer (true:
+    sliding), or an int (every pattern-th layer global); absent, 4 (its default for these models)."""
+    if isinstance(pattern, list):
+        sliding = [bool(p) for p in pattern]
+    else:
+        sliding = [(i + 1) % int(pattern or 4) != 0 for i in range(n)]
+    return ["sliding_attention" if s else "full_attention" for s in sliding]
 
 
 def _add_gemma(path: str, cfg: dict[str, Any], key, arch: str) -> None:
@@ -630,6 +649,8 @@ def _expected_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
         attention.update({"self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)})
     elif arch == "OlmoeForCausalLM":  # q/k norms over the whole projections
         attention.update({"self_attn.q_norm.weight": (q,), "self_attn.k_norm.weight": (kv,)})
+    elif arch in ("CohereForCausalLM", "Cohere2ForCausalLM"):  # one norm feeding both sublayers
+        del attention["post_attention_layernorm.weight"]
     elif arch == "Glm4ForCausalLM":  # a norm after each sublayer too
         attention.update({"post_self_attn_layernorm.weight": (h,), "post_mlp_layernorm.weight": (h,)})
     elif arch == "Phi3ForCausalLM":  # q/k/v fused as stored
@@ -735,6 +756,8 @@ _O200K_SPLIT = (
     r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
     r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# `tokenizer.ggml.pre` values that split off every digit before GPT-2's split (Cohere's Command R).
+_DIGITS_FIRST = ("command-r",)
 _PRE_SPLITS = {
     **dict.fromkeys(
         (
@@ -795,8 +818,16 @@ def _build_tokenizer(path: str, meta: dict[str, Any]):
         )
     except Exception as e:  # tokenizers raises plain Exception for merges outside the vocab
         raise ValueError(f"{path}: inconsistent tokenizer vocabulary/merges: {e}") from e
-    split = _PRE_SPLITS.get(meta.get("tokenizer.ggml.pre"))
-    if split is None:
+    pre = meta.get("tokenizer.ggml.pre")
+    split = _PRE_SPLITS.get(pre)
+    if pre in _DIGITS_FIRST:  # (each digit alone, then GPT-2's split: llama.cpp's two regexes)
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        )
+    elif split is None:
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     else:
         backend.pre_tokenizer = pre_tokenizers.Sequence(
@@ -919,7 +950,7 @@ def _index(path: str, with_tokenizer: bool) -> gguf_cache.GGUFIndex:
         raise ValueError(
             f"{path}: GGUF architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHS)} "
             "(llama dense or with experts, qwen2, qwen3, the Mixture-of-Experts qwen2moe, qwen3moe and olmoe, "
-            "olmo2, phi3, glm4, granite, smollm3, gemma2 and gemma3)"
+            "olmo2, phi3, glm4, granite, smollm3, command-r, cohere2, gemma2 and gemma3)"
         )
 
     by_name = {t.name: t for t in reader.tensors}

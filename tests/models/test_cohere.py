@@ -3,7 +3,9 @@ transformers on the same tiny random weights: one LayerNorm feeding attention an
 interleaved rotary (q/k rows reordered at load), Cohere 2's sliding layers beside global ones
 without rotary, the logits scaled, tied embeddings; greedy tokens through chunked prefill,
 preemption and a prefix-cache hit on each CPU attention backend, prefill logits, bfloat16 near
-float32, a LoRA adapter against peft's merged model, two tensor-parallel ranks, and the refusals."""
+float32, a LoRA adapter against peft's merged model, two tensor-parallel ranks, GGUF files
+(llama.cpp's `command-r` and `cohere2`: F32 against HF, Q8_0 blocks against the dequantized
+file), and the refusals."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import pytest
 from tiny_models import (
     TINY_DENSE,
     check_bfloat16_close_to_float32,
+    check_blocks_follow_floats,
     check_greedy_matches_hf,
     check_prefill_logits_match_hf,
     save_tiny_model,
@@ -26,6 +29,7 @@ from kvflow.models.cohere import CohereForCausalLM
 from kvflow.models.registry import causal_lm_class
 
 from conftest import assert_no_leaks, hf_greedy
+from gguf_files import Q, write_dense_gguf
 
 MAX_TOKENS = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -115,6 +119,24 @@ def test_tensor_parallel_matches_hf(cohere):
         assert_no_leaks(llm.engine)
     finally:
         llm.shutdown()
+
+
+def test_gguf_greedy_matches_hf(cohere, tmp_path):
+    path, hf = cohere
+    arch = {"cohere": "command-r", "cohere2": "cohere2"}[hf.config.model_type]
+    f32 = tmp_path / f"{arch}.gguf"
+    write_dense_gguf(f32, path, arch)
+    llm = LLM(str(f32), num_kv_blocks=128, max_model_len=64, block_size=4, max_num_batched_tokens=8)
+    mc = llm.engine.model_config
+    assert mc.architecture == type(hf).__name__ and mc.cohere.logit_scale == hf.config.logit_scale
+    assert [mc.window_of(i) for i in range(4)] == ([8, 8, 8, None] if arch == "cohere2" else [None] * 4)
+    prompts = shared_prefix_prompts(3, 4, 20, seed=5)
+    for p, o in zip(prompts, llm.generate(prompts, GREEDY, use_tqdm=False)):
+        assert o.outputs[0].token_ids == hf_greedy(hf, p, MAX_TOKENS)
+    assert_no_leaks(llm.engine)
+    q8 = tmp_path / f"{arch}-q8.gguf"
+    write_dense_gguf(q8, path, arch, Q.Q8_0)
+    check_blocks_follow_floats(str(q8), prompts, MAX_TOKENS, num_kv_blocks=128)  # (R7B: blocks per window group)
 
 
 def test_refusals(cohere):

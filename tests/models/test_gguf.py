@@ -106,6 +106,20 @@ def _assert_same_tokenizer(ours, theirs, texts=TEXTS) -> None:
 # --------------------------------------------------------------------------------------------------
 
 
+def test_command_r_pre_splits_digits_as_llama_cpp(tmp_path):
+    """`tokenizer.ggml.pre` "command-r": llama.cpp's two regexes in turn -- every digit alone, then
+    GPT-2's split -- computed here with `regex`, against the pieces the loaded tokenizer's
+    pre-tokenizer makes (ASCII text: only the space is shown as another byte, Ġ)."""
+    import regex
+
+    write_tiny(tmp_path / "cr.gguf", tied=True, pre="command-r", add_bos=False)
+    pre = load_gguf(tmp_path / "cr.gguf").tokenizer.backend_tokenizer.pre_tokenizer
+    gpt2 = regex.compile(r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+")
+    for text in ("In 2024 we sold 12345 units, 3.5x more", "x1y22 z 007", "no digits here"):
+        expected = [p for part in regex.split(r"(\p{N})", text) if part for p in gpt2.findall(part)]
+        assert [piece.replace("\u0120", " ") for piece, _ in pre.pre_tokenize_str(text)] == expected
+
+
 @pytest.mark.parametrize(
     "tied,pre,add_bos",
     [(True, "smollm", False), (False, "llama-bpe", True)],
