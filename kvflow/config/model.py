@@ -342,7 +342,6 @@ def _with_cohere(config: ModelConfig, cfg: dict[str, Any]) -> ModelConfig:
     config = replace(
         config,
         rms_norm_eps=float(cfg.get("layer_norm_eps", 1e-5)),  # (the LayerNorm's)
-        attention_bias=False,
         cohere=CohereConfig(logit_scale=scale),
     )
     if arch == "CohereForCausalLM":
