@@ -316,6 +316,8 @@ def write_dense_gguf(path, hf_dir, arch: str, qtype: Q = Q.F32) -> None:
         del names["ffn_gate"]
         names["ffn_up"] = "mlp.gate_up_proj"
         norms.update({"post_attention_norm": "post_self_attn_layernorm", "post_ffw_norm": "post_mlp_layernorm"})
+    if arch == "seed_oss":  # (the converter names its pre-MLP norm post_attention_norm)
+        norms["post_attention_norm"] = norms.pop("ffn_norm")
     if arch in ("command-r", "cohere2"):
         w.add_logit_scale(cfg["logit_scale"])
         if arch == "cohere2":

@@ -42,6 +42,8 @@ SUPPORTED_ARCHITECTURES = (
     *GLM4_ARCHITECTURES,
     *COHERE_ARCHITECTURES,
     "SmolLM3ForCausalLM",
+    "MinistralForCausalLM",  # (Mistral with a window per layer type)
+    "SeedOssForCausalLM",  # (Llama with q/k/v biases)
     "Ernie4_5ForCausalLM",  # (interleaved rotary pairs: kvflow.models.ernie4_5)
 )
 # Families whose configs carry a sliding window they only use when `use_sliding_window` is set.
@@ -231,6 +233,13 @@ class ModelConfig:
                 "Qwen2MoeForCausalLM with use_sliding_window=true (a window on some layers only, by "
                 "max_window_layers) is not supported; kvflow runs one attention window for all layers"
             )
+        if arch == "SeedOssForCausalLM":
+            for name in ("attention_out_bias", "mlp_bias"):
+                if cfg.get(name, False):
+                    raise ValueError(
+                        f"SeedOssForCausalLM with {name}=true (biases on o_proj or the MLP) is not supported; "
+                        "kvflow's attention takes q/k/v biases only"
+                    )
         if arch == "Ernie4_5ForCausalLM" and cfg.get("use_bias", False):
             raise ValueError(
                 "Ernie4_5ForCausalLM with use_bias=true (biases on every projection, o_proj and the MLP "
@@ -244,7 +253,8 @@ class ModelConfig:
         if arch == "Qwen2MoeForCausalLM":
             qkv_bias = bool(cfg.get("qkv_bias", True))  # Qwen2-MoE names its q/k/v bias qkv_bias
         else:
-            qkv_bias = arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False))
+            # (Seed-OSS's config class defaults attention_bias to true)
+            qkv_bias = arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", arch == "SeedOssForCausalLM"))
         config = cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -285,6 +295,8 @@ class ModelConfig:
             return _with_smollm3(config, cfg)
         if arch in COHERE_ARCHITECTURES:
             return _with_cohere(config, cfg)
+        if arch == "MinistralForCausalLM":
+            return _with_ministral(config, cfg)
         return _with_gemma(config, cfg) if gemma else config
 
 
@@ -363,6 +375,19 @@ def _with_cohere(config: ModelConfig, cfg: dict[str, Any]) -> ModelConfig:
         layer_windows=tuple(int(window) if w else None for w in local),
         rope_layers=tuple(local),
     )
+
+
+def _with_ministral(config: ModelConfig, cfg: dict[str, Any]) -> ModelConfig:
+    """Ministral (HF modeling_ministral.py): Mistral whose `layer_types` say which layers attend
+    within `sliding_window` (the others to the whole context)."""
+    n, window = config.num_layers, cfg.get("sliding_window")
+    types = cfg.get("layer_types") or ["sliding_attention"] * n
+    if len(types) != n or any(t not in ("sliding_attention", "full_attention") for t in types):
+        raise ValueError(
+            f"MinistralForCausalLM: layer_types must name sliding_attention or full_attention for each of the {n} layers"
+        )
+    windows = tuple(int(window) if t == "sliding_attention" and window else None for t in types)
+    return replace(config, sliding_window=None, layer_windows=windows)
 
 
 def _clip_qkv(cfg: dict[str, Any]) -> float | None:

@@ -280,6 +280,8 @@ _DENSE_ARCHS: dict[str, tuple[str, str]] = {
     # SmolLM3: converted as llama (Q/K rows permuted); llama.cpp fixes its NoPE layers at every
     # fourth (il + 1) % 4 == 0, HF's default (`no_rope_layer_interval` 4), which the config keeps.
     "smollm3": ("SmolLM3ForCausalLM", "smollm3"),
+    # Seed-OSS: its pre-MLP norm is llama.cpp's post_attention_norm (HF's post_attention_layernorm)
+    "seed_oss": ("SeedOssForCausalLM", "seed_oss"),
     # Cohere (rows as stored: llama.cpp rotates their interleaved pairs as HF does)
     "command-r": ("CohereForCausalLM", "cohere"),
     "cohere2": ("Cohere2ForCausalLM", "cohere2"),
@@ -950,7 +952,7 @@ def _index(path: str, with_tokenizer: bool) -> gguf_cache.GGUFIndex:
         raise ValueError(
             f"{path}: GGUF architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHS)} "
             "(llama dense or with experts, qwen2, qwen3, the Mixture-of-Experts qwen2moe, qwen3moe and olmoe, "
-            "olmo2, phi3, glm4, granite, smollm3, command-r, cohere2, gemma2 and gemma3)"
+            "olmo2, phi3, glm4, granite, smollm3, seed_oss, command-r, cohere2, gemma2 and gemma3)"
         )
 
     by_name = {t.name: t for t in reader.tensors}
