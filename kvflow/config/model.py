@@ -18,7 +18,7 @@ GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # Llama-shaped families with a twist of their own (kvflow.models.phi3, kvflow.models.olmo2): Phi-3's
 # fused checkpoint projections and LongRoPE, OLMo 2's norms after attention and MLP (OLMo 3: with
 # sliding-window layers).
-PHI3_OLMO2_ARCHITECTURES = ("Phi3ForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM")
+PHI3_OLMO2_ARCHITECTURES = ("Phi3ForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "Exaone4ForCausalLM")
 # IBM Granite (3.x): the Llama decoder with four scalars (kvflow.models.granite; `GraniteConfig`).
 GRANITE_ARCHITECTURES = ("GraniteForCausalLM",)
 # GLM-4 (0414): the Llama decoder with norms after attention and MLP too, fused gate/up, and
@@ -377,6 +377,29 @@ def _with_cohere(config: ModelConfig, cfg: dict[str, Any]) -> ModelConfig:
     )
 
 
+def _with_exaone4(config: ModelConfig, cfg: dict[str, Any]) -> ModelConfig:
+    """EXAONE 4 (HF modeling_exaone4.py): OLMo 2's layer with q/k norms per head; with a
+    `sliding_window`, `layer_types` (else `sliding_window_pattern`: every n-th layer global, or a
+    string of L / G) put the local layers in the window, and only they rotate q and k."""
+    n, window = config.num_layers, cfg.get("sliding_window")
+    config = replace(config, qk_norm_per_head=True)
+    if not window:
+        return config
+    types = cfg.get("layer_types")
+    if types is None:
+        pattern = cfg.get("sliding_window_pattern", 4)
+        if isinstance(pattern, str):
+            types = ["sliding_attention" if pattern[i % len(pattern)] == "L" else "full_attention" for i in range(n)]
+        else:
+            types = ["sliding_attention" if (i + 1) % int(pattern) != 0 else "full_attention" for i in range(n)]
+    if len(types) != n or any(t not in ("sliding_attention", "full_attention") for t in types):
+        raise ValueError(
+            f"Exaone4ForCausalLM: layer_types must name sliding_attention or full_attention for each of the {n} layers"
+        )
+    local = [t == "sliding_attention" for t in types]
+    return replace(config, layer_windows=tuple(int(window) if w else None for w in local), rope_layers=tuple(local))
+
+
 def _with_ministral(config: ModelConfig, cfg: dict[str, Any]) -> ModelConfig:
     """Ministral (HF modeling_ministral.py): Mistral whose `layer_types` say which layers attend
     within `sliding_window` (the others to the whole context)."""
@@ -528,6 +551,8 @@ def _with_phi3_olmo2(config: ModelConfig, cfg: dict[str, Any]) -> ModelConfig:
     config = replace(config, qk_norm=True, qk_norm_per_head=False, sliding_window=None, layer_windows=())
     if arch == "Olmo2ForCausalLM":  # (HF's OLMo 2 attends to the whole context: a `sliding_window` is not used)
         return config
+    if arch == "Exaone4ForCausalLM":
+        return _with_exaone4(config, cfg)
     # OLMo 3: `layer_types` (default: three sliding layers to one full), the sliding ones within
     # `sliding_window`; a rope per layer type, HF putting an old config's `rope_scaling` (YaRN) on the
     # full-attention layers only, `rope_theta` on both.

@@ -4,7 +4,8 @@ or MLP; RMSNorm on the attention output (`post_attention_layernorm`) and on the 
 projections (not per head), as OLMoE does (HF transformers' modeling_olmo2.py). OLMo 3
 (`Olmo3ForCausalLM`, modeling_olmo3.py) is the same layer with sliding-window layers beside full
 ones, each kind with its own rope (YaRN on the full layers only): `ModelConfig.layer_windows` and
-`rope_local`, which the base model serves."""
+`rope_local`, which the base model serves. EXAONE 4 (`Exaone4ForCausalLM`, modeling_exaone4.py)
+is the same layer with q/k norms per head, and no rotary on its global layers (`rope_layers`)."""
 
 from __future__ import annotations
 
@@ -54,7 +55,16 @@ class Olmo2DecoderLayer(DecoderLayer):
         qkv = self.qkv_proj.kernel(x)  # [T, q | k | v], from the un-normed hidden state
         heads = self.num_heads + self.num_kv_heads
         qk = qkv[:, : self.q_size + self.kv_size].view(t, heads, self.head_dim)
-        apply_rotary_(self._whole_qk_norm(qkv, t, heads), cos, sin_signed, out=qk)
+        if self.qk_norm_per_head:  # (EXAONE 4)
+            normed = torch.cat(
+                (self.q_norm.forward(qk[:, : self.num_heads]), self.k_norm.forward(qk[:, self.num_heads :])), dim=1
+            )
+        else:
+            normed = self._whole_qk_norm(qkv, t, heads)
+        if self.rope:
+            apply_rotary_(normed, cos, sin_signed, out=qk)
+        else:  # (EXAONE 4's global layers: no rotary)
+            qk.copy_(normed)
         kv = qkv[:, self.q_size :].view(t, 2, self.num_kv_heads, self.head_dim)
         q = qk[:, : self.num_heads]
         attn = self.attention.forward(q, kv, kv_cache, meta, self.scale, window=self.window, softcap=self.softcap)
@@ -73,7 +83,7 @@ class Olmo2ForCausalLM(LlamaForCausalLM):
         device: torch.device,
         tp: TPGroup | None = None,
     ) -> None:
-        if tp is not None and tp.size > 1:
+        if tp is not None and tp.size > 1 and not cfg.qk_norm_per_head:
             # q/k norms over the whole projections would need every rank's heads (an all-reduce
             # of the sums of squares per layer); not there yet.
             raise ValueError(

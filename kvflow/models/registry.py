@@ -9,7 +9,7 @@ from kvflow.models.llama import LlamaForCausalLM
 def causal_lm_class(cfg: ModelConfig) -> type[LlamaForCausalLM]:
     """The Mixture-of-Experts decoder for a model with experts (Mixtral, Qwen2-MoE, Qwen3-MoE,
     OLMoE), the Gemma decoder for Gemma 2 / 3, Cohere's, ERNIE 4.5's, GLM-4's, Phi-3's, Granite's and
-    OLMo 2 / 3's, else the Llama decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM3)."""
+    OLMo 2 / 3's (and EXAONE 4's), else the Llama decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM3)."""
     if cfg.moe is not None:
         from kvflow.models.moe import MoeForCausalLM
 
@@ -38,7 +38,7 @@ def causal_lm_class(cfg: ModelConfig) -> type[LlamaForCausalLM]:
         from kvflow.models.granite import GraniteForCausalLM
 
         return GraniteForCausalLM
-    if cfg.architecture in ("Olmo2ForCausalLM", "Olmo3ForCausalLM"):
+    if cfg.architecture in ("Olmo2ForCausalLM", "Olmo3ForCausalLM", "Exaone4ForCausalLM"):
         from kvflow.models.olmo2 import Olmo2ForCausalLM
 
         return Olmo2ForCausalLM
