@@ -14,7 +14,7 @@ MOE_ARCHITECTURES = (
     "OlmoeForCausalLM",
 )
 # Gemma 2 and Gemma 3 (text): their own decoder (kvflow.models.gemma); what differs is `GemmaConfig`.
-GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+GEMMA_ARCHITECTURES = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # Llama-shaped families with a twist of their own (kvflow.models.phi3, kvflow.models.olmo2): Phi-3's
 # fused checkpoint projections and LongRoPE, OLMo 2's norms after attention and MLP (OLMo 3: with
 # sliding-window layers).
@@ -143,15 +143,16 @@ class MoeConfig:
 
 @dataclass(frozen=True)
 class GemmaConfig:
-    """What Gemma 2 / Gemma 3 change in the Llama shape (HF transformers' modeling_gemma2.py and
-    modeling_gemma3.py): GeGLU, the attention scale, soft-capping, and (Gemma 3) a rope of its own
-    for the sliding-window layers. Norms are x * (1 + w), with post-attention and pre/post
-    feed-forward norms; embeddings are scaled by sqrt(hidden_size)."""
+    """What Gemma (1, 2, 3) changes in the Llama shape (HF transformers' modeling_gemma.py,
+    modeling_gemma2.py and modeling_gemma3.py): GeGLU, the attention scale, soft-capping (Gemma 2).
+    Norms are x * (1 + w), Gemma 2 / 3 with post-attention and pre/post feed-forward norms;
+    embeddings are scaled by sqrt(hidden_size)."""
 
     hidden_act: str  # the feed-forward's gate activation: gelu_pytorch_tanh (or silu)
     query_pre_attn_scalar: float  # attention scale = query_pre_attn_scalar ** -0.5
-    attn_logit_softcapping: float | None  # scores -> tanh(scores / cap) * cap before the softmax
-    final_logit_softcapping: float | None  # the same on the logits
+    attn_logit_softcapping: float | None = None  # scores -> tanh(scores / cap) * cap before the softmax
+    final_logit_softcapping: float | None = None  # the same on the logits
+    post_norms: bool = True  # Gemma 2 / 3's norms after the attention and the feed-forward (Gemma 1: none)
 
 
 @dataclass
@@ -490,6 +491,8 @@ def _with_gemma(config: ModelConfig, cfg: dict[str, Any]) -> ModelConfig:
     `layer_types` (or HF's defaults: Gemma 2 alternates sliding / full from layer 0, Gemma 3 has
     `sliding_window_pattern` - 1 sliding layers to one full), q/k norms (Gemma 3) and `GemmaConfig`."""
     arch = config.architecture
+    if arch == "GemmaForCausalLM":
+        return _with_gemma1(config, cfg)
     # HF reads `hidden_activation` (default gelu_pytorch_tanh) and ignores `hidden_act`.
     act = cfg.get("hidden_activation") or "gelu_pytorch_tanh"
     if act not in GEMMA_ACTIVATIONS:
@@ -535,6 +538,26 @@ def _with_gemma(config: ModelConfig, cfg: dict[str, Any]) -> ModelConfig:
             attn_logit_softcapping=_cap("attn_logit_softcapping", 50.0) if gemma2 else None,
             final_logit_softcapping=_cap("final_logit_softcapping", 30.0 if gemma2 else None),
         ),
+    )
+
+
+def _with_gemma1(config: ModelConfig, cfg: dict[str, Any]) -> ModelConfig:
+    """Gemma (1; HF modeling_gemma.py): the Llama layer with Gemma's (1 + w) norms, GeGLU and scaled
+    embeddings -- no post-norms, window, soft-caps or q/k norms; the attention scaled by head_dim.
+    HF reads `hidden_act`, its legacy "gelu" meaning the tanh approximation."""
+    act = cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    act = "gelu_pytorch_tanh" if act == "gelu" else act
+    if act not in GEMMA_ACTIVATIONS:
+        raise ValueError(
+            f"unsupported hidden_act {act!r} for GemmaForCausalLM; supported: {', '.join(GEMMA_ACTIVATIONS)}"
+        )
+    if cfg.get("attention_bias", False):
+        raise ValueError("GemmaForCausalLM with attention_bias=true (a bias on o_proj too) is not supported")
+    return replace(
+        config,
+        sliding_window=None,
+        layer_windows=(),
+        gemma=GemmaConfig(hidden_act=act, query_pre_attn_scalar=float(config.head_dim), post_norms=False),
     )
 
 

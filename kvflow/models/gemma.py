@@ -1,5 +1,6 @@
 """Gemma 2 and Gemma 3 (text): the Llama decoder with Gemma's differences, following HF
-transformers' modeling_gemma2.py / modeling_gemma3.py step by step:
+transformers' modeling_gemma2.py / modeling_gemma3.py step by step (Gemma 1, modeling_gemma.py:
+the embeddings' scale, the (1 + w) norms and GeGLU only, in the Llama layer's places):
 
 * embeddings scaled by sqrt(hidden_size), that factor rounded to the model dtype first;
 * RMSNorm as x * (1 + w) in float32 (`OffsetRMSNorm`), with a norm after the attention and
@@ -80,8 +81,32 @@ class GemmaDecoderLayer(DecoderLayer):
         return x + self.post_feedforward_layernorm.forward(self.down_proj.kernel(self.act(gate) * up))
 
 
+class Gemma1DecoderLayer(DecoderLayer):
+    """Gemma (1)'s layer: the Llama layer with (1 + w) norms and GeGLU -- the attention half is the
+    Llama layer's (its fused norm prologue multiplies by 1 + w), the feed-forward computed plainly."""
+
+    def __init__(self, cfg: ModelConfig, attention: AttentionBackend, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__(cfg, attention, dtype, device)
+        self.scale = cfg.gemma.query_pre_attn_scalar**-0.5
+        self.input_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.post_attention_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.act = _gelu_tanh if cfg.gemma.hidden_act == "gelu_pytorch_tanh" else F.silu
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin_signed: torch.Tensor,
+        kv_cache: LayerKVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = self.attend(x, cos, sin_signed, kv_cache, meta)
+        gate, up = self.gate_up_proj.kernel(self.post_attention_layernorm.forward(x)).chunk(2, dim=-1)
+        return self.down_proj.kernel(self.act(gate) * up, x)  # x + down_proj(...)
+
+
 class GemmaForCausalLM(LlamaForCausalLM):
-    """Gemma2ForCausalLM and Gemma3ForCausalLM (see the top of the file)."""
+    """GemmaForCausalLM, Gemma2ForCausalLM and Gemma3ForCausalLM (see the top of the file)."""
 
     def __init__(
         self,
@@ -102,6 +127,8 @@ class GemmaForCausalLM(LlamaForCausalLM):
     def _decoder_layer(
         self, index: int, cfg: ModelConfig, attention: AttentionBackend, dtype: torch.dtype, device: torch.device
     ) -> DecoderLayer:
+        if not cfg.gemma.post_norms:
+            return Gemma1DecoderLayer(cfg, attention, dtype, device)
         return GemmaDecoderLayer(cfg, attention, dtype, device)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
