@@ -109,8 +109,6 @@ def native_decode_unsupported(model: torch.nn.Module) -> str | None:
         return "Gemma layers run on the per-layer path"
     if model.rotary_local is not None:
         return "layers rotating by two rotary tables (local and global) run on the per-layer path"
-    if not all(layer.rope for layer in model.layers):
-        return "layers without rotary (SmolLM3's NoPE layers) run on the per-layer path"
     if len({layer.window for layer in model.layers}) > 1:
         return "layers with different attention windows run on the per-layer path"
     if model.linear_backend not in ("int8", "native", "auto", "gguf", "int4"):
@@ -202,6 +200,7 @@ class NativeDecode:
                     moe=None if dense else _moe_weights(layer.moe),
                     q_norm=layer.q_norm.float_weight() if cfg.qk_norm else None,
                     k_norm=layer.k_norm.float_weight() if cfg.qk_norm else None,
+                    rope=layer.rope,
                 )
             )
         self.kernel = DecodePassKernel(

@@ -133,7 +133,10 @@ class DecoderLayer(torch.nn.Module):
                 )
             else:
                 normed = self._whole_qk_norm(qkv, t, heads)
-            apply_rotary_(normed, cos, sin_signed, out=qk)
+            if self.rope:
+                apply_rotary_(normed, cos, sin_signed, out=qk)
+            else:
+                qk.copy_(normed)
         else:
             self.apply_rotary(qk, cos, sin_signed)  # q and k rotated together, in place in qkv
         q = qk[:, : self.num_heads]

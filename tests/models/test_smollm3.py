@@ -74,6 +74,32 @@ def test_bfloat16_close_to_float32(smollm3):
     check_bfloat16_close_to_float32(smollm3[0])
 
 
+def test_nope_layers_through_the_native_decode_pass(tmp_path, monkeypatch):
+    """With the native kernels every decode step of a full-attention SmolLM3 runs in the fused
+    decode pass, its NoPE layers rotated by the identity: HF's greedy tokens, and every step's
+    logprobs the per-layer path's bit for bit."""
+    from kvflow import LLM, SamplingParams
+
+    from conftest import assert_same_completions, hf_greedy
+
+    monkeypatch.setenv("KVFLOW_LINEAR_BACKEND", "native")
+    path = tmp_path / "hf"
+    hf = make_smollm3(path)
+    llm = LLM(str(path), num_kv_blocks=64, max_model_len=64, block_size=4, kernel_autotune="off")
+    model = llm.engine.runner.model
+    if model.native_decode is None:
+        pytest.fail("the native decode pass is unavailable here (the native library could not be built)")
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
+    prompts = shared_prefix_prompts(3, 4, 20, seed=6)
+    fused = llm.generate(prompts, params, use_tqdm=False)
+    for p, o in zip(prompts, fused):
+        assert o.outputs[0].token_ids == hf_greedy(hf, p, 12)
+    native, model.native_decode = model.native_decode, None  # the per-layer path, same engine
+    per_layer = llm.generate(prompts, params, use_tqdm=False)
+    model.native_decode = native
+    assert_same_completions([o.outputs[0] for o in fused], [o.outputs[0] for o in per_layer], abs_tol=0.0)
+
+
 def test_gguf_greedy_matches_hf(tmp_path):
     """llama.cpp's `smollm3` (converted as llama: Q/K rows permuted; no rotary on every fourth
     layer, fixed in llama.cpp as HF's default): HF's greedy tokens from the F32 file; a Q8_0 file

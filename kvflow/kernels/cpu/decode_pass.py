@@ -54,7 +54,7 @@ class _MoeLayer(ctypes.Structure):  # kvflow::MoeLayer in csrc/moe_experts.h
 class _Layer(ctypes.Structure):  # DecoderLayer in csrc/decode_pass.cpp
     _fields_ = [
         (n, _P) for n in ("qkv", "o", "gate_up", "down", "qkv_bias", "input_norm", "post_norm", "kv_cache", "kv_scales")
-    ] + [("moe", ctypes.POINTER(_MoeLayer)), ("q_norm", _P), ("k_norm", _P)]
+    ] + [("moe", ctypes.POINTER(_MoeLayer)), ("q_norm", _P), ("k_norm", _P), ("rope", _I)]
 
 
 class _LoraStep(ctypes.Structure):  # LoraStep in csrc/decode_pass.cpp
@@ -156,6 +156,7 @@ class LayerWeights:
     moe: MoeWeights | None = None
     q_norm: torch.Tensor | None = None  # q/k norms' float32 weights (the pass's `qk_norm`), or None
     k_norm: torch.Tensor | None = None
+    rope: bool = True  # False: the layer does not rotate q and k (SmolLM3's NoPE layers)
 
 
 class DecodePassKernel:
@@ -207,6 +208,7 @@ class DecodePassKernel:
             dst.input_norm, dst.post_norm = w.input_norm.data_ptr(), w.post_norm.data_ptr()
             if qk_norm:
                 dst.q_norm, dst.k_norm = w.q_norm.data_ptr(), w.k_norm.data_ptr()
+            dst.rope = int(w.rope)
         self._weights = layers  # (what the pointers above point into)
         # Routed layers: how many, and the experts a token takes in each (the `routed` buffer's shape).
         self.num_routed = len(self._moe)

@@ -4,7 +4,7 @@
  * block-quantized (block_linear.cpp: GGUF formats) weights. Per layer:
  *
  *   qkv = W_qkv . rmsnorm(x) + b          linear, RMSNORM prologue (then, Qwen3 / OLMoE, q/k norms: qk_norm.cpp)
- *   attn = attention(rotary(q), cache <- rotary(k), v)   decode_attention (attention.h)
+ *   attn = attention(rotary(q), cache <- rotary(k), v)   decode_attention (attention.h; no rotary on a NoPE layer)
  *   x' = x + W_o . attn                   linear, residual
  *   x = x' + W_down . silu_mul(W_gate_up . rmsnorm(x'))
  *     or, for a routed layer, x = x' + moe(rmsnorm(x'))   moe_layer_team (moe_experts.cpp)
@@ -53,6 +53,7 @@ struct DecoderLayer {
   float* kv_scales;
   const kvflow::MoeLayer* moe;  // a routed layer's feed-forward (gate_up, down unused), or null
   const float *q_norm, *k_norm;  // with DecoderShape::qk_norm: the norms' float32 weights
+  int rope;  // 0: the layer does not rotate q and k (SmolLM3's NoPE layers): it gets cos 1, sin 0
 };
 
 /* A step's adapters (kvflow/kernels/cpu/decode_pass.py mirrors it): per layer its qkv, o, gate_up and
@@ -65,7 +66,7 @@ struct LoraStep {
 };
 
 thread_local kvflow::LoraWorkspace t_lora;
-thread_local std::vector<float> t_qkv, t_attn, t_mid, t_gate_up, t_segments;
+thread_local std::vector<float> t_qkv, t_attn, t_mid, t_gate_up, t_segments, t_cos_one, t_sin_zero;
 thread_local kvflow::MoeWorkspace t_moe;
 
 /* The int8, float and block linears, each with its workspace sized for every projection of a layer. */
@@ -134,6 +135,11 @@ int decode(Linear& linear, const DecoderShape* s, const DecoderLayer* layers, fl
   t_mid.resize((size_t)rows * s->hidden);
   t_gate_up.resize((size_t)rows * 2 * s->intermediate);
   linear.reserve(s, rows, num_threads, qkv_cols);
+  // A layer without rotary rotates by the identity: x * 1 + y * 0 is x, the bits the per-layer path
+  // keeps by not rotating.
+  t_cos_one.assign((size_t)rows * s->head_dim, 1.f);
+  t_sin_zero.assign((size_t)rows * s->head_dim, 0.f);
+  const float *cos_one = t_cos_one.data(), *sin_zero = t_sin_zero.data();
   if (lora && lora->rows.num_segments == 0) lora = nullptr;
   kvflow::LoraWorkspace& lora_work = t_lora;  // (the calling thread's: the team shares it)
   if (lora)
@@ -166,7 +172,8 @@ int decode(Linear& linear, const DecoderShape* s, const DecoderLayer* layers, fl
       kvflow::qk_norm_team(qkv, qkv_cols, rows, s->num_heads, s->num_kv_heads, s->head_dim, s->qk_norm, L.q_norm,
                            L.k_norm, s->eps);
     phase(0);
-    decode_attention(qkv, qkv_cols, cos_t, sin_t, L.kv_cache, L.kv_scales, s->kv_format, slots, tables,
+    decode_attention(qkv, qkv_cols, L.rope ? cos_t : cos_one, L.rope ? sin_t : sin_zero, L.kv_cache, L.kv_scales,
+                     s->kv_format, slots, tables,
                      table_stride, context_lens, tokens, rows, s->num_heads, s->num_kv_heads, s->head_dim,
                      s->block_size, s->window, s->scale, attn, segments);  // (ends with its loop's barrier)
     phase(1);
