@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvflow.outputs import Logprob
-from kvflow.sampling_params import MAX_LOGPROBS, SamplingParams
+from kvflow.sampling_params import SamplingParams
 from kvflow.utils.validation import is_int
 
 
@@ -59,8 +59,8 @@ class BeamSearchParams:
         ids = self.stop_token_ids or []
         if not isinstance(ids, list) or not all(is_int(t) and t >= 0 for t in ids):
             raise ValueError("stop_token_ids must be a list of token ids (integers >= 0)")
-        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
+            raise ValueError(f"logprobs must be an integer >= 0, got {self.logprobs!r}")
 
 
 @dataclass
@@ -97,8 +97,14 @@ class BeamSearch:
     beam) whose next-token log-probabilities `advance` takes, in the same order, until `done`."""
 
     def __init__(
-        self, prompt_ids: list[int], params: BeamSearchParams, eos_token_ids: tuple[int, ...], max_model_len: int
+        self,
+        prompt_ids: list[int],
+        params: BeamSearchParams,
+        eos_token_ids: tuple[int, ...],
+        max_model_len: int,
+        max_logprobs: int,
     ) -> None:
+        """`max_logprobs`: the most log-probabilities a step's request may ask for (the engine's)."""
         self.prompt = list(prompt_ids)
         self.params = params
         self.width = params.beam_width
@@ -110,11 +116,11 @@ class BeamSearch:
         # may drop from them. Each step's requests ask for this many log-probabilities.
         masked = len(self.stop_ids) if params.min_tokens else 0
         self.top_n = max(self.keep + masked, params.logprobs or 0)
-        if self.top_n > MAX_LOGPROBS:
-            most = (MAX_LOGPROBS - masked) // per_beam
+        if self.top_n > max_logprobs:
+            most = (max_logprobs - masked) // per_beam
             raise ValueError(
                 f"beam_width {self.width} needs the top {self.top_n} log-probabilities of each step "
-                f"({len(self.stop_ids)} stop token(s)); at most {MAX_LOGPROBS} are available, so "
+                f"({len(self.stop_ids)} stop token(s)); at most {max_logprobs} are available (--max-logprobs), so "
                 + (f"beam_width can be at most {most} here" if most else "no beam width fits these stop tokens")
             )
         room = max_model_len - len(self.prompt)

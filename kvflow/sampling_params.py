@@ -12,7 +12,6 @@ from kvflow.utils.validation import is_int
 _GREEDY_EPS = 1e-5
 # Limits a request can reach (the server's and the offline API's alike; docs/serving.md lists them).
 MAX_N = 128
-MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 64
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias
@@ -123,8 +122,8 @@ class SamplingParams:
         integer("min_tokens", 0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
-        integer("logprobs", 0, MAX_LOGPROBS, optional=True)
-        integer("prompt_logprobs", 0, MAX_LOGPROBS, optional=True)
+        integer("logprobs", 0, optional=True)  # (its limit: the engine's max_logprobs)
+        integer("prompt_logprobs", 0, optional=True)
         for name in ("ignore_eos", "skip_special_tokens", "return_expert_trace", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "true or false")

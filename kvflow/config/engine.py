@@ -47,6 +47,10 @@ class EngineConfig:
     kv_cache_memory_gb: float = option(2.0, "memory for the KV pool in GiB")
     max_num_batched_tokens: int = option(2048, "token budget of one engine step (prefill chunks + decodes)")
     max_num_seqs: int = option(256, "most sequences running at once")
+    max_logprobs: int = option(
+        20,  # (vLLM's default)
+        "most top logprobs a request may ask for (logprobs, prompt_logprobs, top_logprobs); -1: the vocabulary size",
+    )
     seed: int = option(0, "seed of the engine's shared random generator")
     tokenizer: str | None = option(None, "tokenizer folder (default: the model's own)")
     enable_prefix_caching: bool = option(True, "share the KV of common prompt prefixes between requests")
@@ -234,6 +238,10 @@ class EngineConfig:
         positive("block_size", self.block_size)
         positive("max_num_batched_tokens", self.max_num_batched_tokens)
         positive("max_num_seqs", self.max_num_seqs)
+        if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
+            raise ValueError(
+                f"max_logprobs must be -1 (the vocabulary size) or an integer >= 0, got {self.max_logprobs!r}"
+            )
         if self.step_record_capacity < 0:
             raise ValueError(f"step_record_capacity must be >= 0, got {self.step_record_capacity}")
         if self.num_kv_blocks is not None:

@@ -128,6 +128,9 @@ class LLMEngine:
                 raise ValueError("chat_template: this model has no tokenizer to render a chat template with")
             self.tokenizer.chat_template = read_chat_template(config.chat_template)
         self.max_model_len = self._resolve_max_model_len()
+        # The most top logprobs a request may ask for (--max-logprobs; -1: the whole vocabulary)
+        vocab = self.model_config.vocab_size
+        self.max_logprobs = vocab if config.max_logprobs == -1 else min(config.max_logprobs, vocab)
         self.streaming = self._streaming_kv()  # attention sinks (None: off)
         self.eos_token_ids = self._eos_ids(ckpt.generation_config)
         # Requests' default sampling parameters (--generation-config): what a request leaves out
@@ -550,6 +553,13 @@ class LLMEngine:
             self._check_expert_trace(n, params)
         if params.prompt_logprobs is not None and self.config.tensor_parallel_size > 1:
             raise ValueError("prompt_logprobs is not supported with tensor_parallel_size > 1")
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(params, name)
+            if asked is not None and asked > self.max_logprobs:
+                raise ValueError(
+                    f"{name} {asked} exceeds max_logprobs {self.max_logprobs} (start the engine with a larger "
+                    "--max-logprobs, -1 for the whole vocabulary)"
+                )
 
     def _check_expert_trace(self, n: int, params: SamplingParams) -> None:
         """An expert trace needs experts, and stays within MAX_EXPERT_TRACE_ENTRIES (tokens x MoE layers)."""

@@ -107,7 +107,8 @@ class LLM:
         _, loras = _per_prompt(len(parsed), None, lora_request)
         engine = self.engine
         searches = [
-            BeamSearch(engine.tokenize(p), params, engine.eos_token_ids, engine.max_model_len) for p, _ in parsed
+            BeamSearch(engine.tokenize(p), params, engine.eos_token_ids, engine.max_model_len, engine.max_logprobs)
+            for p, _ in parsed
         ]
         step = searches[0].step_params() if searches else None
         bar = None

@@ -164,7 +164,7 @@ def test_limits_are_clear_errors(stopping_model):
 
 
 def test_a_search_takes_results_in_order():
-    search = BeamSearch([3, 4], BeamSearchParams(beam_width=2, max_tokens=3), (EOS,), 64)
+    search = BeamSearch([3, 4], BeamSearchParams(beam_width=2, max_tokens=3), (EOS,), 64, max_logprobs=20)
     assert search.pending() == [[3, 4]]
     with pytest.raises(ValueError, match="advance got 2 results for 1 beams"):
         search.advance([{}, {}])

@@ -131,7 +131,13 @@ async def start_requests(
     limit = serving.llm.max_model_len
     try:
         searches = [
-            BeamSearch(truncate_prompt(p, params.truncate_prompt_tokens, limit), beams, engine.eos_token_ids, limit)
+            BeamSearch(
+                truncate_prompt(p, params.truncate_prompt_tokens, limit),
+                beams,
+                engine.eos_token_ids,
+                limit,
+                engine.max_logprobs,
+            )
             for p in prompts
         ]
     except ValueError as e:

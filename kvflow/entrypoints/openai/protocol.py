@@ -655,7 +655,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: int | None = None  # default: up to the context
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0)  # (its limit: the engine's --max-logprobs)
     add_generation_prompt: bool = True
     # vLLM's extras: the template goes on with the last (assistant) message instead of opening a
     # new one; the special tokens (BOS) added to the rendered text, which usually holds them

@@ -222,6 +222,8 @@ def value_error(e: ValueError, prompt_param: str = "prompt") -> APIError:
         return APIError(400, msg, param=prompt_param, code="invalid_value")
     m = re.match(r"\s*([a-z_]+)", msg)
     param = m.group(1) if m and m.group(1) in _SAMPLING_FIELDS else None
+    if prompt_param == "messages" and param == "logprobs":  # (a chat request names the count top_logprobs)
+        param = "top_logprobs"
     return APIError(400, msg, param=param, code="invalid_value")
 
 
