@@ -13,11 +13,11 @@ MOE_ARCHITECTURES = (
     "Qwen3MoeForCausalLM",
     "OlmoeForCausalLM",
 )
-# Gemma 2 and Gemma 3 (text): their own decoder (kvflow.models.gemma); what differs is `GemmaConfig`.
+# Gemma 1, 2 and 3 (text): their own decoder (kvflow.models.gemma); what differs is `GemmaConfig`.
 GEMMA_ARCHITECTURES = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # Llama-shaped families with a twist of their own (kvflow.models.phi3, kvflow.models.olmo2): Phi-3's
 # fused checkpoint projections and LongRoPE, OLMo 2's norms after attention and MLP (OLMo 3: with
-# sliding-window layers).
+# sliding-window layers; EXAONE 4: with per-head q/k norms and NoPE global layers).
 PHI3_OLMO2_ARCHITECTURES = ("Phi3ForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "Exaone4ForCausalLM")
 # IBM Granite (3.x): the Llama decoder with four scalars (kvflow.models.granite; `GraniteConfig`).
 GRANITE_ARCHITECTURES = ("GraniteForCausalLM",)
@@ -183,7 +183,7 @@ class ModelConfig:
     # Per decoder layer, its attention window in tokens (None: full attention). Empty: every layer
     # takes `sliding_window`. Gemma 2 / 3 mix local (windowed) and global layers (HF `layer_types`).
     layer_windows: tuple[int | None, ...] = ()
-    gemma: GemmaConfig | None = None  # Gemma 2 / 3 (kvflow.models.gemma); None: another family
+    gemma: GemmaConfig | None = None  # Gemma 1 / 2 / 3 (kvflow.models.gemma); None: another family
     granite: GraniteConfig | None = None  # Granite (kvflow.models.granite); None: another family
     cohere: CohereConfig | None = None  # Command R / R7B (kvflow.models.cohere); None: another family
     # Per decoder layer, whether it rotates q and k (SmolLM3's NoPE layers do not). Empty: all do.
