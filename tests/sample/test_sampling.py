@@ -194,7 +194,7 @@ def test_incremental_detokenization_never_breaks_characters(text):
         dict(max_tokens=0),
         dict(top_k=-2),
         dict(min_p=2),
-        dict(logprobs=99),
+        dict(logprobs=-1),  # (the upper limit is the engine's --max-logprobs: tests/engine/test_max_logprobs.py)
         dict(min_tokens=5, max_tokens=2),
         dict(repetition_penalty=0),
         dict(allowed_token_ids=[]),
