@@ -45,3 +45,20 @@ def make_adapters(base_path: str, root) -> dict[str, str]:
         name: make_adapter(base_path, str(root / name), r, targets, seed=i, **extra)
         for i, (name, (r, targets, extra)) in enumerate(ADAPTERS.items())
     }
+
+
+def adapter_with_peft_greedy(
+    base_path: str, out: str, targets: list[str], seed: int, prompts: list[list[int]], max_tokens: int
+) -> tuple[str, list[list[int]]]:
+    """A rank-4 adapter on `targets` of the model at `base_path`, saved to `out`, and HF's greedy
+    tokens of `prompts` with it merged by peft (checked to differ from the base model's: the
+    comparison then tests something)."""
+    import peft
+
+    from conftest import hf_greedy
+
+    adapter = make_adapter(base_path, out, 4, targets, seed=seed, lora_alpha=8)
+    merged = peft.PeftModel.from_pretrained(base_model(base_path), adapter).merge_and_unload().eval()
+    expected = [hf_greedy(merged, p, max_tokens) for p in prompts]
+    assert expected != [hf_greedy(base_model(base_path), p, max_tokens) for p in prompts]  # (it changes the model)
+    return adapter, expected

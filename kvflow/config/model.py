@@ -359,22 +359,12 @@ def _with_cohere(config: ModelConfig, cfg: dict[str, Any]) -> ModelConfig:
     )
     if arch == "CohereForCausalLM":
         return replace(config, sliding_window=None, layer_windows=())
-    n, window = config.num_layers, cfg.get("sliding_window")
-    types = cfg.get("layer_types")
-    if types is None:  # (older configs: every `sliding_window_pattern`-th layer global)
-        pattern = int(cfg.get("sliding_window_pattern", 4))
-        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)]
-    if len(types) != n or any(t not in ("sliding_attention", "full_attention") for t in types):
-        raise ValueError(
-            f"{arch}: layer_types must name sliding_attention or full_attention for each of the {n} layers"
-        )
+    # (older configs: every `sliding_window_pattern`-th layer global)
+    types = _layer_types(arch, cfg, config.num_layers, int(cfg.get("sliding_window_pattern", 4)))
+    windows = _windows(types, cfg.get("sliding_window"))
     # (HF: a layer rotates q and k exactly when it has a window)
-    local = [t == "sliding_attention" and window is not None for t in types]
     return replace(
-        config,
-        sliding_window=None,
-        layer_windows=tuple(int(window) if w else None for w in local),
-        rope_layers=tuple(local),
+        config, sliding_window=None, layer_windows=windows, rope_layers=tuple(w is not None for w in windows)
     )
 
 
@@ -382,36 +372,41 @@ def _with_exaone4(config: ModelConfig, cfg: dict[str, Any]) -> ModelConfig:
     """EXAONE 4 (HF modeling_exaone4.py): OLMo 2's layer with q/k norms per head; with a
     `sliding_window`, `layer_types` (else `sliding_window_pattern`: every n-th layer global, or a
     string of L / G) put the local layers in the window, and only they rotate q and k."""
-    n, window = config.num_layers, cfg.get("sliding_window")
     config = replace(config, qk_norm_per_head=True)
-    if not window:
+    if not cfg.get("sliding_window"):
         return config
-    types = cfg.get("layer_types")
-    if types is None:
-        pattern = cfg.get("sliding_window_pattern", 4)
-        if isinstance(pattern, str):
-            types = ["sliding_attention" if pattern[i % len(pattern)] == "L" else "full_attention" for i in range(n)]
-        else:
-            types = ["sliding_attention" if (i + 1) % int(pattern) != 0 else "full_attention" for i in range(n)]
-    if len(types) != n or any(t not in ("sliding_attention", "full_attention") for t in types):
-        raise ValueError(
-            f"Exaone4ForCausalLM: layer_types must name sliding_attention or full_attention for each of the {n} layers"
-        )
-    local = [t == "sliding_attention" for t in types]
-    return replace(config, layer_windows=tuple(int(window) if w else None for w in local), rope_layers=tuple(local))
+    types = _layer_types(config.architecture, cfg, config.num_layers, cfg.get("sliding_window_pattern", 4))
+    windows = _windows(types, cfg["sliding_window"])
+    return replace(config, layer_windows=windows, rope_layers=tuple(w is not None for w in windows))
 
 
 def _with_ministral(config: ModelConfig, cfg: dict[str, Any]) -> ModelConfig:
     """Ministral (HF modeling_ministral.py): Mistral whose `layer_types` say which layers attend
     within `sliding_window` (the others to the whole context)."""
-    n, window = config.num_layers, cfg.get("sliding_window")
-    types = cfg.get("layer_types") or ["sliding_attention"] * n
+    types = _layer_types(config.architecture, cfg, config.num_layers, "L")  # (default: every layer sliding)
+    return replace(config, sliding_window=None, layer_windows=_windows(types, cfg.get("sliding_window")))
+
+
+def _layer_types(arch: str, cfg: dict[str, Any], n: int, pattern: int | str) -> list[str]:
+    """A config's `layer_types` ("sliding_attention" / "full_attention" for each of its `n` layers),
+    checked; absent, from `pattern`: every pattern-th layer global (an int), or a string of L
+    (local) and G (global) repeated over the layers (EXAONE 4's form)."""
+    types = cfg.get("layer_types")
+    if types is None:
+        if isinstance(pattern, str):
+            types = ["sliding_attention" if pattern[i % len(pattern)] == "L" else "full_attention" for i in range(n)]
+        else:
+            types = ["full_attention" if (i + 1) % int(pattern) == 0 else "sliding_attention" for i in range(n)]
     if len(types) != n or any(t not in ("sliding_attention", "full_attention") for t in types):
         raise ValueError(
-            f"MinistralForCausalLM: layer_types must name sliding_attention or full_attention for each of the {n} layers"
+            f"{arch}: layer_types must name sliding_attention or full_attention for each of the {n} layers"
         )
-    windows = tuple(int(window) if t == "sliding_attention" and window else None for t in types)
-    return replace(config, sliding_window=None, layer_windows=windows)
+    return types
+
+
+def _windows(types: list[str], window: Any) -> tuple[int | None, ...]:
+    """Per layer its attention window: `window` on the sliding layers (none without a window)."""
+    return tuple(int(window) if t == "sliding_attention" and window else None for t in types)
 
 
 def _clip_qkv(cfg: dict[str, Any]) -> float | None:
@@ -579,12 +574,7 @@ def _with_phi3_olmo2(config: ModelConfig, cfg: dict[str, Any]) -> ModelConfig:
     # OLMo 3: `layer_types` (default: three sliding layers to one full), the sliding ones within
     # `sliding_window`; a rope per layer type, HF putting an old config's `rope_scaling` (YaRN) on the
     # full-attention layers only, `rope_theta` on both.
-    n, window = config.num_layers, cfg.get("sliding_window")
-    types = cfg.get("layer_types") or ["full_attention" if (i + 1) % 4 == 0 else "sliding_attention" for i in range(n)]
-    if len(types) != n or any(t not in ("sliding_attention", "full_attention") for t in types):
-        raise ValueError(
-            f"{arch}: layer_types must name sliding_attention or full_attention for each of the {n} layers"
-        )
+    types = _layer_types(arch, cfg, config.num_layers, 4)
     params = cfg.get("rope_parameters") or {}
     if "full_attention" in params:
         full = {**cfg, "rope_scaling": None, "rope_parameters": params["full_attention"]}
@@ -594,7 +584,7 @@ def _with_phi3_olmo2(config: ModelConfig, cfg: dict[str, Any]) -> ModelConfig:
     rope, rope_local = _rope_from_hf(full), _rope_from_hf(local)
     return replace(
         config,
-        layer_windows=tuple(int(window) if t == "sliding_attention" and window else None for t in types),
+        layer_windows=_windows(types, cfg.get("sliding_window")),
         rope=rope,
         rope_local=None if rope_local == rope else rope_local,
     )

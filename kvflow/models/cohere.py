@@ -19,7 +19,6 @@ import torch.nn.functional as F
 
 from kvflow.attention.backend import AttentionBackend, AttentionMetadata, LayerKVCache
 from kvflow.config import ModelConfig
-from kvflow.distributed.parallel import TPGroup
 from kvflow.layers.norm import LayerNorm
 from kvflow.models.llama import DecoderLayer, LlamaForCausalLM
 from kvflow.models.qk_layout import InterleavedRotaryRows
@@ -67,19 +66,8 @@ class CohereDecoderLayer(DecoderLayer):
 class CohereForCausalLM(InterleavedRotaryRows, LlamaForCausalLM):
     """CohereForCausalLM and Cohere2ForCausalLM (see the top of the file)."""
 
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        attention: AttentionBackend,
-        max_positions: int,
-        dtype: torch.dtype,
-        device: torch.device,
-        tp: TPGroup | None = None,
-    ) -> None:
-        if cfg.cohere is None:
-            raise ValueError(f"{cfg.architecture} is not a Cohere model")
-        super().__init__(cfg, attention, max_positions, dtype, device, tp)
-        self.norm = LayerNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+    def _final_norm(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+        return LayerNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
     def _decoder_layer(
         self, index: int, cfg: ModelConfig, attention: AttentionBackend, dtype: torch.dtype, device: torch.device

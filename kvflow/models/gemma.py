@@ -120,7 +120,6 @@ class GemmaForCausalLM(LlamaForCausalLM):
         if cfg.gemma is None:
             raise ValueError(f"{cfg.architecture} is not a Gemma model: it is LlamaForCausalLM's")
         super().__init__(cfg, attention, max_positions, dtype, device, tp)
-        self.norm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         # HF: embedding * tensor(sqrt(hidden)).to(dtype), i.e. the factor rounded to the model dtype.
         self.embed_scale = torch.tensor(cfg.hidden_size**0.5, dtype=dtype, device=device)
 
@@ -130,6 +129,9 @@ class GemmaForCausalLM(LlamaForCausalLM):
         if not cfg.gemma.post_norms:
             return Gemma1DecoderLayer(cfg, attention, dtype, device)
         return GemmaDecoderLayer(cfg, attention, dtype, device)
+
+    def _final_norm(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+        return OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return super().embed(input_ids) * self.embed_scale

@@ -183,7 +183,7 @@ class LlamaForCausalLM(torch.nn.Module):
             layer.rope = cfg.uses_rope(i)
             if not layer.rope:
                 layer.apply_rotary = _no_rotary
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.norm = self._final_norm(cfg, dtype, device)
         self.lm_head = (
             None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, device)
         )
@@ -215,6 +215,10 @@ class LlamaForCausalLM(torch.nn.Module):
     ) -> DecoderLayer:
         """Decoder layer `index` (a family whose layers differ overrides this; called during __init__)."""
         return DecoderLayer(cfg, attention, dtype, device)
+
+    def _final_norm(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+        """The norm after the last layer (a family with another norm overrides this)."""
+        return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
     def prepare(self, backend: str, plan: KernelPlan | None = None) -> None:
         """Move every projection, and the lm_head, to the linear backend `backend` (after

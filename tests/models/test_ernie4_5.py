@@ -24,7 +24,7 @@ from kvflow.config import ModelConfig
 from kvflow.models.ernie4_5 import Ernie4_5ForCausalLM
 from kvflow.models.registry import causal_lm_class
 
-from conftest import assert_no_leaks, hf_greedy
+from conftest import assert_no_leaks
 
 MAX_TOKENS = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -67,18 +67,15 @@ def test_bfloat16_close_to_float32(ernie):
 def test_lora_matches_peft_merged(ernie, tmp_path, monkeypatch):
     """An adapter on every projection (its q and k rows reordered as the model's): HF's greedy
     tokens with the adapter merged by peft, through the native decode pass."""
-    peft = pytest.importorskip("peft")
-    from lora_utils import base_model, make_adapter
+    pytest.importorskip("peft")
+    from lora_utils import adapter_with_peft_greedy
 
     from kvflow import LoRARequest
 
     path, _ = ernie
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    adapter = make_adapter(path, str(tmp_path / "adapter"), 4, targets, seed=6, lora_alpha=8)
-    merged = peft.PeftModel.from_pretrained(base_model(path), adapter).merge_and_unload().eval()
     prompts = shared_prefix_prompts(3, 4, 12, seed=7)
-    expected = [hf_greedy(merged, p, MAX_TOKENS) for p in prompts]
-    assert expected != [hf_greedy(base_model(path), p, MAX_TOKENS) for p in prompts]  # (it changes the model)
+    adapter, expected = adapter_with_peft_greedy(path, str(tmp_path / "adapter"), targets, 6, prompts, MAX_TOKENS)
     monkeypatch.setenv("KVFLOW_LINEAR_BACKEND", "native")
     llm = LLM(path, num_kv_blocks=64, max_model_len=64, enable_lora=True, kernel_autotune="off")
     assert llm.engine.runner.model.native_decode is not None

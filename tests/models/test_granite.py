@@ -99,21 +99,16 @@ def test_lora_matches_peft_merged(tmp_path, monkeypatch):
     """An adapter on every projection (o_proj and down_proj among them, whose base weights carry
     the folded residual multiplier, and so must its update): each row's greedy tokens are HF's
     with the adapter merged by peft, on the per-layer path and through the native decode pass."""
-    peft = pytest.importorskip("peft")
-    from lora_utils import base_model, make_adapter
+    pytest.importorskip("peft")
+    from lora_utils import adapter_with_peft_greedy
 
     from kvflow import LoRARequest
-
-    from conftest import hf_greedy
 
     path = str(tmp_path / "granite")
     make_granite(path)  # (untied: the tied tiny model's logits barely move under a random adapter)
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    adapter = make_adapter(path, str(tmp_path / "adapter"), 4, targets, seed=3, lora_alpha=8)
-    merged = peft.PeftModel.from_pretrained(base_model(path), adapter).merge_and_unload().eval()
     prompts = shared_prefix_prompts(3, 4, 12)
-    expected = [hf_greedy(merged, p, MAX_TOKENS) for p in prompts]
-    assert expected != [hf_greedy(base_model(path), p, MAX_TOKENS) for p in prompts]  # (it changes the model)
+    adapter, expected = adapter_with_peft_greedy(path, str(tmp_path / "adapter"), targets, 3, prompts, MAX_TOKENS)
     for backend in ("dense", "native"):
         monkeypatch.setenv("KVFLOW_LINEAR_BACKEND", backend)
         llm = LLM(path, num_kv_blocks=64, max_model_len=128, enable_lora=True, kernel_autotune="off")

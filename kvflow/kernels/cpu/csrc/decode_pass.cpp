@@ -136,9 +136,11 @@ int decode(Linear& linear, const DecoderShape* s, const DecoderLayer* layers, fl
   t_gate_up.resize((size_t)rows * 2 * s->intermediate);
   linear.reserve(s, rows, num_threads, qkv_cols);
   // A layer without rotary rotates by the identity: x * 1 + y * 0 is x, the bits the per-layer path
-  // keeps by not rotating.
-  t_cos_one.assign((size_t)rows * s->head_dim, 1.f);
-  t_sin_zero.assign((size_t)rows * s->head_dim, 0.f);
+  // keeps by not rotating (the tables made only for a model that has such layers).
+  if (std::any_of(layers, layers + s->num_layers, [](const DecoderLayer& L) { return !L.rope; })) {
+    t_cos_one.assign((size_t)rows * s->head_dim, 1.f);
+    t_sin_zero.assign((size_t)rows * s->head_dim, 0.f);
+  }
   const float *cos_one = t_cos_one.data(), *sin_zero = t_sin_zero.data();
   if (lora && lora->rows.num_segments == 0) lora = nullptr;
   kvflow::LoraWorkspace& lora_work = t_lora;  // (the calling thread's: the team shares it)
